@@ -1,0 +1,132 @@
+"""The attention-method interface: every method attends; block-sparse ones also select.
+
+A method sees one layer at a time: ``attend(layer, q, h, cache, step)`` gets the layer's
+queries, its attention input ``h`` (what the Forecast reads) and the cache after this
+step's append, and returns the attention output. Methods choose blocks but never
+allocate cache memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparda.config import SpardaConfig
+from sparda.kernels import reference as ref
+
+
+class AttentionMethod:
+    """Base class. Subclasses implement :meth:`attend`.
+
+    Attributes:
+        config: the :class:`SpardaConfig`.
+        shape: the model's :class:`~sparda.model.llama.ModelShape`.
+        stats: counters summed over decode steps (``blocks_read``, ``blocks_valid``).
+    """
+
+    name = "base"
+
+    def __init__(self, config: SpardaConfig, shape, model=None, model_dir=None) -> None:
+        #: the :class:`~sparda.model.llama.CausalLM` (lookahead methods read its weights)
+        self.model = model
+        #: the checkpoint directory (Forecast methods find shipped weights from it)
+        self.model_dir = model_dir
+        self.config = config
+        self.selection = config.selection
+        self.shape = shape
+        self.stats: dict[str, float] = {"blocks_read": 0.0, "blocks_valid": 0.0}
+
+    def reset(self) -> None:
+        """Clear per-request state and counters (called before each prefill)."""
+        self.stats = {k: 0.0 for k in self.stats}
+
+    def attend(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> torch.Tensor:
+        """Attention output ``[B, H_kv, G, Tq, d]`` for queries ``q [B, H_kv, G, Tq, d]``.
+
+        ``h [B, Tq, d_model]`` is the layer's attention input (post-RMSNorm hidden state).
+        """
+        raise NotImplementedError
+
+    def read_fraction(self) -> float:
+        """Fraction of causally valid KV blocks read per decode step, averaged (1.0 = dense)."""
+        valid = self.stats["blocks_valid"]
+        return self.stats["blocks_read"] / valid if valid else 1.0
+
+    def _count_dense(self, step) -> None:
+        if step.phase == "decode":
+            blocks = (step.q_pos[:, -1] // self.selection.block_size + 1).sum().item()
+            heads = self.shape.num_kv_heads
+            self.stats["blocks_read"] += blocks * heads
+            self.stats["blocks_valid"] += blocks * heads
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
+    """Dense causal attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Args:
+        q: ``[B, H_kv, G, Tq, d]``; k, v: ``[B, H_kv, T, d]``; ``step.q_pos``,
+            ``step.kv_len`` give causality and per-row lengths.
+    Returns:
+        ``[B, H_kv, G, Tq, d]`` in ``q``'s dtype.
+    """
+    b, hk, g, t, d = q.shape
+    qf = q.reshape(b, hk * g, t, d)
+    if step.phase == "prefill":
+        out = torch.nn.functional.scaled_dot_product_attention(qf, k, v, is_causal=True, enable_gqa=True)
+    else:
+        keys = torch.arange(k.shape[-2], device=q.device)
+        allowed = (keys.view(1, 1, -1) <= step.q_pos.unsqueeze(-1)) & (keys.view(1, 1, -1) < step.kv_len.view(-1, 1, 1))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qf, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=True)
+    return out.view(b, hk, g, t, d)
+
+
+class BlockSparseMethod(AttentionMethod):
+    """Block-sparse attention (SPEC §3): score blocks, select per KV head, attend exactly.
+
+    Subclasses implement :meth:`block_scores`; the selection rule lives in
+    :func:`sparda.kernels.reference.select_blocks`.
+    """
+
+    #: query tokens scored and attended per chunk in prefill (bounds memory)
+    chunk_tokens = 1024
+
+    def block_scores(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step,
+                     k: torch.Tensor, ck: torch.Tensor, chunk: slice) -> torch.Tensor:
+        """Block scores ``[B, H_kv, Tq_chunk, N]`` for the query tokens in ``chunk``."""
+        raise NotImplementedError
+
+    def needs_selection(self, step) -> bool:
+        """False when every query falls under the dense fallback (SPEC §3.6)."""
+        cfg = self.selection
+        last = int(step.q_pos.max().item())
+        return last + 1 >= cfg.dense_len and last // cfg.block_size + 1 > cfg.budget_blocks
+
+    def before_layer(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> None:
+        """Hook run at the start of every layer's attention (Forecast methods use it)."""
+
+    def select(self, layer: int, q, h, cache, step) -> torch.Tensor:
+        """Block mask ``[B, H_kv, Tq, N]`` for this layer's queries."""
+        num_tokens = int(step.kv_len.max().item())
+        k, _, ck = cache.view(layer, step.rows, num_tokens)
+        num_blocks = -(-num_tokens // self.selection.block_size)
+        masks = []
+        for start in range(0, q.shape[-2], self.chunk_tokens):
+            chunk = slice(start, start + self.chunk_tokens)
+            scores = self.block_scores(layer, q, h, cache, step, k, ck, chunk)
+            masks.append(ref.select_blocks(scores[..., :num_blocks], step.q_pos[:, chunk], self.selection))
+        return torch.cat(masks, dim=2)
+
+    def attend(self, layer, q, h, cache, step):
+        self.before_layer(layer, q, h, cache, step)
+        num_tokens = int(step.kv_len.max().item())
+        k, v, _ = cache.view(layer, step.rows, num_tokens)
+        if not self.needs_selection(step):
+            self._count_dense(step)
+            return dense_attention(q, k, v, step)
+        mask = self.select(layer, q, h, cache, step)
+        if step.phase == "decode":
+            valid = (step.q_pos[:, -1] // self.selection.block_size + 1).sum().item() * mask.shape[1]
+            self.stats["blocks_read"] += mask[..., -1, :].sum().item()
+            self.stats["blocks_valid"] += valid
+        return ref.block_sparse_attention(q, k, v, mask, step.q_pos, step.kv_len,
+                                          self.selection.block_size)

@@ -1,0 +1,35 @@
+"""``sparse`` and ``oracle``: block selection from the layer's own queries (SPEC §3, §8).
+
+``sparse`` is InfLLM-V2-style, training-free: compressed scores
+``sum_h softmax(q_h . K~ / sqrt(d))`` over the GQA group, max-pooled onto blocks.
+``oracle`` ranks blocks by their true attention mass (a measurement upper bound).
+Both then apply the same rule, :func:`sparda.kernels.reference.select_blocks`.
+"""
+
+from __future__ import annotations
+
+from sparda.attention.base import BlockSparseMethod
+from sparda.kernels import reference as ref
+
+
+class SparseAttention(BlockSparseMethod):
+    """Query-based block-sparse attention (SPEC §3.2–3.5)."""
+
+    name = "sparse"
+
+    def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
+        cfg = self.selection
+        scores = ref.query_group_scores(q[..., chunk, :], ck, step.q_pos[:, chunk],
+                                        cfg.kernel_size, cfg.kernel_stride)
+        num_blocks = -(-k.shape[-2] // cfg.block_size)
+        return ref.pool_to_blocks(scores, num_blocks, cfg)
+
+
+class OracleAttention(BlockSparseMethod):
+    """Selects the top-k blocks by exact attention mass (group-summed softmax), SPEC §8."""
+
+    name = "oracle"
+
+    def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
+        return ref.block_attention_mass(q[..., chunk, :], k, step.q_pos[:, chunk], step.kv_len,
+                                        self.selection.block_size)

@@ -1,0 +1,32 @@
+"""Name -> attention method. A new baseline is one file plus one line here."""
+
+from __future__ import annotations
+
+from sparda.attention.base import AttentionMethod
+from sparda.attention.blocksparse import OracleAttention, SparseAttention
+from sparda.attention.dense import DenseAttention
+from sparda.config import SpardaConfig
+from sparda.errors import SpardaError
+
+METHOD_CLASSES: dict[str, type[AttentionMethod]] = {
+    "dense": DenseAttention,
+    "sparse": SparseAttention,
+    "oracle": OracleAttention,
+}
+
+
+def register(name: str, cls: type[AttentionMethod]) -> None:
+    """Add (or replace) a method under ``name``."""
+    METHOD_CLASSES[name] = cls
+
+
+def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:
+    """Instantiate ``config.method`` for a model of ``shape``.
+
+    Raises SpardaError if the method is not available in this build.
+    """
+    cls = METHOD_CLASSES.get(config.method)
+    if cls is None:
+        raise SpardaError(
+            f"method {config.method!r} is not available; available: {', '.join(METHOD_CLASSES)}")
+    return cls(config, shape, **kwargs)

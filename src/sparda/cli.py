@@ -1,0 +1,145 @@
+"""The ``sparda`` command line: one thin subcommand per public entry point.
+
+Every subcommand parses, calls one library function and prints. A :class:`SpardaError`
+becomes ``error: <message>`` on stderr and exit code 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from sparda import __version__
+from sparda.config import METHODS, PRESETS
+from sparda.errors import SpardaError
+
+
+class _Group(click.Group):
+    """A click group that turns SpardaError (and unreadable files) into one-line errors."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SpardaError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except (OSError, UnicodeDecodeError) as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="sparda")
+def main() -> None:
+    """sparda: long-context LLM inference with SparDA (Sparse Decoupled Attention)."""
+
+
+def model_options(func):
+    """Options shared by every subcommand that loads a model and picks a method."""
+    options = [
+        click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled SmolLM2-135M-Instruct]."),
+        click.option("--method", default="dense", show_default=True, type=click.Choice(METHODS),
+                     help="Attention method."),
+        click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)),
+                     help="Selection budget preset (SPEC §3)."),
+        click.option("--topk-blocks", type=int, default=None, help="Scored blocks per KV head."),
+        click.option("--local-blocks", type=int, default=None, help="Most recent blocks always kept (>= 1)."),
+        click.option("--init-blocks", type=int, default=None, help="Attention-sink blocks always kept."),
+        click.option("--block-size", type=int, default=None, help="Tokens per KV block."),
+        click.option("--dense-len", type=int, default=None, help="Contexts shorter than this use dense attention."),
+        click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available]."),
+        click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU]."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, block_size, dense_len,
+              device, dtype, **extra):
+    """Construct :class:`sparda.LLM` from CLI options (a progress line goes to stderr)."""
+    from sparda.engine.llm import LLM
+
+    click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method})...", err=True)
+    return LLM(model, method=method, preset=preset, device=device, dtype=dtype,
+               topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
+               block_size=block_size, dense_len=dense_len, **extra)
+
+
+def stats_line(stats: dict) -> str:
+    """The one-line summary printed after a completion."""
+    return (f"[prompt {stats['prompt_tokens']} tok | new {stats['new_tokens']} tok | "
+            f"prefill {stats['prefill_ms']:.0f} ms | decode {stats['decode_tok_s']:.1f} tok/s | "
+            f"KV cache {stats['kv_cache_bytes'] / 2**20:.1f} MiB | "
+            f"KV blocks read/step {stats['kv_read_fraction']:.1%}]")
+
+
+def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list[str]:
+    prompts = list(prompt)
+    for path in prompt_file:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                prompts.append(handle.read())
+        except OSError as exc:
+            raise SpardaError(f"cannot read prompt file {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise SpardaError(f"prompt file {path} is not UTF-8 text") from exc
+    if not prompts:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise SpardaError("no prompt given; use --prompt TEXT, --prompt-file FILE or pipe text on stdin")
+        prompts.append(sys.stdin.read())
+    return prompts
+
+
+@main.command()
+@model_options
+@click.option("--prompt", "-p", multiple=True, help="Prompt text (repeatable: prompts batch together).")
+@click.option("--prompt-file", "-f", multiple=True, help="File holding one prompt (repeatable).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap prompts in the chat template.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
+def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, as_json, **opts):
+    """Generate completions for one or more prompts."""
+    prompts = _read_prompts(prompt, prompt_file)
+    llm = build_llm(**opts)
+    results = llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, chat=chat, ignore_eos=ignore_eos)
+    for result in results:
+        if as_json:
+            click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
+        else:
+            click.echo(result.text)
+            click.echo(stats_line(result.stats))
+
+
+@main.command()
+@model_options
+@click.option("--context-tokens", default=7000, show_default=True, type=int, help="Haystack length.")
+@click.option("--depth", default=0.5, show_default=True, type=float, help="Needle depth, 0 (start) to 1 (end).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--max-new-tokens", default=24, show_default=True, type=int)
+def demo(context_tokens, depth, seed, max_new_tokens, **opts):
+    """Hide a pass key in ~7K tokens of Jane Austen's Emma and ask the model for it."""
+    from sparda.data import heldout_text
+    from sparda.eval.tasks.passkey import make_passkey, passkey_correct
+
+    llm = build_llm(**opts)
+    sample = make_passkey(llm.tokenizer, heldout_text(), context_tokens, depth, seed)
+    click.echo(f"pass key {sample.answer} hidden at depth {depth:.0%} of {context_tokens} tokens of 'Emma'", err=True)
+    result = llm.generate([sample.prompt], max_new_tokens=max_new_tokens)[0]
+    verdict = "correct" if passkey_correct(sample, result.text) else "WRONG"
+    click.echo(f"answer: {result.text.strip()}")
+    click.echo(f"expected: {sample.answer} ({verdict})")
+    click.echo(stats_line(result.stats))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

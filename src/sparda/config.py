@@ -1,0 +1,124 @@
+"""Validated configuration: the block-sparse selection budget and the attention method.
+
+The selection fields follow SPEC §3 (InfLLM-V2-style block selection):
+``block_size`` tokens per KV block, compressed keys of ``kernel_size`` tokens every
+``kernel_stride`` tokens, ``init_blocks`` attention-sink blocks, ``local_blocks``
+most recent blocks (current partial block included) and ``topk_blocks`` scored blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from sparda.errors import SpardaError
+
+#: Attention methods the runtime knows (see ``sparda.attention.registry``).
+METHODS = (
+    "dense",
+    "sparse",
+    "oracle",
+    "sparda",
+    "infinigen",
+    "sparse-offload",
+    "sparda-no-prefetch",
+)
+
+#: Named selection presets, SPEC §3.
+PRESETS: dict[str, dict[str, int]] = {
+    "paper": dict(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1,
+                  local_blocks=33, topk_blocks=62, dense_len=8192),
+    "small": dict(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1,
+                  local_blocks=4, topk_blocks=16, dense_len=2048),
+}
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """Block-selection budget (SPEC §3). All lengths are in tokens, counts in blocks.
+
+    Raises:
+        SpardaError: on any invalid field (negative counts, ``local_blocks < 1``,
+            a compression stride that does not divide the block size, ...).
+    """
+
+    block_size: int = 64
+    kernel_size: int = 32
+    kernel_stride: int = 16
+    init_blocks: int = 1
+    local_blocks: int = 4
+    topk_blocks: int = 16
+    dense_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kernel_size", "kernel_stride"):
+            if getattr(self, name) < 1:
+                raise SpardaError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("init_blocks", "topk_blocks", "dense_len"):
+            if getattr(self, name) < 0:
+                raise SpardaError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.local_blocks < 1:
+            raise SpardaError(
+                f"local_blocks must be >= 1 (the current block is always attended), got {self.local_blocks}"
+            )
+        if self.block_size % self.kernel_stride:
+            raise SpardaError(
+                f"kernel_stride {self.kernel_stride} must divide block_size {self.block_size}; "
+                "pick e.g. --block-size 64 with stride 16"
+            )
+        if self.kernel_size < self.kernel_stride:
+            raise SpardaError(
+                f"kernel_size {self.kernel_size} must be >= kernel_stride {self.kernel_stride}"
+            )
+
+    @property
+    def budget_blocks(self) -> int:
+        """Blocks attended per KV head: ``init + local + topk``."""
+        return self.init_blocks + self.local_blocks + self.topk_blocks
+
+    @property
+    def budget_tokens(self) -> int:
+        """Tokens attended per KV head at most: ``budget_blocks * block_size``."""
+        return self.budget_blocks * self.block_size
+
+    @classmethod
+    def from_preset(cls, preset: str = "small", **overrides: int | None) -> "SelectionConfig":
+        """Build from a named preset (``small`` or ``paper``) plus per-field overrides.
+
+        ``None`` overrides are ignored. Raises SpardaError for an unknown preset or field.
+        """
+        if preset not in PRESETS:
+            raise SpardaError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = dict(PRESETS[preset])
+        for key, value in overrides.items():
+            if key not in fields:
+                raise SpardaError(f"unknown selection field {key!r}; known: {', '.join(sorted(fields))}")
+            if value is not None:
+                values[key] = int(value)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class SpardaConfig:
+    """Which attention method runs and with which selection budget.
+
+    Attributes:
+        method: one of :data:`METHODS`.
+        selection: the block budget, :class:`SelectionConfig`.
+        forecast_path: safetensors file of Forecast weights (method ``sparda``);
+            ``None`` uses the shipped weights for the bundled model, if any.
+        forecast_in_prefill: when False, ``sparda`` uses dense prefill and Forecast
+            selection in decode only.
+        offload: keep the full KV cache in host memory (``None``: the method's default).
+    """
+
+    method: str = "dense"
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    forecast_path: str | None = None
+    forecast_in_prefill: bool = True
+    offload: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpardaError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")

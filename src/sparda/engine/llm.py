@@ -1,0 +1,235 @@
+"""The user-facing engine: ``LLM(...).generate(prompts)`` in the style of vLLM."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sparda.attention.registry import build_method
+from sparda.cache.device import DeviceKVCache
+from sparda.config import SelectionConfig, SpardaConfig
+from sparda.engine.sampler import sample
+from sparda.errors import SpardaError
+from sparda.model.llama import StepInfo
+from sparda.model.loader import load_model
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class Completion:
+    """One prompt's result.
+
+    Attributes:
+        text: the decoded completion (special tokens skipped).
+        token_ids: generated token ids (EOS included if it was produced).
+        stats: ``prompt_tokens``, ``new_tokens``, ``prefill_ms``, ``decode_tok_s``,
+            ``kv_cache_bytes`` (this sequence's K and V), ``kv_read_fraction``
+            (fraction of KV blocks read per decode step, 1.0 for dense).
+    """
+
+    text: str
+    token_ids: list[int]
+    stats: dict = field(default_factory=dict)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` -> CUDA if available else CPU. Raises SpardaError for an unusable device."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise SpardaError(f"invalid device {device!r}; use cpu or cuda[:N]") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpardaError("CUDA was requested but is not available; use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` -> bf16 on CUDA, fp32 on CPU. Raises SpardaError for an unknown name."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise SpardaError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """Load a Llama-family model and generate with a chosen attention method.
+
+    Args:
+        model: Hugging Face model directory, ``.gguf`` file, or ``None`` for the bundled
+            SmolLM2-135M-Instruct.
+        method: attention method (``dense``, ``sparse``, ``oracle``, ...).
+        preset: selection preset, ``small`` or ``paper`` (SPEC §3).
+        device, dtype: defaults: CUDA + bf16 if available, else CPU + fp32.
+        **overrides: selection fields (``topk_blocks``, ``local_blocks``, ``init_blocks``,
+            ``block_size``, ``kernel_size``, ``kernel_stride``, ``dense_len``) and
+            ``forecast`` (path of Forecast weights) / ``offload``.
+    Raises:
+        SpardaError: bad method, preset, budget, path or architecture.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, method: str = "dense",
+                 preset: str = "small", device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, **overrides) -> None:
+        forecast = overrides.pop("forecast", None)
+        offload = overrides.pop("offload", None)
+        selection = SelectionConfig.from_preset(preset, **overrides)
+        self.config = SpardaConfig(method=method, selection=selection, forecast_path=forecast,
+                                   offload=offload)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model, self.tokenizer, self.model_dir = load_model(model, self.device, self.dtype)
+        self.shape = self.model.shape
+        self.method = build_method(self.config, self.shape, model=self.model,
+                                   model_dir=self.model_dir)
+
+    # ----------------------------------------------------------------- prompts
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids of ``prompt``, wrapped in the tokenizer's chat template if ``chat``."""
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def _check_length(self, num_prompt: int, max_new_tokens: int) -> None:
+        limit = self.shape.max_positions
+        if num_prompt + max_new_tokens > limit:
+            raise SpardaError(
+                f"prompt of {num_prompt} tokens plus {max_new_tokens} new tokens exceeds the model's "
+                f"context of {limit} tokens; shorten the prompt or lower --max-new-tokens")
+        if num_prompt == 0:
+            raise SpardaError("empty prompt; pass some text")
+
+    def _step(self, phase: str, rows: torch.Tensor, q_pos: torch.Tensor) -> StepInfo:
+        cos, sin = self.model.rotary(q_pos, self.dtype)
+        return StepInfo(phase=phase, rows=rows, q_pos=q_pos, kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin)
+
+    def new_cache(self, batch: int, capacity: int):
+        """An empty KV cache for ``batch`` rows of ``capacity`` tokens."""
+        s = self.shape
+        return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
+                             self.config.selection, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def prefill(self, cache, row: int, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Run one prompt into cache row ``row``; returns logits ``[T or 1, V]`` fp32."""
+        x = torch.tensor([ids], device=self.device)
+        rows = torch.tensor([row], device=self.device)
+        q_pos = torch.arange(len(ids), device=self.device).unsqueeze(0)
+        step = self._step("prefill", rows, q_pos)
+        return self.model(x, step, cache, self.method, all_logits=all_logits)[0]
+
+    @torch.inference_mode()
+    def decode(self, cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step for every row: ``tokens [B]`` at ``positions [B]`` -> logits ``[B, V]``."""
+        rows = torch.arange(tokens.shape[0], device=self.device)
+        step = self._step("decode", rows, positions.view(-1, 1))
+        return self.model(tokens.view(-1, 1), step, cache, self.method)[:, -1]
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Next-token logits ``[T, V]`` (fp32) at every position of ``ids``, with this method
+        in prefill (used for perplexity and agreement)."""
+        self.method.reset()
+        cache = self.new_cache(1, len(ids))
+        return self.prefill(cache, 0, ids, all_logits=True)
+
+    # --------------------------------------------------------------- generate
+    @torch.inference_mode()
+    def generate(self, prompts: str | list[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, chat: bool = True, ignore_eos: bool = False,
+                 seed: int = 0, prompt_token_ids: list[list[int]] | None = None) -> list[Completion]:
+        """Generate a completion for each prompt (prompts of different lengths batch together).
+
+        Args:
+            prompts: one string or a list. ``prompt_token_ids`` replaces them if given.
+            max_new_tokens: tokens to generate at most per prompt.
+            temperature, top_p: sampling; ``temperature=0`` is greedy.
+            chat: wrap each prompt in the tokenizer's chat template.
+            ignore_eos: keep generating past EOS.
+            seed: seed of the sampling generator.
+        Returns:
+            One :class:`Completion` per prompt, in order.
+        Raises:
+            SpardaError: empty or too-long prompts, bad sampling parameters.
+        """
+        if max_new_tokens < 1:
+            raise SpardaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise SpardaError("temperature must be >= 0 and top_p in (0, 1]")
+        if prompt_token_ids is None:
+            prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+            prompt_token_ids = [self.encode(p, chat) for p in prompts]
+        for ids in prompt_token_ids:
+            self._check_length(len(ids), max_new_tokens)
+        batch = len(prompt_token_ids)
+        capacity = max(len(ids) for ids in prompt_token_ids) + max_new_tokens
+        cache = self.new_cache(batch, capacity)
+        self.method.reset()
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        eos = set() if ignore_eos else self._eos_ids()
+
+        first, prefill_ms = [], []
+        for row, ids in enumerate(prompt_token_ids):
+            start = time.perf_counter()
+            logits = self.prefill(cache, row, ids)
+            first.append(sample(logits[-1:], temperature, top_p, gen))
+            self._sync()
+            prefill_ms.append((time.perf_counter() - start) * 1e3)
+        tokens = torch.cat(first)
+        positions = torch.tensor([len(ids) for ids in prompt_token_ids], device=self.device)
+        out = [[int(t)] for t in tokens.tolist()]
+        done = [out[b][0] in eos or max_new_tokens == 1 for b in range(batch)]
+        start = time.perf_counter()
+        steps = 0
+        while not all(done):
+            logits = self.decode(cache, tokens, positions)
+            tokens = sample(logits, temperature, top_p, gen)
+            positions = positions + 1
+            steps += 1
+            for b, tok in enumerate(tokens.tolist()):
+                if not done[b]:
+                    out[b].append(tok)
+                    done[b] = tok in eos or len(out[b]) >= max_new_tokens
+        self._sync()
+        decode_s = time.perf_counter() - start
+        per_token = cache.nbytes // max(cache.capacity * batch, 1)
+        results = []
+        for b, ids in enumerate(prompt_token_ids):
+            text = self.tokenizer.decode(out[b], skip_special_tokens=True)
+            decoded = len(out[b]) - 1
+            results.append(Completion(text=text, token_ids=out[b], stats={
+                "prompt_tokens": len(ids),
+                "new_tokens": len(out[b]),
+                "prefill_ms": round(prefill_ms[b], 3),
+                "decode_tok_s": round(decoded / decode_s, 3) if decoded and decode_s > 0 else 0.0,
+                "kv_cache_bytes": int(per_token * (len(ids) + len(out[b]))),
+                "kv_read_fraction": round(self.method.read_fraction(), 4),
+            }))
+        return results
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.model.config, getattr(self.tokenizer, "generation_config", None)):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

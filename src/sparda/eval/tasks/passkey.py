@@ -1,0 +1,57 @@
+"""Passkey retrieval: a number hidden at a chosen depth of a long haystack (SPEC §8)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from sparda.errors import SpardaError
+
+QUESTION = "What is the pass key mentioned in the text above? Answer with the number only."
+
+
+@dataclass(frozen=True)
+class PasskeySample:
+    """One passkey prompt: ``prompt`` (plain text, before any chat template), the
+    ``answer`` string, and where the needle sits (``depth`` 0-1, ``context_tokens``)."""
+
+    prompt: str
+    answer: str
+    depth: float
+    context_tokens: int
+
+
+def needle_sentence(key: str) -> str:
+    """The sentence that carries the pass key."""
+    return f" The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+def make_passkey(tokenizer, haystack: str, context_tokens: int, depth: float, seed: int,
+                 key: str | None = None) -> PasskeySample:
+    """Hide a 5-digit pass key at ``depth`` of ``context_tokens`` tokens of ``haystack``.
+
+    The haystack window starts at a seeded random offset and is cut at token level; the
+    needle goes at the nearest line break before the depth. Deterministic in ``seed``.
+
+    Raises:
+        SpardaError: if ``depth`` is outside [0, 1] or the haystack is too short.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise SpardaError(f"depth must be in [0, 1], got {depth}")
+    rng = random.Random(seed)
+    key = key or str(rng.randint(10000, 99999))
+    ids = tokenizer.encode(haystack, add_special_tokens=False)
+    if len(ids) < context_tokens:
+        raise SpardaError(f"haystack has {len(ids)} tokens, fewer than the {context_tokens} asked for")
+    offset = rng.randint(0, len(ids) - context_tokens)
+    text = tokenizer.decode(ids[offset:offset + context_tokens])
+    cut = int(len(text) * depth)
+    line = text.rfind("\n", 0, cut)
+    cut = line + 1 if line > 0 and cut - line < 2000 else cut
+    prompt = text[:cut] + needle_sentence(key) + text[cut:] + "\n\n" + QUESTION
+    return PasskeySample(prompt=prompt, answer=key, depth=depth, context_tokens=context_tokens)
+
+
+def passkey_correct(sample: PasskeySample, completion: str) -> bool:
+    """True if the completion contains the pass key."""
+    return sample.answer in completion

@@ -1,0 +1,224 @@
+"""Kernels for block-sparse attention, with dispatch by tensor device (SPEC §3, §4, §6).
+
+Each public function runs a Triton kernel when its tensors live on a CUDA device and
+Triton imports, and the PyTorch twin (:mod:`sparda.kernels.reference`,
+:mod:`sparda.kernels.twins`) otherwise. The choice depends on the tensors only: no
+environment variable, no global switch. Head dims that the kernels do not tile (not a
+power of two >= 16) also take the twin, which gives the same result more slowly.
+
+Shapes: ``B`` batch, ``H`` KV heads, ``G`` query heads per KV head, ``T`` key tokens,
+``Tq`` query tokens, ``C`` compressed keys, ``N`` KV blocks, ``W`` selected-block
+slots, ``d`` head dim. Positions and lengths are in tokens; block ids count blocks of
+``block_size`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparda.config import SelectionConfig
+from sparda.kernels import reference, twins
+from sparda.kernels._common import supported_head_dim
+
+try:  # Triton is optional: without it every call takes the PyTorch twin.
+    from sparda.kernels import compress as _compress
+    from sparda.kernels import decode_attention as _decode
+    from sparda.kernels import prefill_attention as _prefill
+    from sparda.kernels import selection as _selection
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "compress_keys",
+    "decode_attention",
+    "decode_attention_slots",
+    "decode_block_scores",
+    "prefill_attention",
+    "select_decode_blocks",
+    "update_compressed_keys",
+]
+
+
+def _on_triton(*tensors: torch.Tensor | None) -> bool:
+    return HAS_TRITON and all(t is None or t.is_cuda for t in tensors)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor,
+                     kv_len: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Attention of one decode token per sequence over its selected KV blocks (SPEC §3.5).
+
+    All ``G`` query heads of a KV head attend to that head's blocks. The query sits at
+    position ``kv_len[b] - 1``: key ``i`` is visible iff it lies in a listed block and
+    ``i < kv_len[b]``. Exact softmax over those keys, fp32 accumulation; a row that sees
+    no key returns zeros. On CUDA: split-KV Triton kernel plus a combine step.
+
+    Args:
+        q: ``[B, H, G, d]`` fp16/bf16/fp32.
+        k, v: ``[B, H, T, d]``, same dtype, the full on-device cache.
+        block_ids: ``[B, H, W]`` int32/int64 block ids, ``-1`` = padding, each id at most
+            once per row (as from ``reference.block_mask_to_indices`` or
+            :func:`select_decode_blocks`); order does not matter.
+        kv_len: ``[B]`` integer, valid keys per sequence (``<= T``).
+        block_size: tokens per block.
+    Returns:
+        ``[B, H, G, d]`` in ``q``'s dtype. Equals ``reference.block_sparse_attention``
+        with ``Tq = 1``, ``q_pos = kv_len - 1`` and the mask of ``block_ids``.
+    Raises:
+        SpardaError: mismatched shapes or dtypes (Triton path).
+    """
+    if _on_triton(q, k, v, block_ids, kv_len) and supported_head_dim(q.shape[-1]):
+        return _decode.decode_attention_triton(q, k, v, block_ids, kv_len, block_size)
+    return twins.decode_attention_reference(q, k, v, block_ids, kv_len, block_size)
+
+
+def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                           block_ids: torch.Tensor, slot_ids: torch.Tensor,
+                           kv_len: torch.Tensor) -> torch.Tensor:
+    """Decode attention reading the offload runtime's slot buffer (SPEC §6).
+
+    Same result as :func:`decode_attention` on a cache whose logical block
+    ``block_ids[b, h, w]`` is stored in slot ``slot_ids[b, h, w]``.
+
+    Args:
+        q: ``[B, H, G, d]``.
+        k_slots, v_slots: ``[B, H, S, block_size, d]``, one KV block per slot.
+        block_ids: ``[B, H, W]`` logical block ids (``-1`` = skip); positions and the
+            ``kv_len`` mask are computed from them.
+        slot_ids: ``[B, H, W]`` (or broadcastable) physical slot of each entry. With a
+            slot map ``[B, H, S]`` (logical block held by each slot, ``-1`` free), pass
+            it as ``block_ids`` and ``torch.arange(S)`` as ``slot_ids``.
+        kv_len: ``[B]`` valid keys per sequence.
+    Returns:
+        ``[B, H, G, d]`` in ``q``'s dtype.
+    Raises:
+        SpardaError: mismatched shapes or dtypes (Triton path).
+    """
+    if _on_triton(q, k_slots, v_slots, block_ids, slot_ids, kv_len) and supported_head_dim(q.shape[-1]):
+        return _decode.decode_attention_slots_triton(q, k_slots, v_slots, block_ids, slot_ids, kv_len)
+    return twins.slots_attention_reference(q, k_slots, v_slots, block_ids, slot_ids, kv_len)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      block_mask: torch.Tensor | None, q_pos: torch.Tensor, kv_len: torch.Tensor,
+                      block_size: int) -> torch.Tensor:
+    """Block-sparse (or dense) causal prefill attention (SPEC §3.5).
+
+    Same signature and result as ``reference.block_sparse_attention`` (without its
+    ``chunk``). On CUDA: a FlashAttention-2-style kernel over 64-query tiles that
+    visits the union of the tile rows' selected blocks and masks each row exactly.
+
+    Args:
+        q: ``[B, H, G, Tq, d]`` fp16/bf16/fp32.
+        k, v: ``[B, H, T, d]``, same dtype.
+        block_mask: ``[B, H, Tq, N]`` bool, ``N >= ceil(T / block_size)``, or ``None``
+            for dense causal attention.
+        q_pos: ``[B, Tq]`` absolute positions; key ``i`` is visible iff ``i <= q_pos``,
+            ``i < kv_len`` and its block is selected for that query.
+        kv_len: ``[B]`` valid keys per sequence.
+        block_size: tokens per block.
+    Returns:
+        ``[B, H, G, Tq, d]`` in ``q``'s dtype; rows that see no key are 0.
+    Raises:
+        SpardaError: mismatched shapes or dtypes (Triton path).
+    """
+    if _on_triton(q, k, v, block_mask, q_pos, kv_len) and supported_head_dim(q.shape[-1]):
+        return _prefill.prefill_attention_triton(q, k, v, block_mask, q_pos, kv_len, block_size)
+    return reference.block_sparse_attention(q, k, v, block_mask, q_pos, kv_len, block_size)
+
+
+def decode_block_scores(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                        num_blocks: int, cfg: SelectionConfig,
+                        ck_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Block scores of one decode token per sequence, scoring fused with pooling (SPEC §3.2-3.3, §4).
+
+    Args:
+        query: ``[B, H, G, d]`` queries -> query-based scores (per-head softmax over the
+            visible compressed keys, summed over the group); or ``[B, H, d]`` Forecast
+            queries -> raw dot products (``-inf`` where invisible).
+        ck: ``[B, H, C, d]`` compressed keys (a preallocated buffer is fine).
+        q_pos: ``[B]`` position of the decoded token; compressed key ``j`` is visible iff
+            ``j*stride + kernel - 1 <= q_pos``.
+        num_blocks: ``N``, blocks to score (cover ``q_pos // block_size``).
+        cfg: the selection config (block size, compression kernel and stride).
+        ck_len: optional ``[B]``: row ``b`` has only its first ``ck_len[b]`` compressed
+            keys (as if ``ck`` were cut there), e.g. a Forecast scoring the next layer's
+            keys before this step's window was appended (SPEC §4).
+    Returns:
+        ``[B, H, N]`` fp32, equal to ``reference.pool_to_blocks`` of
+        ``reference.query_group_scores`` / ``reference.forecast_scores`` at ``Tq = 1``.
+    Raises:
+        SpardaError: mismatched shapes, dtypes or an unsupported head dim (Triton path).
+    """
+    if _on_triton(query, ck, q_pos, ck_len) and supported_head_dim(query.shape[-1]):
+        return _selection.decode_block_scores_triton(query, ck, q_pos, num_blocks, cfg, ck_len)
+    return twins.decode_block_scores_reference(query, ck, q_pos, num_blocks, cfg, ck_len)
+
+
+def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                         num_blocks: int, cfg: SelectionConfig, *,
+                         ck_len: torch.Tensor | None = None, width: int | None = None,
+                         return_mask: bool = False):
+    """Decode block selection: score, pool, forced blocks + top-k (SPEC §3.2-3.4, §4).
+
+    Arguments as :func:`decode_block_scores`. The rule is ``reference.select_blocks``
+    at ``Tq = 1``: sinks, the local window (current block included), the dense
+    fallback, then the ``topk_blocks`` best other valid blocks, ties to the lower id.
+
+    Args:
+        width: length of the returned id lists; default
+            ``min(N, max(budget_blocks, ceil(dense_len / block_size)))``, which holds
+            every selection with no host sync. Callers that never select in the dense
+            fallback may pass ``cfg.budget_blocks``. Longer selections are cut.
+        return_mask: also return the ``[B, H, N]`` bool block mask.
+    Returns:
+        ``block_ids [B, H, width]`` int32, ascending, padded with ``-1`` (feed it to
+        :func:`decode_attention`); with ``return_mask``, ``(block_ids, mask)``.
+    Raises:
+        SpardaError: mismatched shapes, dtypes or an unsupported head dim (Triton path).
+    """
+    if _on_triton(query, ck, q_pos, ck_len) and supported_head_dim(query.shape[-1]):
+        return _selection.select_decode_blocks_triton(query, ck, q_pos, num_blocks, cfg, ck_len=ck_len,
+                                                      width=width, return_mask=return_mask)
+    return twins.select_decode_reference(query, ck, q_pos, num_blocks, cfg, ck_len=ck_len,
+                                         width=width, return_mask=return_mask)
+
+
+def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    """Compressed keys: mean of each complete window of ``kernel`` keys every ``stride`` (SPEC §3.1).
+
+    Args:
+        k: ``[B, H, T, d]`` post-RoPE keys, fp16/bf16/fp32 (the twin takes any ``[..., T, d]``).
+        kernel, stride: window length and step in tokens.
+    Returns:
+        ``[B, H, C, d]`` in ``k``'s dtype, ``C = reference.num_compressed(T, kernel, stride)``;
+        the mean is taken in fp32.
+    Raises:
+        SpardaError: ``k`` not 4-D or an unsupported dtype (Triton path).
+    """
+    if _on_triton(k) and k.dim() == 4 and supported_head_dim(k.shape[-1]):
+        return _compress.compress_keys_triton(k, kernel, stride)
+    return reference.compress_keys(k, kernel, stride)
+
+
+def update_compressed_keys(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
+                           kernel: int, stride: int) -> None:
+    """After a decode append, write the compressed key the newest token completes, in place.
+
+    For each sequence, if the token at ``kv_len[b] - 1`` ends window
+    ``j = (kv_len[b] - kernel) / stride`` (an integer ``>= 0`` and ``< C_max``),
+    ``ck[b, :, j]`` becomes the mean of ``k[b, :, j*stride : j*stride + kernel]``;
+    other entries are untouched. No host sync.
+
+    Args:
+        k: ``[B, H, T, d]`` keys, the new token already appended.
+        ck: ``[B, H, C_max, d]`` compressed-key buffer, dtype of ``k``.
+        kv_len: ``[B]`` keys per sequence including the new token.
+    Raises:
+        SpardaError: mismatched shapes (Triton path).
+    """
+    if _on_triton(k, ck, kv_len) and supported_head_dim(k.shape[-1]):
+        _compress.update_compressed_keys_triton(k, ck, kv_len, kernel, stride)
+    else:
+        twins.update_compressed_keys_reference(k, ck, kv_len, kernel, stride)

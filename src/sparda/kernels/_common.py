@@ -1,0 +1,68 @@
+"""Small helpers shared by the Triton launchers (no kernels here)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sparda.errors import SpardaError
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= max(n, 1)``."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def check_head_dim(d: int) -> None:
+    """The kernels tile the head dim in one piece: it must be a power of two >= 16."""
+    if d < 16 or d & (d - 1):
+        raise SpardaError(f"Triton kernels need a power-of-two head dim >= 16, got {d}; "
+                          "use the reference path (CPU tensors) for this model")
+
+
+def supported_head_dim(d: int) -> bool:
+    """True if :func:`check_head_dim` would accept ``d``."""
+    return d >= 16 and not d & (d - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 4 off-GPU (the Triton interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tl_float_dtype_ok(t: torch.Tensor, name: str) -> None:
+    """Raise SpardaError unless ``t`` is fp16, bf16 or fp32."""
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise SpardaError(f"{name} must be fp16, bf16 or fp32, got {t.dtype}")
+
+
+def patch_interpreter_for_numpy() -> None:
+    """Let Triton 3.6's CPU interpreter (``TRITON_INTERPRET=1``) run under NumPy >= 2.4.
+
+    The interpreter turns 1-element arrays into ints with ``int(arr)``, which NumPy 2.4
+    rejects ("only 0-dimensional arrays can be converted to Python scalars") at any
+    ``range()`` over a run-time value. Tests and ``bench_kernels.py --smoke`` call this;
+    compiled GPU kernels never need it.
+    """
+    try:
+        import triton.runtime.interpreter as interp
+    except ImportError:
+        return
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_sparda_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._sparda_patched = True
+    interp._patch_lang_tensor = patched

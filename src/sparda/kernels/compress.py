@@ -1,0 +1,104 @@
+"""Compressed-key construction in Triton (SPEC §3.1).
+
+``compress_keys_triton`` builds all complete windows (mean over ``kernel`` keys every
+``stride`` keys) of a prefilled cache; ``update_compressed_keys_triton`` writes, after
+a decode append, the one window that the newest token completes (per sequence, no
+host sync). The twins are :func:`sparda.kernels.reference.compress_keys` and
+``twins.update_compressed_keys_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparda.errors import SpardaError
+from sparda.kernels import reference
+from sparda.kernels._common import check_head_dim, tl_float_dtype_ok
+
+_CK_TILE = 32
+
+
+@triton.jit
+def _compress_kernel(
+    K, CK, H, C,
+    stride_kb, stride_kh, stride_kt, stride_cb, stride_ch, stride_cc,
+    D: tl.constexpr, KER: tl.constexpr, STR: tl.constexpr, CK_T: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_j = tl.program_id(1) * CK_T + tl.arange(0, CK_T)
+    offs_d = tl.arange(0, D)
+    ok = offs_j < C
+    ptrs = K + b * stride_kb + h * stride_kh + (offs_j[:, None] * STR).to(tl.int64) * stride_kt + offs_d[None, :]
+    acc = tl.zeros([CK_T, D], tl.float32)
+    for r in range(KER):
+        acc += tl.load(ptrs + r * stride_kt, mask=ok[:, None], other=0.0).to(tl.float32)
+    out = acc / KER
+    tl.store(CK + b * stride_cb + h * stride_ch + offs_j[:, None].to(tl.int64) * stride_cc + offs_d[None, :],
+             out.to(CK.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _update_kernel(
+    K, CK, KV_LEN, H, C_MAX,
+    stride_kb, stride_kh, stride_kt, stride_cb, stride_ch, stride_cc,
+    D: tl.constexpr, KER: tl.constexpr, STR: tl.constexpr, KER_P: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    n = tl.load(KV_LEN + b).to(tl.int64) - KER  # start of the window ending at the newest token
+    n_safe = tl.maximum(n, 0)
+    j = n_safe // STR
+    do = (n >= 0) & (n_safe % STR == 0) & (j < C_MAX)
+    offs_r = tl.arange(0, KER_P)
+    offs_d = tl.arange(0, D)
+    rows = n_safe + offs_r
+    win = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_kt + offs_d[None, :],
+                  mask=(offs_r[:, None] < KER) & do, other=0.0).to(tl.float32)
+    out = tl.sum(win, 0) / KER
+    tl.store(CK + b * stride_cb + h * stride_ch + j * stride_cc + offs_d, out.to(CK.dtype.element_ty),
+             mask=do & (offs_d < D))
+
+
+def _check_k(k: torch.Tensor) -> None:
+    tl_float_dtype_ok(k, "k")
+    if k.dim() != 4:
+        raise SpardaError(f"k must be [B, H, T, d], got {tuple(k.shape)}")
+    check_head_dim(k.shape[-1])
+
+
+def compress_keys_triton(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    """Triton twin of ``reference.compress_keys`` for ``k [B, H, T, d]`` -> ``[B, H, C, d]``."""
+    _check_k(k)
+    bsz, heads, num_tokens, d = k.shape
+    num_ck = reference.num_compressed(num_tokens, kernel, stride)
+    ck = torch.empty(bsz, heads, num_ck, d, device=k.device, dtype=k.dtype)
+    if num_ck == 0:
+        return ck
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    _compress_kernel[(bsz * heads, -(-num_ck // _CK_TILE))](
+        k, ck, heads, num_ck, k.stride(0), k.stride(1), k.stride(2),
+        ck.stride(0), ck.stride(1), ck.stride(2),
+        D=d, KER=kernel, STR=stride, CK_T=_CK_TILE, num_warps=4)
+    return ck
+
+
+def update_compressed_keys_triton(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
+                                  kernel: int, stride: int) -> None:
+    """In place: write ``ck[b, h, j]`` if the token at ``kv_len[b] - 1`` completes window ``j``."""
+    _check_k(k)
+    if ck.dim() != 4 or ck.shape[:2] != k.shape[:2] or ck.shape[-1] != k.shape[-1] or ck.stride(-1) != 1:
+        raise SpardaError(f"ck must be a [B, H, C_max, d] buffer (last dim contiguous) matching k "
+                          f"{tuple(k.shape)}, got {tuple(ck.shape)}")
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    bsz, heads, _, d = k.shape
+    _update_kernel[(bsz * heads,)](
+        k, ck, kv_len.contiguous(), heads, ck.shape[2], k.stride(0), k.stride(1), k.stride(2),
+        ck.stride(0), ck.stride(1), ck.stride(2),
+        D=d, KER=kernel, STR=stride, KER_P=max(2, 1 << (kernel - 1).bit_length()), num_warps=4)

@@ -1,0 +1,260 @@
+"""Pure-PyTorch reference of SparDA's block-sparse attention (SPEC §3, §4).
+
+Every Triton kernel in ``sparda.kernels`` has its twin here, and the CPU runtime uses
+these functions directly. They favour clarity over speed and compute in fp32.
+
+Shape conventions (``B`` batch, ``H`` KV heads, ``G`` query heads per KV head,
+``Tq`` query tokens, ``T`` key tokens, ``C`` compressed keys, ``N`` KV blocks,
+``d`` head dim):
+
+* keys / values: ``[B, H, T, d]``
+* queries: ``[B, H, G, Tq, d]`` (query head ``h*G + g`` belongs to KV head ``h``)
+* query positions ``q_pos``: ``[B, Tq]`` int64, absolute token positions
+* compressed keys: ``[B, H, C, d]``; compressed key ``j`` is the mean of keys
+  ``[j*stride, j*stride + kernel)`` and is visible to a query at position ``t``
+  iff ``j*stride + kernel - 1 <= t``.
+* block scores / block masks: ``[B, H, Tq, N]``; block ``b`` holds tokens
+  ``[b*block_size, (b+1)*block_size)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparda.config import SelectionConfig
+
+NEG_INF = float("-inf")
+# A valid (causally visible) block that no compressed key scores yet ranks below every
+# scored block but above invalid (future) ones.
+_UNSCORED = -1e30
+
+
+def num_compressed(num_tokens: int, kernel: int, stride: int) -> int:
+    """Number of complete compression windows over ``num_tokens`` tokens (SPEC §3.1)."""
+    return 0 if num_tokens < kernel else (num_tokens - kernel) // stride + 1
+
+
+def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    """Mean-pool keys into compressed keys (SPEC §3.1).
+
+    Args:
+        k: ``[..., T, d]`` post-RoPE keys, any float dtype.
+    Returns:
+        ``[..., C, d]`` with ``C = num_compressed(T, kernel, stride)``, dtype of ``k``
+        (the mean is taken in fp32).
+    """
+    num = num_compressed(k.shape[-2], kernel, stride)
+    if num == 0:
+        return k.new_zeros(*k.shape[:-2], 0, k.shape[-1])
+    windows = k.float().unfold(-2, kernel, stride)[..., :num, :, :]  # [..., C, d, kernel]
+    return windows.mean(-1).to(k.dtype)
+
+
+def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: int) -> torch.Tensor:
+    """Causal visibility of compressed keys: ``[B, Tq, C]`` bool from ``q_pos [B, Tq]``."""
+    ends = torch.arange(num_ck, device=q_pos.device) * stride + kernel - 1
+    return ends.view(1, 1, -1) <= q_pos.unsqueeze(-1)
+
+
+def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                       kernel: int, stride: int) -> torch.Tensor:
+    """Query-based compressed scores, summed over the GQA group (SPEC §3.2).
+
+    ``p_h = softmax(q_h . ck / sqrt(d))`` over the causally visible compressed keys,
+    summed over the ``G`` query heads of each KV head.
+
+    Args:
+        q: ``[B, H, G, Tq, d]`` queries. ck: ``[B, H, C, d]``. q_pos: ``[B, Tq]``.
+    Returns:
+        ``[B, H, Tq, C]`` fp32; zeros at invisible keys (rows with no visible key are 0).
+    """
+    d = q.shape[-1]
+    logits = torch.einsum("bhgqd,bhcd->bhgqc", q.float(), ck.float()) / math.sqrt(d)
+    vis = compressed_visible(q_pos, ck.shape[-2], kernel, stride)[:, None, None]  # [B,1,1,Tq,C]
+    logits = logits.masked_fill(~vis, NEG_INF)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return probs.sum(dim=2)
+
+
+def forecast_scores(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                    kernel: int, stride: int) -> torch.Tensor:
+    """Forecast scores: raw dot products, one row per KV head (SPEC §4).
+
+    Args:
+        f: ``[B, H, Tq, d]`` Forecast queries (RoPE applied). ck: ``[B, H, C, d]``.
+    Returns:
+        ``[B, H, Tq, C]`` fp32, ``-inf`` at causally invisible compressed keys.
+    """
+    scores = torch.einsum("bhqd,bhcd->bhqc", f.float(), ck.float())
+    vis = compressed_visible(q_pos, ck.shape[-2], kernel, stride)[:, None]
+    return scores.masked_fill(~vis, NEG_INF)
+
+
+def block_overlap(num_ck: int, num_blocks: int, cfg: SelectionConfig,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """Which compressed keys overlap which blocks: ``[C, N]`` bool (SPEC §3.3).
+
+    Compressed key ``j`` covers tokens ``[j*s, j*s + k)``; block ``b`` covers
+    ``[b*B_s, (b+1)*B_s)``; they overlap iff the intervals intersect. With
+    ``k=32, s=16, B_s=64`` this is max-pool kernel 5, stride 4, padding 1.
+    """
+    j = torch.arange(num_ck, device=device)
+    b = torch.arange(num_blocks, device=device)
+    start = (j * cfg.kernel_stride).view(-1, 1)
+    end = start + cfg.kernel_size
+    return (start < (b + 1).view(1, -1) * cfg.block_size) & (end > (b * cfg.block_size).view(1, -1))
+
+
+def pool_window(cfg: SelectionConfig) -> tuple[int, int, int]:
+    """Max-pool geometry ``(kernel, stride, left_padding)`` mapping compressed keys to blocks.
+
+    Derived from the overlap rule of :func:`block_overlap` (SPEC §3.3): with
+    ``r = block_size / kernel_stride`` and ``p = ceil(kernel_size / kernel_stride) - 1``,
+    block ``b`` pools compressed keys ``b*r - p .. b*r + r - 1``, i.e. kernel ``r + p``,
+    stride ``r``, left padding ``p`` (5, 4, 1 for ``k=32, s=16, B_s=64``).
+    """
+    r = cfg.block_size // cfg.kernel_stride
+    p = -(-cfg.kernel_size // cfg.kernel_stride) - 1
+    return r + p, r, p
+
+
+def pool_to_blocks(scores: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
+    """Max-pool compressed scores onto KV blocks (SPEC §3.3).
+
+    Args:
+        scores: ``[..., C]``; invisible entries must be ``-inf`` (or 0 for softmax
+            scores, which are non-negative).
+    Returns:
+        ``[..., N]`` fp32: per block the max over the compressed keys overlapping it
+        (:func:`block_overlap`), ``-inf`` where none exists.
+    """
+    kernel, stride, pad = pool_window(cfg)
+    num_ck = scores.shape[-1]
+    right = max(0, (num_blocks - 1) * stride + kernel - pad - num_ck)
+    padded = torch.nn.functional.pad(scores.float(), (pad, right), value=NEG_INF)
+    return padded.unfold(-1, kernel, stride)[..., :num_blocks, :].amax(-1)
+
+
+def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig,
+                  kv_len: torch.Tensor | None = None) -> torch.Tensor:
+    """The selection rule (SPEC §3.4, §3.6): sinks + local window + top-k, per KV head.
+
+    For a query at position ``t`` the causally valid blocks are ``0 .. t // B_s``.
+    Forced: blocks ``< init_blocks`` and the ``local_blocks`` most recent valid blocks.
+    Then the ``topk_blocks`` highest-scoring other valid blocks (ties go to the lower
+    block index). If the budget covers every valid block, or ``t + 1 < dense_len``
+    (dense fallback), every valid block is selected.
+
+    Args:
+        block_scores: ``[B, H, Tq, N]``; larger is better; ``-inf`` allowed.
+        q_pos: ``[B, Tq]`` int64 query positions.
+        kv_len: unused for masking beyond ``q_pos`` (kept for API symmetry), ``[B]``.
+    Returns:
+        ``[B, H, Tq, N]`` bool block mask.
+    """
+    del kv_len
+    num_blocks = block_scores.shape[-1]
+    blocks = torch.arange(num_blocks, device=block_scores.device).view(1, 1, 1, -1)
+    cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)  # [B,1,Tq,1]
+    valid = blocks <= cur
+    forced = (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks)
+    dense = ((q_pos + 1 < cfg.dense_len) | (q_pos // cfg.block_size + 1 <= cfg.budget_blocks))
+    dense = dense.unsqueeze(1).unsqueeze(-1)
+    base = (valid & (forced | dense)).expand(block_scores.shape)
+    k = min(cfg.topk_blocks, num_blocks)
+    if k == 0:
+        return base.clone()
+    ranked = block_scores.float().nan_to_num(nan=_UNSCORED, neginf=_UNSCORED)
+    ranked = ranked.masked_fill(~valid | base, NEG_INF)
+    # Stable descending sort: equal scores keep index order, so lower blocks win ties.
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
+    chosen = torch.zeros_like(base).scatter_(-1, order, True)
+    return base | (chosen & valid & ~base & (ranked > NEG_INF))
+
+
+def block_mask_to_indices(mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """Turn a block mask ``[..., N]`` into sorted block ids ``[..., width]``, padded with -1.
+
+    ``width`` defaults to the largest number of selected blocks in any row.
+    """
+    counts = mask.sum(-1)
+    width = int(counts.max().item()) if width is None else width
+    n = mask.shape[-1]
+    key = torch.where(mask, torch.arange(n, device=mask.device), n)
+    ids = torch.sort(key, dim=-1).values[..., :width]
+    if ids.shape[-1] < width:
+        ids = torch.cat([ids, ids.new_full((*ids.shape[:-1], width - ids.shape[-1]), n)], -1)
+    return torch.where(ids >= n, -1, ids)
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           block_mask: torch.Tensor | None, q_pos: torch.Tensor,
+                           kv_len: torch.Tensor, block_size: int,
+                           chunk: int = 512) -> torch.Tensor:
+    """Exact softmax attention over the selected blocks, causal (SPEC §3.5).
+
+    Each query chunk only reads keys up to its last position; the softmax itself is
+    ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
+
+    Args:
+        q: ``[B, H, G, Tq, d]``. k, v: ``[B, H, T, d]``.
+        block_mask: ``[B, H, Tq, N]`` bool with ``N >= ceil(T / block_size)``, or
+            ``None`` for dense causal attention.
+        q_pos: ``[B, Tq]`` positions; key ``i`` is visible iff ``i <= q_pos`` and
+            ``i < kv_len``. Every query must see at least one key.
+        kv_len: ``[B]`` valid keys per sequence.
+        chunk: query tokens per chunk (bounds memory at ``B*H*G*chunk*T`` floats).
+    Returns:
+        ``[B, H, G, Tq, d]`` in ``q``'s dtype.
+    """
+    b, h, g, tq, d = q.shape
+    outs = []
+    for start in range(0, tq, chunk):
+        pos = q_pos[:, start:start + chunk]
+        num_keys = min(int(pos.max().item()) + 1, k.shape[-2])
+        key_idx = torch.arange(num_keys, device=q.device)
+        allowed = (key_idx.view(1, 1, -1) <= pos.unsqueeze(-1)) & (
+            key_idx.view(1, 1, -1) < kv_len.view(-1, 1, 1))  # [B,Tq,T]
+        allowed = allowed.unsqueeze(1)  # [B,1,Tq,T]
+        if block_mask is not None:
+            blocks = -(-num_keys // block_size)
+            tok = block_mask[:, :, start:start + chunk, :blocks].repeat_interleave(block_size, dim=-1)
+            allowed = allowed & tok[..., :num_keys]  # [B,H,Tq,T]
+        qc = q[..., start:start + chunk, :]
+        rows = qc.shape[-2]
+        mask = allowed.unsqueeze(2).expand(b, h, g, rows, num_keys).reshape(b, h * g, rows, num_keys)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qc.reshape(b, h * g, rows, d), k[:, :, :num_keys], v[:, :, :num_keys],
+            attn_mask=mask, enable_gqa=True)
+        outs.append(out.view(b, h, g, rows, d))
+    return torch.cat(outs, dim=-2)
+
+
+def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
+                         kv_len: torch.Tensor, block_size: int, chunk: int = 1024) -> torch.Tensor:
+    """True attention mass per block, summed over the GQA group (oracle scores, SPEC §8).
+
+    Args: as :func:`block_sparse_attention`.
+    Returns:
+        ``[B, H, Tq, N]`` fp32 with ``N = ceil(T / block_size)``; each row sums to ``G``.
+    """
+    d = q.shape[-1]
+    num_keys = k.shape[-2]
+    num_blocks = -(-num_keys // block_size)
+    key_idx = torch.arange(num_keys, device=q.device)
+    kf = k.float()
+    outs = []
+    for start in range(0, q.shape[-2], chunk):
+        qc = q[..., start:start + chunk, :].float()
+        pos = q_pos[:, start:start + chunk]
+        allowed = (key_idx.view(1, 1, -1) <= pos.unsqueeze(-1)) & (
+            key_idx.view(1, 1, -1) < kv_len.view(-1, 1, 1))
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf) / math.sqrt(d)
+        logits = logits.masked_fill(~allowed[:, None, None], NEG_INF)
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # [B,H,Tq,T]
+        pad = num_blocks * block_size - num_keys
+        probs = torch.nn.functional.pad(probs, (0, pad))
+        outs.append(probs.view(*probs.shape[:-1], num_blocks, block_size).sum(-1))
+    return torch.cat(outs, dim=-2)

@@ -1,0 +1,247 @@
+"""Our own decoder forward for the Llama family (llama, mistral, qwen2, qwen3).
+
+RMSNorm, RoPE (every scaling type transformers implements), GQA, SwiGLU MLP, tied
+embeddings, QKV bias and Qwen3's per-head q/k norms. Module names follow the Hugging
+Face checkpoint keys, so ``load_state_dict`` takes a checkpoint as is.
+
+The model never knows which attention method runs: each layer projects Q/K/V, appends
+K/V to the cache and hands the rest to ``method.attend``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sparda.errors import SpardaError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention geometry every method and cache needs.
+
+    Attributes: ``num_layers``; ``num_q_heads`` (H_q); ``num_kv_heads`` (H_kv);
+    ``head_dim`` (d); ``hidden_size`` (d_model); ``max_positions`` (tokens).
+    """
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_positions: int
+
+    @property
+    def group_size(self) -> int:
+        """``G = H_q / H_kv`` query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        """Read the shape from a transformers config."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_q_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            max_positions=config.max_position_embeddings,
+        )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32: ``x / sqrt(mean(x^2) + eps) * weight``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables. Frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` for scaled
+    types (linear, dynamic, yarn, longrope, llama3) and the base formula otherwise."""
+
+    def __init__(self, config, head_dim: int) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        else:
+            raise SpardaError(f"unsupported rope_type {rope_type!r} in the model config")
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [B, T]`` int64 -> ``(cos, sin)``, each ``[B, 1, T, d]`` in ``dtype``."""
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.scaling).to(dtype).unsqueeze(1),
+                (emb.sin() * self.scaling).to(dtype).unsqueeze(1))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, H, T, d]`` by ``cos, sin [B, 1, T, d]`` (half-split convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Q/K/V/O projections of one layer (checkpoint names ``self_attn.*``)."""
+
+    def __init__(self, config, shape: ModelShape, bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        d, hq, hk = shape.head_dim, shape.num_q_heads, shape.num_kv_heads
+        self.shape = shape
+        self.q_proj = nn.Linear(shape.hidden_size, hq * d, bias=bias)
+        self.k_proj = nn.Linear(shape.hidden_size, hk * d, bias=bias)
+        self.v_proj = nn.Linear(shape.hidden_size, hk * d, bias=bias)
+        self.o_proj = nn.Linear(hq * d, shape.hidden_size, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``h [B, T, d_model]`` -> ``q [B, H_kv, G, T, d]``, ``k, v [B, H_kv, T, d]`` (RoPE applied)."""
+        b, t, _ = h.shape
+        s = self.shape
+        q = self.q_proj(h).view(b, t, s.num_q_heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q.view(b, s.num_kv_heads, s.group_size, t, s.head_dim), k, v
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder block: attention then MLP, each with a residual."""
+
+    def __init__(self, config, shape: ModelShape, bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, shape, bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(shape.hidden_size, config.intermediate_size)
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm (checkpoint prefix ``model.``)."""
+
+    def __init__(self, config, shape: ModelShape, bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, shape, bias, qk_norm) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class StepInfo:
+    """Per-forward metadata handed to the cache and the attention method.
+
+    Attributes:
+        phase: ``"prefill"`` or ``"decode"``.
+        rows: ``[B]`` int64 cache rows this forward writes (prefill: one row).
+        q_pos: ``[B, Tq]`` int64 absolute positions of the query tokens.
+        kv_len: ``[B]`` int64 valid keys per row after this step's append.
+        cos, sin: RoPE tables ``[B, 1, Tq, d]`` for the query positions.
+    """
+
+    phase: str
+    rows: torch.Tensor
+    q_pos: torch.Tensor
+    kv_len: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal LM whose attention is delegated to an attention method."""
+
+    def __init__(self, config, bias: bool = False, qk_norm: bool = False, rotary: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.shape = ModelShape.from_config(config)
+        if self.shape.num_q_heads % self.shape.num_kv_heads:
+            raise SpardaError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.model = Backbone(config, self.shape, bias, qk_norm)
+        self.lm_head = nn.Linear(self.shape.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config, self.shape.head_dim) if rotary else None
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_state_dict(cls, config, state: dict[str, torch.Tensor]) -> "CausalLM":
+        """Build the model and load a Hugging Face checkpoint state dict.
+
+        QKV bias and q/k norms are detected from the checkpoint keys. Raises
+        SpardaError if a weight is missing or has the wrong shape.
+        """
+        bias = "model.layers.0.self_attn.q_proj.bias" in state
+        qk_norm = "model.layers.0.self_attn.q_norm.weight" in state
+        with torch.device("meta"):
+            model = cls(config, bias=bias, qk_norm=qk_norm, rotary=False)
+        state = dict(state)
+        if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
+            state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as exc:
+            raise SpardaError(f"checkpoint does not match the config: {str(exc).splitlines()[0]}") from exc
+        if getattr(config, "tie_word_embeddings", False):
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotary = Rotary(config, model.shape.head_dim)
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, step: StepInfo, cache, method,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run the decoder over ``input_ids [B, Tq]`` at positions ``step.q_pos``.
+
+        Appends this step's K/V to ``cache`` (rows ``step.rows``) and attends with
+        ``method``. Returns logits ``[B, Tq, V]`` if ``all_logits`` else ``[B, 1, V]``
+        (last position), in fp32.
+        """
+        x = self.model.embed_tokens(input_ids)
+        for index, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = layer.self_attn.project(h, step.cos, step.sin)
+            cache.append(index, k, v, step)
+            out = method.attend(index, q, h, cache, step)  # [B, H_kv, G, Tq, d]
+            b, _, _, t, _ = out.shape
+            out = out.reshape(b, self.shape.num_q_heads, t, self.shape.head_dim).transpose(1, 2)
+            x = x + layer.self_attn.o_proj(out.reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not all_logits:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x)).float()

@@ -1,0 +1,79 @@
+"""Shared fixtures: fresh random seeds, tiny random Llama-family checkpoints, the bundled model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    """Each test draws fresh random inputs; the seed is printed on failure."""
+    seed = random.SystemRandom().randrange(2**31)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    yield seed
+
+
+@pytest.fixture(scope="session")
+def bundled_dir():
+    """The bundled SmolLM2-135M-Instruct converted to a safetensors directory (cached)."""
+    from sparda.model.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer(bundled_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundled_dir)
+
+
+TINY = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5)
+
+
+def tiny_config(arch: str, vocab_size: int, **extra):
+    """A transformers config of a tiny random model of architecture ``arch``."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    kwargs = dict(TINY, vocab_size=vocab_size, **extra)
+    if arch == "qwen3":
+        kwargs.setdefault("head_dim", 16)
+    if arch == "llama":
+        kwargs.setdefault("rope_parameters", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 512})
+    if arch == "qwen2":
+        kwargs.setdefault("rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    return cls(**kwargs)
+
+
+@pytest.fixture(scope="session")
+def make_tiny(tmp_path_factory, bundled_tokenizer):
+    """Factory: ``make_tiny(arch, **config) -> directory`` of a random tiny checkpoint
+    saved with ``save_pretrained`` (plus the bundled tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def make(arch: str, **extra):
+        key = (arch, tuple(sorted(extra.items())))
+        if key not in made:
+            config = tiny_config(arch, len(bundled_tokenizer), **extra)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.no_grad():  # larger weights than the default init: peaky, non-trivial logits
+                for p in model.parameters():
+                    if p.dim() > 1:
+                        p.normal_(0, 0.08)
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(path)
+            bundled_tokenizer.save_pretrained(path)
+            made[key] = path
+        return made[key]
+
+    return make

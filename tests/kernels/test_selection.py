@@ -1,0 +1,115 @@
+"""Triton decode selection (scoring + pooling + rule) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sparda.config import SelectionConfig  # noqa: E402
+from sparda.errors import SpardaError  # noqa: E402
+from sparda.kernels import reference, select_decode_blocks, twins  # noqa: E402
+from sparda.kernels.selection import (  # noqa: E402
+    decode_block_scores_triton, select_decode_blocks_triton, select_from_scores_triton)
+
+# Small geometry with the paper's ratios (k = 2s, B_s = 4s) and a tight budget.
+CFG = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1,
+                      local_blocks=2, topk_blocks=3, dense_len=40)
+# Kernel 12 / stride 4 / block 8: a compressed key spans up to three blocks.
+CFG_WIDE = SelectionConfig(block_size=8, kernel_size=12, kernel_stride=4, init_blocks=2,
+                           local_blocks=1, topk_blocks=4, dense_len=0)
+
+
+def _check_scores(out, ref):
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(out))
+    assert torch.equal(out[~finite], ref[~finite])
+    torch.testing.assert_close(out[finite], ref[finite], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [None, 1, 3, 4, 8, 16])  # None: Forecast [B, H, d]
+@pytest.mark.parametrize("cfg", [CFG, CFG_WIDE], ids=["paper-ratio", "wide-kernel"])
+def test_scores_and_selection_match_reference(groups, cfg):
+    torch.manual_seed(1000 + 10 * (groups or 0) + cfg.block_size)
+    bsz, heads, d, num_tokens = 4, 2, 32, 277
+    num_ck = reference.num_compressed(num_tokens, cfg.kernel_size, cfg.kernel_stride)
+    ck = torch.randn(bsz, heads, num_ck, d)
+    shape = (bsz, heads, d) if groups is None else (bsz, heads, groups, d)
+    query = torch.randn(shape) * 2
+    # ragged batch: last token, mid-block, before the first complete window, first token
+    q_pos = torch.tensor([276, 131, cfg.kernel_size - 2, 0])
+    num_blocks = -(-num_tokens // cfg.block_size)
+    _check_scores(decode_block_scores_triton(query, ck, q_pos, num_blocks, cfg),
+                  twins.decode_block_scores_reference(query, ck, q_pos, num_blocks, cfg))
+    ids, mask = select_decode_blocks_triton(query, ck, q_pos, num_blocks, cfg, return_mask=True)
+    ref_ids, ref_mask = twins.select_decode_reference(query, ck, q_pos, num_blocks, cfg, return_mask=True)
+    assert torch.equal(mask, ref_mask)
+    assert torch.equal(ids, ref_ids)
+    assert ids.dtype == torch.int32
+
+
+def test_ck_len_cuts_compressed_keys():
+    """A Forecast scoring keys before this step's window was appended (SPEC §4)."""
+    torch.manual_seed(5)
+    bsz, heads, d = 3, 2, 16
+    ck = torch.randn(bsz, heads, 60, d)  # preallocated buffer, tail is junk
+    q_pos = torch.tensor([200, 99, 47])
+    ck_len = torch.tensor([48, 23, 10])
+    for query in (torch.randn(bsz, heads, d), torch.randn(bsz, heads, 4, d)):
+        _check_scores(decode_block_scores_triton(query, ck, q_pos, 14, CFG, ck_len),
+                      twins.decode_block_scores_reference(query, ck, q_pos, 14, CFG, ck_len))
+        ids = select_decode_blocks_triton(query, ck, q_pos, 14, CFG, ck_len=ck_len)
+        assert torch.equal(ids, twins.select_decode_reference(query, ck, q_pos, 14, CFG, ck_len=ck_len))
+
+
+def test_budget_larger_than_context_selects_every_valid_block():
+    torch.manual_seed(9)
+    cfg = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1,
+                          local_blocks=4, topk_blocks=30, dense_len=0)
+    query, ck = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 20, 16)
+    q_pos = torch.tensor([83, 30])
+    ids = select_decode_blocks_triton(query, ck, q_pos, 6, cfg)
+    assert ids.shape == (2, 3, 6)
+    assert torch.equal(ids[0], torch.arange(6, dtype=torch.int32).expand(3, 6))
+    assert torch.equal(ids[1], torch.tensor([0, 1, -1, -1, -1, -1], dtype=torch.int32).expand(3, 6))
+
+
+def test_rule_with_ties_and_non_finite_scores():
+    """Exact top-k: ties go to the lower block, NaN/-inf rank as unscored, +inf first."""
+    torch.manual_seed(13)
+    bsz, heads, num_blocks = 5, 3, 37
+    scores = torch.randint(-3, 4, (bsz, heads, num_blocks)).float()  # many ties
+    scores[0, 0, 5] = float("nan")
+    scores[0, 1, 3:9] = float("-inf")
+    scores[1, 2, 7] = float("inf")
+    scores[2, 0, :] = -0.0
+    scores[2, 0, 10:20] = 0.0
+    q_pos = torch.tensor([36 * 16 + 3, 300, 500, 15, 60])
+    for cfg in (CFG, CFG_WIDE, SelectionConfig(block_size=16, topk_blocks=0, dense_len=0, local_blocks=2)):
+        for width in (None, 4, 60):
+            ids, mask = select_from_scores_triton(scores, q_pos, cfg, width, return_mask=True)
+            ref_mask = reference.select_blocks(scores[:, :, None], q_pos[:, None], cfg)[:, :, 0]
+            assert torch.equal(mask, ref_mask)
+            ref_ids = reference.block_mask_to_indices(ref_mask, twins.default_width(num_blocks, cfg)
+                                                      if width is None else width)
+            assert torch.equal(ids, ref_ids.to(torch.int32))
+
+
+def test_bf16_inputs():
+    torch.manual_seed(17)
+    query = torch.randn(2, 2, 4, 32).bfloat16()
+    ck = torch.randn(2, 2, 30, 32).bfloat16()
+    q_pos = torch.tensor([130, 70])
+    _check_scores(decode_block_scores_triton(query, ck, q_pos, 9, CFG),
+                  twins.decode_block_scores_reference(query, ck, q_pos, 9, CFG))
+
+
+def test_cpu_dispatch_and_errors():
+    query, ck, q_pos = torch.randn(1, 2, 16), torch.randn(1, 2, 10, 16), torch.tensor([60])
+    assert torch.equal(select_decode_blocks(query, ck, q_pos, 4, CFG),
+                       twins.select_decode_reference(query, ck, q_pos, 4, CFG))
+    with pytest.raises(SpardaError):
+        select_decode_blocks_triton(query, ck, q_pos.view(1, 1), 4, CFG)
+    with pytest.raises(SpardaError):
+        select_decode_blocks_triton(torch.randn(1, 3, 16), ck, q_pos, 4, CFG)

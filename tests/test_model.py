@@ -1,0 +1,83 @@
+"""Our forward against transformers' own models on the same weights (fp32)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sparda import LLM, SpardaError
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def _hf(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _check_parity(llm, hf, ids):
+    ours = llm.logits(ids)[-1]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0, -1].float()
+    scale = theirs.abs().max()
+    assert (ours - theirs).abs().max() <= 1e-4 * scale, float((ours - theirs).abs().max() / scale)
+    out = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=64, ignore_eos=True)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, min_new_tokens=64,
+                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert out.token_ids == ref
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_models_match_transformers(arch, make_tiny):
+    path = make_tiny(arch)
+    llm = LLM(path, method="dense", device="cpu")
+    ids = torch.randint(0, 49152, (int(torch.randint(40, 90, ())),)).tolist()
+    _check_parity(llm, _hf(path), ids)
+
+
+def test_bundled_model_matches_transformers(bundled_dir):
+    llm = LLM(None, method="dense", device="cpu")
+    text = "The quick brown fox jumps over the lazy dog while the cat watches from the window. " * 3
+    ids = llm.encode(text)
+    _check_parity(llm, _hf(bundled_dir), ids)
+
+
+def test_unsupported_architecture_is_refused(tmp_path, make_tiny):
+    import json
+    import shutil
+
+    src = make_tiny("llama")
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpardaError, match="unsupported architecture 'gpt2'.*llama, mistral, qwen2, qwen3"):
+        LLM(tmp_path, device="cpu")
+
+
+def test_missing_model_and_too_long_prompt(make_tiny):
+    with pytest.raises(SpardaError, match="not found"):
+        LLM("/no/such/model", device="cpu")
+    llm = LLM(make_tiny("llama"), device="cpu")
+    with pytest.raises(SpardaError, match="4090 tokens plus 10 new tokens exceeds the model's context of 4096"):
+        llm.generate([None], prompt_token_ids=[[5] * 4090], max_new_tokens=10)
+
+
+def test_batch_of_different_lengths_matches_single_runs(make_tiny):
+    llm = LLM(make_tiny("qwen2"), method="dense", device="cpu")
+    prompts = [torch.randint(0, 49152, (n,)).tolist() for n in (17, 60, 33)]
+    batched = llm.generate([None] * 3, prompt_token_ids=prompts, max_new_tokens=20, ignore_eos=True)
+    for ids, res in zip(prompts, batched):
+        alone = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=20, ignore_eos=True)[0]
+        assert res.token_ids == alone.token_ids
+
+
+def test_sampling_is_seeded_and_top_p_restricts(make_tiny):
+    llm = LLM(make_tiny("llama"), device="cpu")
+    ids = [[3, 4, 5, 6, 7]]
+    a = llm.generate([None], prompt_token_ids=ids, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    b = llm.generate([None], prompt_token_ids=ids, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    assert a[0].token_ids == b[0].token_ids
+    greedy = llm.generate([None], prompt_token_ids=ids, max_new_tokens=12, ignore_eos=True)
+    tiny_p = llm.generate([None], prompt_token_ids=ids, max_new_tokens=12, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
+    assert tiny_p[0].token_ids == greedy[0].token_ids  # top_p -> 0 keeps only the argmax
