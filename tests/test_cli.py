@@ -1,0 +1,60 @@
+"""The CLI: output format, JSON, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "sparda.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=600)
+
+
+def test_version_and_help():
+    assert run("--version").stdout.startswith("sparda, version")
+    out = run("generate", "--help").stdout
+    for flag in ("--prompt-file", "--topk-blocks", "--local-blocks", "--init-blocks", "--block-size",
+                 "--dense-len", "--ignore-eos", "--json", "--chat / --no-chat", "--top-p"):
+        assert flag in out
+
+
+def test_generate_json_on_tiny_model(make_tiny):
+    res = run("generate", "--model", str(make_tiny("llama")), "-p", "hello there", "-p", "a longer second prompt",
+              "--max-new-tokens", "5", "--ignore-eos", "--json", "--device", "cpu")
+    assert res.returncode == 0, res.stderr
+    lines = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(lines) == 2
+    for obj in lines:
+        assert set(obj) == {"text", "token_ids", "stats"} and len(obj["token_ids"]) == 5
+        assert obj["stats"]["new_tokens"] == 5 and obj["stats"]["kv_read_fraction"] == 1.0
+
+
+def test_generate_text_output_and_stdin(make_tiny):
+    res = run("generate", "--model", str(make_tiny("llama")), "--no-chat", "--max-new-tokens", "3",
+              "--ignore-eos", "--method", "sparse", stdin="piped prompt text")
+    assert res.returncode == 0, res.stderr
+    assert "prompt " in res.stdout and "decode" in res.stdout and "KV blocks read/step" in res.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "-f", "/no/such/file"], "cannot read prompt file /no/such/file"),
+    (["generate", "-p", "x", "--model", "/no/such/dir"], "model path not found"),
+    (["generate", "-p", "x", "--topk-blocks", "-3"], "topk_blocks must be >= 0"),
+    (["generate", "-p", "x", "--local-blocks", "0"], "local_blocks must be >= 1"),
+    (["generate", "-p", "x", "--block-size", "40"], "must divide block_size"),
+    (["generate", "-p", "x", "--method", "nope"], "nope"),
+    (["generate", "-p", "x", "--preset", "nope"], "nope"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    res = run(*args)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_too_long_prompt_names_both_lengths(make_tiny):
+    res = run("generate", "--model", str(make_tiny("llama")), "--no-chat", "-p", "word " * 5000, "--device", "cpu")
+    assert res.returncode == 2 and "exceeds the model's context of 4096 tokens" in res.stderr
+    assert "Traceback" not in res.stderr
