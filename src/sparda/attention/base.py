@@ -104,13 +104,22 @@ class BlockSparseMethod(AttentionMethod):
     def before_layer(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> None:
         """Hook run at the start of every layer's attention (Forecast methods use it)."""
 
-    def select(self, layer: int, q, h, cache, step) -> torch.Tensor:
-        """Block mask ``[B, H_kv, Tq, N]`` for this layer's queries."""
+    def dense_prefix(self, step) -> int:
+        """How many leading prefill queries fall under the dense fallback (SPEC §3.6):
+        query ``t`` does iff ``t + 1 < dense_len`` or its ``t // B_s + 1`` valid blocks fit
+        the budget. Prefill starts at position 0, so these form a prefix. 0 in decode."""
+        if step.phase != "prefill":
+            return 0
+        cfg = self.selection
+        return min(step.q_pos.shape[1], max(cfg.dense_len - 1, cfg.budget_blocks * cfg.block_size))
+
+    def select(self, layer: int, q, h, cache, step, first: int = 0) -> torch.Tensor:
+        """Block mask ``[B, H_kv, Tq - first, N]`` for this layer's queries ``first..Tq-1``."""
         num_tokens = int(step.kv_len.max().item())
         k, _, ck = cache.view(layer, step.rows, num_tokens)
         num_blocks = -(-num_tokens // self.selection.block_size)
         masks = []
-        for start in range(0, q.shape[-2], self.chunk_tokens):
+        for start in range(first, q.shape[-2], self.chunk_tokens):
             chunk = slice(start, start + self.chunk_tokens)
             scores = self.block_scores(layer, q, h, cache, step, k, ck, chunk)
             masks.append(ref.select_blocks(scores[..., :num_blocks], step.q_pos[:, chunk], self.selection))
@@ -123,10 +132,16 @@ class BlockSparseMethod(AttentionMethod):
         if not self.needs_selection(step):
             self._count_dense(step)
             return dense_attention(q, k, v, step)
-        mask = self.select(layer, q, h, cache, step)
+        first = self.dense_prefix(step)
+        mask = self.select(layer, q, h, cache, step, first)
         if step.phase == "decode":
             valid = (step.q_pos[:, -1] // self.selection.block_size + 1).sum().item() * mask.shape[1]
             self.stats["blocks_read"] += mask[..., -1, :].sum().item()
             self.stats["blocks_valid"] += valid
-        return ref.block_sparse_attention(q, k, v, mask, step.q_pos, step.kv_len,
-                                          self.selection.block_size)
+        out = ref.block_sparse_attention(q[..., first:, :], k, v, mask, step.q_pos[:, first:],
+                                         step.kv_len, self.selection.block_size)
+        if first == 0:
+            return out
+        # The dense-fallback prefix attends causally to its own prefix only.
+        head = dense_attention(q[..., :first, :], k[:, :, :first], v[:, :, :first], step)
+        return torch.cat([head, out], dim=-2)

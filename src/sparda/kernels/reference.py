@@ -71,7 +71,7 @@ def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
         ``[B, H, Tq, C]`` fp32; zeros at invisible keys (rows with no visible key are 0).
     """
     d = q.shape[-1]
-    logits = torch.einsum("bhgqd,bhcd->bhgqc", q.float(), ck.float()) / math.sqrt(d)
+    logits = torch.matmul(q.float(), ck.float().unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
     vis = compressed_visible(q_pos, ck.shape[-2], kernel, stride)[:, None, None]  # [B,1,1,Tq,C]
     logits = logits.masked_fill(~vis, NEG_INF)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
@@ -137,6 +137,19 @@ def pool_to_blocks(scores: torch.Tensor, num_blocks: int, cfg: SelectionConfig) 
     return padded.unfold(-1, kernel, stride)[..., :num_blocks, :].amax(-1)
 
 
+def _rank_key(scores: torch.Tensor) -> torch.Tensor:
+    """Unique int64 ranking keys for ``[..., N]`` fp32 scores: larger score first, and
+    equal scores (adjacent blocks share a compressed key, softmax underflows to 0) go to
+    the lower block index. The fp32 bits are mapped to order-preserving int32 values and
+    shifted left by 24 bits; the low bits hold ``2^24 - 1 - index``."""
+    if scores.shape[-1] >= 1 << 24:
+        raise ValueError("more than 2^24 blocks per row are not supported")
+    bits = scores.float().contiguous().view(torch.int32)
+    mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    return (mono << 24) + ((1 << 24) - 1 - index)
+
+
 def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig,
                   kv_len: torch.Tensor | None = None) -> torch.Tensor:
     """The selection rule (SPEC §3.4, §3.6): sinks + local window + top-k, per KV head.
@@ -168,8 +181,7 @@ def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selectio
         return base.clone()
     ranked = block_scores.float().nan_to_num(nan=_UNSCORED, neginf=_UNSCORED)
     ranked = ranked.masked_fill(~valid | base, NEG_INF)
-    # Stable descending sort: equal scores keep index order, so lower blocks win ties.
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
+    order = torch.topk(_rank_key(ranked), k, dim=-1).indices
     chosen = torch.zeros_like(base).scatter_(-1, order, True)
     return base | (chosen & valid & ~base & (ranked > NEG_INF))
 
@@ -224,10 +236,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             allowed = allowed & tok[..., :num_keys]  # [B,H,Tq,T]
         qc = q[..., start:start + chunk, :]
         rows = qc.shape[-2]
-        mask = allowed.unsqueeze(2).expand(b, h, g, rows, num_keys).reshape(b, h * g, rows, num_keys)
+        # Fold KV heads into the batch: the G query heads of a group share one mask row.
+        mask = allowed.expand(b, h, rows, num_keys).reshape(b * h, 1, rows, num_keys)
         out = torch.nn.functional.scaled_dot_product_attention(
-            qc.reshape(b, h * g, rows, d), k[:, :, :num_keys], v[:, :, :num_keys],
-            attn_mask=mask, enable_gqa=True)
+            qc.reshape(b * h, g, rows, d), k[:, :, :num_keys].reshape(b * h, 1, num_keys, d),
+            v[:, :, :num_keys].reshape(b * h, 1, num_keys, d), attn_mask=mask, enable_gqa=True)
         outs.append(out.view(b, h, g, rows, d))
     return torch.cat(outs, dim=-2)
 
