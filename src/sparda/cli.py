@@ -43,8 +43,9 @@ def model_options(func):
     """Options shared by every subcommand that loads a model and picks a method."""
     options = [
         click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled SmolLM2-135M-Instruct]."),
-        click.option("--method", default="dense", show_default=True, type=click.Choice(METHODS),
-                     help="Attention method."),
+        click.option("--method", default=None, type=click.Choice(METHODS),
+                     help="Attention method [default: sparda where Forecast weights exist (the bundled "
+                          "model, or --forecast), else sparse]."),
         click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)),
                      help="Selection budget preset (SPEC §3)."),
         click.option("--topk-blocks", type=int, default=None, help="Scored blocks per KV head."),
@@ -54,6 +55,13 @@ def model_options(func):
         click.option("--dense-len", type=int, default=None, help="Contexts shorter than this use dense attention."),
         click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available]."),
         click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU]."),
+        click.option("--offload/--no-offload", default=None,
+                     help="Keep the full KV cache in host memory, selected blocks on the device (SPEC §6) "
+                          "[default: the method's; sparse-offload and sparda-no-prefetch always offload]."),
+        click.option("--forecast", default=None,
+                     help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
+        click.option("--dense-prefill", is_flag=True, default=False,
+                     help="Block-sparse methods: dense prefill, block selection in decode only."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -65,7 +73,7 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
     """Construct :class:`sparda.LLM` from CLI options (a progress line goes to stderr)."""
     from sparda.engine.llm import LLM
 
-    click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method})...", err=True)
+    click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default'})...", err=True)
     return LLM(model, method=method, preset=preset, device=device, dtype=dtype,
                topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
                block_size=block_size, dense_len=dense_len, **extra)
@@ -139,6 +147,86 @@ def demo(context_tokens, depth, seed, max_new_tokens, **opts):
     click.echo(f"answer: {result.text.strip()}")
     click.echo(f"expected: {sample.answer} ({verdict})")
     click.echo(stats_line(result.stats))
+
+
+def _csv(kind):
+    def parse(ctx, param, value):
+        try:
+            return tuple(kind(v) for v in value.split(",") if v.strip()) if value else None
+        except ValueError as exc:
+            raise click.BadParameter(f"expected comma-separated {kind.__name__} values") from exc
+    return parse
+
+
+@main.command("eval")
+@click.option("--tasks", callback=_csv(str), help="Comma-separated tasks (passkey, passkey-synth, niah-single, "
+              "niah-single-synth, niah-multikey, niah-multivalue, niah-multiquery, vt, cwe, fwe, ppl, selection).")
+@click.option("--methods", callback=_csv(str), help="Comma-separated registered methods [default: all; --quick: dense,sparse,oracle,sparda].")
+@click.option("--lengths", callback=_csv(int), help="Comma-separated prompt lengths in tokens.")
+@click.option("--samples", type=int, default=None, help="Samples per task and length.")
+@click.option("--budgets", callback=_csv(float), help="KV budgets in % of the context for non-dense methods.")
+@click.option("--depths", callback=_csv(float), help="Needle depths 0-1, cycled over samples.")
+@click.option("--ppl-windows", type=int, default=None, help="Held-out text windows per length for ppl.")
+@click.option("--out", required=True, help="Output directory (rerun with the same one to resume).")
+@click.option("--quick", is_flag=True, help="CPU-sized subset (2.5K tokens, 2 samples, < 10 min on 2 cores).")
+@click.option("--text", default=None, help="UTF-8 text file for haystacks and ppl [default: held-out Emma].")
+@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled model].")
+@click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default=None)
+@click.option("--seed", default=0, show_default=True, type=int)
+def eval_cmd(**opts):
+    """Accuracy, perplexity/agreement and KV reads of every method (resumable; SPEC §8)."""
+    from sparda.eval.runner import plan_from_options, run_eval
+
+    plan = plan_from_options(**opts)
+    summary = run_eval(plan)
+    click.echo(json.dumps(summary, indent=1))
+    click.echo(f"wrote {plan.out}/report.md, summary.json, results.jsonl and plots", err=True)
+
+
+@main.command("train-forecast")
+@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled SmolLM2-135M-Instruct].")
+@click.option("--data", multiple=True, help="Text file, directory or jsonl with a 'text' field (repeatable) [default: bundled training split].")
+@click.option("--seq-len", default=4096, show_default=True, type=int, help="Tokens per training sequence.")
+@click.option("--steps", default=200, show_default=True, type=int)
+@click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per step.")
+@click.option("--lr", default=5e-4, show_default=True, type=float, help="AdamW learning rate (constant).")
+@click.option("--queries", default=256, show_default=True, type=int, help="Loss query tokens per step (random, past dense_len).")
+@click.option("--init", default="q", show_default=True, type=click.Choice(["q", "random"]), help="Initial weights.")
+@click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--out", required=True, help="Output .safetensors file.")
+@click.option("--resume", is_flag=True, help="Continue from OUT.state.pt.")
+@click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
+@click.option("--save-every", default=50, show_default=True, type=int, help="Checkpoint period in steps.")
+def train_forecast_cmd(model, data, out, **opts):
+    """Train Forecast weights with the base model frozen (SPEC §5)."""
+    from sparda.training.trainer import train_forecast
+
+    result = train_forecast(model, list(data) or None, out=out, **opts)
+    click.echo(json.dumps({"out": out, **result}))
+
+
+@main.command("selection-report")
+@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled].")
+@click.option("--text", default=None, help="UTF-8 text file [default: the held-out Emma].")
+@click.option("--methods", default="sparse,oracle,sparda,sparda-random,infinigen", show_default=True,
+              help="Comma-separated selectors.")
+@click.option("--lengths", default="4096,8192", show_default=True, help="Comma-separated context lengths (tokens).")
+@click.option("--queries", default=64, show_default=True, type=int, help="Query tokens scored per length.")
+@click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
+@click.option("--forecast", default=None, help="Forecast weights [default: shipped for the bundled model].")
+@click.option("--device", default=None, help="cpu or cuda[:N].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object keyed by method.")
+def selection_report_cmd(model, text, methods, lengths, queries, preset, forecast, device, as_json):
+    """Per-layer selection recall of each method vs the query-based and oracle top-k (SPEC §8)."""
+    from sparda.eval.selection import format_report, selection_report
+
+    report = selection_report(model, text, [m.strip() for m in methods.split(",") if m.strip()],
+                              [int(x) for x in lengths.split(",") if x.strip()], queries=queries,
+                              preset=preset, forecast=forecast, device=device)
+    click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -108,15 +108,15 @@ class SpardaConfig:
         selection: the block budget, :class:`SelectionConfig`.
         forecast_path: safetensors file of Forecast weights (method ``sparda``);
             ``None`` uses the shipped weights for the bundled model, if any.
-        forecast_in_prefill: when False, ``sparda`` uses dense prefill and Forecast
-            selection in decode only.
+        sparse_prefill: when True (SPEC §3), block-sparse methods select per query token
+            in prefill too; when False they prefill densely and select in decode only.
         offload: keep the full KV cache in host memory (``None``: the method's default).
     """
 
     method: str = "dense"
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     forecast_path: str | None = None
-    forecast_in_prefill: bool = True
+    sparse_prefill: bool = True
     offload: bool | None = None
 
     def __post_init__(self) -> None:

@@ -76,7 +76,8 @@ def test_budget_larger_than_context_selects_every_valid_block():
 
 
 def test_rule_with_ties_and_non_finite_scores():
-    """Exact top-k: ties go to the lower block, NaN/-inf rank as unscored, +inf first."""
+    """Exact top-k: ties go to the lower block, NaN/-inf rank as unscored, +inf first,
+    -0.0 just below +0.0 (as ``reference._rank_key``)."""
     torch.manual_seed(13)
     bsz, heads, num_blocks = 5, 3, 37
     scores = torch.randint(-3, 4, (bsz, heads, num_blocks)).float()  # many ties

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from sparda.config import SpardaConfig
+from sparda import kernels
 from sparda.kernels import reference as ref
 
 
@@ -48,15 +49,19 @@ class AttentionMethod:
 
     def read_fraction(self) -> float:
         """Fraction of causally valid KV blocks read per decode step, averaged (1.0 = dense)."""
-        valid = self.stats["blocks_valid"]
-        return self.stats["blocks_read"] / valid if valid else 1.0
+        valid = float(self.stats["blocks_valid"])
+        return float(self.stats["blocks_read"]) / valid if valid else 1.0
+
+    def _count(self, step, read: torch.Tensor | None) -> None:
+        """Add one decode step's block counts (device tensors: no host sync)."""
+        if step.phase != "decode":
+            return
+        valid = (step.q_pos[:, -1] // self.selection.block_size + 1).sum() * self.shape.num_kv_heads
+        self.stats["blocks_read"] += valid if read is None else read
+        self.stats["blocks_valid"] += valid
 
     def _count_dense(self, step) -> None:
-        if step.phase == "decode":
-            blocks = (step.q_pos[:, -1] // self.selection.block_size + 1).sum().item()
-            heads = self.shape.num_kv_heads
-            self.stats["blocks_read"] += blocks * heads
-            self.stats["blocks_valid"] += blocks * heads
+        self._count(step, None)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
@@ -80,6 +85,29 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> 
     return out.view(b, hk, g, t, d)
 
 
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     step, first: int, cfg) -> torch.Tensor:
+    """Exact attention over the selected blocks (SPEC §3.5) for queries ``first..``.
+
+    CPU tensors use :func:`sparda.kernels.reference.block_sparse_attention`; CUDA tensors
+    the Triton kernels (block-sparse prefill tiles; split-KV decode over block ids).
+
+    Args:
+        q: ``[B, H_kv, G, Tq', d]``; k, v: ``[B, H_kv, T, d]``; mask: ``[B, H_kv, Tq', N]``.
+    Returns:
+        ``[B, H_kv, G, Tq', d]``.
+    """
+    q_pos = step.q_pos[:, first:]
+    if not q.is_cuda:
+        return ref.block_sparse_attention(q, k, v, mask, q_pos, step.kv_len, cfg.block_size)
+    if step.phase == "prefill":
+        return kernels.prefill_attention(q, k, v, mask, q_pos, step.kv_len, cfg.block_size)
+    # Decode rows select at most max(budget, dense fallback) blocks: a fixed width, no sync.
+    width = min(mask.shape[-1], max(cfg.budget_blocks, -(-cfg.dense_len // cfg.block_size)))
+    ids = ref.block_mask_to_indices(mask[..., -1, :], width)
+    return kernels.decode_attention(q[..., -1, :], k, v, ids, step.kv_len, cfg.block_size).unsqueeze(-2)
+
+
 class BlockSparseMethod(AttentionMethod):
     """Block-sparse attention (SPEC §3): score blocks, select per KV head, attend exactly.
 
@@ -98,7 +126,7 @@ class BlockSparseMethod(AttentionMethod):
     def needs_selection(self, step) -> bool:
         """False when every query falls under the dense fallback (SPEC §3.6)."""
         cfg = self.selection
-        last = int(step.q_pos.max().item())
+        last = step.max_kv_len - 1
         return last + 1 >= cfg.dense_len and last // cfg.block_size + 1 > cfg.budget_blocks
 
     def before_layer(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> None:
@@ -115,7 +143,7 @@ class BlockSparseMethod(AttentionMethod):
 
     def select(self, layer: int, q, h, cache, step, first: int = 0) -> torch.Tensor:
         """Block mask ``[B, H_kv, Tq - first, N]`` for this layer's queries ``first..Tq-1``."""
-        num_tokens = int(step.kv_len.max().item())
+        num_tokens = step.max_kv_len
         k, _, ck = cache.view(layer, step.rows, num_tokens)
         num_blocks = -(-num_tokens // self.selection.block_size)
         masks = []
@@ -127,19 +155,15 @@ class BlockSparseMethod(AttentionMethod):
 
     def attend(self, layer, q, h, cache, step):
         self.before_layer(layer, q, h, cache, step)
-        num_tokens = int(step.kv_len.max().item())
+        num_tokens = step.max_kv_len
         k, v, _ = cache.view(layer, step.rows, num_tokens)
-        if not self.needs_selection(step):
+        if not self.needs_selection(step) or (step.phase == "prefill" and not self.config.sparse_prefill):
             self._count_dense(step)
             return dense_attention(q, k, v, step)
         first = self.dense_prefix(step)
         mask = self.select(layer, q, h, cache, step, first)
-        if step.phase == "decode":
-            valid = (step.q_pos[:, -1] // self.selection.block_size + 1).sum().item() * mask.shape[1]
-            self.stats["blocks_read"] += mask[..., -1, :].sum().item()
-            self.stats["blocks_valid"] += valid
-        out = ref.block_sparse_attention(q[..., first:, :], k, v, mask, step.q_pos[:, first:],
-                                         step.kv_len, self.selection.block_size)
+        self._count(step, mask[..., -1, :].sum())
+        out = sparse_attention(q[..., first:, :], k, v, mask, step, first, self.selection)
         if first == 0:
             return out
         # The dense-fallback prefix attends causally to its own prefix only.

@@ -11,7 +11,7 @@ class DenseAttention(AttentionMethod):
     name = "dense"
 
     def attend(self, layer, q, h, cache, step):
-        num_tokens = int(step.kv_len.max().item())
+        num_tokens = step.max_kv_len
         k, v, _ = cache.view(layer, step.rows, num_tokens)
         if layer == 0:
             self._count_dense(step)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from sparda.attention.base import AttentionMethod
 from sparda.attention.blocksparse import OracleAttention, SparseAttention
 from sparda.attention.dense import DenseAttention
+from sparda.attention.forecast import ForecastAttention
+from sparda.attention.infinigen import InfiniGenAttention
+from sparda.attention.offload import OFFLOADED, SparseOffloadAttention, SpardaNoPrefetchAttention
 from sparda.config import SpardaConfig
 from sparda.errors import SpardaError
 
@@ -12,6 +15,10 @@ METHOD_CLASSES: dict[str, type[AttentionMethod]] = {
     "dense": DenseAttention,
     "sparse": SparseAttention,
     "oracle": OracleAttention,
+    "sparda": ForecastAttention,
+    "infinigen": InfiniGenAttention,
+    "sparse-offload": SparseOffloadAttention,
+    "sparda-no-prefetch": SpardaNoPrefetchAttention,
 }
 
 
@@ -26,6 +33,8 @@ def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:
     Raises SpardaError if the method is not available in this build.
     """
     cls = METHOD_CLASSES.get(config.method)
+    if config.offload and config.method in OFFLOADED:  # --offload: the offloaded variant (SPEC §6)
+        cls = OFFLOADED[config.method]
     if cls is None:
         raise SpardaError(
             f"method {config.method!r} is not available; available: {', '.join(METHOD_CLASSES)}")

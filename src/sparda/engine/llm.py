@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from sparda.attention.forecast import default_forecast_available
 from sparda.attention.registry import build_method
 from sparda.cache.device import DeviceKVCache
+from sparda.cache.offload import OffloadKVCache
 from sparda.config import SelectionConfig, SpardaConfig
 from sparda.engine.sampler import sample
 from sparda.errors import SpardaError
@@ -67,30 +70,61 @@ class LLM:
     Args:
         model: Hugging Face model directory, ``.gguf`` file, or ``None`` for the bundled
             SmolLM2-135M-Instruct.
-        method: attention method (``dense``, ``sparse``, ``oracle``, ...).
+        method: attention method (``dense``, ``sparse``, ``oracle``, ``sparda``, ...); ``None``:
+            ``sparda`` if Forecast weights are given or shipped for the model, else ``sparse``.
         preset: selection preset, ``small`` or ``paper`` (SPEC §3).
         device, dtype: defaults: CUDA + bf16 if available, else CPU + fp32.
         **overrides: selection fields (``topk_blocks``, ``local_blocks``, ``init_blocks``,
             ``block_size``, ``kernel_size``, ``kernel_stride``, ``dense_len``) and
-            ``forecast`` (path of Forecast weights) / ``offload``.
+            ``forecast`` (path of Forecast weights) / ``dense_prefill`` (sparda: dense prefill,
+            Forecast selection in decode only) / ``offload`` / ``transfer``
+            (offload copy engine: ``auto``, ``uva``, ``copy``, ``sync``; docs/offload.md).
     Raises:
         SpardaError: bad method, preset, budget, path or architecture.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, method: str = "dense",
+    def __init__(self, model: str | os.PathLike | None = None, *, method: str | None = None,
                  preset: str = "small", device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, **overrides) -> None:
         forecast = overrides.pop("forecast", None)
+        dense_prefill = bool(overrides.pop("dense_prefill", False))
         offload = overrides.pop("offload", None)
+        #: offload transfer engine: auto, uva, copy or sync (SPEC §6)
+        self.transfer = overrides.pop("transfer", None) or "auto"
         selection = SelectionConfig.from_preset(preset, **overrides)
-        self.config = SpardaConfig(method=method, selection=selection, forecast_path=forecast,
+        self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,
+                                   sparse_prefill=not dense_prefill,
                                    offload=offload)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.tokenizer, self.model_dir = load_model(model, self.device, self.dtype)
         self.shape = self.model.shape
+        if method is None and forecast is None and not default_forecast_available(self.model_dir):
+            # sparda is the default where Forecast weights exist (the bundled model); else sparse
+            self.config = dataclasses.replace(self.config, method="sparse")
         self.method = build_method(self.config, self.shape, model=self.model,
                                    model_dir=self.model_dir)
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, *, method: str = "sparse", preset: str = "small",
+                   forecast=None, **overrides) -> "LLM":
+        """An LLM around an in-memory :class:`~sparda.model.llama.CausalLM` (benchmarks, tests).
+
+        Device and dtype are the model's. ``forecast`` (a :class:`Forecast`) is handed to the
+        ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``
+        as in :class:`LLM`. Raises SpardaError for a bad method, preset or budget.
+        """
+        llm = cls.__new__(cls)
+        offload = overrides.pop("offload", None)
+        llm.transfer = overrides.pop("transfer", None) or "auto"
+        selection = SelectionConfig.from_preset(preset, **overrides)
+        llm.config = SpardaConfig(method=method, selection=selection, offload=offload)
+        param = next(model.parameters())
+        llm.device, llm.dtype = param.device, param.dtype
+        llm.model, llm.tokenizer, llm.model_dir, llm.shape = model.eval(), tokenizer, None, model.shape
+        extra = {"forecast": forecast} if method.startswith("sparda") and forecast is not None else {}
+        llm.method = build_method(llm.config, llm.shape, model=model, model_dir=None, **extra)
+        return llm
 
     # ----------------------------------------------------------------- prompts
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -110,13 +144,19 @@ class LLM:
         if num_prompt == 0:
             raise SpardaError("empty prompt; pass some text")
 
-    def _step(self, phase: str, rows: torch.Tensor, q_pos: torch.Tensor) -> StepInfo:
+    def _step(self, phase: str, rows: torch.Tensor, q_pos: torch.Tensor,
+              max_kv_len: int | None = None) -> StepInfo:
         cos, sin = self.model.rotary(q_pos, self.dtype)
-        return StepInfo(phase=phase, rows=rows, q_pos=q_pos, kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin)
+        return StepInfo(phase=phase, rows=rows, q_pos=q_pos, kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin,
+                        max_kv_len=max_kv_len)
 
     def new_cache(self, batch: int, capacity: int):
         """An empty KV cache for ``batch`` rows of ``capacity`` tokens."""
         s = self.shape
+        if self.config.offload or getattr(self.method, "offloaded", False):
+            return OffloadKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
+                                  self.config.selection, self.dtype, self.device, engine=self.transfer,
+                                  resident_layers=getattr(self.method, "resident_layers", ()))
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                              self.config.selection, self.dtype, self.device)
 
@@ -126,14 +166,19 @@ class LLM:
         x = torch.tensor([ids], device=self.device)
         rows = torch.tensor([row], device=self.device)
         q_pos = torch.arange(len(ids), device=self.device).unsqueeze(0)
-        step = self._step("prefill", rows, q_pos)
+        step = self._step("prefill", rows, q_pos, len(ids))
         return self.model(x, step, cache, self.method, all_logits=all_logits)[0]
 
     @torch.inference_mode()
-    def decode(self, cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step for every row: ``tokens [B]`` at ``positions [B]`` -> logits ``[B, V]``."""
+    def decode(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
+               max_position: int | None = None) -> torch.Tensor:
+        """One decode step for every row: ``tokens [B]`` at ``positions [B]`` -> logits ``[B, V]``.
+
+        ``max_position`` (host int, ``max(positions)``) avoids a device sync if given."""
         rows = torch.arange(tokens.shape[0], device=self.device)
-        step = self._step("decode", rows, positions.view(-1, 1))
+        if max_position is None:
+            max_position = int(positions.max().item())
+        step = self._step("decode", rows, positions.view(-1, 1), max_position + 1)
         return self.model(tokens.view(-1, 1), step, cache, self.method)[:, -1]
 
     @torch.inference_mode()
@@ -188,14 +233,16 @@ class LLM:
             prefill_ms.append((time.perf_counter() - start) * 1e3)
         tokens = torch.cat(first)
         positions = torch.tensor([len(ids) for ids in prompt_token_ids], device=self.device)
+        max_position = max(len(ids) for ids in prompt_token_ids)
         out = [[int(t)] for t in tokens.tolist()]
         done = [out[b][0] in eos or max_new_tokens == 1 for b in range(batch)]
         start = time.perf_counter()
         steps = 0
         while not all(done):
-            logits = self.decode(cache, tokens, positions)
+            logits = self.decode(cache, tokens, positions, max_position)
             tokens = sample(logits, temperature, top_p, gen)
             positions = positions + 1
+            max_position += 1
             steps += 1
             for b, tok in enumerate(tokens.tolist()):
                 if not done[b]:
@@ -216,6 +263,8 @@ class LLM:
                 "kv_cache_bytes": int(per_token * (len(ids) + len(out[b]))),
                 "kv_read_fraction": round(self.method.read_fraction(), 4),
             }))
+            if hasattr(cache, "offload_stats"):
+                results[-1].stats["offload"] = cache.offload_stats(max(steps, 1) * batch)
         return results
 
     def _eos_ids(self) -> set[int]:

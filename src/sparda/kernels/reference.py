@@ -215,7 +215,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_mask: ``[B, H, Tq, N]`` bool with ``N >= ceil(T / block_size)``, or
             ``None`` for dense causal attention.
         q_pos: ``[B, Tq]`` positions; key ``i`` is visible iff ``i <= q_pos`` and
-            ``i < kv_len``. Every query must see at least one key.
+            ``i < kv_len``. A query that sees no key gets 0.
         kv_len: ``[B]`` valid keys per sequence.
         chunk: query tokens per chunk (bounds memory at ``B*H*G*chunk*T`` floats).
     Returns:
@@ -241,7 +241,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = torch.nn.functional.scaled_dot_product_attention(
             qc.reshape(b * h, g, rows, d), k[:, :, :num_keys].reshape(b * h, 1, num_keys, d),
             v[:, :, :num_keys].reshape(b * h, 1, num_keys, d), attn_mask=mask, enable_gqa=True)
-        outs.append(out.view(b, h, g, rows, d))
+        seen = mask.any(-1).view(b, h, 1, rows, 1)  # rows that see no key give 0, as the kernels do
+        outs.append(torch.where(seen, out.view(b, h, g, rows, d), 0.0))
     return torch.cat(outs, dim=-2)
 
 

@@ -180,8 +180,8 @@ def _select_kernel(
     x = tl.where(x == float("-inf"), -1e30, x)
     x = tl.where(x == float("inf"), 3.4028234663852886e38, x)
     bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = tl.where(x == 0.0, 0, key).to(tl.int64)  # -0.0 ties with +0.0
+    # order-preserving int keys as reference._rank_key (-0.0 ranks just below +0.0)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
     key = tl.where(cand, key, -2147483648)
     n_cand = tl.sum(cand.to(tl.int32), 0)
     kk = tl.minimum(n_cand, TOPK)
@@ -253,7 +253,9 @@ def decode_block_scores_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: tor
         query, ck, q_pos, ck_len_t, logits, stats,
         query.stride(0), query.stride(1), query.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
         heads, num_ck, c_pad, _LOG2E / math.sqrt(d),
-        G=groups, G_P=g_p, D=d, CK_T=_CK_TILE, IEEE=query.dtype == torch.float32 or not query.is_cuda, num_warps=4, **geo)
+        G=groups, G_P=g_p, D=d, CK_T=_CK_TILE,
+        IEEE=query.dtype == torch.float32 or not query.is_cuda,  # interpreter: no bf16 dot
+        num_warps=4, **geo)
     num_tiles = -(-num_blocks // nb)
     tiles = max(1, min(8, num_tiles * bsz * heads // (2 * num_sms(ck.device))))
     _query_pool_kernel[(bsz * heads, -(-num_tiles // tiles))](

@@ -176,6 +176,8 @@ class StepInfo:
         q_pos: ``[B, Tq]`` int64 absolute positions of the query tokens.
         kv_len: ``[B]`` int64 valid keys per row after this step's append.
         cos, sin: RoPE tables ``[B, 1, Tq, d]`` for the query positions.
+        max_kv_len: ``max(kv_len)`` as a host int (tokens), so that no layer needs a
+            device-to-host sync to size its views.
     """
 
     phase: str
@@ -184,6 +186,11 @@ class StepInfo:
     kv_len: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    max_kv_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_kv_len is None:  # one device sync; the engine passes it to avoid that
+            self.max_kv_len = int(self.kv_len.max().item())
 
 
 class CausalLM(nn.Module):

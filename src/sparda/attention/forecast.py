@@ -1,0 +1,319 @@
+"""The Forecast (SPEC §4): layer ``l`` predicts which KV blocks layer ``l+1`` will need.
+
+:class:`Forecast` holds one bias-free projection ``d_model -> H_kv * d`` per layer
+``l < L-1`` (``forecast.{l}.weight``, ``F_l``) plus layer 0's current-layer projection
+``W^C_0`` (``current.weight``). Its output gets the query RoPE of the current position
+and scores a layer's compressed keys with raw dot products, one row per KV head.
+
+:class:`ForecastAttention` is the ``sparda`` method with the KV cache on the device:
+
+* decode: during layer ``l``, :meth:`ForecastAttention.predict_next` scores layer
+  ``l+1``'s compressed keys *as they stood before this step's token was appended to
+  layer l+1* and stores the block mask; layer ``l+1`` attends over exactly that mask;
+* prefill (``Tq = T``): layer ``l+1``'s keys do not exist yet while layer ``l`` runs, so
+  ``F_l(h_l)`` is stored and scored when layer ``l+1`` runs (identical per query token).
+
+Weights live in safetensors files holding only Forecast tensors plus metadata that
+names the base model (:func:`save_forecast`, :func:`load_forecast`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sparda.attention.base import BlockSparseMethod, dense_attention
+from sparda.errors import SpardaError
+from sparda.kernels import reference as ref
+
+FORMAT = "sparda-forecast-v1"
+#: Shipped weights (files in sparda/assets/forecast), keyed by the base model's display name.
+SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.safetensors"}
+_IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "hidden_size", "intermediate_size", "vocab_size", "head_dim", "rope_theta",
+                    "rope_parameters", "max_position_embeddings", "tie_word_embeddings")
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, H, T, d]`` by ``cos, sin [B, 1, T, d]`` (half-split, as the model's queries)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def model_identity(config, shape) -> dict[str, str]:
+    """Metadata naming a base model: architecture, layer/head counts, hidden size, config hash.
+
+    Args: ``config`` a transformers config; ``shape`` a ``ModelShape``.
+    Returns: ``str -> str`` dict (safetensors metadata must be strings).
+    """
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    fields = {k: raw.get(k) for k in _IDENTITY_FIELDS}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"architecture": str(raw.get("model_type")), "num_layers": str(shape.num_layers),
+            "num_q_heads": str(shape.num_q_heads), "num_kv_heads": str(shape.num_kv_heads),
+            "head_dim": str(shape.head_dim), "hidden_size": str(shape.hidden_size),
+            "config_hash": digest}
+
+
+def describe(identity: dict[str, str]) -> str:
+    """One-phrase description of a model identity, for error messages."""
+    name = identity.get("model_name")
+    base = (f"{identity.get('architecture')} {identity.get('num_layers')}L/{identity.get('num_q_heads')}q/"
+            f"{identity.get('num_kv_heads')}kv/d{identity.get('head_dim')}/h{identity.get('hidden_size')} "
+            f"[{identity.get('config_hash')}]")
+    return f"{name} ({base})" if name else base
+
+
+class Forecast(nn.Module):
+    """Forecast projections of one model (SPEC §4): ``L-1`` lookahead heads plus ``W^C_0``.
+
+    Args:
+        num_layers: ``L`` (>= 1). hidden_size: ``d_model``. num_kv_heads: ``H_kv``. head_dim: ``d``.
+    Attributes:
+        current: ``nn.Linear(d_model, H_kv*d, bias=False)``, ``W^C_0`` (scores layer 0).
+        forecast: ``L-1`` such layers; ``forecast[l]`` reads layer ``l``'s input and scores
+            layer ``l+1``. Parameter count: ``L * d_model * H_kv * d``.
+    """
+
+    def __init__(self, num_layers: int, hidden_size: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        if num_layers < 1:
+            raise SpardaError(f"a Forecast needs at least one layer, got {num_layers}")
+        out = num_kv_heads * head_dim
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.current = nn.Linear(hidden_size, out, bias=False)
+        self.forecast = nn.ModuleList(nn.Linear(hidden_size, out, bias=False) for _ in range(num_layers - 1))
+
+    @classmethod
+    def for_shape(cls, shape) -> "Forecast":
+        """A randomly initialised Forecast (``nn.Linear`` default init) for a ``ModelShape``."""
+        return cls(shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim)
+
+    def scorer(self, target_layer: int) -> nn.Linear:
+        """The projection whose output scores ``target_layer``'s compressed keys
+        (``W^C_0`` for layer 0, else ``F_{target-1}``, which reads layer ``target-1``'s input)."""
+        return self.current if target_layer == 0 else self.forecast[target_layer - 1]
+
+    def project(self, target_layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Forecast queries for ``target_layer``: ``h [B, T, d_model]`` -> ``[B, H_kv, T, d]``.
+
+        ``h`` is the attention input of layer ``target_layer - 1`` (of layer 0 for
+        ``target_layer == 0``); ``cos, sin [B, 1, T, d]`` are the query RoPE tables at the
+        tokens' positions. Computed in the projection's dtype.
+        """
+        lin = self.scorer(target_layer)
+        b, t, _ = h.shape
+        f = lin(h.to(lin.weight.dtype)).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return rope(f, cos.to(f.dtype), sin.to(f.dtype))
+
+
+def q_init(forecast: Forecast, model) -> None:
+    """Initialise each projection from the query weights of the layer it scores (in place).
+
+    ``F_l = mean_g W_q^{l+1}[group] diag(w_{l+1} / w_l)`` with ``w`` the input RMSNorm
+    weights (the residual stream changes little between neighbouring layers);
+    ``W^C_0 = mean_g W_q^0``. Training then refines it (SPEC §5 does not fix an init).
+    """
+    s = model.shape
+    layers = model.model.layers
+    with torch.no_grad():
+        for target in range(s.num_layers):
+            wq = layers[target].self_attn.q_proj.weight.float()
+            w = wq.view(s.num_kv_heads, s.group_size, s.head_dim, s.hidden_size).mean(1)
+            w = w.reshape(-1, s.hidden_size)
+            if target > 0:
+                num = layers[target].input_layernorm.weight.float()
+                den = layers[target - 1].input_layernorm.weight.float()
+                w = w * (num / torch.where(den.abs() < 1e-3, 1e-3, den)).view(1, -1)
+            lin = forecast.scorer(target)
+            lin.weight.copy_(w.to(lin.weight.dtype))
+
+
+def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str],
+                  dtype: torch.dtype = torch.bfloat16, **meta) -> None:
+    """Write Forecast tensors (only) and metadata to a safetensors file.
+
+    Args:
+        identity: :func:`model_identity` of the base model (plus optional ``model_name``).
+        dtype: storage dtype (bf16 keeps SmolLM2's 3.3 M parameters under 7 MB).
+        **meta: extra metadata (``preset``, ``step``, ``data``, ...), stringified.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in forecast.state_dict().items()}
+    metadata = {"format": FORMAT, **identity, **{k: str(v) for k, v in meta.items()}}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(path)
+
+
+def read_forecast(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a Forecast file. Raises SpardaError if unreadable or not a Forecast."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpardaError(f"Forecast weights not found: {path}; train them with `sparda train-forecast`")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    except Exception as exc:
+        raise SpardaError(f"cannot read Forecast weights {path}: {exc}".splitlines()[0]) from exc
+    if meta.get("format") != FORMAT:
+        raise SpardaError(f"{path} is not a sparda Forecast file (format {meta.get('format')!r})")
+    return tensors, meta
+
+
+def load_forecast(path: str | Path, config, shape, name: str | None = None) -> tuple[Forecast, dict[str, str]]:
+    """Load Forecast weights for a base model, checking identity and shapes.
+
+    Args:
+        config, shape: the loaded model's transformers config and ``ModelShape``.
+        name: the model's display name for messages.
+    Returns: ``(forecast fp32 on CPU, metadata)``.
+    Raises:
+        SpardaError: one line naming both models if the weights were trained for another.
+    """
+    tensors, meta = read_forecast(path)
+    mine = model_identity(config, shape)
+    if name:
+        mine["model_name"] = name
+    keys = [k for k in mine if k != "model_name"]
+    forecast = Forecast.for_shape(shape)
+    expected = {k: tuple(v.shape) for k, v in forecast.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if any(meta.get(k) != mine[k] for k in keys) or expected != got:
+        raise SpardaError(f"Forecast weights {path} were trained for {describe(meta)}, not for the loaded "
+                          f"model {describe(mine)}; pass --forecast for this model or train one")
+    forecast.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return forecast.eval(), meta
+
+
+def shipped_path(name: str | None) -> Path | None:
+    """Path of the shipped Forecast weights for a model display name, or None."""
+    file = SHIPPED.get(name or "")
+    if file is None:
+        return None
+    path = Path(str(resources.files("sparda") / "assets" / "forecast" / file))
+    return path if path.is_file() else None
+
+
+def default_forecast_available(model_dir) -> bool:
+    """True if shipped Forecast weights exist for the model in ``model_dir``."""
+    return shipped_path(model_name(model_dir)) is not None
+
+
+def model_name(model_dir) -> str | None:
+    """Display name of a model directory (the bundled model's name when it is the bundled one)."""
+    if model_dir is None:
+        return None
+    source = Path(model_dir) / "sparda_source.json"
+    try:
+        gguf = json.loads(source.read_text()).get("gguf", "")
+    except (OSError, ValueError):
+        return Path(model_dir).name
+    from sparda.model.loader import BUNDLED_GGUF, BUNDLED_NAME
+
+    return BUNDLED_NAME if Path(gguf).name == BUNDLED_GGUF else Path(gguf).stem
+
+
+class ForecastAttention(BlockSparseMethod):
+    """Method ``sparda`` with the KV cache on the device (SPEC §4).
+
+    Loads ``config.forecast_path`` or, for the bundled model, the shipped weights; a
+    ``forecast=`` :class:`Forecast` argument replaces both (used by tests and reports).
+
+    Raises:
+        SpardaError: no weights for this model, or weights trained for another model.
+    """
+
+    name = "sparda"
+
+    def __init__(self, config, shape, model=None, model_dir=None, forecast: Forecast | None = None) -> None:
+        super().__init__(config, shape, model=model, model_dir=model_dir)
+        self.meta: dict[str, str] = {}
+        if forecast is None:
+            display = model_name(model_dir)
+            path = config.forecast_path or shipped_path(display)
+            if path is None:
+                raise SpardaError(f"no Forecast weights for {display or 'this model'}; train them with "
+                                  "`sparda train-forecast --model ... --out F.safetensors` and pass --forecast F.safetensors, "
+                                  "or use --method sparse")
+            if model is None:
+                raise SpardaError("method sparda needs the model to check its Forecast weights")
+            forecast, self.meta = load_forecast(path, model.config, shape, display)
+        if model is not None:
+            param = next(model.parameters())
+            forecast = forecast.to(device=param.device, dtype=param.dtype)
+        self.forecast = forecast.eval().requires_grad_(False)
+        self._queries: dict[int, torch.Tensor] = {}  # prefill: target layer -> [B, H, T, d]
+        self._masks: dict[int, torch.Tensor] = {}    # decode: target layer -> [B, H, 1, N]
+
+    def reset(self) -> None:
+        super().reset()
+        self._queries.clear()
+        self._masks.clear()
+
+    def predict_next(self, layer: int, h: torch.Tensor, cache, step) -> torch.Tensor:
+        """Layer ``layer+1``'s block mask, computed during layer ``layer`` (decode).
+
+        ``F_layer(h)`` scores layer ``layer+1``'s compressed keys as they stood before this
+        step's token was appended there (a window completing at the current token is not
+        scored; the current block is forced local anyway), then §3.4 selects.
+
+        Args: ``h [B, Tq, d_model]``; ``cache`` a cache with ``view``; ``step`` a StepInfo.
+        Returns: ``[B, H_kv, Tq, N]`` bool, ``N = ceil(max kv_len / block_size)``.
+        """
+        cfg = self.selection
+        num_tokens = step.max_kv_len
+        _, _, ck = cache.view(layer + 1, step.rows, max(num_tokens - 1, 0))
+        f = self.forecast.project(layer + 1, h, step.cos, step.sin)
+        scores = ref.forecast_scores(f, ck, step.q_pos - 1, cfg.kernel_size, cfg.kernel_stride)
+        num_blocks = -(-num_tokens // cfg.block_size)
+        blocks = ref.pool_to_blocks(scores, num_blocks, cfg)
+        return ref.select_blocks(blocks, step.q_pos, cfg)
+
+    def _prefill_dense(self, step) -> bool:
+        return step.phase == "prefill" and not self.config.sparse_prefill
+
+    def before_layer(self, layer, q, h, cache, step):
+        if not self.needs_selection(step) or self._prefill_dense(step):
+            return
+        if step.phase == "prefill":
+            if layer == 0:
+                self._queries[0] = self.forecast.project(0, h, step.cos, step.sin)
+            if layer + 1 < self.shape.num_layers:
+                self._queries[layer + 1] = self.forecast.project(layer + 1, h, step.cos, step.sin)
+            return
+        if layer == 0:
+            self._queries[0] = self.forecast.project(0, h, step.cos, step.sin)
+        if layer + 1 < self.shape.num_layers:
+            self._masks[layer + 1] = self.predict_next(layer, h, cache, step)
+
+    def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
+        cfg = self.selection
+        f = self._queries[layer][..., chunk, :]
+        scores = ref.forecast_scores(f, ck, step.q_pos[:, chunk], cfg.kernel_size, cfg.kernel_stride)
+        return ref.pool_to_blocks(scores, -(-k.shape[-2] // cfg.block_size), cfg)
+
+    def select(self, layer, q, h, cache, step, first=0):
+        if step.phase == "decode" and layer in self._masks:
+            return self._masks.pop(layer)
+        mask = super().select(layer, q, h, cache, step, first)
+        self._queries.pop(layer, None)
+        return mask
+
+    def attend(self, layer, q, h, cache, step):
+        if self._prefill_dense(step):
+            num_tokens = step.max_kv_len
+            k, v, _ = cache.view(layer, step.rows, num_tokens)
+            return dense_attention(q, k, v, step)
+        return super().attend(layer, q, h, cache, step)

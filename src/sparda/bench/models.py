@@ -1,0 +1,137 @@
+"""Random-weight Llama-family models at named shapes, for throughput benchmarks.
+
+The weights are random (``nn.Linear`` default init), so these models measure speed and
+memory, never quality. They are built through ``transformers.LlamaConfig`` and our
+:class:`~sparda.model.llama.CausalLM`, so the same runtime (caches, methods, kernels)
+runs them as a real checkpoint.
+
+Shapes (``MODEL_SPECS``):
+
+* ``llama-8b``: Llama-3-8B: 32 layers, 32 Q / 8 KV heads, d 128, hidden 4096, MLP 14336,
+  vocab 128256;
+* ``minicpm-8b``: MiniCPM4.1-8B's attention geometry: 32 layers, 32 Q / 2 KV heads, d 128,
+  hidden 4096, MLP 16384, vocab 73448 (MiniCPM's muP scalings are left out: they do not
+  change the bytes or FLOPs of a step);
+* ``bundled``: SmolLM2-135M-Instruct's shape (30 layers, 9 Q / 3 KV, d 64, hidden 576,
+  MLP 1536, vocab 49152, tied embeddings), random weights;
+* ``tiny``: 4 layers, 4 Q / 2 KV, d 32, hidden 128 (CPU tests, ``--quick``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sparda.attention.forecast import Forecast
+from sparda.config import SelectionConfig
+from sparda.errors import SpardaError
+from sparda.model.llama import CausalLM
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model shape plus the selection budget benchmarked with it (SPEC §3 presets).
+
+    Attributes: ``layers``, ``q_heads``, ``kv_heads``, ``head_dim``, ``hidden``, ``mlp``
+    (intermediate size), ``vocab``; ``tie`` (tied embeddings); ``preset`` and
+    ``selection`` (overrides of the preset's fields).
+    """
+
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    mlp: int
+    vocab: int
+    tie: bool = False
+    preset: str = "paper"
+    selection: dict = field(default_factory=dict)
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "llama-8b": ModelSpec(32, 32, 8, 128, 4096, 14336, 128256),
+    "minicpm-8b": ModelSpec(32, 32, 2, 128, 4096, 16384, 73448),
+    "bundled": ModelSpec(30, 9, 3, 64, 576, 1536, 49152, tie=True),
+    # tiny contexts (1-2K tokens) need a tiny budget to leave the dense fallback
+    "tiny": ModelSpec(4, 4, 2, 32, 128, 256, 512, preset="small",
+                      selection=dict(init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=256)),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of ``name``. Raises SpardaError for an unknown name."""
+    if name not in MODEL_SPECS:
+        raise SpardaError(f"unknown bench model {name!r}; choose from {', '.join(MODEL_SPECS)}")
+    return MODEL_SPECS[name]
+
+
+def selection_config(name: str) -> SelectionConfig:
+    """The selection budget benchmarked with model ``name`` (paper preset for 8B shapes)."""
+    spec = model_spec(name)
+    return SelectionConfig.from_preset(spec.preset, **spec.selection)
+
+
+def build_model(name: str, device: torch.device | str, dtype: torch.dtype,
+                max_positions: int = 131072, seed: int = 0) -> CausalLM:
+    """A random-weight :class:`CausalLM` of shape ``name`` on ``device`` in ``dtype``.
+
+    Args:
+        max_positions: the config's ``max_position_embeddings`` (tokens; RoPE is computed
+            from positions, so this only documents the longest context benchmarked).
+    Raises:
+        SpardaError: unknown name, or the weights do not fit on the device.
+    """
+    from transformers import LlamaConfig
+
+    spec = model_spec(name)
+    cfg = LlamaConfig(hidden_size=spec.hidden, intermediate_size=spec.mlp, num_hidden_layers=spec.layers,
+                      num_attention_heads=spec.q_heads, num_key_value_heads=spec.kv_heads,
+                      head_dim=spec.head_dim, vocab_size=spec.vocab, max_position_embeddings=max_positions,
+                      rms_norm_eps=1e-5, tie_word_embeddings=spec.tie)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg)
+    except (RuntimeError, MemoryError) as exc:
+        raise SpardaError(f"random {name} weights do not fit on {device}: {str(exc).splitlines()[0]}") from exc
+    finally:
+        torch.set_default_dtype(previous)
+    model.rotary.inv_freq.data = model.rotary.inv_freq.float()
+    return model.eval().requires_grad_(False)
+
+
+def random_forecast(model: CausalLM, seed: int = 0) -> Forecast:
+    """A random Forecast (``Forecast.for_shape``) on the model's device and dtype."""
+    torch.manual_seed(seed + 1)
+    param = next(model.parameters())
+    return Forecast.for_shape(model.shape).to(device=param.device, dtype=param.dtype).eval()
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes of weights one decode step reads: every parameter except the input embedding
+    (a decode step gathers ``B`` of its rows; it still counts once if tied to the LM head)."""
+    seen, total = set(), 0
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is embed and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def method_extra_bytes(llm) -> int:
+    """Bytes of method-owned weights read per step (the Forecast of ``sparda*``; InfiniGen's
+    partial query weights); 0 for the others."""
+    method = llm.method
+    tensors = []
+    if hasattr(method, "forecast"):
+        tensors = list(method.forecast.parameters())
+    elif hasattr(method, "weights"):
+        tensors = list(method.weights)
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,219 @@
+"""One benchmark point: build the method's LLM, fill a cache directly, time prefill and decode.
+
+Decode points do not run a prefill: the KV cache of a random model is written directly
+(:func:`fill_cache`: random post-RoPE K/V per layer, appended through the cache's own
+prefill path, so compressed keys, host copies and partial-block slots are exactly what
+a prefill would leave). Prefill throughput and TTFT are measured separately on one
+sequence of ``min(context, prefill_tokens)`` random tokens (:func:`measure_prefill`).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+from sparda.bench.models import method_extra_bytes, weight_bytes
+from sparda.bench.roofline import kv_read_bytes, roofline_ms
+from sparda.bench.timing import ComponentTimer
+from sparda.bench.traces import Replayer, replay_masks, trace_for
+from sparda.cache.host import available_host_bytes
+from sparda.engine.llm import LLM
+from sparda.errors import SpardaError
+from sparda.model.llama import StepInfo
+
+#: methods whose KV cache lives in host memory (SPEC §6)
+HOST_KV = {"sparse-offload", "sparda-no-prefetch", "sparda"}
+
+
+class OutOfMemory(Exception):
+    """A point does not fit (device or host memory); recorded as ``oom``."""
+
+
+def make_llm(model, method: str, selection, forecast, transfer: str = "auto") -> LLM:
+    """The LLM a sweep method runs: ``sparda`` is the offloaded, prefetching SparDA;
+    ``dense``, ``sparse``, ``infinigen`` keep the KV cache on the device."""
+    fields = {f: getattr(selection, f) for f in ("block_size", "kernel_size", "kernel_stride", "init_blocks",
+                                                 "local_blocks", "topk_blocks", "dense_len")}
+    return LLM.from_model(model, method=method, preset="small", forecast=forecast, transfer=transfer,
+                          offload=True if method == "sparda" else None, **fields)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for allocation failures: CUDA OOM, MemoryError, SpardaError about memory."""
+    if isinstance(exc, (OutOfMemory, MemoryError)) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, (SpardaError, RuntimeError)) and ("fit" in msg or "out of memory" in msg
+                                                             or "memory" in msg and "host" in msg)
+
+
+def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
+    """``(device_bytes, host_bytes)`` the KV cache of a point needs (K and V only)."""
+    s, cfg = llm.shape, llm.config.selection
+    elem = torch.empty((), dtype=llm.dtype).element_size()
+    per_layer = 2 * batch * s.num_kv_heads * s.head_dim * elem
+    if llm.config.method in HOST_KV:
+        blocks = -(-capacity // cfg.block_size)
+        host = (s.num_layers - 1) * per_layer * blocks * cfg.block_size
+        return per_layer * capacity, host  # layer 0 stays resident
+    return s.num_layers * per_layer * capacity, 0
+
+
+def check_memory(llm: LLM, batch: int, capacity: int, host_limit: float | None) -> None:
+    """Raise :class:`OutOfMemory` before allocating a cache that cannot fit."""
+    dev, host = cache_need_bytes(llm, batch, capacity)
+    if llm.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(llm.device)
+        if dev > free:
+            raise OutOfMemory(f"KV cache needs {dev / 2**30:.1f} GiB on the GPU, {free / 2**30:.1f} GiB free")
+    limit = host_limit if host_limit is not None else 0.9 * (available_host_bytes() or float("inf"))
+    if host > limit:
+        raise OutOfMemory(f"host KV needs {host / 2**30:.1f} GiB, limit {limit / 2**30:.1f} GiB")
+
+
+def fill_cache(cache, shape, batch: int, context: int, device, dtype, seed: int = 0) -> None:
+    """Write ``context`` random post-RoPE K/V tokens into every row of ``cache`` (no model run)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q_pos = torch.arange(context, device=device).view(1, -1)
+    for layer in range(shape.num_layers):
+        k = torch.randn(1, shape.num_kv_heads, context, shape.head_dim, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(k.shape, device=device, dtype=dtype, generator=gen)
+        for row in range(batch):
+            step = StepInfo("prefill", torch.tensor([row], device=device), q_pos, q_pos[:, -1] + 1,
+                            None, None, context)
+            cache.append(layer, k, v, step)
+        del k, v
+    cache.lengths.fill_(context)
+    if hasattr(cache, "_stash"):
+        cache._stash = None
+
+
+def host_rss_bytes() -> int:
+    """Resident memory of this process (bytes; pinned host memory included once touched)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def measure_prefill(llm: LLM, tokens: int, seed: int = 0) -> dict:
+    """TTFT and prefill tok/s of one random prompt of ``tokens`` tokens (after a warm-up)."""
+    vocab = llm.model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    cfg = llm.config.selection
+    warm = min(tokens, max(cfg.dense_len, cfg.budget_tokens) + 2 * cfg.block_size)
+    for n in (warm, tokens):
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        llm.method.reset()
+        cache = llm.new_cache(1, n + 1)
+        sync(llm.device)
+        start = time.perf_counter()
+        logits = llm.prefill(cache, 0, ids)
+        logits[-1].argmax()
+        sync(llm.device)
+        sec = time.perf_counter() - start
+        del cache, logits
+    return {"prefill_tokens": tokens, "ttft_ms": round(sec * 1e3, 3), "prefill_tok_s": round(tokens / sec, 1)}
+
+
+def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, bandwidth: dict,
+                 traces=None) -> dict:
+    """Measure one decode point (module doc); returns the measured fields of a record.
+
+    ``opts``: ``warmup_steps``, ``decode_steps``, ``repeats``, ``breakdown_steps``,
+    ``host_limit_bytes``. Raises :class:`OutOfMemory` (or the allocator's error) if the
+    cache does not fit.
+    """
+    dev, s, cfg = llm.device, llm.shape, llm.config.selection
+    total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps
+    capacity = context + total_steps + 1
+    check_memory(llm, batch, capacity, opts.host_limit_bytes)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    llm.method.reset()
+    cache = llm.new_cache(batch, capacity)
+    fill_cache(cache, s, batch, context, dev, llm.dtype)
+    offloaded = hasattr(cache, "fetch")
+    source = "native (random K/V)"
+    replayer = None
+    if offloaded and traces:
+        trace = trace_for(traces, llm.config.method)
+        masks = replay_masks(trace, s.num_layers, s.num_kv_heads, cfg, [context] * batch, total_steps,
+                             cache.num_blocks).to(dev)
+        replayer = Replayer(masks)
+        replayer.install(cache)
+        source = f"trace:{trace.meta.get('method')}"
+    host_peak = host_rss_bytes()
+    tokens = torch.randint(0, llm.model.config.vocab_size, (batch,), device=dev)
+    state = {"i": 0}
+
+    def step():
+        i = state["i"]
+        if replayer is not None:
+            replayer.step = i
+        pos = torch.full((batch,), context + i, device=dev)
+        out = llm.decode(cache, tokens, pos, context + i).argmax(-1)
+        state["i"] = i + 1
+        return out
+
+    for _ in range(opts.warmup_steps):
+        step()
+    sync(dev)
+    if offloaded:
+        cache.prefetcher.reset()
+    tpots = []
+    for _ in range(opts.repeats):
+        sync(dev)
+        start = time.perf_counter()
+        for _ in range(opts.decode_steps):
+            step()
+        sync(dev)
+        tpots.append((time.perf_counter() - start) / opts.decode_steps * 1e3)
+    timed_steps = opts.decode_steps * opts.repeats
+    stats = cache.offload_stats(timed_steps * batch) if offloaded else {}
+    breakdown = {}
+    if opts.breakdown_steps:
+        timer = ComponentTimer(dev)
+        timer.install(llm, cache)
+        try:
+            for _ in range(opts.breakdown_steps):
+                timer.step(step)
+            breakdown = timer.summary()
+        finally:
+            timer.remove()
+    host_peak = max(host_peak, host_rss_bytes())
+    tpot = statistics.median(tpots)
+    elem = torch.empty((), dtype=llm.dtype).element_size()
+    w_bytes = weight_bytes(llm.model) + method_extra_bytes(llm)
+    kv_bytes = kv_read_bytes(llm.config.method, s, cfg, batch, context, elem)
+    missed = stats.get("bytes_per_token", 0.0) * batch
+    roof = roofline_ms(w_bytes, kv_bytes, missed, bandwidth["hbm_gbps"], bandwidth["pcie_gbps"])
+    rec = {
+        "decode_tok_s": round(batch / tpot * 1e3, 2), "tpot_ms": round(tpot, 4),
+        "tpot_ms_repeats": [round(t, 4) for t in tpots],
+        "roofline_tpot_ms": round(roof, 4), "roofline_fraction": round(roof / tpot, 4),
+        "roofline_bound": "pcie" if missed / bandwidth["pcie_gbps"] > (w_bytes + kv_bytes) / bandwidth["hbm_gbps"]
+        else "hbm",
+        "weight_bytes": w_bytes, "kv_read_bytes_per_step": kv_bytes, "missed_bytes_per_step": round(missed, 1),
+        "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
+        "exposed_wait_ms": round(stats["exposed_wait_ms"] / timed_steps, 4) if stats else 0.0,
+        "copy_ms": round(stats["copy_ms"] / timed_steps, 4) if stats else 0.0,
+        "selection_ms": breakdown.get("selection"), "breakdown_ms": breakdown,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        "peak_host_bytes": host_peak, "host_kv_bytes": cache.host.nbytes if offloaded else 0,
+        "kv": "host" if offloaded else "device", "selection_source": source if offloaded else "native",
+        "read_fraction": round(llm.method.read_fraction(), 4),
+    }
+    del cache, replayer
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rec

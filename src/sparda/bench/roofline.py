@@ -1,0 +1,89 @@
+"""Roofline of a decode step: the bytes it must read, over the bandwidths measured in the same run.
+
+A decode step of batch ``B`` reads every weight once, the KV bytes its attention covers
+(all of them for ``dense``; the selected blocks plus the compressed keys that selection
+scores for the block-sparse methods) from HBM, and copies its missed blocks over PCIe.
+The two transfers can overlap, so the fastest possible step takes::
+
+    roofline_tpot = max((weight_bytes + kv_bytes) / HBM_bandwidth, missed_bytes / PCIe_bandwidth)
+
+Bandwidths: HBM from a large device-to-device copy (bytes read + written), PCIe from a
+pinned host-to-device copy; on a CPU-only machine both are host memcpy rates.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sparda.errors import SpardaError
+
+
+def roofline_ms(weight_bytes: float, kv_bytes: float, missed_bytes: float,
+                hbm_gbps: float, pcie_gbps: float) -> float:
+    """Lower bound of one decode step in ms: ``max((W + KV) / HBM, missed / PCIe)``.
+
+    Args: bytes per step; bandwidths in GB/s (1e9 bytes/s).
+    Raises: SpardaError for a non-positive bandwidth or negative bytes.
+    """
+    if hbm_gbps <= 0 or pcie_gbps <= 0:
+        raise SpardaError(f"bandwidths must be positive, got HBM {hbm_gbps} / PCIe {pcie_gbps} GB/s")
+    if min(weight_bytes, kv_bytes, missed_bytes) < 0:
+        raise SpardaError("byte counts must be >= 0")
+    return max((weight_bytes + kv_bytes) / (hbm_gbps * 1e6), missed_bytes / (pcie_gbps * 1e6))
+
+
+def kv_read_bytes(method: str, shape, selection, batch: int, context: int, elem_bytes: int) -> int:
+    """KV bytes one decode step reads from device memory (SPEC §3).
+
+    ``dense``: all ``context`` keys and values. Block-sparse methods: per layer and KV head,
+    ``min(budget, blocks)`` blocks of K and V plus the ``C(context)`` compressed keys that
+    selection scores (one pass per KV head); all blocks under the dense fallback.
+    Returns bytes (int) for the whole batch and all layers.
+    """
+    per_head_token = shape.head_dim * elem_bytes
+    lh = batch * shape.num_layers * shape.num_kv_heads
+    if method == "dense" or context < selection.dense_len:
+        return 2 * lh * context * per_head_token
+    blocks = -(-context // selection.block_size)
+    read = min(selection.budget_blocks, blocks) * selection.block_size
+    kern, stride = selection.kernel_size, selection.kernel_stride
+    num_ck = max(0, (context - kern) // stride + 1)
+    return lh * (2 * read + num_ck) * per_head_token
+
+
+def _time(fn, device: torch.device, reps: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / reps
+
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None) -> dict[str, float]:
+    """Measure HBM and PCIe bandwidth (GB/s) on ``device``.
+
+    ``hbm_gbps``: ``2 * nbytes / t`` of a device-to-device ``copy_`` of ``nbytes``
+    (default 2 GiB on CUDA, 64 MiB on CPU). ``pcie_gbps``: ``nbytes / t`` of a pinned
+    host-to-device copy (CPU: a host memcpy). Returns both plus ``bandwidth_bytes``.
+    """
+    cuda = device.type == "cuda"
+    nbytes = nbytes or ((2 << 30) if cuda else (64 << 20))
+    n = nbytes // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    hbm = 2 * nbytes / _time(lambda: dst.copy_(src), device, 10 if cuda else 3) / 1e9
+    del src, dst
+    host_n = min(n, (1 << 30) // 2)
+    host = torch.empty(host_n, dtype=torch.bfloat16, pin_memory=cuda)
+    dst = torch.empty(host_n, dtype=torch.bfloat16, device=device)
+    pcie = 2 * host_n / _time(lambda: dst.copy_(host, non_blocking=True), device, 10 if cuda else 3) / 1e9
+    del host, dst
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"hbm_gbps": round(hbm, 1), "pcie_gbps": round(pcie, 1), "bandwidth_bytes": nbytes}

@@ -1,0 +1,232 @@
+"""The benchmark sweep: models x methods x contexts x batches, one record per point.
+
+Every point gets a record (``status`` ``ok``, ``oom``, ``error`` or ``skipped``, the
+last when the time budget ran out); an out-of-memory point (CUDA OOM, a host-memory
+pre-check, a SpardaError from an allocation) is recorded as ``oom`` and the sweep goes
+on; once a batch is ``oom`` the larger batches of the same model, method and context are
+recorded as ``oom`` without being tried. ``results.json`` is rewritten atomically after
+every point, so a killed run keeps what it measured; ``report.md`` and the plots are
+written at the end (:func:`sparda.bench.report.write_report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparda.bench import point as pt
+from sparda.bench.models import build_model, model_spec, random_forecast, selection_config
+from sparda.bench.roofline import measure_bandwidth
+from sparda.bench.traces import SHIPPED_TRACE, load_traces, reuse_stats
+from sparda.engine.llm import resolve_device, resolve_dtype
+from sparda.errors import SpardaError
+
+SWEEP_METHODS = ("dense", "sparse", "sparse-offload", "infinigen", "sparda-no-prefetch", "sparda")
+REQUIRED_KEYS = ("model", "method", "context", "batch", "status", "prefill_tok_s", "decode_tok_s", "tpot_ms",
+                 "roofline_tpot_ms", "selection_ms", "exposed_wait_ms", "hit_rate", "pcie_bytes_per_token")
+
+
+@dataclass
+class SweepConfig:
+    """What to sweep and how long to measure.
+
+    Attributes:
+        models, methods, contexts (tokens), batches: the grid.
+        decode_steps: timed decode steps per repeat; repeats: timed repeats (median);
+        warmup_steps: untimed steps first; breakdown_steps: steps of the instrumented run.
+        prefill_tokens: prefill is timed on ``min(context, prefill_tokens)`` tokens.
+        out: output directory. device, dtype: as :class:`~sparda.LLM`.
+        gpu_mem_gb: cap on this process's GPU memory; host_mem_gb: cap on host KV bytes.
+        trace: selection trace file, ``None`` = the shipped one, ``"none"`` = native selection.
+        transfer: offload copy engine. time_budget_s: later points are ``skipped``.
+    """
+
+    models: list = field(default_factory=lambda: ["llama-8b"])
+    methods: list = field(default_factory=lambda: list(SWEEP_METHODS))
+    contexts: list = field(default_factory=lambda: [32768])
+    batches: list = field(default_factory=lambda: [1, 4, 8, 16, 32, 64])
+    decode_steps: int = 16
+    repeats: int = 3
+    warmup_steps: int = 3
+    breakdown_steps: int = 4
+    prefill_tokens: int = 16384
+    out: str = "bench-out"
+    device: str | None = None
+    dtype: str | None = None
+    gpu_mem_gb: float | None = None
+    host_mem_gb: float | None = None
+    trace: str | None = None
+    transfer: str = "auto"
+    time_budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for m in self.models:
+            model_spec(m)
+        bad = [m for m in self.methods if m not in SWEEP_METHODS]
+        if bad:
+            raise SpardaError(f"unknown bench method(s) {', '.join(bad)}; choose from {', '.join(SWEEP_METHODS)}")
+        if min(self.contexts, default=0) < 1 or min(self.batches, default=0) < 1:
+            raise SpardaError("contexts and batches must be positive integers")
+        if self.decode_steps < 1 or self.repeats < 1 or self.warmup_steps < 0 or self.breakdown_steps < 0:
+            raise SpardaError("decode-steps and repeats must be >= 1, warm-up and breakdown steps >= 0")
+
+    @property
+    def host_limit_bytes(self) -> float | None:
+        """The host-memory cap in bytes, or None (90 % of the free memory)."""
+        return None if self.host_mem_gb is None else self.host_mem_gb * 2**30
+
+
+def quick_config(out: str, **overrides) -> SweepConfig:
+    """The ``--quick`` CPU sweep: ``tiny`` model, contexts 1K/2K, batches 1-2, few steps."""
+    base = dict(models=["tiny"], contexts=[1024, 2048], batches=[1, 2], decode_steps=3, repeats=2,
+                warmup_steps=1, breakdown_steps=2, prefill_tokens=1024, out=out, device="cpu")
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return SweepConfig(**base)
+
+
+def write_json(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (temp file + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def environment(device: torch.device) -> dict:
+    """Device name, date, git commit, torch version: the header of a report."""
+    import datetime
+    import subprocess
+
+    try:
+        root = Path(__file__).resolve().parents[3]
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit += "+dirty" if dirty and commit != "unknown" else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
+            "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
+
+
+def _blank(model, method, context, batch, status, error=None) -> dict:
+    rec = {k: None for k in REQUIRED_KEYS}
+    rec.update(model=model, method=method, context=context, batch=batch, status=status, error=error)
+    return rec
+
+
+def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
+    """Run the sweep, write ``results.json`` (after every point), ``report.md`` and plots.
+
+    Returns the records. Raises SpardaError for a bad device, dtype or trace file.
+    """
+    from sparda.bench.report import write_report
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.gpu_mem_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_mem_gb * 2**30 / total), device)
+    t0 = time.perf_counter()
+    env = environment(device)
+    env.update(measure_bandwidth(device))
+    traces = None
+    if cfg.trace != "none":
+        traces = load_traces(cfg.trace or SHIPPED_TRACE)
+        env["trace"] = {"file": str(cfg.trace or SHIPPED_TRACE.name),
+                        **{k: {**reuse_stats(v), "steps": int(v.ids.shape[0]), "rows": int(v.ids.shape[1]),
+                               "model": v.meta.get("model"), "text": v.meta.get("text")}
+                           for k, v in traces.items()}}
+    env["config"] = dataclasses.asdict(cfg)
+    log(f"bench on {env['device']}: HBM {env['hbm_gbps']} GB/s, PCIe {env['pcie_gbps']} GB/s")
+    records: list[dict] = []
+    write_json(out / "env.json", env)
+
+    def save() -> None:
+        write_json(out / "results.json", records)
+
+    for model_name in cfg.models:
+        if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
+            records += [_blank(model_name, m, c, b, "skipped", "time budget") for c in cfg.contexts
+                        for m in cfg.methods for b in cfg.batches]
+            continue
+        selection = selection_config(model_name)
+        try:
+            model = build_model(model_name, device, dtype, max(cfg.contexts) + 1024)
+        except SpardaError as exc:
+            records += [_blank(model_name, m, c, b, "oom", str(exc)) for c in cfg.contexts
+                        for m in cfg.methods for b in cfg.batches]
+            save()
+            continue
+        forecast = random_forecast(model)
+        for context in cfg.contexts:
+            for method in cfg.methods:
+                llm = pt.make_llm(model, method, selection, forecast, cfg.transfer)
+                prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
+                failed = None
+                for batch in sorted(cfg.batches):
+                    base = {**_blank(model_name, method, context, batch, "ok"), **prefill,
+                            "device": env["device"], "dtype": str(dtype).replace("torch.", ""),
+                            "decode_steps": cfg.decode_steps, "repeats": cfg.repeats,
+                            "hbm_gbps": env["hbm_gbps"], "pcie_gbps": env["pcie_gbps"]}
+                    if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
+                        base.update(status="skipped", error="time budget")
+                    elif failed is not None:
+                        base.update(status="oom", error=f"batch {failed} was out of memory")
+                    else:
+                        try:
+                            base.update(pt.decode_point(llm, model_name, batch, context, cfg, env, traces))
+                        except Exception as exc:  # noqa: BLE001 - every failure becomes a record
+                            _cleanup(device)
+                            oom = pt.is_oom(exc)
+                            base.update(status="oom" if oom else "error", error=f"{type(exc).__name__}: "
+                                        f"{str(exc).splitlines()[0][:200] if str(exc) else ''}")
+                            failed = batch if oom else None
+                    records.append(base)
+                    save()
+                    log(_line(base))
+                del llm
+                _cleanup(device)
+        del model, forecast
+        _cleanup(device)
+    save()
+    write_report(records, env, out)
+    return records
+
+
+def _prefill(llm, tokens: int, cfg: SweepConfig, t0: float, log) -> dict:
+    """Prefill fields of a record (``None`` with ``prefill_error`` if it failed)."""
+    if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
+        return {"prefill_tokens": tokens, "ttft_ms": None, "prefill_tok_s": None}
+    try:
+        return pt.measure_prefill(llm, tokens)
+    except Exception as exc:  # noqa: BLE001 - a failed prefill must not stop the decode points
+        _cleanup(llm.device)
+        log(f"prefill {llm.config.method} {tokens}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+        return {"prefill_tokens": tokens, "ttft_ms": None, "prefill_tok_s": None,
+                "prefill_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+
+
+def _cleanup(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _line(rec: dict) -> str:
+    head = f"{rec['model']} {rec['method']:<18} ctx {rec['context']:>6} B {rec['batch']:>3}: {rec['status']}"
+    if rec["status"] != "ok":
+        return f"{head} ({rec.get('error')})"
+    hit = "-" if rec["hit_rate"] is None else f"{rec['hit_rate']:.3f}"
+    return (f"{head} {rec['decode_tok_s']:.1f} tok/s, TPOT {rec['tpot_ms']:.2f} ms "
+            f"(roofline {rec['roofline_tpot_ms']:.2f}), hit {hit}, exposed {rec['exposed_wait_ms']:.2f} ms")

@@ -1,0 +1,118 @@
+"""Host-side storage of the offloaded KV cache (SPEC §6).
+
+The full K and V of every offloaded layer live in host memory, pinned when the cache
+serves a CUDA device (so the GPU can read them directly through UVA or DMA them
+asynchronously). The layout is block-major: ``[rows, H_kv, num_blocks, block_size, d]``,
+so one KV block of one head (``block_size * d`` elements, 16 KiB for ``64 x 128`` bf16)
+is one contiguous run. Memory is allocated in chunks of whole rows per layer and per
+K/V (one huge pinned allocation fails on many systems).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from sparda.errors import SpardaError
+
+#: Default upper bound of one allocation (bytes).
+DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+@dataclass
+class HostChunk:
+    """One allocation: rows ``[row0, row1)`` of one layer.
+
+    Attributes:
+        row0, row1: the rows it holds (cache row indices).
+        k, v: ``[row1 - row0, H_kv, num_blocks, block_size, d]`` host tensors.
+    """
+
+    row0: int
+    row1: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def available_host_bytes() -> int | None:
+    """Free physical memory in bytes (``None`` if the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - platform dependent
+        return None
+
+
+class HostKVStore:
+    """Full K/V of the offloaded layers in (pinned) host memory, block-major, chunked.
+
+    Args:
+        layers: the layer indices stored here (resident layers are left out).
+        batch: rows. num_kv_heads, head_dim: ``H_kv``, ``d``.
+        num_blocks: blocks per row (``ceil(capacity / block_size)``). block_size: tokens.
+        dtype: element type. pin: page-lock the memory (for a CUDA device).
+        chunk_bytes: largest single allocation; a row larger than this gets its own chunk.
+    Raises:
+        SpardaError: if the memory is not available; the message names the bytes needed
+            and available and suggests a smaller batch or context.
+    """
+
+    def __init__(self, layers, batch: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, pin: bool,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.layers = tuple(layers)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.pinned = pin
+        elem = torch.empty((), dtype=dtype).element_size()
+        #: bytes of one block of one head (K or V alone)
+        self.block_bytes = block_size * head_dim * elem
+        row_bytes = num_kv_heads * num_blocks * self.block_bytes
+        need = 2 * len(self.layers) * batch * row_bytes
+        free = available_host_bytes()
+        if free is not None and need > free:
+            raise SpardaError(self._message(need, free))
+        rows_per_chunk = max(1, min(batch, chunk_bytes // max(row_bytes, 1)))
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        self.chunks: dict[int, list[HostChunk]] = {}
+        try:
+            for layer in self.layers:
+                chunks = []
+                for row0 in range(0, batch, rows_per_chunk):
+                    row1 = min(batch, row0 + rows_per_chunk)
+                    k = torch.zeros((row1 - row0, *shape), dtype=dtype, pin_memory=pin)
+                    v = torch.zeros((row1 - row0, *shape), dtype=dtype, pin_memory=pin)
+                    chunks.append(HostChunk(row0, row1, k, v))
+                self.chunks[layer] = chunks
+        except (RuntimeError, MemoryError) as exc:
+            self.chunks = {}
+            raise SpardaError(self._message(need, free)) from exc
+        #: bytes held (K and V of every stored layer)
+        self.nbytes = need
+
+    @staticmethod
+    def _message(need: int, free: int | None) -> str:
+        have = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
+        return (f"offloaded KV cache needs {need / 2**30:.2f} GiB of host memory but {have} is available; "
+                "use a smaller batch or context (fewer --max-new-tokens or a shorter prompt)")
+
+    def write_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v [H_kv, T, d]`` (any device) as tokens ``0 .. T-1`` of ``row`` (prefill)."""
+        for chunk in self.chunks[layer]:
+            if chunk.row0 <= row < chunk.row1:
+                t = k.shape[-2]
+                nb = -(-t // self.block_size)
+                for dst, src in ((chunk.k, k), (chunk.v, v)):
+                    flat = dst[row - chunk.row0, :, :nb].flatten(1, 2)  # [H, nb*bs, d], contiguous view
+                    flat[:, :t].copy_(src)
+                return
+        raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
+
+    def block(self, layer: int, row: int, head: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of one block ``[block_size, d]`` (a view into host memory; for tests)."""
+        for chunk in self.chunks[layer]:
+            if chunk.row0 <= row < chunk.row1:
+                r = row - chunk.row0
+                return chunk.k[r, head, block], chunk.v[r, head, block]
+        raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal

@@ -1,0 +1,247 @@
+"""Host <-> device transfer engines of the offload runtime (SPEC §6), behind one interface.
+
+Two operations, both on one :class:`~sparda.cache.host.HostChunk` (rows
+``[row0, row1)`` of one layer):
+
+* :meth:`TransferEngine.gather`: ``dst[b, h, s] = host[b, h, load[b, h, s]]`` for every
+  slot with ``load >= 0`` (K and V), i.e. copy the missed blocks into their slots;
+* :meth:`TransferEngine.store_tokens`: write one decoded token per row back to host
+  memory at its position (keeps the host copy complete, block by block).
+
+Engines:
+
+* ``uva``: Triton kernels that read (and write) pinned host memory directly through
+  unified virtual addressing. A small fixed grid (``num_ctas`` CTAs x ``num_warps``
+  warps; 16 x 8 by default, as the reference) grid-strides over the ``B*H*S`` block
+  tasks; tasks whose ``load`` is ``-1`` (hits, free slots) move no bytes. No host
+  synchronisation: the block ids never leave the device.
+* ``copy``: the miss list is read on the host (one synchronisation), the blocks are
+  gathered by the CPU into a pinned staging buffer and sent with one
+  ``cudaMemcpyAsync`` (a contiguous run), then scattered into the slots on the GPU.
+* ``sync``: plain PyTorch indexing (CPU runs and CI; synchronises on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparda.errors import SpardaError
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+ENGINES = ("uva", "copy", "sync")
+
+if HAS_TRITON:
+    @triton.jit
+    def _uva_gather_kernel(SK, SV, DK, DV, LOAD, num_tasks, S, H,
+                           s_row, s_head, s_blk, d_row, d_head, d_slot, l_row, l_head,
+                           ELEMS: tl.constexpr, TILE: tl.constexpr):
+        """Grid-stride over block tasks ``t = (b*H + h)*S + s``; copy one block of K and V."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        offs = tl.arange(0, TILE)
+        for t in range(pid, num_tasks, nprog):
+            s = t % S
+            bh = t // S
+            h = bh % H
+            b = bh // H
+            blk = tl.load(LOAD + b * l_row + h * l_head + s)
+            ok = blk >= 0
+            src = b * s_row + h * s_head + tl.maximum(blk, 0) * s_blk
+            dst = b * d_row + h * d_head + s * d_slot
+            for i in range(0, ELEMS, TILE):
+                m = ((i + offs) < ELEMS) & ok
+                tl.store(DK + dst + i + offs, tl.load(SK + src + i + offs, mask=m), mask=m)
+                tl.store(DV + dst + i + offs, tl.load(SV + src + i + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _uva_store_kernel(SK, SV, DK, DV, POS, H, s_row, s_head, d_row, d_head, d_blk,
+                          D: tl.constexpr, D_P: tl.constexpr, BS: tl.constexpr):
+        """One program per (row, head): write the token at ``POS[row]`` into host memory."""
+        pid = tl.program_id(0)
+        b = pid // H
+        h = pid % H
+        pos = tl.load(POS + b)
+        blk = pos // BS
+        o = pos % BS
+        offs = tl.arange(0, D_P)
+        m = offs < D
+        dst = b * d_row + h * d_head + blk * d_blk + o * D + offs
+        tl.store(DK + dst, tl.load(SK + b * s_row + h * s_head + offs, mask=m), mask=m)
+        tl.store(DV + dst, tl.load(SV + b * s_row + h * s_head + offs, mask=m), mask=m)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+class TransferEngine:
+    """Interface of the engines. ``name`` is one of :data:`ENGINES`."""
+
+    name = "base"
+    #: whether a call synchronises the host with the device (documentation and stats)
+    syncs_host = True
+
+    def gather(self, chunk, dst_k: torch.Tensor, dst_v: torch.Tensor, load: torch.Tensor) -> None:
+        """Copy missed blocks into slots.
+
+        Args:
+            chunk: :class:`~sparda.cache.host.HostChunk`, ``k, v [R, H, N, bs, d]``.
+            dst_k, dst_v: device slot buffers ``[B, H, S', bs, d]`` (``S' >= S``),
+                contiguous, the chunk's dtype.
+            load: ``[B, H, S]`` int64 on the device: block id to load into slot ``s``,
+                ``-1`` for none. Only rows ``chunk.row0 .. chunk.row1 - 1`` are read.
+        """
+        raise NotImplementedError
+
+    def store_tokens(self, chunk, k_tok: torch.Tensor, v_tok: torch.Tensor, pos: torch.Tensor) -> None:
+        """``host[b, h, pos[b] // bs, pos[b] % bs] = k_tok[b, h]`` (and V) for the chunk's rows.
+
+        Args: ``k_tok, v_tok [B, H, d]`` device tensors; ``pos [B]`` int64 token positions.
+        """
+        raise NotImplementedError
+
+
+class SyncEngine(TransferEngine):
+    """Plain PyTorch indexing; on CUDA it synchronises (reads the miss list on the host)."""
+
+    name = "sync"
+
+    def gather(self, chunk, dst_k, dst_v, load):
+        part = load[chunk.row0:chunk.row1].to(chunk.k.device)
+        r, h, s = (part >= 0).nonzero(as_tuple=True)
+        if r.numel() == 0:
+            return
+        blk = part[r, h, s]
+        dev = dst_k.device
+        rd, hd, sd = (r + chunk.row0).to(dev), h.to(dev), s.to(dev)
+        dst_k[rd, hd, sd] = chunk.k[r, h, blk].to(dev)
+        dst_v[rd, hd, sd] = chunk.v[r, h, blk].to(dev)
+
+    def store_tokens(self, chunk, k_tok, v_tok, pos):
+        p = pos[chunk.row0:chunk.row1].to(chunk.k.device)
+        rows = torch.arange(chunk.row1 - chunk.row0, device=p.device)
+        bs = chunk.k.shape[3]
+        blk, off = p // bs, p % bs
+        # advanced indices separated by a slice: result dims [R, H, d]
+        chunk.k[rows.view(-1, 1), torch.arange(chunk.k.shape[1]).view(1, -1), blk.view(-1, 1), off.view(-1, 1)] = \
+            k_tok[chunk.row0:chunk.row1].to(chunk.k.device)
+        chunk.v[rows.view(-1, 1), torch.arange(chunk.v.shape[1]).view(1, -1), blk.view(-1, 1), off.view(-1, 1)] = \
+            v_tok[chunk.row0:chunk.row1].to(chunk.v.device)
+
+
+class CopyEngine(SyncEngine):
+    """CPU gather into a pinned staging buffer, one async H2D copy, GPU scatter into slots.
+
+    Synchronises once per call (the miss list is read on the host). CUDA only.
+    """
+
+    name = "copy"
+
+    def __init__(self) -> None:
+        self._staging: torch.Tensor | None = None
+        self._event = None
+
+    def _stage(self, count: int, like: torch.Tensor) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()  # the previous H2D copy has read the staging buffer
+        if self._staging is None or self._staging.shape[1] < count or self._staging.dtype != like.dtype:
+            self._staging = torch.empty((2, max(count, 64), *like.shape[-2:]), dtype=like.dtype,
+                                        pin_memory=True)
+        return self._staging
+
+    def gather(self, chunk, dst_k, dst_v, load):
+        part = load[chunk.row0:chunk.row1].cpu()
+        r, h, s = (part >= 0).nonzero(as_tuple=True)
+        n = r.numel()
+        if n == 0:
+            return
+        heads, blocks = chunk.k.shape[1], chunk.k.shape[2]
+        flat = (r * heads + h) * blocks + part[r, h, s]
+        staging = self._stage(n, chunk.k)
+        torch.index_select(chunk.k.view(-1, *chunk.k.shape[-2:]), 0, flat, out=staging[0, :n])
+        torch.index_select(chunk.v.view(-1, *chunk.v.shape[-2:]), 0, flat, out=staging[1, :n])
+        dev = dst_k.device
+        sent_k = staging[0, :n].to(dev, non_blocking=True)  # contiguous pinned runs: async DMA
+        sent_v = staging[1, :n].to(dev, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        rd, hd, sd = (r + chunk.row0).to(dev), h.to(dev), s.to(dev)
+        dst_k[rd, hd, sd] = sent_k
+        dst_v[rd, hd, sd] = sent_v
+
+
+class UvaEngine(TransferEngine):
+    """Triton kernels reading/writing pinned host memory through UVA (no host sync).
+
+    Args:
+        num_ctas: CTAs of the gather grid (grid-stride over block tasks).
+        num_warps: warps per CTA. tile: elements moved per masked load/store.
+    """
+
+    name = "uva"
+    syncs_host = False
+
+    def __init__(self, num_ctas: int = 16, num_warps: int = 8, tile: int = 2048) -> None:
+        if not HAS_TRITON:
+            raise SpardaError("the uva transfer engine needs Triton; use --transfer copy or sync")
+        if num_ctas < 1 or num_warps < 1 or tile < 16 or tile & (tile - 1):
+            raise SpardaError("uva engine: num_ctas, num_warps >= 1 and tile a power of two >= 16")
+        self.num_ctas, self.num_warps, self.tile = num_ctas, num_warps, tile
+
+    @staticmethod
+    def _check(*tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.numel() >= 2**31:
+                raise SpardaError(f"uva engine: a buffer of {t.numel()} elements exceeds 2^31; "
+                                  "use a smaller chunk (chunk_bytes) or batch")
+
+    def gather(self, chunk, dst_k, dst_v, load):
+        part = load[chunk.row0:chunk.row1]
+        rows, heads, slots = part.shape
+        dk, dv = dst_k[chunk.row0:chunk.row1], dst_v[chunk.row0:chunk.row1]
+        self._check(chunk.k, dk)
+        if part.stride(-1) != 1:
+            part = part.contiguous()
+        elems = chunk.k.shape[3] * chunk.k.shape[4]
+        tasks = rows * heads * slots
+        grid = (max(1, min(self.num_ctas, tasks)),)
+        _uva_gather_kernel[grid](
+            chunk.k, chunk.v, dk, dv, part, tasks, slots, heads,
+            chunk.k.stride(0), chunk.k.stride(1), chunk.k.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), part.stride(0), part.stride(1),
+            ELEMS=elems, TILE=min(self.tile, _next_pow2(elems)), num_warps=self.num_warps)
+
+    def store_tokens(self, chunk, k_tok, v_tok, pos):
+        rows = chunk.row1 - chunk.row0
+        heads, d = chunk.k.shape[1], chunk.k.shape[4]
+        sk, sv = k_tok[chunk.row0:chunk.row1], v_tok[chunk.row0:chunk.row1]
+        if sk.stride(-1) != 1 or sv.stride() != sk.stride():
+            sk, sv = sk.contiguous(), sv.contiguous()
+        p = pos[chunk.row0:chunk.row1].contiguous()
+        _uva_store_kernel[(rows * heads,)](
+            sk, sv, chunk.k, chunk.v, p, heads, sk.stride(0), sk.stride(1),
+            chunk.k.stride(0), chunk.k.stride(1), chunk.k.stride(2),
+            D=d, D_P=_next_pow2(max(d, 16)), BS=chunk.k.shape[3], num_warps=1)
+
+
+def make_engine(name: str, device: torch.device, **kwargs) -> TransferEngine:
+    """Build a transfer engine. ``auto``: ``uva`` on CUDA with Triton, else ``sync``.
+
+    Raises:
+        SpardaError: an unknown name, or ``uva``/``copy`` requested off CUDA.
+    """
+    if name == "auto":
+        name = "uva" if device.type == "cuda" and HAS_TRITON else "sync"
+    if name not in ENGINES:
+        raise SpardaError(f"unknown transfer engine {name!r}; choose one of auto, {', '.join(ENGINES)}")
+    if name in ("uva", "copy") and device.type != "cuda":
+        raise SpardaError(f"transfer engine {name!r} needs a CUDA device; use sync on {device}")
+    if name == "uva":
+        return UvaEngine(**kwargs)
+    return CopyEngine() if name == "copy" else SyncEngine()

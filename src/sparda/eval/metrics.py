@@ -1,0 +1,147 @@
+"""Scores and model-quality metrics for ``sparda eval`` (SPEC §8).
+
+* task scoring: exact match, contains, fraction of expected items found;
+* logit comparison against dense attention: perplexity, next-token top-1 agreement,
+  KL(dense || method);
+* budgets given as a percentage of the context, mapped onto ``topk_blocks`` (SPEC §3.4);
+* step-to-step block hit rate of a block-sparse method's decode selections.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from sparda.errors import SpardaError
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+def exact_match(answers: tuple[str, ...] | list[str], completion: str) -> float:
+    """1.0 if the completion, normalised (lower case, collapsed spaces, trailing period
+    dropped), equals the answers joined by ``", "`` (or the single answer), else 0.0."""
+    got = _norm(completion).rstrip(".")
+    return float(got in {_norm(", ".join(answers)), _norm(" ".join(answers))})
+
+
+def contains(answers: tuple[str, ...] | list[str], completion: str) -> float:
+    """1.0 if the completion contains ``answers[0]`` (case-insensitive), else 0.0."""
+    return float(answers[0].lower() in completion.lower())
+
+
+def fraction_found(answers: tuple[str, ...] | list[str], completion: str) -> float:
+    """Share (0-1) of ``answers`` the completion contains as whole words (case-insensitive)."""
+    text = completion.lower()
+    found = sum(bool(re.search(rf"(?<![\w]){re.escape(a.lower())}(?![\w])", text)) for a in answers)
+    return found / len(answers)
+
+
+SCORERS = {"exact": exact_match, "contains": contains, "fraction": fraction_found}
+
+
+def score(sample, completion: str) -> float:
+    """Score (0-1) of ``completion`` for a :class:`~sparda.eval.tasks.TaskSample` using its
+    ``metric``. Raises SpardaError for an unknown metric."""
+    if sample.metric not in SCORERS:
+        raise SpardaError(f"unknown metric {sample.metric!r}; choose from {', '.join(SCORERS)}")
+    return SCORERS[sample.metric](sample.answers, completion)
+
+
+@torch.no_grad()
+def compare_logits(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor,
+                   chunk: int = 1024) -> dict[str, float]:
+    """Sums over positions of the quantities behind perplexity, agreement and KL.
+
+    Args:
+        logits: ``[T, V]`` next-token logits of the method (any float dtype).
+        reference: ``[T, V]`` dense-attention logits of the same tokens.
+        targets: ``[T]`` int64, the true next token at each position.
+        chunk: positions processed at once (bounds memory: ``chunk x V`` fp32).
+    Returns:
+        ``positions``, ``nll_sum`` (nats, method), ``ref_nll_sum`` (nats, dense),
+        ``agree_sum`` (positions whose argmax equals dense's), ``kl_sum``
+        (``KL(dense || method)`` in nats, summed). Divide by ``positions`` for means;
+        perplexity is ``exp(nll_sum / positions)``.
+    Raises:
+        SpardaError: mismatched shapes.
+    """
+    if logits.shape != reference.shape or logits.shape[0] != targets.shape[0]:
+        raise SpardaError(f"logit shapes differ: {tuple(logits.shape)} vs {tuple(reference.shape)} "
+                          f"with {tuple(targets.shape)} targets")
+    out = {"positions": int(targets.shape[0]), "nll_sum": 0.0, "ref_nll_sum": 0.0, "agree_sum": 0.0, "kl_sum": 0.0}
+    for start in range(0, targets.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        lp = torch.log_softmax(logits[sl].double(), -1)
+        ref = torch.log_softmax(reference[sl].double(), -1)
+        tgt = targets[sl].view(-1, 1)
+        out["nll_sum"] -= lp.gather(-1, tgt).sum().item()
+        out["ref_nll_sum"] -= ref.gather(-1, tgt).sum().item()
+        out["agree_sum"] += (lp.argmax(-1) == ref.argmax(-1)).sum().item()
+        out["kl_sum"] += (ref.exp() * (ref - lp)).sum().item()
+    return out
+
+
+def perplexity(nll_sum: float, positions: int) -> float:
+    """``exp(nll_sum / positions)``; ``nan`` for zero positions."""
+    return math.exp(nll_sum / positions) if positions else float("nan")
+
+
+def budget_topk(percent: float, context_tokens: int, selection) -> int:
+    """``topk_blocks`` that makes the whole budget (init + local + topk) about ``percent`` %
+    of a ``context_tokens`` context's blocks (never below 0).
+
+    Raises SpardaError unless ``0 < percent <= 100``."""
+    if not 0 < percent <= 100:
+        raise SpardaError(f"budget must be a percentage in (0, 100], got {percent}")
+    blocks = -(-context_tokens // selection.block_size)
+    return max(0, round(blocks * percent / 100) - selection.init_blocks - selection.local_blocks)
+
+
+class HitRateTracker:
+    """Step-to-step block hit rate of a block-sparse method in decode.
+
+    Wraps ``method.select`` (instance attribute, the class is untouched) and, per layer,
+    compares each decode step's selected blocks with the previous step's: hit rate =
+    blocks selected at step ``t`` that were also selected at ``t-1`` / blocks selected at
+    ``t`` (the blocks a prefetching runtime would already hold). Methods without
+    ``select`` (dense) report ``None``.
+    """
+
+    def __init__(self, method) -> None:
+        self.hits = 0.0
+        self.selected = 0.0
+        self._last: dict[int, torch.Tensor] = {}
+        self.active = hasattr(method, "select")
+        if self.active:
+            inner = method.select
+
+            def select(layer, q, h, cache, step, *args, **kwargs):
+                mask = inner(layer, q, h, cache, step, *args, **kwargs)
+                if step.phase == "decode":
+                    self._record(layer, mask[..., -1, :])
+                return mask
+
+            method.select = select
+
+    def reset(self) -> None:
+        """Forget the previous step (call before each new prompt)."""
+        self._last.clear()
+
+    def _record(self, layer: int, mask: torch.Tensor) -> None:
+        prev = self._last.get(layer)
+        if prev is not None:
+            n = min(prev.shape[-1], mask.shape[-1])
+            self.hits += (mask[..., :n] & prev[..., :n]).sum().item()
+            self.selected += mask.sum().item()
+        self._last[layer] = mask.clone()
+
+    def take(self) -> float | None:
+        """Hit rate since the last call (0-1), or ``None`` if nothing was recorded; resets."""
+        rate = self.hits / self.selected if self.selected else None
+        self.hits = self.selected = 0.0
+        self._last.clear()
+        return rate

@@ -1,0 +1,199 @@
+"""Selection-quality report (SPEC §8): how well each selector recovers the top-k blocks.
+
+For each context length, a window of real text runs through the frozen model with dense
+attention; at ``queries`` query positions spread over the window's second half, every
+layer's block selection by each method is compared with
+
+* the ``sparse`` free top-k (query-based selection minus the forced init/local blocks):
+  ``recall_vs_sparse`` = shared free blocks / sparse free blocks;
+* the ``oracle`` free top-k (blocks ranked by true attention mass): ``recall_vs_oracle``;
+* the true attention mass its whole selection (forced blocks included) covers, per
+  query head: ``mass``.
+
+Methods: ``sparse``, ``oracle``, ``sparda`` (shipped or ``--forecast`` weights),
+``sparda-random`` (a seeded random-init Forecast), ``sparda-qinit`` (the untrained
+query-weight initialisation), ``infinigen``. Numbers are pooled over lengths and query
+tokens per layer, then averaged over layers (``mean_*``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparda.attention.forecast import Forecast, load_forecast, model_name, q_init, shipped_path
+from sparda.config import SpardaConfig
+from sparda.errors import SpardaError
+from sparda.kernels import reference as ref
+
+KNOWN = ("sparse", "oracle", "sparda", "sparda-random", "sparda-qinit", "infinigen")
+
+
+def dense_layers(model, ids: torch.Tensor):
+    """Run the model densely over ``ids [B, T]``; yield ``(layer, h, q, k, cos, sin)`` per layer
+    (``h [B, T, d_model]``, ``q [B, H, G, T, d]``, ``k [B, H, T, d]``)."""
+    b, t = ids.shape
+    pos = torch.arange(t, device=ids.device).expand(b, t)
+    cos, sin = model.rotary(pos, next(model.parameters()).dtype)
+    x = model.model.embed_tokens(ids)
+    s = model.shape
+    for index, layer in enumerate(model.model.layers):
+        h = layer.input_layernorm(x)
+        q, k, v = layer.self_attn.project(h, cos, sin)
+        yield index, h, q, k, cos, sin
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(b, s.num_q_heads, t, s.head_dim), k, v, is_causal=True, enable_gqa=True)
+        x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _forced(q_pos, num_blocks, cfg):
+    blocks = torch.arange(num_blocks, device=q_pos.device).view(1, 1, 1, -1)
+    cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)
+    return (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks) | (blocks > cur)
+
+
+def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
+    """Build ``name -> callable(layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos) -> block scores``."""
+    from sparda.attention.infinigen import InfiniGenAttention
+
+    out = {}
+    dev = next(model.parameters()).device
+    forecasts: dict[str, Forecast] = {}
+    for name in methods:
+        if name not in KNOWN:
+            raise SpardaError(f"unknown selector {name!r} for the report; choose from {', '.join(KNOWN)}")
+        if name == "sparda":
+            path = forecast_path or shipped_path(model_name(model_dir))
+            if path is None:
+                raise SpardaError("no Forecast weights for this model; pass --forecast PATH")
+            forecasts[name] = load_forecast(path, model.config, shape, model_name(model_dir))[0]
+        elif name == "sparda-random":
+            gen_state = torch.random.get_rng_state()
+            torch.manual_seed(0)
+            forecasts[name] = Forecast.for_shape(shape)
+            torch.random.set_rng_state(gen_state)
+        elif name == "sparda-qinit":
+            forecasts[name] = Forecast.for_shape(shape)
+            q_init(forecasts[name], model)
+    for name, fc in forecasts.items():
+        fc = fc.to(dev).float().eval()
+
+        def score(layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos, fc=fc):
+            src = h if layer == 0 else h_prev
+            f = fc.project(layer, src[:, q_idx].float(), cos[:, :, q_idx].float(), sin[:, :, q_idx].float())
+            return ref.forecast_scores(f, ck, q_pos, cfg.kernel_size, cfg.kernel_stride)
+        out[name] = score
+    if "infinigen" in methods:
+        ig = InfiniGenAttention(SpardaConfig(method="infinigen", selection=cfg), shape, model=model)
+
+        def score_ig(layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos):
+            src = h if layer == 0 else h_prev
+            qp = ig.partial_query(layer, src[:, q_idx], cos[:, :, q_idx], sin[:, :, q_idx])
+            return ig.scores(layer, qp, ck, q_pos)
+        out["infinigen"] = score_ig
+    if "sparse" in methods:
+        out["sparse"] = lambda layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos: ref.query_group_scores(
+            q[..., q_idx, :], ck, q_pos, cfg.kernel_size, cfg.kernel_stride)
+    return out
+
+
+@torch.no_grad()
+def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths=(4096, 8192), *,
+                     queries: int = 64, preset: str = "small", forecast: str | None = None,
+                     device=None, llm=None) -> dict:
+    """Compute the report (see module docstring).
+
+    Args:
+        model: model directory / .gguf / None (bundled); ignored if ``llm`` (an ``LLM``, whose
+            selection budget then replaces ``preset``) is given.
+        text: path of a UTF-8 text file, or None for the held-out Emma.
+        methods: selector names from :data:`KNOWN`. lengths: context lengths in tokens.
+        queries: query positions per length (evenly spaced over the second half).
+    Returns:
+        ``{method: {"per_layer": [{"layer", "recall_vs_sparse", "recall_vs_oracle", "mass"}],
+        "mean_recall_vs_sparse", "mean_recall_vs_oracle", "mean_mass", "setup": {text, lengths, queries,
+        budget_blocks}}}`` (keyed by method only).
+    Raises:
+        SpardaError: unknown method, text shorter than a length, unreadable file.
+    """
+    from sparda.engine.llm import LLM
+
+    llm = llm or LLM(model, method="dense", preset=preset, device=device, dtype="float32" if device in (None, "cpu") else None)
+    net, cfg, shape = llm.model, llm.config.selection, llm.shape
+    if text is None:
+        from sparda.data import heldout_text
+
+        body, source = heldout_text(), "held-out Emma"
+    else:
+        try:
+            with open(text, encoding="utf-8") as handle:
+                body, source = handle.read(), text
+        except OSError as exc:
+            raise SpardaError(f"cannot read --text {text}: {exc.strerror}") from exc
+    ids_all = llm.tokenizer.encode(body, add_special_tokens=False)
+    selectors = _selectors(list(methods), net, shape, cfg, forecast, llm.model_dir)
+    stats = {m: [[0.0] * 5 for _ in range(shape.num_layers)] for m in methods}  # hs, ts, ho, to, mass
+    counts = [0] * shape.num_layers
+    for length in lengths:
+        if len(ids_all) < length:
+            raise SpardaError(f"the text has {len(ids_all)} tokens, fewer than the length {length}")
+        start = (len(ids_all) - length) // 3
+        ids = torch.tensor([ids_all[start:start + length]], device=llm.device)
+        q_idx = torch.linspace(length // 2, length - 1, queries, device=llm.device).long().unique()
+        q_pos = q_idx.view(1, -1)
+        num_blocks = -(-length // cfg.block_size)
+        forced = _forced(q_pos, num_blocks, cfg)
+        h_prev = None
+        for layer, h, q, k, cos, sin in dense_layers(net, ids):
+            ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()
+            qs = q[..., q_idx, :]
+            mass = ref.block_attention_mass(qs, k, q_pos, torch.tensor([length], device=k.device), cfg.block_size)
+            sparse_free = ref.select_blocks(ref.pool_to_blocks(ref.query_group_scores(
+                qs, ck, q_pos, cfg.kernel_size, cfg.kernel_stride), num_blocks, cfg), q_pos, cfg) & ~forced
+            oracle_free = ref.select_blocks(mass, q_pos, cfg) & ~forced
+            counts[layer] += 1
+            for name in methods:
+                if name == "oracle":
+                    sel = ref.select_blocks(mass, q_pos, cfg)
+                else:
+                    sc = selectors[name](layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos)
+                    sel = ref.select_blocks(ref.pool_to_blocks(sc, num_blocks, cfg), q_pos, cfg)
+                free = sel & ~forced
+                acc = stats[name][layer]
+                acc[0] += (free & sparse_free).sum().item()
+                acc[1] += sparse_free.sum().item()
+                acc[2] += (free & oracle_free).sum().item()
+                acc[3] += oracle_free.sum().item()
+                acc[4] += ((mass * sel).sum(-1) / shape.group_size).mean().item()
+            h_prev = h
+    report = {}
+    for name in methods:
+        rows = []
+        for layer, (hs, ts, ho, to, ms) in enumerate(stats[name]):
+            rows.append({"layer": layer, "recall_vs_sparse": round(hs / ts, 4) if ts else 1.0,
+                         "recall_vs_oracle": round(ho / to, 4) if to else 1.0,
+                         "mass": round(ms / max(counts[layer], 1), 4)})
+        report[name] = {"per_layer": rows, **{f"mean_{key}": round(sum(r[key] for r in rows) / len(rows), 4)
+                                              for key in ("recall_vs_sparse", "recall_vs_oracle", "mass")}}
+    setup = {"text": source, "lengths": list(lengths), "queries": queries, "budget_blocks": cfg.budget_blocks}
+    for name in methods:
+        report[name]["setup"] = setup
+    return report
+
+
+def format_report(report: dict) -> str:
+    """Plain-text table: one row per layer, columns ``method: recall_sparse/recall_oracle/mass``."""
+    methods = list(report)
+    setup = report[methods[0]]["setup"]
+    lines = [f"selection report ({setup['text']}, lengths {setup['lengths']}, "
+             f"{setup['queries']} queries/length); cells: recall vs sparse / vs oracle / mass",
+             "layer " + " ".join(f"{m:>22}" for m in methods)]
+    num_layers = len(report[methods[0]]["per_layer"])
+    for layer in range(num_layers):
+        cells = [report[m]["per_layer"][layer] for m in methods]
+        lines.append(f"{layer:>5} " + " ".join(
+            f"{c['recall_vs_sparse']:>8.3f}/{c['recall_vs_oracle']:.3f}/{c['mass']:.3f}" for c in cells))
+    lines.append(" mean " + " ".join(
+        f"{report[m]['mean_recall_vs_sparse']:>8.3f}/{report[m]['mean_recall_vs_oracle']:.3f}/{report[m]['mean_mass']:.3f}"
+        for m in methods))
+    return "\n".join(lines)

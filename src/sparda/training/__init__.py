@@ -1,0 +1,1 @@
+"""Forecast training with the base model frozen (SPEC §5)."""

@@ -1,0 +1,77 @@
+"""The restricted KL loss of Forecast training (SPEC §5) and selection recall.
+
+Restriction: the teacher's selected blocks under the §3.4 rule, minus the forced
+init/local blocks, expanded to the compressed keys that overlap them; the two
+distributions are compared on those entries plus one *rest bucket* holding all
+remaining mass, so both restricted distributions sum to 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparda.config import SelectionConfig
+from sparda.kernels import reference as ref
+
+
+def forced_blocks(q_pos: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
+    """Forced (init + local) or causally invalid blocks: ``[B, 1, Tq, N]`` bool (SPEC §3.4)."""
+    blocks = torch.arange(num_blocks, device=q_pos.device).view(1, 1, 1, -1)
+    cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)
+    return (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks) | (blocks > cur)
+
+
+def free_selection(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+    """The top-k blocks the §3.4 rule picks beyond the forced ones: ``[B, H, Tq, N]`` bool."""
+    mask = ref.select_blocks(block_scores, q_pos, cfg)
+    return mask & ~forced_blocks(q_pos, block_scores.shape[-1], cfg)
+
+
+def restriction(teacher: torch.Tensor, q_pos: torch.Tensor, num_tokens: int,
+                cfg: SelectionConfig) -> torch.Tensor:
+    """Compressed-key entries compared by the loss: ``[B, H, Tq, C]`` bool.
+
+    Args: ``teacher [B, H, Tq, C]`` (non-negative, 0 at invisible keys); ``num_tokens``
+    the key length ``T`` (sets the block count).
+    """
+    num_blocks = -(-num_tokens // cfg.block_size)
+    blocks = ref.pool_to_blocks(teacher, num_blocks, cfg)
+    kept = free_selection(blocks, q_pos, cfg)
+    overlap = ref.block_overlap(teacher.shape[-1], num_blocks, cfg, teacher.device).float()  # [C,N]
+    entries = torch.einsum("bhqn,cn->bhqc", kept.float(), overlap) > 0
+    vis = ref.compressed_visible(q_pos, teacher.shape[-1], cfg.kernel_size, cfg.kernel_stride)[:, None]
+    return entries & vis
+
+
+def restricted(dist: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """``dist [..., C]`` restricted to ``entries`` plus a rest bucket: ``[..., C+1]``, rows sum to 1."""
+    kept = dist * entries
+    rest = (dist.sum(-1, keepdim=True) - kept.sum(-1, keepdim=True)).clamp_min(0.0)
+    return torch.cat([kept, rest], dim=-1)
+
+
+def student_distribution(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                         cfg: SelectionConfig) -> torch.Tensor:
+    """Student ``softmax(F . K~ / sqrt(d))`` over visible compressed keys, fp32 (SPEC §5).
+
+    Args: ``f [B, H, Tq, d]`` Forecast queries (RoPE applied); ``ck [B, H, C, d]``.
+    Returns: ``[B, H, Tq, C]`` fp32 (0 at invisible keys; all-0 rows where none is visible).
+    """
+    logits = ref.forecast_scores(f, ck, q_pos, cfg.kernel_size, cfg.kernel_stride) / f.shape[-1] ** 0.5
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
+def restricted_kl(teacher: torch.Tensor, student: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """``KL(teacher || student)`` on the restricted entries + rest bucket, averaged over
+    KV heads and query tokens (SPEC §5). Inputs ``[B, H, Tq, C]``; returns a fp32 scalar.
+    """
+    t = restricted(teacher.float(), entries)
+    s = restricted(student.float(), entries)
+    kl = torch.xlogy(t, t) - torch.xlogy(t, s.clamp_min(1e-30))
+    return kl.sum(-1).mean()
+
+
+def recall(selected: torch.Tensor, target: torch.Tensor) -> float:
+    """Fraction of ``target`` blocks (``[..., N]`` bool) that ``selected`` also holds."""
+    total = target.sum().item()
+    return (selected & target).sum().item() / total if total else 1.0

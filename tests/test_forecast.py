@@ -1,0 +1,174 @@
+"""The Forecast projection and the ``sparda`` / ``infinigen`` methods (SPEC §4, §6)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparda.attention.forecast import Forecast, ForecastAttention, model_identity, save_forecast
+from sparda.config import SelectionConfig, SpardaConfig
+from sparda.errors import SpardaError
+
+SMALL = dict(block_size=32, topk_blocks=2, local_blocks=1, init_blocks=1, dense_len=64)
+
+
+def _llm(make_tiny, **extra):
+    from sparda.engine.llm import LLM
+
+    return LLM(str(make_tiny("llama")), method="dense", device="cpu", **SMALL, **extra)
+
+
+def _sparda(llm, forecast, in_prefill=True):
+    config = SpardaConfig(method="sparda", selection=llm.config.selection, sparse_prefill=in_prefill)
+    return ForecastAttention(config, llm.shape, model=llm.model, forecast=forecast)
+
+
+def test_parameter_count_and_projection_matches_float64():
+    fc = Forecast(num_layers=30, hidden_size=576, num_kv_heads=3, head_dim=64)
+    assert sum(p.numel() for p in fc.parameters()) == 29 * 576 * 192 + 576 * 192  # SPEC §4
+    small = Forecast(num_layers=3, hidden_size=24, num_kv_heads=2, head_dim=8)
+    h = torch.randn(1, 5, 24)
+    pos = torch.arange(5).view(1, -1) + int(torch.randint(0, 100, ()).item())
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    got = small.project(2, h, *_rope_tables(pos, inv))
+    w = small.forecast[1].weight.double()
+    for t in range(5):
+        for head in range(2):
+            f = w[head * 8:(head + 1) * 8] @ h[0, t].double()
+            ang = pos[0, t].double() * inv
+            x1, x2 = f[:4], f[4:]
+            want = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()])
+            assert torch.allclose(got[0, head, t].double(), want, atol=1e-5)
+
+
+def _rope_tables(pos, inv):
+    emb = torch.cat([pos[..., None].double() * inv] * 2, -1).float()
+    return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+
+def test_decode_selection_matches_prefill_and_uses_previous_layer(make_tiny):
+    """Decode masks (predicted in layer l from pre-append keys) equal prefill masks for the
+    same token, and the logits match; the mask of layer l+1 depends on layer l's input."""
+    llm = _llm(make_tiny)
+    method = _sparda(llm, Forecast.for_shape(llm.shape))
+    llm.method = method
+    n = 200 + int(torch.randint(0, 15, ()).item())  # n % 16 != 0: no window completes at the last token
+    ids = torch.randint(0, 1000, (n,)).tolist()
+    full = llm.logits(ids)[-1]
+    masks = {}
+    original = method.select
+
+    def spy(layer, q, h, cache, step, first=0):
+        mask = original(layer, q, h, cache, step, first)
+        masks[(step.phase, layer)] = mask[..., -1, :].clone()
+        return mask
+    method.select = spy
+    method.reset()
+    cache = llm.new_cache(1, n)
+    llm.prefill(cache, 0, ids[:-1])
+    last = llm.decode(cache, torch.tensor([ids[-1]]), torch.tensor([n - 1]))[0]
+    method.reset()
+    llm.prefill(llm.new_cache(1, n), 0, ids)
+    for layer in range(llm.shape.num_layers):
+        assert torch.equal(masks[("decode", layer)], masks[("prefill", layer)])
+    assert torch.allclose(last, full, atol=1e-3)
+    dense = llm_dense_logits(llm, ids)
+    assert not torch.allclose(full, dense, atol=1e-3)  # selection really dropped blocks
+
+
+def llm_dense_logits(llm, ids):
+    from sparda.attention.dense import DenseAttention
+
+    keep = llm.method
+    llm.method = DenseAttention(llm.config, llm.shape)
+    try:
+        return llm.logits(ids)[-1]
+    finally:
+        llm.method = keep
+
+
+def test_predict_next_brute_force(make_tiny):
+    llm = _llm(make_tiny)
+    fc = Forecast.for_shape(llm.shape)
+    method = _sparda(llm, fc)
+    cfg = llm.config.selection
+    n = 190
+    ids = torch.randint(0, 1000, (n,)).tolist()
+    cache = llm.new_cache(1, n + 1)
+    llm.method = method
+    llm.prefill(cache, 0, ids)
+    h = torch.randn(1, 1, llm.shape.hidden_size)
+    step = llm._step("decode", torch.tensor([0]), torch.tensor([[n]]))
+    mask = method.predict_next(0, h, cache, step)[0, :, 0]  # [H, N]
+    f = fc.project(1, h, step.cos, step.sin)[0, :, 0]  # [H, d]
+    ck = cache.ck[1][0]
+    num_ck = (n - cfg.kernel_size) // cfg.kernel_stride + 1
+    for head in range(llm.shape.num_kv_heads):
+        block = torch.full(((n + cfg.block_size) // cfg.block_size,), -math.inf)
+        for j in range(num_ck):  # windows complete before the new token only
+            s = float(f[head] @ ck[head, j])
+            lo, hi = j * cfg.kernel_stride, j * cfg.kernel_stride + cfg.kernel_size
+            for b in range(lo // cfg.block_size, (hi - 1) // cfg.block_size + 1):
+                block[b] = max(block[b], s)
+        cur = n // cfg.block_size
+        forced = {0, *range(cur - cfg.local_blocks + 1, cur + 1)}
+        rest = sorted((b for b in range(cur + 1) if b not in forced), key=lambda b: (-block[b], b))
+        want = forced | set(rest[:cfg.topk_blocks])
+        assert set(torch.nonzero(mask[head][:cur + 1]).flatten().tolist()) == want
+
+
+def test_dense_prefill_option_and_infinigen(make_tiny):
+    from sparda.attention.infinigen import InfiniGenAttention
+
+    llm = _llm(make_tiny)
+    ids = torch.randint(0, 1000, (150,)).tolist()
+    dense = llm_dense_logits(llm, ids)
+    llm.method = _sparda(llm, Forecast.for_shape(llm.shape), in_prefill=False)
+    assert torch.allclose(llm.logits(ids)[-1], dense, atol=1e-4)
+    # infinigen with every column kept reproduces the scored layer's own queries
+    ig = InfiniGenAttention(llm.config, llm.shape, model=llm.model, partial_ratio=1.0)
+    layer = llm.model.model.layers[1]
+    h = torch.randn(1, 7, llm.shape.hidden_size)
+    pos = torch.arange(7).view(1, -1) + 40
+    cos, sin = llm.model.rotary(pos, torch.float32)
+    q, _, _ = layer.self_attn.project(h, cos, sin)
+    assert torch.allclose(ig.partial_query(1, h, cos, sin), q, atol=1e-5)
+    llm.method = InfiniGenAttention(llm.config, llm.shape, model=llm.model)
+    out = llm.generate(["hello " * 60], max_new_tokens=3, chat=False)[0]
+    assert len(out.token_ids) >= 1
+
+
+def test_sparda_without_weights_and_with_foreign_weights(make_tiny, tmp_path):
+    from sparda.engine.llm import LLM
+    from sparda.model.loader import load_config
+    from sparda.model.llama import ModelShape
+
+    with pytest.raises(SpardaError, match="train-forecast"):
+        LLM(str(make_tiny("llama")), method="sparda", device="cpu")
+    other = make_tiny("qwen2")
+    config = load_config(other)
+    shape = ModelShape.from_config(config)
+    path = tmp_path / "q.safetensors"
+    save_forecast(Forecast.for_shape(shape), path, model_identity(config, shape))
+    with pytest.raises(SpardaError, match="not for the loaded model"):
+        LLM(str(make_tiny("llama")), method="sparda", device="cpu", forecast=str(path))
+
+
+def test_shipped_weights_load_for_bundled_model():
+    from sparda.engine.llm import LLM
+
+    llm = LLM(None, method="sparda", device="cpu")
+    assert int(llm.method.meta["step"]) > 0 and llm.method.meta["model_name"] == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.slow
+def test_bundled_passkey_with_sparda():
+    from sparda.data import heldout_text
+    from sparda.engine.llm import LLM
+    from sparda.eval.tasks.passkey import make_passkey, passkey_correct
+
+    llm = LLM(None, method="sparda", device="cpu")
+    sample = make_passkey(llm.tokenizer, heldout_text(), 7000, 0.5, 0)
+    assert passkey_correct(sample, llm.generate([sample.prompt], max_new_tokens=24)[0].text)
