@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-sparda demo --method "${METHOD:-sparse}" "$@"
+# sparda (the default method) with the shipped Forecast; dense prefill (see README: block-sparse
+# prefill at the small preset loses the pass key on this 135M model).
+sparda demo --dense-prefill "$@"

@@ -146,6 +146,8 @@ def demo(context_tokens, depth, seed, max_new_tokens, **opts):
     verdict = "correct" if passkey_correct(sample, result.text) else "WRONG"
     click.echo(f"answer: {result.text.strip()}")
     click.echo(f"expected: {sample.answer} ({verdict})")
+    prefill = "block-sparse" if llm.config.sparse_prefill and llm.config.method != "dense" else "dense"
+    click.echo(f"method: {llm.config.method} | prefill: {prefill} | decode: {llm.config.method}")
     click.echo(stats_line(result.stats))
 
 
@@ -227,6 +229,38 @@ def selection_report_cmd(model, text, methods, lengths, queries, preset, forecas
                               [int(x) for x in lengths.split(",") if x.strip()], queries=queries,
                               preset=preset, forecast=forecast, device=device)
     click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
+
+
+@main.command("bench")
+@click.option("--models", default=None, help="Comma list of llama-8b, minicpm-8b, bundled, tiny [default: llama-8b].")
+@click.option("--methods", default=None, help="Comma list [default: dense,sparse,sparse-offload,infinigen,sparda-no-prefetch,sparda].")
+@click.option("--contexts", default=None, help="Comma list of context lengths in tokens [default: 32768].")
+@click.option("--batches", default=None, help="Comma list of batch sizes [default: 1,4,8,16,32,64].")
+@click.option("--decode-steps", type=int, default=None, help="Timed decode steps per repeat [default: 16].")
+@click.option("--repeats", type=int, default=None, help="Timed repeats; the median is reported [default: 3].")
+@click.option("--prefill-tokens", type=int, default=None, help="Prefill is timed on min(context, this) tokens [default: 16384].")
+@click.option("--out", default=None, help="Output directory: results.json, report.md, plots [default: bench-out].")
+@click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
+@click.option("--gpu-mem-gb", type=float, default=None, help="Cap this process's GPU memory (GiB).")
+@click.option("--host-mem-gb", type=float, default=None, help="Cap the host KV cache (GiB) [default: 90%% of free memory].")
+@click.option("--trace", default=None, help="Selection trace (.npz) replayed by offloaded methods; 'none': native selection [default: shipped].")
+@click.option("--time-budget-s", type=float, default=None, help="Points after this many seconds are recorded as skipped.")
+@click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
+@click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")
+def bench_cmd(quick, record_trace, **opts):
+    """Decode/prefill throughput of every method with a per-component breakdown (docs/bench.md)."""
+    from sparda.bench import sweep, traces
+
+    if record_trace:
+        recorded = traces.record_traces(device=opts.get("device") or "cpu")
+        traces.save_traces(record_trace, recorded)
+        click.echo(json.dumps({"trace": record_trace, **{k: traces.reuse_stats(v) for k, v in recorded.items()}}))
+        return
+    cfg = sweep.config_from_options(quick=quick, **opts)
+    records = sweep.run_sweep(cfg, log=lambda line: click.echo(line, err=True))
+    ok = sum(r["status"] == "ok" for r in records)
+    click.echo(json.dumps({"out": cfg.out, "points": len(records), "ok": ok,
+                           "oom": sum(r["status"] == "oom" for r in records)}))
 
 
 if __name__ == "__main__":  # pragma: no cover

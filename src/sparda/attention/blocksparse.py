@@ -8,6 +8,7 @@ Both then apply the same rule, :func:`sparda.kernels.reference.select_blocks`.
 
 from __future__ import annotations
 
+from sparda import kernels
 from sparda.attention.base import BlockSparseMethod
 from sparda.kernels import reference as ref
 
@@ -16,6 +17,16 @@ class SparseAttention(BlockSparseMethod):
     """Query-based block-sparse attention (SPEC §3.2–3.5)."""
 
     name = "sparse"
+
+    def select(self, layer, q, h, cache, step, first=0):
+        if step.phase != "decode" or not q.is_cuda:
+            return super().select(layer, q, h, cache, step, first)
+        # CUDA decode: fused scoring + pooling + selection rule (Triton), no host sync.
+        _, _, ck = cache.view(layer, step.rows, step.max_kv_len)
+        num_blocks = -(-step.max_kv_len // self.selection.block_size)
+        _, mask = kernels.select_decode_blocks(q[..., -1, :], ck, step.q_pos[:, -1], num_blocks,
+                                               self.selection, return_mask=True)
+        return mask.unsqueeze(2)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
         cfg = self.selection

@@ -1,0 +1,1 @@
+"""Benchmark harness: `sparda bench` (docs/bench.md)."""

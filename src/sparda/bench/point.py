@@ -99,18 +99,23 @@ def fill_cache(cache, shape, batch: int, context: int, device, dtype, seed: int 
 
 def host_rss_bytes() -> int:
     """Resident memory of this process (bytes; pinned host memory included once touched)."""
-    import psutil
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is optional
+        import resource
 
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak, Linux KiB
     return psutil.Process().memory_info().rss
 
 
 def measure_prefill(llm: LLM, tokens: int, seed: int = 0) -> dict:
-    """TTFT and prefill tok/s of one random prompt of ``tokens`` tokens (after a warm-up)."""
+    """TTFT and prefill tok/s of one random prompt of ``tokens`` tokens (on CUDA after a
+    warm-up prefill just past the dense fallback, which compiles the kernels)."""
     vocab = llm.model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     cfg = llm.config.selection
     warm = min(tokens, max(cfg.dense_len, cfg.budget_tokens) + 2 * cfg.block_size)
-    for n in (warm, tokens):
+    for n in ((warm, tokens) if llm.device.type == "cuda" else (tokens,)):  # CUDA: compile first
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
         llm.method.reset()
         cache = llm.new_cache(1, n + 1)

@@ -153,7 +153,10 @@ def plot(records: list[dict], out: Path) -> list[Path]:
 def write_report(records: list[dict], env: dict, out: Path) -> Path:
     """Write ``report.md`` and the plots into ``out``; returns the report's path."""
     out = Path(out)
-    plot(records, out)
+    try:
+        plot(records, out)
+    except ImportError:  # pragma: no cover - matplotlib missing on a bare GPU box
+        env = {**env, "plots": "matplotlib not installed: no plots"}
     path = out / "report.md"
     tmp = path.with_name("report.md.tmp")
     tmp.write_text(render_markdown(records, env))

@@ -85,8 +85,8 @@ class SweepConfig:
 
 def quick_config(out: str, **overrides) -> SweepConfig:
     """The ``--quick`` CPU sweep: ``tiny`` model, contexts 1K/2K, batches 1-2, few steps."""
-    base = dict(models=["tiny"], contexts=[1024, 2048], batches=[1, 2], decode_steps=3, repeats=2,
-                warmup_steps=1, breakdown_steps=2, prefill_tokens=1024, out=out, device="cpu")
+    base = dict(models=["tiny"], contexts=[1024, 2048], batches=[1, 2], decode_steps=2, repeats=2,
+                warmup_steps=1, breakdown_steps=1, prefill_tokens=512, out=out, device="cpu")
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SweepConfig(**base)
 
@@ -230,3 +230,25 @@ def _line(rec: dict) -> str:
     hit = "-" if rec["hit_rate"] is None else f"{rec['hit_rate']:.3f}"
     return (f"{head} {rec['decode_tok_s']:.1f} tok/s, TPOT {rec['tpot_ms']:.2f} ms "
             f"(roofline {rec['roofline_tpot_ms']:.2f}), hit {hit}, exposed {rec['exposed_wait_ms']:.2f} ms")
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError as exc:
+        raise SpardaError(f"--{name} must be comma-separated integers, got {text!r}") from exc
+
+
+def config_from_options(quick: bool = False, **opts) -> SweepConfig:
+    """A :class:`SweepConfig` from CLI strings (comma lists); ``quick`` starts from
+    :func:`quick_config` and applies only the options given. Raises SpardaError on bad input."""
+    given = {k: v for k, v in opts.items() if v is not None}
+    for key in ("models", "methods"):
+        if key in given:
+            given[key] = [x.strip() for x in given[key].split(",") if x.strip()]
+    for key in ("contexts", "batches"):
+        if key in given:
+            given[key] = _ints(given[key], key)
+    if quick:
+        return quick_config(given.pop("out", "bench-quick"), **given)
+    return SweepConfig(**given)

@@ -138,13 +138,14 @@ def _source_index(i: int, steps: int) -> int:
 
 
 def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, selection,
-                 start_pos: list[int], steps: int, num_blocks: int) -> torch.Tensor:
+                 start_pos: list[int], steps: int, num_blocks: int, row_offset: int = 7) -> torch.Tensor:
     """Target block masks for ``steps`` decode steps replayed from ``trace`` (module doc).
 
     Args:
         selection: the target :class:`~sparda.config.SelectionConfig`.
         start_pos: per row, the position of the first replayed step's token.
         num_blocks: mask width ``N`` (blocks of the target cache).
+        row_offset: row ``b`` starts at trace step ``b * row_offset`` (decorrelates rows).
     Returns:
         ``[steps, L, B, H, N]`` bool (CPU), forced blocks included.
     """
@@ -158,7 +159,7 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
     out = np.zeros((steps, num_layers, B, num_kv_heads, num_blocks + 1), dtype=bool)
     j = np.arange(k)
     for i in range(steps):
-        src = np.array([_source_index(i + 7 * b, S) for b in range(B)])  # [B]
+        src = np.array([_source_index(i + row_offset * b, S) for b in range(B)])  # [B]
         ids = trace.ids[src[:, None, None], rows[:, :, None], layers[None, None, :], heads[None, :, None]]
         ids = ids.astype(np.int64).transpose(2, 0, 1, 3)  # [L, B, H, K]
         cur_s = trace.pos[src[:, None], rows] // m["block_size"]  # [B, H]

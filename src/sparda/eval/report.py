@@ -130,8 +130,9 @@ def markdown(records: list[dict], agg: dict) -> str:
             e = agg["efficiency"].get(label)
             if e:
                 mib = None if e["kv_bytes_read_per_token"] is None else e["kv_bytes_read_per_token"] / 2**20
-                lines.append(f"| {label} | {_fmt(e['kv_read_fraction'])} % | {_fmt(mib, False)} | "
-                             f"{_fmt(e['hit_rate'])} % | {_fmt(e['prefill_ms'], False)} |")
+                hit = "–" if e["hit_rate"] is None else f"{_fmt(e['hit_rate'])} %"
+                prefill = "–" if e["prefill_ms"] is None else f"{e['prefill_ms']:.0f}"
+                lines.append(f"| {label} | {_fmt(e['kv_read_fraction'])} % | {_fmt(mib, False)} | {hit} | {prefill} |")
     if agg["budgets"]:
         lines += ["", "### Budget sweep (budget = init + local + top-k blocks, % of the context)", "",
                   "| method | budget % | task score % | top-1 agreement % |", "|---|---|---|---|"]

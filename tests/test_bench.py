@@ -1,0 +1,171 @@
+"""`sparda bench`: quick sweep records, OOM handling, roofline arithmetic, trace round trip."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sparda.bench import point as pt
+from sparda.bench import sweep
+from sparda.bench.models import build_model, random_forecast, selection_config
+from sparda.bench.roofline import kv_read_bytes, roofline_ms
+from sparda.bench.traces import (SelectionTrace, load_traces, record_selection, replay_masks, reuse_stats,
+                                 save_traces)
+from sparda.config import SelectionConfig
+from sparda.errors import SpardaError
+from sparda.model.llama import ModelShape
+
+
+def _synthetic_trace(seed: int, steps=12, rows=2, layers=3, heads=2, pos0=1100) -> SelectionTrace:
+    """A trace with forced blocks and a slowly changing random top-k (block size 64,
+    init 1, local 2, topk 4)."""
+    g = np.random.default_rng(seed)
+    ids = np.full((steps, rows, layers, heads, 7), -1, dtype=np.int16)
+    pos = np.repeat((pos0 + np.arange(steps))[:, None], rows, 1)
+    for r in range(rows):
+        for l in range(layers):
+            for h in range(heads):
+                top = list(g.choice(np.arange(1, 16), 4, replace=False))
+                for s in range(steps):
+                    if g.random() < 0.3:  # replace one top-k block
+                        free = [b for b in range(1, 16) if b not in top]
+                        top[g.integers(4)] = g.choice(free)
+                    cur = pos[s, r] // 64
+                    ids[s, r, l, h] = sorted([0, cur - 1, cur] + top)
+    return SelectionTrace(ids, pos, dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4))
+
+
+def test_quick_sweep_writes_valid_records(tmp_path):
+    trace = tmp_path / "t.npz"
+    save_traces(trace, {"sparse": _synthetic_trace(1), "sparda": _synthetic_trace(2)})
+    cfg = sweep.quick_config(str(tmp_path / "out"), contexts=[1024], batches=[1, 2], decode_steps=1,
+                             repeats=2, breakdown_steps=1, prefill_tokens=384, trace=str(trace))
+    records = sweep.run_sweep(cfg, log=lambda _: None)
+    stored = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert stored == json.loads(json.dumps(records, default=str))
+    assert len(stored) == len(sweep.SWEEP_METHODS) * 2
+    for rec in stored:
+        assert all(k in rec for k in sweep.REQUIRED_KEYS), rec
+        assert rec["status"] == "ok", rec.get("error")
+        assert rec["decode_tok_s"] == pytest.approx(rec["batch"] / rec["tpot_ms"] * 1e3, rel=1e-2)
+        assert 0 < rec["roofline_tpot_ms"] < rec["tpot_ms"]
+        assert rec["prefill_tok_s"] > 0 and rec["selection_ms"] is not None
+        if rec["kv"] == "host":
+            assert 0 <= rec["hit_rate"] <= 1 and rec["pcie_bytes_per_token"] > 0
+            assert rec["selection_source"].startswith("trace:")
+        else:
+            assert rec["hit_rate"] is None and rec["pcie_bytes_per_token"] == 0
+    dense = next(r for r in stored if r["method"] == "dense" and r["batch"] == 2)
+    # tiny: 4 layers x 2 KV heads x d 32, fp32; dense reads all 1024 keys and values
+    assert dense["kv_read_bytes_per_step"] == 2 * 4 * 2 * 1024 * 2 * 32 * 4
+    for name in ("report.md", "throughput.png", "breakdown.png", "roofline.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| sparda | host | 2 | ok |" in report and "1000.1" in report
+
+
+def test_injected_oom_is_recorded_and_sweep_continues(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None):
+        calls.append((llm.config.method, batch))
+        if llm.config.method == "sparse" and batch == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"decode_tok_s": 10.0 * batch, "tpot_ms": 100.0, "roofline_tpot_ms": 1.0, "selection_ms": 0.1,
+                "exposed_wait_ms": 0.0, "hit_rate": None, "pcie_bytes_per_token": 0.0}
+
+    monkeypatch.setattr(pt, "decode_point", fake_point)
+    monkeypatch.setattr(pt, "measure_prefill", lambda llm, n: {"prefill_tokens": n, "ttft_ms": 5.0,
+                                                                "prefill_tok_s": n / 5e-3})
+    cfg = sweep.quick_config(str(tmp_path), methods=["sparse", "dense"], contexts=[512], batches=[1, 2, 4],
+                             trace="none")
+    records = sweep.run_sweep(cfg, log=lambda _: None)
+    status = {(r["method"], r["batch"]): r["status"] for r in records}
+    assert status == {("sparse", 1): "ok", ("sparse", 2): "oom", ("sparse", 4): "oom",
+                      ("dense", 1): "ok", ("dense", 2): "ok", ("dense", 4): "ok"}
+    assert ("sparse", 4) not in calls  # a larger batch after an OOM is not tried
+    assert "OutOfMemoryError" in next(r["error"] for r in records if r["status"] == "oom")
+    assert all(k in r for r in records for k in sweep.REQUIRED_KEYS)
+
+
+def test_host_limit_marks_offloaded_points_oom(tmp_path):
+    cfg = sweep.quick_config(str(tmp_path), methods=["sparse-offload", "dense"], contexts=[512], batches=[1],
+                             decode_steps=1, repeats=1, breakdown_steps=0, host_mem_gb=1e-6, trace="none",
+                             prefill_tokens=300)
+    records = sweep.run_sweep(cfg, log=lambda _: None)
+    status = {r["method"]: r["status"] for r in records}
+    assert status == {"sparse-offload": "oom", "dense": "ok"}
+
+
+def test_roofline_formula_by_hand():
+    # 16 GB weights + 4 GB KV at 4,000 GB/s = 5 ms; 1 GB missed at 50 GB/s = 20 ms -> PCIe bound
+    assert roofline_ms(16e9, 4e9, 1e9, 4000.0, 50.0) == pytest.approx(20.0)
+    assert roofline_ms(16e9, 4e9, 1e8, 4000.0, 50.0) == pytest.approx(5.0)
+    with pytest.raises(SpardaError):
+        roofline_ms(1, 1, 1, 0.0, 50.0)
+    paper = SelectionConfig.from_preset("paper")
+    shape = ModelShape(32, 32, 8, 128, 4096, 131072)
+    # 96 blocks x 64 tokens of K and V, plus (131072 - 32) / 16 + 1 = 8191 compressed keys, bf16
+    assert kv_read_bytes("sparda", shape, paper, 1, 131072, 2) == 32 * 8 * (2 * 6144 + 8191) * 128 * 2
+    assert kv_read_bytes("dense", shape, paper, 4, 131072, 2) == 4 * 32 * 8 * 2 * 131072 * 128 * 2
+
+
+def test_trace_record_replay_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = build_model("tiny", "cpu", torch.float32)
+    sel = selection_config("tiny")
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 512, (700,), generator=g).tolist() for _ in range(2)]
+    fields = {f: getattr(sel, f) for f in ("init_blocks", "local_blocks", "topk_blocks", "dense_len")}
+    traces = record_selection(model, seqs, 640, 5, ("sparse", "sparda"), "small", random_forecast(model), **fields)
+    save_traces(tmp_path / "t.npz", traces)
+    loaded = load_traces(tmp_path / "t.npz")
+    assert set(loaded) == {"sparse", "sparda"}
+    for name, tr in traces.items():
+        assert np.array_equal(loaded[name].ids, tr.ids) and np.array_equal(loaded[name].pos, tr.pos)
+        assert loaded[name].meta == tr.meta
+        # every step selects exactly the budget: 1 init + 2 local + 4 top-k blocks
+        assert ((tr.ids >= 0).sum(-1) == sel.budget_blocks).all()
+        # replay at the recorded shape and budget reproduces the recording exactly
+        masks = replay_masks(loaded[name], 4, 2, sel, [640, 640], 5, 11, row_offset=0)
+        ref = torch.zeros(5, 2, 4, 2, 12, dtype=torch.bool)  # [S, R, L, H, N + pad]
+        ids = torch.from_numpy(tr.ids.astype(np.int64))
+        ref.scatter_(-1, torch.where(ids < 0, 11, ids), True)
+        assert torch.equal(masks, ref[..., :11].permute(0, 2, 1, 3, 4))
+
+
+def test_replay_scales_blocks_and_keeps_reuse():
+    tr = _synthetic_trace(5, steps=20)
+    target = SelectionConfig.from_preset("paper")  # init 1, local 33, topk 62
+    masks = replay_masks(tr, 8, 4, target, [131072, 140000], 16, 2300)
+    assert masks.shape == (16, 8, 2, 4, 2300)
+    assert (masks.sum(-1) == target.budget_blocks).all()
+    cur = torch.tensor([131072, 140000]) // 64
+    assert masks[0, :, 0, :, cur[0]].all() and masks[0, :, 1, :, 0].all() and not masks[0, :, 0, :, cur[0] + 1:].any()
+    prev, now = masks[:-1], masks[1:]
+    reuse = ((prev & now).sum() - 34 * 15 * 8 * 2 * 4) / (now.sum() - 34 * 15 * 8 * 2 * 4)
+    assert reuse.item() == pytest.approx(reuse_stats(tr)["topk_reuse"], abs=0.08)
+
+
+def test_shipped_trace_is_realistic():
+    from sparda.bench.traces import SHIPPED_TRACE
+
+    if not SHIPPED_TRACE.is_file():
+        pytest.skip("no shipped trace")
+    traces = load_traces(SHIPPED_TRACE)
+    assert {"sparse", "sparda"} <= set(traces)
+    for tr in traces.values():
+        assert tr.meta["model"] == "SmolLM2-135M-Instruct" and tr.ids.shape[2:4] == (30, 3)
+        assert 0.5 < reuse_stats(tr)["topk_reuse"] <= 1.0
+
+
+def test_bad_options_raise():
+    with pytest.raises(SpardaError):
+        sweep.config_from_options(methods="dense,bogus")
+    with pytest.raises(SpardaError):
+        sweep.config_from_options(contexts="32k")
+    with pytest.raises(SpardaError):
+        sweep.config_from_options(models="llama-70b")
