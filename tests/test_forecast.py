@@ -172,3 +172,17 @@ def test_bundled_passkey_with_sparda():
     llm = LLM(None, method="sparda", device="cpu")
     sample = make_passkey(llm.tokenizer, heldout_text(), 7000, 0.5, 0)
     assert passkey_correct(sample, llm.generate([sample.prompt], max_new_tokens=24)[0].text)
+
+
+def test_sparda_random_is_seeded_and_selects_differently_from_sparse(make_tiny):
+    import torch
+
+    from sparda import LLM
+
+    small = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=0, topk_blocks=2, local_blocks=2)
+    path = make_tiny("llama")
+    ids = torch.randint(0, 49152, (int(torch.randint(180, 240, ())),)).tolist()
+    first = LLM(path, method="sparda-random", device="cpu", **small).logits(ids)
+    again = LLM(path, method="sparda-random", device="cpu", **small).logits(ids)
+    assert torch.equal(first, again)
+    assert (first - LLM(path, method="sparse", device="cpu", **small).logits(ids)).abs().max() > 1e-4

@@ -84,7 +84,10 @@ def stats_line(stats: dict) -> str:
     return (f"[prompt {stats['prompt_tokens']} tok | new {stats['new_tokens']} tok | "
             f"prefill {stats['prefill_ms']:.0f} ms | decode {stats['decode_tok_s']:.1f} tok/s | "
             f"KV cache {stats['kv_cache_bytes'] / 2**20:.1f} MiB | "
-            f"KV blocks read/step {stats['kv_read_fraction']:.1%}]")
+            f"KV blocks read/step {stats['kv_read_fraction']:.1%}"
+            + (f" | offload hit rate {stats['offload']['hit_rate']:.1%}, "
+               f"{stats['offload']['bytes_per_token'] / 2**20:.2f} MiB copied/token" if stats.get("offload") else "")
+            + "]")
 
 
 def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list[str]:

@@ -19,6 +19,7 @@ METHODS = (
     "sparse",
     "oracle",
     "sparda",
+    "sparda-random",
     "infinigen",
     "sparse-offload",
     "sparda-no-prefetch",

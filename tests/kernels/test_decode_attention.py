@@ -36,7 +36,6 @@ def _random_ids(mask_p: float, bsz: int, heads: int, num_blocks: int, width: int
 
 @pytest.mark.parametrize("groups", [1, 3, 4, 8, 16])
 def test_decode_matches_reference_fp32(groups, rel_err):
-    torch.manual_seed(100 + groups)
     bsz, heads, d, block_size, num_keys = 3, 2, 32, 16, 203
     q = torch.randn(bsz, heads, groups, d)
     k, v = torch.randn(bsz, heads, num_keys, d), torch.randn(bsz, heads, num_keys, d)
@@ -50,7 +49,6 @@ def test_decode_matches_reference_fp32(groups, rel_err):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_half_precision(dtype, rel_err):
-    torch.manual_seed(7)
     bsz, heads, groups, d, block_size, num_keys = 2, 2, 4, 64, 32, 150
     q = torch.randn(bsz, heads, groups, d).to(dtype)
     k = torch.randn(bsz, heads, num_keys, d).to(dtype)
@@ -64,7 +62,6 @@ def test_decode_half_precision(dtype, rel_err):
 
 def test_budget_larger_than_context_and_empty_rows(rel_err):
     """Every block selected plus -1 padding; a row with only padding returns zeros."""
-    torch.manual_seed(11)
     bsz, heads, groups, d, block_size, num_keys = 2, 2, 4, 16, 24, 70  # block 24: not a power of 2
     q = torch.randn(bsz, heads, groups, d)
     k, v = torch.randn(bsz, heads, num_keys, d), torch.randn(bsz, heads, num_keys, d)
@@ -81,7 +78,6 @@ def test_budget_larger_than_context_and_empty_rows(rel_err):
 @pytest.mark.parametrize("groups", [1, 4])
 def test_slot_buffer_matches_dense_cache(groups, rel_err):
     """Blocks scattered into random slots give the same result as the dense cache."""
-    torch.manual_seed(21 + groups)
     bsz, heads, d, block_size, num_blocks, slots = 2, 2, 32, 16, 9, 6
     num_keys = num_blocks * block_size - 5
     q = torch.randn(bsz, heads, groups, d)
@@ -109,7 +105,6 @@ def test_slot_buffer_matches_dense_cache(groups, rel_err):
 
 
 def test_cpu_dispatch_uses_reference(rel_err):
-    torch.manual_seed(3)
     q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     ids, kv_len = torch.tensor([[[0, 2, -1], [1, -1, -1]]]), torch.tensor([40])
     assert rel_err(decode_attention(q, k, v, ids, kv_len, 16), _ref(q, k, v, ids, kv_len, 16)) < 1e-6

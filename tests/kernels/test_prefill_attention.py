@@ -13,7 +13,6 @@ from sparda.kernels.prefill_attention import prefill_attention_triton  # noqa: E
 
 
 def _inputs(groups, dtype=torch.float32, d=32, num_keys=150, num_q=45, block_size=16, seed=0):
-    torch.manual_seed(seed)
     bsz, heads = 2, 2
     q = torch.randn(bsz, heads, groups, num_q, d).to(dtype)
     k = torch.randn(bsz, heads, num_keys, d).to(dtype)

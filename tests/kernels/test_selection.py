@@ -31,7 +31,6 @@ def _check_scores(out, ref):
 @pytest.mark.parametrize("groups", [None, 1, 3, 4, 8, 16])  # None: Forecast [B, H, d]
 @pytest.mark.parametrize("cfg", [CFG, CFG_WIDE], ids=["paper-ratio", "wide-kernel"])
 def test_scores_and_selection_match_reference(groups, cfg):
-    torch.manual_seed(1000 + 10 * (groups or 0) + cfg.block_size)
     bsz, heads, d, num_tokens = 4, 2, 32, 277
     num_ck = reference.num_compressed(num_tokens, cfg.kernel_size, cfg.kernel_stride)
     ck = torch.randn(bsz, heads, num_ck, d)
@@ -51,7 +50,6 @@ def test_scores_and_selection_match_reference(groups, cfg):
 
 def test_ck_len_cuts_compressed_keys():
     """A Forecast scoring keys before this step's window was appended (SPEC §4)."""
-    torch.manual_seed(5)
     bsz, heads, d = 3, 2, 16
     ck = torch.randn(bsz, heads, 60, d)  # preallocated buffer, tail is junk
     q_pos = torch.tensor([200, 99, 47])
@@ -64,7 +62,6 @@ def test_ck_len_cuts_compressed_keys():
 
 
 def test_budget_larger_than_context_selects_every_valid_block():
-    torch.manual_seed(9)
     cfg = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1,
                           local_blocks=4, topk_blocks=30, dense_len=0)
     query, ck = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 20, 16)
@@ -78,7 +75,6 @@ def test_budget_larger_than_context_selects_every_valid_block():
 def test_rule_with_ties_and_non_finite_scores():
     """Exact top-k: ties go to the lower block, NaN/-inf rank as unscored, +inf first,
     -0.0 just below +0.0 (as ``reference._rank_key``)."""
-    torch.manual_seed(13)
     bsz, heads, num_blocks = 5, 3, 37
     scores = torch.randint(-3, 4, (bsz, heads, num_blocks)).float()  # many ties
     scores[0, 0, 5] = float("nan")
@@ -98,7 +94,6 @@ def test_rule_with_ties_and_non_finite_scores():
 
 
 def test_bf16_inputs():
-    torch.manual_seed(17)
     query = torch.randn(2, 2, 4, 32).bfloat16()
     ck = torch.randn(2, 2, 30, 32).bfloat16()
     q_pos = torch.tensor([130, 70])

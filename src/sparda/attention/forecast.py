@@ -29,6 +29,7 @@ from torch import nn
 
 from sparda.attention.base import BlockSparseMethod, dense_attention
 from sparda.errors import SpardaError
+from sparda import kernels
 from sparda.kernels import reference as ref
 
 FORMAT = "sparda-forecast-v1"
@@ -276,8 +277,16 @@ class ForecastAttention(BlockSparseMethod):
         num_tokens = step.max_kv_len
         _, _, ck = cache.view(layer + 1, step.rows, max(num_tokens - 1, 0))
         f = self.forecast.project(layer + 1, h, step.cos, step.sin)
-        scores = ref.forecast_scores(f, ck, step.q_pos - 1, cfg.kernel_size, cfg.kernel_stride)
         num_blocks = -(-num_tokens // cfg.block_size)
+        if f.is_cuda and f.shape[-2] == 1:
+            # Triton: fused scoring + pooling + rule; ck_len cuts each row to the keys
+            # complete before this step's token (no host sync).
+            pos = step.q_pos[:, -1]
+            ck_len = torch.where(pos >= cfg.kernel_size, (pos - cfg.kernel_size) // cfg.kernel_stride + 1, 0)
+            _, mask = kernels.select_decode_blocks(f[:, :, -1, :], ck, pos, num_blocks, cfg,
+                                                   ck_len=ck_len, return_mask=True)
+            return mask.unsqueeze(2)
+        scores = ref.forecast_scores(f, ck, step.q_pos - 1, cfg.kernel_size, cfg.kernel_stride)
         blocks = ref.pool_to_blocks(scores, num_blocks, cfg)
         return ref.select_blocks(blocks, step.q_pos, cfg)
 
@@ -317,3 +326,19 @@ class ForecastAttention(BlockSparseMethod):
             k, v, _ = cache.view(layer, step.rows, num_tokens)
             return dense_attention(q, k, v, step)
         return super().attend(layer, q, h, cache, step)
+
+
+class RandomForecastAttention(ForecastAttention):
+    """Method ``sparda-random``: ``sparda`` with a seeded random-init Forecast (``nn.Linear``
+    default init, seed 0), the untrained contrast row of SPEC §8's measurements."""
+
+    name = "sparda-random"
+
+    def __init__(self, config, shape, model=None, model_dir=None) -> None:
+        state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(0)
+            forecast = Forecast.for_shape(shape)
+        finally:
+            torch.random.set_rng_state(state)
+        super().__init__(config, shape, model=model, model_dir=model_dir, forecast=forecast)

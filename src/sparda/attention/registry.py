@@ -5,7 +5,7 @@ from __future__ import annotations
 from sparda.attention.base import AttentionMethod
 from sparda.attention.blocksparse import OracleAttention, SparseAttention
 from sparda.attention.dense import DenseAttention
-from sparda.attention.forecast import ForecastAttention
+from sparda.attention.forecast import ForecastAttention, RandomForecastAttention
 from sparda.attention.infinigen import InfiniGenAttention
 from sparda.attention.offload import OFFLOADED, SparseOffloadAttention, SpardaNoPrefetchAttention
 from sparda.config import SpardaConfig
@@ -16,6 +16,7 @@ METHOD_CLASSES: dict[str, type[AttentionMethod]] = {
     "sparse": SparseAttention,
     "oracle": OracleAttention,
     "sparda": ForecastAttention,
+    "sparda-random": RandomForecastAttention,
     "infinigen": InfiniGenAttention,
     "sparse-offload": SparseOffloadAttention,
     "sparda-no-prefetch": SpardaNoPrefetchAttention,
