@@ -46,6 +46,9 @@ def test_generate_text_output_and_stdin(make_tiny):
     (["generate", "-p", "x", "--block-size", "40"], "must divide block_size"),
     (["generate", "-p", "x", "--method", "nope"], "nope"),
     (["generate", "-p", "x", "--preset", "nope"], "nope"),
+    (["generate", "-p", "  "], "empty prompt"),
+    (["selection-report", "--lengths", "abc"], "expected comma-separated int values"),
+    (["eval", "--samples", "0", "--out", "/tmp/sparda-test-eval-never-created"], "--samples >= 1"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     res = run(*args)

@@ -73,7 +73,7 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
     """Construct :class:`sparda.LLM` from CLI options (a progress line goes to stderr)."""
     from sparda.engine.llm import LLM
 
-    click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default'})...", err=True)
+    click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
     return LLM(model, method=method, preset=preset, device=device, dtype=dtype,
                topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
                block_size=block_size, dense_len=dense_len, **extra)
@@ -218,7 +218,8 @@ def train_forecast_cmd(model, data, out, **opts):
 @click.option("--text", default=None, help="UTF-8 text file [default: the held-out Emma].")
 @click.option("--methods", default="sparse,oracle,sparda,sparda-random,infinigen", show_default=True,
               help="Comma-separated selectors.")
-@click.option("--lengths", default="4096,8192", show_default=True, help="Comma-separated context lengths (tokens).")
+@click.option("--lengths", default="4096,8192", show_default=True, callback=_csv(int),
+              help="Comma-separated context lengths (tokens).")
 @click.option("--queries", default=64, show_default=True, type=int, help="Query tokens scored per length.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--forecast", default=None, help="Forecast weights [default: shipped for the bundled model].")
@@ -229,7 +230,7 @@ def selection_report_cmd(model, text, methods, lengths, queries, preset, forecas
     from sparda.eval.selection import format_report, selection_report
 
     report = selection_report(model, text, [m.strip() for m in methods.split(",") if m.strip()],
-                              [int(x) for x in lengths.split(",") if x.strip()], queries=queries,
+                              list(lengths), queries=queries,
                               preset=preset, forecast=forecast, device=device)
     click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
 
@@ -245,7 +246,7 @@ def selection_report_cmd(model, text, methods, lengths, queries, preset, forecas
 @click.option("--out", default=None, help="Output directory: results.json, report.md, plots [default: bench-out].")
 @click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
 @click.option("--gpu-mem-gb", type=float, default=None, help="Cap this process's GPU memory (GiB).")
-@click.option("--host-mem-gb", type=float, default=None, help="Cap the host KV cache (GiB) [default: 90%% of free memory].")
+@click.option("--host-mem-gb", type=float, default=None, help="Cap the host KV cache (GiB) [default: 90% of free memory].")
 @click.option("--trace", default=None, help="Selection trace (.npz) replayed by offloaded methods; 'none': native selection [default: shipped].")
 @click.option("--time-budget-s", type=float, default=None, help="Points after this many seconds are recorded as skipped.")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")

@@ -214,6 +214,8 @@ class LLM:
             raise SpardaError("temperature must be >= 0 and top_p in (0, 1]")
         if prompt_token_ids is None:
             prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+            if any(not p or not p.strip() for p in prompts):
+                raise SpardaError("empty prompt; pass some text")
             prompt_token_ids = [self.encode(p, chat) for p in prompts]
         for ids in prompt_token_ids:
             self._check_length(len(ids), max_new_tokens)

@@ -291,10 +291,12 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     unknown = [t for t in plan.tasks if t not in (PPL, SELECTION) and t not in TASKS]
     if unknown:
         raise SpardaError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join([*TASKS, PPL, SELECTION])}")
-    if not plan.lengths or min(plan.lengths) < 256 or plan.samples < 1:
-        raise SpardaError("need --lengths of at least 256 tokens and --samples >= 1")
-    specs = method_specs(plan)
+    if not plan.lengths or min(plan.lengths) < 256 or plan.samples < 1 or plan.ppl_windows < 1:
+        raise SpardaError("need --lengths of at least 256 tokens, --samples >= 1 and --ppl-windows >= 1")
     out = Path(plan.out)
+    if out.exists() and not out.is_dir():
+        raise SpardaError(f"--out {out} is a file, not a directory; pass a directory path")
+    specs = method_specs(plan)
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / "plan.json"
     if plan_path.exists():
@@ -351,7 +353,7 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
     if depths and any(not 0 <= d <= 1 for d in depths):
         raise SpardaError("--depths must lie in [0, 1]")
     return EvalPlan(tasks=tuple(tasks or base["tasks"]), methods=tuple(methods),
-                    lengths=tuple(lengths or base["lengths"]), samples=samples or base["samples"], out=out,
+                    lengths=tuple(lengths or base["lengths"]), samples=base["samples"] if samples is None else samples, out=out,
                     budgets=tuple(budgets or ()), depths=tuple(depths or DEPTHS),
-                    ppl_windows=ppl_windows or base["ppl_windows"], model=model, preset=preset, device=device,
+                    ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
                     dtype=dtype, text=text, seed=seed)
