@@ -36,6 +36,10 @@ def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:
     cls = METHOD_CLASSES.get(config.method)
     if config.offload and config.method in OFFLOADED:  # --offload: the offloaded variant (SPEC §6)
         cls = OFFLOADED[config.method]
+    elif config.offload and config.method not in ("sparse-offload", "sparda-no-prefetch"):
+        raise SpardaError(
+            f"--offload is not supported for method {config.method!r}; use it with sparse or sparda, "
+            "or the always-offloaded sparse-offload / sparda-no-prefetch")
     if cls is None:
         raise SpardaError(
             f"method {config.method!r} is not available; available: {', '.join(METHOD_CLASSES)}")
