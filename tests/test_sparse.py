@@ -42,6 +42,10 @@ def test_sparse_batch_of_different_lengths_matches_single_runs(make_tiny):
     llm = LLM(make_tiny("mistral"), method="sparse", device="cpu", **SMALL_BLOCKS)
     prompts = [torch.randint(0, 49152, (n,)).tolist() for n in (70, 150, 111)]
     batched = llm.generate([None] * 3, prompt_token_ids=prompts, max_new_tokens=30, ignore_eos=True)
+    fractions = []
     for ids, res in zip(prompts, batched):
         alone = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=30, ignore_eos=True)[0]
         assert res.token_ids == alone.token_ids
+        assert res.stats["kv_read_fraction"] == alone.stats["kv_read_fraction"]  # per sequence
+        fractions.append(res.stats["kv_read_fraction"])
+    assert fractions[1] < fractions[0] and 0 < fractions[1] < 1  # longer context, smaller share read

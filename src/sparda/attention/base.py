@@ -47,18 +47,25 @@ class AttentionMethod:
         """
         raise NotImplementedError
 
-    def read_fraction(self) -> float:
-        """Fraction of causally valid KV blocks read per decode step, averaged (1.0 = dense)."""
-        valid = float(self.stats["blocks_valid"])
-        return float(self.stats["blocks_read"]) / valid if valid else 1.0
+    def read_fraction(self, row: int | None = None) -> float:
+        """Fraction of causally valid KV blocks read per decode step (1.0 = dense), summed
+        over KV heads, layers and steps: of sequence ``row``, or of the whole batch."""
+        read, valid = self.stats["blocks_read"], self.stats["blocks_valid"]
+        if row is not None and torch.is_tensor(valid):
+            read, valid = read[row], valid[row]
+        read, valid = float(torch.as_tensor(read).sum()), float(torch.as_tensor(valid).sum())
+        return read / valid if valid else 1.0
 
-    def _count(self, step, read: torch.Tensor | None) -> None:
-        """Add one decode step's block counts (device tensors: no host sync)."""
+    def _count(self, step, read_mask: torch.Tensor | None) -> None:
+        """Add one decode step's per-sequence block counts (device tensors: no host sync).
+
+        ``read_mask``: ``[B, ...]`` bool, the blocks this layer reads; ``None`` = all valid."""
         if step.phase != "decode":
             return
-        valid = (step.q_pos[:, -1] // self.selection.block_size + 1).sum() * self.shape.num_kv_heads
-        self.stats["blocks_read"] += valid if read is None else read
-        self.stats["blocks_valid"] += valid
+        valid = (step.q_pos[:, -1] // self.selection.block_size + 1) * self.shape.num_kv_heads  # [B]
+        read = valid if read_mask is None else read_mask.reshape(read_mask.shape[0], -1).sum(-1)
+        self.stats["blocks_read"] = self.stats["blocks_read"] + read
+        self.stats["blocks_valid"] = self.stats["blocks_valid"] + valid
 
     def _count_dense(self, step) -> None:
         self._count(step, None)
@@ -162,7 +169,7 @@ class BlockSparseMethod(AttentionMethod):
             return dense_attention(q, k, v, step)
         first = self.dense_prefix(step)
         mask = self.select(layer, q, h, cache, step, first)
-        self._count(step, mask[..., -1, :].sum())
+        self._count(step, mask[..., -1, :])
         out = sparse_attention(q[..., first:, :], k, v, mask, step, first, self.selection)
         if first == 0:
             return out

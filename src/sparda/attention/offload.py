@@ -81,7 +81,7 @@ class SparseOffloadAttention(OffloadDecodeMixin, SparseAttention):
         if step.phase != "decode":
             return super().attend(layer, q, h, cache, step)
         mask = self._select(q[:, :, :, 0], cache.compressed(layer), step.q_pos[:, 0], cache)
-        self._count(step, mask.sum())  # base: device tensors, no sync
+        self._count(step, mask)  # base: device tensors, no sync
         return self._attend_decode(layer, q, mask, cache, step)
 
 
@@ -121,7 +121,7 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
             if self.prefetch:
                 cache.fetch(layer + 1, nxt, pos, prefetch=True)
             self._next[layer + 1] = nxt
-        self._count(step, mask.sum())  # base: device tensors, no sync
+        self._count(step, mask)  # base: device tensors, no sync
         return self._attend_decode(layer, q, mask if not cache.is_offloaded(layer) else None, cache, step)
 
 

@@ -263,7 +263,7 @@ class LLM:
                 "prefill_ms": round(prefill_ms[b], 3),
                 "decode_tok_s": round(decoded / decode_s, 3) if decoded and decode_s > 0 else 0.0,
                 "kv_cache_bytes": int(per_token * (len(ids) + len(out[b]))),
-                "kv_read_fraction": round(self.method.read_fraction(), 4),
+                "kv_read_fraction": round(self.method.read_fraction(b), 4),
             }))
             if hasattr(cache, "offload_stats"):
                 results[-1].stats["offload"] = cache.offload_stats(max(steps, 1) * batch)
