@@ -91,8 +91,8 @@ def test_thirty_steps_reduce_the_loss(make_tiny, tmp_path):
     text = tmp_path / "train.txt"
     text.write_text(bundled_text("persuasion")[:20000])
     out = tmp_path / "f.safetensors"
-    result = train_forecast(str(make_tiny("llama")), [str(text)], seq_len=384, steps=30, batch_size=1,
-                            lr=3e-3, out=out, device="cpu", save_every=15, queries=32, init="random",
+    result = train_forecast(str(make_tiny("llama")), [str(text)], seq_len=384, steps=30, batch_size=2,
+                            lr=3e-3, out=out, device="cpu", save_every=15, queries=96, init="random",
                             progress=False, selection=CFG)
     assert result["step"] == 30 and out.is_file()
     assert result["loss"] < 0.8 * result["first_loss"], result

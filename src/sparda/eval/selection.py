@@ -28,24 +28,6 @@ from sparda.kernels import reference as ref
 KNOWN = ("sparse", "oracle", "sparda", "sparda-random", "sparda-qinit", "infinigen")
 
 
-def dense_layers(model, ids: torch.Tensor):
-    """Run the model densely over ``ids [B, T]``; yield ``(layer, h, q, k, cos, sin)`` per layer
-    (``h [B, T, d_model]``, ``q [B, H, G, T, d]``, ``k [B, H, T, d]``)."""
-    b, t = ids.shape
-    pos = torch.arange(t, device=ids.device).expand(b, t)
-    cos, sin = model.rotary(pos, next(model.parameters()).dtype)
-    x = model.model.embed_tokens(ids)
-    s = model.shape
-    for index, layer in enumerate(model.model.layers):
-        h = layer.input_layernorm(x)
-        q, k, v = layer.self_attn.project(h, cos, sin)
-        yield index, h, q, k, cos, sin
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.reshape(b, s.num_q_heads, t, s.head_dim), k, v, is_causal=True, enable_gqa=True)
-        x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-
-
 def _forced(q_pos, num_blocks, cfg):
     blocks = torch.arange(num_blocks, device=q_pos.device).view(1, 1, 1, -1)
     cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)
@@ -144,7 +126,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
         num_blocks = -(-length // cfg.block_size)
         forced = _forced(q_pos, num_blocks, cfg)
         h_prev = None
-        for layer, h, q, k, cos, sin in dense_layers(net, ids):
+        for layer, h, q, k, cos, sin in net.dense_layers(ids):
             ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()
             qs = q[..., q_idx, :]
             mass = ref.block_attention_mass(qs, k, q_pos, torch.tensor([length], device=k.device), cfg.block_size)

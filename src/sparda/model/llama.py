@@ -231,6 +231,27 @@ class CausalLM(nn.Module):
         model.rotary = Rotary(config, model.shape.head_dim)
         return model.eval()
 
+    def dense_layers(self, ids: torch.Tensor):
+        """Run the model densely (no cache, no method) over ``ids [B, T]`` from position 0.
+
+        Yields ``(layer, h, q, k, cos, sin)`` per layer before its attention: ``h [B, T, d_model]``
+        the attention input, ``q [B, H_kv, G, T, d]``, ``k [B, H_kv, T, d]`` (RoPE applied),
+        ``cos, sin [B, 1, T, d]``. Used by Forecast training and the selection report.
+        """
+        b, t = ids.shape
+        s = self.shape
+        pos = torch.arange(t, device=ids.device).expand(b, t)
+        cos, sin = self.rotary(pos, next(self.parameters()).dtype)
+        x = self.model.embed_tokens(ids)
+        for index, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = layer.self_attn.project(h, cos, sin)
+            yield index, h, q, k, cos, sin
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(b, s.num_q_heads, t, s.head_dim), k, v, is_causal=True, enable_gqa=True)
+            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+
     def forward(self, input_ids: torch.Tensor, step: StepInfo, cache, method,
                 all_logits: bool = False) -> torch.Tensor:
         """Run the decoder over ``input_ids [B, Tq]`` at positions ``step.q_pos``.

@@ -27,27 +27,6 @@ from sparda.training.loss import free_selection, recall, restricted_kl, restrict
 from sparda.training.teacher import teacher_distribution
 
 
-def frozen_layers(model, ids: torch.Tensor):
-    """Run the frozen model densely; yield ``(layer, h, q, k, cos, sin)`` per layer.
-
-    ``h [B, T, d_model]`` attention input, ``q [B, H, G, T, d]``, ``k [B, H, T, d]``.
-    """
-    b, t = ids.shape
-    pos = torch.arange(t, device=ids.device).expand(b, t)
-    dtype = next(model.parameters()).dtype
-    cos, sin = model.rotary(pos, dtype)
-    x = model.model.embed_tokens(ids)
-    for index, layer in enumerate(model.model.layers):
-        h = layer.input_layernorm(x)
-        q, k, v = layer.self_attn.project(h, cos, sin)
-        yield index, h, q, k, cos, sin
-        s = model.shape
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.reshape(b, s.num_q_heads, t, s.head_dim), k, v, is_causal=True, enable_gqa=True)
-        x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-
-
 def layer_loss(forecast: Forecast, layer: int, h_prev, q, k, cos, sin, q_idx, cfg: SelectionConfig):
     """Loss and selection recall (vs the query-based ``sparse`` free top-k) of one layer.
 
@@ -148,7 +127,7 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
         total_loss, hits, total = 0.0, 0, 0
         h_prev = None
         with torch.no_grad():
-            layers = frozen_layers(net, ids)
+            layers = net.dense_layers(ids)
             for layer, h, q, k, cos, sin in layers:
                 with torch.enable_grad():
                     loss, hit, tot = layer_loss(forecast, layer, h if layer == 0 else h_prev, q, k, cos, sin,
