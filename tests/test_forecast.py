@@ -54,7 +54,7 @@ def test_decode_selection_matches_prefill_and_uses_previous_layer(make_tiny):
     llm = _llm(make_tiny)
     method = _sparda(llm, Forecast.for_shape(llm.shape))
     llm.method = method
-    n = 200 + int(torch.randint(0, 15, ()).item())  # n % 16 != 0: no window completes at the last token
+    n = 208 + int(torch.randint(1, 16, ()).item())  # n % 16 != 0: no window completes at the last token
     ids = torch.randint(0, 1000, (n,)).tolist()
     full = llm.logits(ids)[-1]
     masks = {}
