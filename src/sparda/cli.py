@@ -57,7 +57,8 @@ def model_options(func):
         click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU]."),
         click.option("--offload/--no-offload", default=None,
                      help="Keep the full KV cache in host memory, selected blocks on the device (SPEC §6) "
-                          "[default: the method's; sparse-offload and sparda-no-prefetch always offload]."),
+                          "[default: on for sparda on CUDA, off otherwise; sparse-offload and "
+                          "sparda-no-prefetch always offload]."),
         click.option("--forecast", default=None,
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
         click.option("--dense-prefill", is_flag=True, default=False,

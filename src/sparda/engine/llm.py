@@ -76,8 +76,9 @@ class LLM:
         device, dtype: defaults: CUDA + bf16 if available, else CPU + fp32.
         **overrides: selection fields (``topk_blocks``, ``local_blocks``, ``init_blocks``,
             ``block_size``, ``kernel_size``, ``kernel_stride``, ``dense_len``) and
-            ``forecast`` (path of Forecast weights) / ``dense_prefill`` (sparda: dense prefill,
-            Forecast selection in decode only) / ``offload`` / ``transfer``
+            ``forecast`` (path of Forecast weights, sparda methods only) / ``dense_prefill``
+            (block-sparse methods: dense prefill, selection in decode only) / ``offload``
+            (``None``: on for ``sparda`` on CUDA, off otherwise) / ``transfer``
             (offload copy engine: ``auto``, ``uva``, ``copy``, ``sync``; docs/offload.md).
     Raises:
         SpardaError: bad method, preset, budget, path or architecture.
@@ -95,6 +96,9 @@ class LLM:
         self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,
                                    sparse_prefill=not dense_prefill,
                                    offload=offload)
+        if forecast is not None and self.config.method not in ("sparda", "sparda-no-prefetch"):
+            raise SpardaError(f"--forecast applies to the sparda methods only, not {self.config.method!r}; "
+                              "drop --forecast or pick --method sparda")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.tokenizer, self.model_dir = load_model(model, self.device, self.dtype)
@@ -102,6 +106,9 @@ class LLM:
         if method is None and forecast is None and not default_forecast_available(self.model_dir):
             # sparda is the default where Forecast weights exist (the bundled model); else sparse
             self.config = dataclasses.replace(self.config, method="sparse")
+        if offload is None and self.config.method == "sparda" and self.device.type == "cuda":
+            # SPEC §6: sparda offloads its KV cache by default where CUDA is present
+            self.config = dataclasses.replace(self.config, offload=True)
         self.method = build_method(self.config, self.shape, model=self.model,
                                    model_dir=self.model_dir)
 
