@@ -48,6 +48,8 @@ def test_generate_text_output_and_stdin(make_tiny):
     (["generate", "-p", "x", "--preset", "nope"], "nope"),
     (["generate", "-p", "  "], "empty prompt"),
     (["generate", "-p", "x", "--method", "dense", "--offload"], "--offload is not supported for method 'dense'"),
+    (["generate", "-p", "x", "--method", "sparse", "--forecast", "f.safetensors"],
+     "--forecast applies to the sparda methods only"),
     (["selection-report", "--lengths", "abc"], "expected comma-separated int values"),
     (["eval", "--samples", "0", "--out", "/tmp/sparda-test-eval-never-created"], "--samples >= 1"),
 ])

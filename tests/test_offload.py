@@ -270,3 +270,24 @@ def test_cli_generate_sparse_offload(tiny):
 def test_bad_engine_is_a_sparda_error():
     with pytest.raises(SpardaError, match="needs a CUDA device"):
         OffloadKVCache(1, 1, 1, 16, 64, SelectionConfig(**SMALL), torch.float32, "cpu", engine="uva")
+
+
+def test_offload_defaults():
+    """sparda offloads by default on CUDA only; no other method offloads unless asked."""
+    from sparda.config import METHODS
+    from sparda.engine.llm import default_offload
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_offload("sparda", cuda)
+    assert not default_offload("sparda", cpu)
+    for method in set(METHODS) - {"sparda"}:
+        assert not default_offload(method, cuda) and not default_offload(method, cpu)
+
+
+def test_sparda_on_cpu_keeps_cache_on_device(tiny, forecast_file):
+    from sparda.engine.llm import LLM
+
+    llm = LLM(str(tiny), method="sparda", forecast=str(forecast_file), device="cpu")
+    assert llm.config.offload is False and not isinstance(llm.new_cache(1, 64), OffloadKVCache)
+    llm = LLM(str(tiny), method="sparda", forecast=str(forecast_file), device="cpu", offload=True)
+    assert isinstance(llm.new_cache(1, 64), OffloadKVCache)

@@ -64,6 +64,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+def default_offload(method: str, device: torch.device) -> bool:
+    """Whether ``method`` offloads its KV cache when ``--offload`` is not given.
+
+    ``sparda`` offloads where CUDA is present (SPEC §6: the lookahead prefetch is the point
+    of the method); on the CPU there is no side stream to hide copies behind, and every
+    other method keeps its cache on the device unless asked (``sparse-offload`` and
+    ``sparda-no-prefetch`` always offload, by definition).
+    """
+    return method == "sparda" and device.type == "cuda"
+
+
 class LLM:
     """Load a Llama-family model and generate with a chosen attention method.
 
@@ -106,9 +117,8 @@ class LLM:
         if method is None and forecast is None and not default_forecast_available(self.model_dir):
             # sparda is the default where Forecast weights exist (the bundled model); else sparse
             self.config = dataclasses.replace(self.config, method="sparse")
-        if offload is None and self.config.method == "sparda" and self.device.type == "cuda":
-            # SPEC §6: sparda offloads its KV cache by default where CUDA is present
-            self.config = dataclasses.replace(self.config, offload=True)
+        if offload is None:
+            self.config = dataclasses.replace(self.config, offload=default_offload(self.config.method, self.device))
         self.method = build_method(self.config, self.shape, model=self.model,
                                    model_dir=self.model_dir)
 
