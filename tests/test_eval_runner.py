@@ -113,3 +113,31 @@ def test_selection_task_reports_recall(make_tiny, tmp_path):
     assert sel["oracle"]["recall_vs_oracle"] == pytest.approx(1.0)
     assert 0 < sel["sparse"]["mass"] <= 1 + 1e-6
     assert "Selection quality" in (tmp_path / "sel" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budgets", "150"], "--budgets are percentages in (0, 100], got 150"),
+    (["--text", "/no/such/text.txt"], "cannot read --text file /no/such/text.txt"),
+    (["--dense-prefill", "--tasks", "passkey,ppl"], "run ppl without --dense-prefill"),
+])
+def test_late_errors_write_nothing(tmp_path, args, message):
+    out = tmp_path / "never"
+    result = CliRunner().invoke(main, ["eval", "--quick", "--out", str(out), *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_dense_prefill_plan_prefills_densely(make_tiny, tmp_path):
+    """With dense_prefill, a block-sparse method's prefill logits are dense's; without, they differ."""
+    import torch
+
+    from sparda.eval.runner import MethodSpec, _Models
+
+    plan = _plan(make_tiny("llama"), tmp_path / "dp")
+    ids = torch.randint(0, 1000, (300,)).tolist()
+    for dense_prefill in (True, False):
+        plan.dense_prefill = dense_prefill
+        models = _Models(plan)
+        sparse, _, _ = models.get(MethodSpec("sparse"), 300)
+        got, want = sparse.logits(ids), models.base.logits(ids)
+        assert torch.allclose(got, want, atol=1e-5) == dense_prefill

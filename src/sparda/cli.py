@@ -181,6 +181,8 @@ def _csv(kind):
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None)
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--dense-prefill", is_flag=True, default=False,
+              help="Block-sparse methods: dense prefill, selection in decode only (not with ppl).")
 def eval_cmd(**opts):
     """Accuracy, perplexity/agreement and KV reads of every method (resumable; SPEC §8)."""
     from sparda.eval.runner import plan_from_options, run_eval

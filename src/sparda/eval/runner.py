@@ -50,6 +50,8 @@ class EvalPlan:
             selection fields (``dense_len``, ``block_size``...).
         text: haystack / perplexity text file; ``None`` = the held-out novel.
         seed: base seed of every generator.
+        dense_prefill: block-sparse methods prefill densely and select in decode only
+            (isolates decode-time selection; ``ppl``, which scores prefill logits, is refused).
     """
 
     tasks: tuple[str, ...]
@@ -67,11 +69,14 @@ class EvalPlan:
     text: str | None = None
     seed: int = 0
     overrides: dict = field(default_factory=dict)
+    dense_prefill: bool = False
 
     def fingerprint(self) -> str:
         """Hash of everything that changes a sample's content (not the lists of what to run)."""
         keys = dict(depths=list(self.depths), model=self.model, preset=self.preset, dtype=self.dtype,
                     text=self.text, seed=self.seed, overrides=self.overrides, ppl_windows=self.ppl_windows)
+        if self.dense_prefill:  # only when set, so that older run directories keep their fingerprint
+            keys["dense_prefill"] = True
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -171,7 +176,7 @@ class _Models:
             if spec.budget_pct is not None:
                 overrides["topk_blocks"] = budget_topk(spec.budget_pct, length, base_sel)
             selection = SelectionConfig.from_preset(self.plan.preset, **overrides)
-            config = SpardaConfig(method=spec.method, selection=selection)
+            config = SpardaConfig(method=spec.method, selection=selection, sparse_prefill=not self.plan.dense_prefill)
             llm = copy.copy(self.base)
             llm.config = config
             llm.method = build_method(config, llm.shape, model=llm.model, model_dir=llm.model_dir)
@@ -205,7 +210,8 @@ def _task_record(models: _Models, spec: MethodSpec, sample, length: int, index: 
                 prefill_ms=stats["prefill_ms"], decode_tok_s=stats["decode_tok_s"],
                 kv_read_fraction=stats["kv_read_fraction"],
                 kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
-                hit_rate=tracker.take(), seconds=round(time.perf_counter() - start, 2))
+                hit_rate=tracker.take(), seconds=round(time.perf_counter() - start, 2),
+                prefill="dense" if models.plan.dense_prefill else "block-sparse")
 
 
 def _ppl_records(models: _Models, specs: list[MethodSpec], todo: list[MethodSpec], text_ids: list[int],
@@ -293,6 +299,13 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
         raise SpardaError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join([*TASKS, PPL, SELECTION])}")
     if not plan.lengths or min(plan.lengths) < 256 or plan.samples < 1 or plan.ppl_windows < 1:
         raise SpardaError("need --lengths of at least 256 tokens, --samples >= 1 and --ppl-windows >= 1")
+    bad = [b for b in plan.budgets if not 0 < b <= 100]
+    if bad:
+        raise SpardaError(f"--budgets are percentages in (0, 100], got {bad[0]:g}")
+    if plan.dense_prefill and PPL in plan.tasks:
+        raise SpardaError("ppl scores prefill logits, which --dense-prefill makes equal to dense; "
+                          "run ppl without --dense-prefill")
+    haystack = _haystack(plan)  # an unreadable --text fails here, before anything is written
     out = Path(plan.out)
     if out.exists() and not out.is_dir():
         raise SpardaError(f"--out {out} is a file, not a directory; pass a directory path")
@@ -310,14 +323,14 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     total = sum(len(specs) for _ in items)
     done = sum(_key(s.label, t, n, i) in journal.done for i, n, t in items for s in specs)
     bar = tqdm(total=total, initial=done, desc="sparda eval", unit="sample", disable=not progress)
-    models, haystack, text_ids, new = None, None, None, 0
+    models, text_ids, new = None, None, 0
     try:
         for index, length, task in items:
             todo = [s for s in specs if _key(s.label, task, length, index) not in journal.done]
             if not todo:
                 continue
             if models is None:
-                models, haystack = _Models(plan), _haystack(plan)
+                models = _Models(plan)
             seed = plan.seed * 1_000_003 + index
             if task == PPL:
                 if text_ids is None:
@@ -342,7 +355,7 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
 
 def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budgets=None, depths=None,
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
-                      device="cpu", dtype=None, seed=0) -> EvalPlan:
+                      device="cpu", dtype=None, seed=0, dense_prefill=False) -> EvalPlan:
     """An :class:`EvalPlan` from CLI options: unset ones come from the ``--quick`` or full
     defaults; methods default to every registered one. Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
@@ -356,4 +369,4 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     lengths=tuple(lengths or base["lengths"]), samples=base["samples"] if samples is None else samples, out=out,
                     budgets=tuple(budgets or ()), depths=tuple(depths or DEPTHS),
                     ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
-                    dtype=dtype, text=text, seed=seed)
+                    dtype=dtype, text=text, seed=seed, dense_prefill=dense_prefill)
