@@ -64,3 +64,16 @@ def test_too_long_prompt_names_both_lengths(make_tiny):
     res = run("generate", "--model", str(make_tiny("llama")), "--no-chat", "-p", "word " * 5000, "--device", "cpu")
     assert res.returncode == 2 and "exceeds the model's context of 4096 tokens" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--bogus"], "No such option '--bogus'"),
+    (["gen"], "No such command 'gen'"),
+    (["generate", "--max-new-tokens", "many"], "'many' is not a valid integer"),
+    (["eval"], "Missing option '--out'"),
+])
+def test_usage_errors_are_one_line(args, message):
+    res = run(*args)
+    assert res.returncode == 2 and res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]

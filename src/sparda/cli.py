@@ -17,7 +17,27 @@ from sparda.errors import SpardaError
 
 
 class _Group(click.Group):
-    """A click group that turns SpardaError (and unreadable files) into one-line errors."""
+    """A click group that turns SpardaError, unreadable files and usage errors into one-line errors."""
+
+    def main(self, *args, **kwargs):
+        """Run the CLI; a usage error (unknown option, bad value) is one line and exit code 2."""
+        kwargs.pop("standalone_mode", None)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `sparda`: the help text, as click prints it
+            click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            sys.exit(0)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx else "sparda"
+            click.echo(f"error: {exc.format_message()} (see '{where} --help')", err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            click.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx):
         try:

@@ -23,7 +23,7 @@ from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
 from sparda.kernels import reference as ref
 from sparda.training.data import Batches, load_texts, pack
-from sparda.training.loss import free_selection, recall, restricted_kl, restriction, student_distribution
+from sparda.training.loss import free_selection, restricted_kl, restriction, student_distribution
 from sparda.training.teacher import teacher_distribution
 
 
@@ -87,6 +87,9 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
     torch.manual_seed(seed)
     net, tokenizer, model_dir = load_model(model, dev, dtype)
     net.requires_grad_(False)
+    if seq_len > net.shape.max_positions:
+        raise SpardaError(f"--seq-len {seq_len} exceeds the model's context of {net.shape.max_positions} tokens; "
+                          "lower --seq-len")
     texts, description = load_texts(data)
     batches = Batches(pack(texts, tokenizer, seq_len), batch_size, seed)
     forecast = Forecast.for_shape(net.shape)
