@@ -291,3 +291,16 @@ def test_sparda_on_cpu_keeps_cache_on_device(tiny, forecast_file):
     assert llm.config.offload is False and not isinstance(llm.new_cache(1, 64), OffloadKVCache)
     llm = LLM(str(tiny), method="sparda", forecast=str(forecast_file), device="cpu", offload=True)
     assert isinstance(llm.new_cache(1, 64), OffloadKVCache)
+
+
+def test_kv_cache_bytes_is_the_sequence_kv_wherever_it_lives(tiny):
+    """stats["kv_cache_bytes"] = 2 (K, V) x layers x H_kv x d x 4 bytes (fp32) x tokens, offloaded or not."""
+    prompt = torch.randint(100, 20000, (int(torch.randint(60, 120, ())),)).tolist()
+    got = []
+    for method in ("sparse", "sparse-offload"):
+        llm = _llm(tiny, method)
+        stats = llm.generate(None, prompt_token_ids=[prompt], max_new_tokens=5, ignore_eos=True)[0].stats
+        s = llm.shape
+        assert stats["kv_cache_bytes"] == 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4 * (len(prompt) + 5)
+        got.append(stats)
+    assert "offload" in got[1] and got[1]["offload"]["host_bytes"] > 0

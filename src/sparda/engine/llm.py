@@ -31,7 +31,8 @@ class Completion:
         text: the decoded completion (special tokens skipped).
         token_ids: generated token ids (EOS included if it was produced).
         stats: ``prompt_tokens``, ``new_tokens``, ``prefill_ms``, ``decode_tok_s``,
-            ``kv_cache_bytes`` (this sequence's K and V), ``kv_read_fraction``
+            ``kv_cache_bytes`` (this sequence's K and V, all layers, host or device; offloaded
+            runs report host and device bytes under ``offload``), ``kv_read_fraction``
             (fraction of KV blocks read per decode step, 1.0 for dense).
     """
 
@@ -269,7 +270,8 @@ class LLM:
                     done[b] = tok in eos or len(out[b]) >= max_new_tokens
         self._sync()
         decode_s = time.perf_counter() - start
-        per_token = cache.nbytes // max(cache.capacity * batch, 1)
+        s = self.shape  # K and V of every layer, whichever memory holds them (offload: see stats["offload"])
+        per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
         results = []
         for b, ids in enumerate(prompt_token_ids):
             text = self.tokenizer.decode(out[b], skip_special_tokens=True)
