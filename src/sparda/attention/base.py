@@ -137,7 +137,11 @@ class BlockSparseMethod(AttentionMethod):
         return last + 1 >= cfg.dense_len and last // cfg.block_size + 1 > cfg.budget_blocks
 
     def before_layer(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> None:
-        """Hook run at the start of every layer's attention (Forecast methods use it)."""
+        """Hook run at the start of every layer's attention (Forecast methods use it).
+
+        Args as :meth:`attend`: ``q [B, H_kv, G, Tq, d]``, ``h [B, Tq, d_model]``, the cache
+        after this step's append and the :class:`~sparda.model.llama.StepInfo`.
+        """
 
     def dense_prefix(self, step) -> int:
         """How many leading prefill queries fall under the dense fallback (SPEC §3.6):
@@ -149,7 +153,11 @@ class BlockSparseMethod(AttentionMethod):
         return min(step.q_pos.shape[1], max(cfg.dense_len - 1, cfg.budget_blocks * cfg.block_size))
 
     def select(self, layer: int, q, h, cache, step, first: int = 0) -> torch.Tensor:
-        """Block mask ``[B, H_kv, Tq - first, N]`` for this layer's queries ``first..Tq-1``."""
+        """Block mask ``[B, H_kv, Tq - first, N]`` bool for this layer's queries ``first..Tq-1``.
+
+        Scores ``chunk_tokens`` queries at a time with :meth:`block_scores` and applies the
+        selection rule (SPEC §3.4); ``N = ceil(step.max_kv_len / block_size)``.
+        """
         num_tokens = step.max_kv_len
         k, _, ck = cache.view(layer, step.rows, num_tokens)
         num_blocks = -(-num_tokens // self.selection.block_size)
@@ -161,6 +169,14 @@ class BlockSparseMethod(AttentionMethod):
         return torch.cat(masks, dim=2)
 
     def attend(self, layer, q, h, cache, step):
+        """Block-sparse attention of one layer (SPEC §3.4-3.6): ``q [B, H_kv, G, Tq, d]`` -> same shape.
+
+        Runs :meth:`before_layer`, then dense attention where the dense fallback covers
+        every query (or in prefill without ``config.sparse_prefill``); otherwise dense for
+        the :meth:`dense_prefix` and :meth:`select` + exact attention over the selected
+        blocks for the rest. ``h [B, Tq, d_model]`` is the attention input. Output in
+        ``q``'s dtype. Raises SpardaError only through ``cache.view`` (tokens over capacity).
+        """
         self.before_layer(layer, q, h, cache, step)
         num_tokens = step.max_kv_len
         k, v, _ = cache.view(layer, step.rows, num_tokens)

@@ -19,6 +19,13 @@ class SparseAttention(BlockSparseMethod):
     name = "sparse"
 
     def select(self, layer, q, h, cache, step, first=0):
+        """Block mask ``[B, H_kv, Tq - first, N]`` bool (SPEC §3.2-3.4).
+
+        CUDA decode: the fused Triton scoring + pooling + selection
+        (:func:`sparda.kernels.select_decode_blocks`, ``Tq - first = 1``); otherwise
+        :meth:`BlockSparseMethod.select`. ``N = ceil(step.max_kv_len / block_size)``.
+        Raises SpardaError (Triton path) on an unsupported dtype or head dim.
+        """
         if step.phase != "decode" or not q.is_cuda:
             return super().select(layer, q, h, cache, step, first)
         # CUDA decode: fused scoring + pooling + selection rule (Triton), no host sync.
@@ -29,6 +36,12 @@ class SparseAttention(BlockSparseMethod):
         return mask.unsqueeze(2)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
+        """Query-based block scores ``[B, H_kv, Tq_chunk, N]`` fp32 (SPEC §3.2-3.3).
+
+        ``sum_h softmax(q_h . ck / sqrt(d))`` over the group, max-pooled onto blocks;
+        ``q [B, H_kv, G, Tq, d]``, ``k [B, H_kv, T, d]``, ``ck [B, H_kv, C, d]``,
+        ``N = ceil(T / block_size)``.
+        """
         cfg = self.selection
         scores = ref.query_group_scores(q[..., chunk, :], ck, step.q_pos[:, chunk],
                                         cfg.kernel_size, cfg.kernel_stride)
@@ -42,5 +55,10 @@ class OracleAttention(BlockSparseMethod):
     name = "oracle"
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
+        """True attention mass per block ``[B, H_kv, Tq_chunk, N]`` fp32, group-summed (SPEC §8).
+
+        ``q [B, H_kv, G, Tq, d]``, ``k [B, H_kv, T, d]``; ``N = ceil(T / block_size)``;
+        each row sums to ``G``.
+        """
         return ref.block_attention_mass(q[..., chunk, :], k, step.q_pos[:, chunk], step.kv_len,
                                         self.selection.block_size)

@@ -11,6 +11,11 @@ class DenseAttention(AttentionMethod):
     name = "dense"
 
     def attend(self, layer, q, h, cache, step):
+        """Dense causal attention: ``q [B, H_kv, G, Tq, d]`` -> same shape, ``q``'s dtype.
+
+        Reads K/V ``[B, H_kv, max_kv_len, d]`` from ``cache``; ``h`` is unused. Raises
+        SpardaError (from ``cache.view``) if ``step.max_kv_len`` exceeds the capacity.
+        """
         num_tokens = step.max_kv_len
         k, v, _ = cache.view(layer, step.rows, num_tokens)
         if layer == 0:

@@ -78,7 +78,9 @@ class Forecast(nn.Module):
     Attributes:
         current: ``nn.Linear(d_model, H_kv*d, bias=False)``, ``W^C_0`` (scores layer 0).
         forecast: ``L-1`` such layers; ``forecast[l]`` reads layer ``l``'s input and scores
-            layer ``l+1``. Parameter count: ``L * d_model * H_kv * d``.
+            layer ``l+1``. Parameter count: ``L * d_model * H_kv * d`` (SPEC §4).
+    Raises:
+        SpardaError: ``num_layers < 1``.
     """
 
     def __init__(self, num_layers: int, hidden_size: int, num_kv_heads: int, head_dim: int) -> None:
@@ -137,12 +139,17 @@ def q_init(forecast: Forecast, model) -> None:
 
 def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str],
                   dtype: torch.dtype = torch.bfloat16, **meta) -> None:
-    """Write Forecast tensors (only) and metadata to a safetensors file.
+    """Write Forecast tensors (only) and metadata to a safetensors file (atomic: ``.tmp`` then rename).
+
+    The file holds ``current.weight`` and ``forecast.{l}.weight`` (``l < L-1``), each
+    ``[H_kv * d, d_model]`` in ``dtype``, on CPU.
 
     Args:
         identity: :func:`model_identity` of the base model (plus optional ``model_name``).
         dtype: storage dtype (bf16 keeps SmolLM2's 3.3 M parameters under 7 MB).
         **meta: extra metadata (``preset``, ``step``, ``data``, ...), stringified.
+    Raises:
+        OSError: the file cannot be written (not wrapped in SpardaError).
     """
     from safetensors.torch import save_file
 
@@ -156,7 +163,14 @@ def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str]
 
 
 def read_forecast(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of a Forecast file. Raises SpardaError if unreadable or not a Forecast."""
+    """Tensors and metadata of a Forecast file.
+
+    Returns:
+        ``(tensors, metadata)``: ``name -> [H_kv * d, d_model]`` CPU tensors in the stored
+        dtype (see :func:`save_forecast`), and the ``str -> str`` metadata.
+    Raises:
+        SpardaError: the file is missing, unreadable, or not a sparda Forecast file.
+    """
     from safetensors import safe_open
 
     path = Path(path)
@@ -259,6 +273,7 @@ class ForecastAttention(BlockSparseMethod):
         self._masks: dict[int, torch.Tensor] = {}    # decode: target layer -> [B, H, 1, N]
 
     def reset(self) -> None:
+        """Clear counters and the stored Forecast queries and masks (before each prefill)."""
         super().reset()
         self._queries.clear()
         self._masks.clear()
@@ -294,6 +309,13 @@ class ForecastAttention(BlockSparseMethod):
         return step.phase == "prefill" and not self.config.sparse_prefill
 
     def before_layer(self, layer, q, h, cache, step):
+        """Run the Forecast for the next layer (SPEC §4), from ``h [B, Tq, d_model]``.
+
+        Prefill: store ``F_layer(h)`` (and ``W^C_0(h)`` at layer 0) as ``[B, H_kv, Tq, d]``
+        queries for the target layer. Decode: store layer ``layer+1``'s block mask
+        ``[B, H_kv, 1, N]`` bool from :meth:`predict_next`. Nothing under the dense
+        fallback or with dense prefill. Raises SpardaError only through ``cache.view``.
+        """
         if not self.needs_selection(step) or self._prefill_dense(step):
             return
         if step.phase == "prefill":
@@ -308,12 +330,22 @@ class ForecastAttention(BlockSparseMethod):
             self._masks[layer + 1] = self.predict_next(layer, h, cache, step)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
+        """Forecast block scores ``[B, H_kv, Tq_chunk, N]`` fp32 (SPEC §3.3, §4).
+
+        Raw dot products of the stored Forecast queries ``[B, H_kv, Tq, d]`` with
+        ``ck [B, H_kv, C, d]`` (``-inf`` where invisible), max-pooled onto
+        ``N = ceil(T / block_size)`` blocks of ``k [B, H_kv, T, d]``; ``q`` is unused.
+        Raises KeyError if :meth:`before_layer` stored no queries for ``layer``.
+        """
         cfg = self.selection
         f = self._queries[layer][..., chunk, :]
         scores = ref.forecast_scores(f, ck, step.q_pos[:, chunk], cfg.kernel_size, cfg.kernel_stride)
         return ref.pool_to_blocks(scores, -(-k.shape[-2] // cfg.block_size), cfg)
 
     def select(self, layer, q, h, cache, step, first=0):
+        """Block mask ``[B, H_kv, Tq - first, N]`` bool: in decode, the mask predicted by the
+        previous layer (popped, not repaired: SPEC §4); otherwise scored from the stored
+        Forecast queries, which are then dropped."""
         if step.phase == "decode" and layer in self._masks:
             return self._masks.pop(layer)
         mask = super().select(layer, q, h, cache, step, first)
@@ -321,6 +353,9 @@ class ForecastAttention(BlockSparseMethod):
         return mask
 
     def attend(self, layer, q, h, cache, step):
+        """``q [B, H_kv, G, Tq, d]`` -> same shape, ``q``'s dtype: dense in prefill unless
+        ``config.sparse_prefill``, else :meth:`BlockSparseMethod.attend` with the Forecast's
+        blocks. Raises SpardaError only through ``cache.view``."""
         if self._prefill_dense(step):
             num_tokens = step.max_kv_len
             k, v, _ = cache.view(layer, step.rows, num_tokens)

@@ -34,6 +34,9 @@ def partial_columns(wq: torch.Tensor, wk: torch.Tensor, num_kv_heads: int, head_
                     ratio: float = PARTIAL_RATIO) -> torch.Tensor:
     """Kept columns per KV head: ``[H_kv, 2 * P]`` int64 (``P`` RoPE planes, both halves).
 
+    ``P = max(1, round(ratio * d / 2))`` planes ranked by ``sqrt(E_q * E_k)`` summed over
+    the plane, with ``E`` the squared row norms (module docstring; InfiniGen, OSDI 2024).
+
     Args:
         wq: ``[H_q * d, d_model]`` query weights; wk: ``[H_kv * d, d_model]`` key weights.
         ratio: fraction of the ``d`` columns to keep (at least one plane).
@@ -49,7 +52,12 @@ def partial_columns(wq: torch.Tensor, wk: torch.Tensor, num_kv_heads: int, head_
 
 
 class InfiniGenAttention(BlockSparseMethod):
-    """Method ``infinigen``: partial lookahead query of layer ``l+1`` from layer ``l``'s input."""
+    """Method ``infinigen``: partial lookahead query of layer ``l+1`` from layer ``l``'s input.
+
+    Raises:
+        SpardaError: no ``model`` given (its q/k weights are needed), or ``partial_ratio``
+            outside ``(0, 1]``.
+    """
 
     name = "infinigen"
 
@@ -71,11 +79,16 @@ class InfiniGenAttention(BlockSparseMethod):
         self._queries: dict[int, torch.Tensor] = {}
 
     def reset(self) -> None:
+        """Clear counters and the stored partial queries (before each prefill)."""
         super().reset()
         self._queries.clear()
 
     def partial_query(self, target: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Partial RoPE'd queries of layer ``target`` from ``h [B, T, d_model]``: ``[B, H, G, T, c]``."""
+        """Partial RoPE'd queries of layer ``target`` from ``h [B, T, d_model]``: ``[B, H, G, T, c]``.
+
+        ``c = 2 * P`` kept columns; ``cos, sin [B, 1, T, d]`` the query RoPE tables; computed
+        in the model weights' dtype.
+        """
         w = self.weights[target]
         q = torch.einsum("btm,hgcm->bhgtc", h.to(w.dtype), w)
         cols = self.columns[target]  # [H, c]; first half are planes i, second i + d/2
@@ -88,7 +101,12 @@ class InfiniGenAttention(BlockSparseMethod):
         return q * cs + rotated * sn
 
     def scores(self, target: int, qp: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-        """Block scores ``[B, H, Tq, N]`` of partial queries ``qp`` against ``ck [B, H, C, d]``."""
+        """Compressed scores ``[B, H, Tq, C]`` fp32 of partial queries ``qp [B, H, G, Tq, c]``
+        against the kept columns of ``ck [B, H, C, d]`` (SPEC §3.2 on the partial space).
+
+        ``softmax(q_p . K~_p / sqrt(d))`` per query head (full ``d`` in the scale), summed over
+        the group; ``q_pos [B, Tq]`` int64 gives causality. Not yet pooled onto blocks.
+        """
         cfg = self.selection
         cols = self.columns[target]
         ckp = ck.gather(-1, cols.view(1, cols.shape[0], 1, -1).expand(ck.shape[0], -1, ck.shape[2], -1))
@@ -98,6 +116,9 @@ class InfiniGenAttention(BlockSparseMethod):
         return sc
 
     def before_layer(self, layer, q, h, cache, step):
+        """Store layer ``layer+1``'s partial queries ``[B, H, G, Tq, c]`` from this layer's
+        input ``h [B, Tq, d_model]`` (and layer 0's own at layer 0); nothing under the dense
+        fallback."""
         if not self.needs_selection(step):
             return
         if layer == 0:
@@ -106,10 +127,14 @@ class InfiniGenAttention(BlockSparseMethod):
             self._queries[layer + 1] = self.partial_query(layer + 1, h, step.cos, step.sin)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
+        """Block scores ``[B, H, Tq_chunk, N]`` fp32: :meth:`scores` max-pooled onto
+        ``N = ceil(T / block_size)`` blocks (SPEC §3.3); ``q`` is unused. Raises KeyError
+        if :meth:`before_layer` stored no partial queries for ``layer``."""
         sc = self.scores(layer, self._queries[layer][..., chunk, :], ck, step.q_pos[:, chunk])
         return ref.pool_to_blocks(sc, -(-k.shape[-2] // self.selection.block_size), self.selection)
 
     def select(self, layer, q, h, cache, step, first=0):
+        """Block mask ``[B, H, Tq - first, N]`` bool (SPEC §3.4); drops the stored queries."""
         mask = super().select(layer, q, h, cache, step, first)
         self._queries.pop(layer, None)
         return mask

@@ -78,6 +78,10 @@ class SparseOffloadAttention(OffloadDecodeMixin, SparseAttention):
     name = "sparse-offload"
 
     def attend(self, layer, q, h, cache, step):
+        """``q [B, H, G, Tq, d]`` -> same shape, ``q``'s dtype. Prefill: the on-device
+        method. Decode (``Tq = 1``): select with the layer's own query, fetch the misses
+        synchronously, attend over the slots. Raises SpardaError (Triton path) on a
+        shape/dtype mismatch."""
         if step.phase != "decode":
             return super().attend(layer, q, h, cache, step)
         mask = self._select(q[:, :, :, 0], cache.compressed(layer), step.q_pos[:, 0], cache)
@@ -94,10 +98,19 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
     prefetch = True
 
     def reset(self) -> None:
+        """Clear counters, stored Forecast queries/masks and pending next-layer masks."""
         super().reset()
         self._next: dict[int, torch.Tensor] = {}
 
     def attend(self, layer, q, h, cache, step):
+        """``q [B, H, G, Tq, d]`` -> same shape, ``q``'s dtype (SPEC §4, §6 step order).
+
+        Prefill: :meth:`ForecastAttention.attend`. Decode: take the mask chosen in layer
+        ``l-1`` (``W^C_0`` at layer 0, fetched synchronously), Forecast-select layer
+        ``l+1`` from ``h [B, 1, d_model]`` over its compressed keys before this token and
+        enqueue its prefetch (or fetch synchronously without ``prefetch``), then attend.
+        Raises KeyError if layer ``l-1`` stored no mask (layers run out of order).
+        """
         if step.phase != "decode":
             return super().attend(layer, q, h, cache, step)
         if not hasattr(self, "_next"):

@@ -68,7 +68,11 @@ def model_spec(name: str) -> ModelSpec:
 
 
 def selection_config(name: str) -> SelectionConfig:
-    """The selection budget benchmarked with model ``name`` (paper preset for 8B shapes)."""
+    """The selection budget benchmarked with model ``name`` (paper preset for 8B shapes, SPEC §3).
+
+    Raises:
+        SpardaError: unknown name, or a preset/override the config rejects.
+    """
     spec = model_spec(name)
     return SelectionConfig.from_preset(spec.preset, **spec.selection)
 

@@ -81,7 +81,12 @@ def check_memory(llm: LLM, batch: int, capacity: int, host_limit: float | None) 
 
 
 def fill_cache(cache, shape, batch: int, context: int, device, dtype, seed: int = 0) -> None:
-    """Write ``context`` random post-RoPE K/V tokens into every row of ``cache`` (no model run)."""
+    """Write ``context`` random post-RoPE K/V tokens into every row of ``cache`` (no model run).
+
+    Per layer one ``[1, H_kv, context, d]`` standard-normal K and V in ``dtype`` (seeded),
+    appended as a prefill of each of the ``batch`` rows. Raises SpardaError (from the
+    cache) if ``context`` exceeds its capacity.
+    """
     gen = torch.Generator(device=device).manual_seed(seed)
     q_pos = torch.arange(context, device=device).view(1, -1)
     for layer in range(shape.num_layers):
@@ -110,7 +115,11 @@ def host_rss_bytes() -> int:
 
 def measure_prefill(llm: LLM, tokens: int, seed: int = 0) -> dict:
     """TTFT and prefill tok/s of one random prompt of ``tokens`` tokens (on CUDA after a
-    warm-up prefill just past the dense fallback, which compiles the kernels)."""
+    warm-up prefill just past the dense fallback, which compiles the kernels).
+
+    Returns ``{"prefill_tokens", "ttft_ms" (ms, wall clock after a device sync),
+    "prefill_tok_s" (tokens/s)}``.
+    """
     vocab = llm.model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     cfg = llm.config.selection

@@ -287,7 +287,14 @@ def record_selection(model, seqs: list[list[int]], prompt_tokens: int, steps: in
 def record_traces(rows: int = 4, prompt_tokens: int = 4096, steps: int = 64, device: str = "cpu",
                   methods=("sparse", "sparda")) -> dict[str, SelectionTrace]:
     """:func:`record_selection` of the bundled SmolLM2-135M (real weights, shipped Forecast)
-    on ``rows`` evenly spaced excerpts of the held-out Emma, ``small`` preset."""
+    on ``rows`` evenly spaced excerpts of the held-out Emma, ``small`` preset.
+
+    ``prompt_tokens`` and ``steps`` (decoded tokens) are token counts.
+
+    Raises:
+        SpardaError: Emma is too short for ``rows x (prompt_tokens + steps)`` tokens, no
+            shipped Forecast for a ``sparda*`` method, or the model fails to load.
+    """
     from sparda.attention.forecast import load_forecast, model_name, shipped_path
     from sparda.data import heldout_text
     from sparda.model.loader import load_model

@@ -59,11 +59,16 @@ class DeviceKVCache:
         return int(self.lengths.sum().item()) * per_token
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
-        """Write this step's keys/values and update compressed keys.
+        """Write this step's keys/values and update compressed keys (SPEC §3.1).
 
         Args:
-            k, v: ``[B, H_kv, Tq, d]`` for rows ``step.rows`` at positions ``step.q_pos``.
-                Prefill writes one row from position 0; decode writes one token per row.
+            layer: layer index.
+            k, v: ``[B, H_kv, Tq, d]`` post-RoPE, cast to the cache dtype on write, for rows
+                ``step.rows`` at positions ``step.q_pos``. Prefill writes one row from
+                position 0 (``Tq`` tokens); decode writes one token per row (``Tq = 1``).
+            step: the :class:`~sparda.model.llama.StepInfo` (``phase``, ``rows [B]``,
+                ``q_pos [B, Tq]`` int64).
+        No bounds checks: positions must be ``< capacity`` (torch raises IndexError otherwise).
         """
         cfg = self.selection
         if step.phase == "prefill":
@@ -99,7 +104,16 @@ class DeviceKVCache:
         return ref.num_compressed(num_tokens, self.selection.kernel_size, self.selection.kernel_stride)
 
     def view(self, layer: int, rows: torch.Tensor, num_tokens: int):
-        """K, V ``[b, H, num_tokens, d]`` and compressed keys ``[b, H, C, d]`` of ``rows``."""
+        """K, V ``[b, H, num_tokens, d]`` and compressed keys ``[b, H, C, d]`` of ``rows``.
+
+        Args:
+            layer: layer index. rows: ``[b]`` int64 cache rows (all rows: views, no copy).
+            num_tokens: tokens to expose; ``C = num_compressed(num_tokens)``.
+        Returns:
+            ``(k, v, ck)`` in the cache dtype.
+        Raises:
+            SpardaError: ``num_tokens`` exceeds the capacity.
+        """
         if num_tokens > self.capacity:
             raise SpardaError(f"{num_tokens} tokens exceed the cache capacity {self.capacity}")
         num_ck = self.num_compressed(num_tokens)

@@ -98,7 +98,11 @@ class HostKVStore:
                 "use a smaller batch or context (fewer --max-new-tokens or a shorter prompt)")
 
     def write_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v [H_kv, T, d]`` (any device) as tokens ``0 .. T-1`` of ``row`` (prefill)."""
+        """Write ``k, v [H_kv, T, d]`` (any device) as tokens ``0 .. T-1`` of ``row`` (prefill).
+
+        Raises:
+            SpardaError: ``row`` is outside the cache (internal error).
+        """
         for chunk in self.chunks[layer]:
             if chunk.row0 <= row < chunk.row1:
                 t = k.shape[-2]
@@ -110,7 +114,11 @@ class HostKVStore:
         raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
 
     def block(self, layer: int, row: int, head: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of one block ``[block_size, d]`` (a view into host memory; for tests)."""
+        """K, V of one block ``[block_size, d]`` (a view into host memory; for tests).
+
+        Raises:
+            SpardaError: ``row`` is outside the cache (internal error).
+        """
         for chunk in self.chunks[layer]:
             if chunk.row0 <= row < chunk.row1:
                 r = row - chunk.row0

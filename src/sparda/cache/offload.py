@@ -130,6 +130,11 @@ class OffloadKVCache:
         Prefill writes one row from position 0 (host, ring, compressed keys; the prompt's
         K/V stay reachable through :meth:`view` while the layer runs). Decode writes one
         token per row (every row of the cache) after waiting for the layer's prefetch.
+        ``step`` is the :class:`~sparda.model.llama.StepInfo` (``rows [B]``,
+        ``q_pos [B, Tq]`` int64); ``k, v`` post-RoPE, cast to the cache dtype on write.
+
+        Raises:
+            SpardaError: a decode step that does not cover every cache row.
         """
         cfg = self.selection
         if step.phase == "prefill":
@@ -192,6 +197,10 @@ class OffloadKVCache:
 
         Offloaded layers: in prefill the prompt's own K/V; in decode a full copy from the
         host (slow path, synchronises; offload-aware methods use :meth:`attend`).
+        ``rows``: ``[b]`` int64; ``num_tokens`` in tokens; ``C = num_compressed(num_tokens)``.
+
+        Raises:
+            SpardaError: ``num_tokens`` exceeds the capacity.
         """
         if num_tokens > self.capacity:
             raise SpardaError(f"{num_tokens} tokens exceed the cache capacity {self.capacity}")
@@ -252,7 +261,14 @@ class OffloadKVCache:
         """Decode attention of ``q [B, H, G, d]`` over the fetched blocks plus the current one.
 
         Uses the selection of the last :meth:`fetch` of ``layer``; exact softmax over
-        those tokens with ``key < kv_len``. Returns ``[B, H, G, d]`` in ``q``'s dtype.
+        those tokens with ``key < kv_len``. ``kv_len, pos``: ``[B]`` int64 (tokens; ``pos``
+        is this step's position, its block the current one). Returns ``[B, H, G, d]`` in
+        ``q``'s dtype.
+
+        Raises:
+            SpardaError: shape/dtype mismatch (Triton path of
+                :func:`sparda.kernels.decode_attention_slots`).
+            KeyError: no :meth:`fetch` of ``layer`` in this step.
         """
         from sparda import kernels
 

@@ -103,6 +103,9 @@ class Prefetcher:
         ``prefetch``: on the side stream after the compute stream's pending work, with an
         event :meth:`wait` blocks on; else on the compute stream (synchronous fetch, all
         of its time exposed). ``keep``: tensors that must live until the copy is done.
+        ``hits, misses``: ``[B, H]`` int64 device counts (from :func:`diff_slots`), summed
+        into the scalar counters without a host sync. Copy time (``copy_ms``, ms) is
+        timed with CUDA events (resolved in :meth:`stats`) or the wall clock on the CPU.
         """
         self.hits += hits.sum()
         self.misses += misses.sum()

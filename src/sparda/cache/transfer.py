@@ -113,6 +113,8 @@ class SyncEngine(TransferEngine):
     name = "sync"
 
     def gather(self, chunk, dst_k, dst_v, load):
+        """As :meth:`TransferEngine.gather` (``load [B, H, S]`` int64, slots
+        ``[B, H, S', bs, d]``) by advanced indexing; reads ``load`` on the host (syncs)."""
         part = load[chunk.row0:chunk.row1].to(chunk.k.device)
         r, h, s = (part >= 0).nonzero(as_tuple=True)
         if r.numel() == 0:
@@ -124,6 +126,8 @@ class SyncEngine(TransferEngine):
         dst_v[rd, hd, sd] = chunk.v[r, h, blk].to(dev)
 
     def store_tokens(self, chunk, k_tok, v_tok, pos):
+        """As :meth:`TransferEngine.store_tokens` (``k_tok, v_tok [B, H, d]``, ``pos [B]``
+        int64) by advanced indexing; copies to the host (syncs on CUDA)."""
         p = pos[chunk.row0:chunk.row1].to(chunk.k.device)
         rows = torch.arange(chunk.row1 - chunk.row0, device=p.device)
         bs = chunk.k.shape[3]
@@ -156,6 +160,9 @@ class CopyEngine(SyncEngine):
         return self._staging
 
     def gather(self, chunk, dst_k, dst_v, load):
+        """As :meth:`TransferEngine.gather` (``load [B, H, S]`` int64, slots
+        ``[B, H, S', bs, d]``): one host sync for the miss list, a CPU gather of the
+        missed ``[bs, d]`` blocks into pinned staging, one async H2D copy, a GPU scatter."""
         part = load[chunk.row0:chunk.row1].cpu()
         r, h, s = (part >= 0).nonzero(as_tuple=True)
         n = r.numel()
@@ -182,6 +189,9 @@ class UvaEngine(TransferEngine):
     Args:
         num_ctas: CTAs of the gather grid (grid-stride over block tasks).
         num_warps: warps per CTA. tile: elements moved per masked load/store.
+    Raises:
+        SpardaError: Triton is missing, or ``num_ctas``/``num_warps < 1`` or ``tile`` not a
+            power of two >= 16.
     """
 
     name = "uva"
@@ -202,6 +212,12 @@ class UvaEngine(TransferEngine):
                                   "use a smaller chunk (chunk_bytes) or batch")
 
     def gather(self, chunk, dst_k, dst_v, load):
+        """As :meth:`TransferEngine.gather` (``load [B, H, S]`` int64, slots
+        ``[B, H, S', bs, d]``), by the grid-stride UVA kernel; no host sync (SPEC §6).
+
+        Raises:
+            SpardaError: the host chunk or the slot buffer has ``>= 2^31`` elements.
+        """
         part = load[chunk.row0:chunk.row1]
         rows, heads, slots = part.shape
         dk, dv = dst_k[chunk.row0:chunk.row1], dst_v[chunk.row0:chunk.row1]
@@ -218,6 +234,8 @@ class UvaEngine(TransferEngine):
             ELEMS=elems, TILE=min(self.tile, _next_pow2(elems)), num_warps=self.num_warps)
 
     def store_tokens(self, chunk, k_tok, v_tok, pos):
+        """As :meth:`TransferEngine.store_tokens` (``k_tok, v_tok [B, H, d]``, ``pos [B]``
+        int64), one Triton program per (row, head) writing host memory via UVA; no sync."""
         rows = chunk.row1 - chunk.row0
         heads, d = chunk.k.shape[1], chunk.k.shape[4]
         sk, sv = k_tok[chunk.row0:chunk.row1], v_tok[chunk.row0:chunk.row1]

@@ -15,7 +15,11 @@ def next_pow2(n: int) -> int:
 
 
 def check_head_dim(d: int) -> None:
-    """The kernels tile the head dim in one piece: it must be a power of two >= 16."""
+    """The kernels tile the head dim in one piece: it must be a power of two >= 16.
+
+    Raises:
+        SpardaError: ``d`` (head dim, elements) is below 16 or not a power of two.
+    """
     if d < 16 or d & (d - 1):
         raise SpardaError(f"Triton kernels need a power-of-two head dim >= 16, got {d}; "
                           "use the reference path (CPU tensors) for this model")
@@ -32,14 +36,20 @@ def _sm_count(index: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 4 off-GPU (the Triton interpreter)."""
+    """Streaming multiprocessors of ``device`` (count, cached per GPU); 4 off-GPU (the Triton interpreter)."""
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tl_float_dtype_ok(t: torch.Tensor, name: str) -> None:
-    """Raise SpardaError unless ``t`` is fp16, bf16 or fp32."""
+    """Check that a kernel operand ``t`` (any shape) is fp16, bf16 or fp32.
+
+    Args:
+        t: tensor of any shape. name: its name in the error message.
+    Raises:
+        SpardaError: ``t.dtype`` is not fp16/bf16/fp32.
+    """
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise SpardaError(f"{name} must be fp16, bf16 or fp32, got {t.dtype}")
 

@@ -72,7 +72,13 @@ def _check_k(k: torch.Tensor) -> None:
 
 
 def compress_keys_triton(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Triton twin of ``reference.compress_keys`` for ``k [B, H, T, d]`` -> ``[B, H, C, d]``."""
+    """Triton twin of ``reference.compress_keys`` for ``k [B, H, T, d]`` -> ``[B, H, C, d]`` (SPEC §3.1).
+
+    ``k`` fp16/bf16/fp32; output in ``k``'s dtype; ``kernel``/``stride`` in tokens.
+
+    Raises:
+        SpardaError: ``k`` not 4-D, a bad dtype, or a head dim not a power of two >= 16.
+    """
     _check_k(k)
     bsz, heads, num_tokens, d = k.shape
     num_ck = reference.num_compressed(num_tokens, kernel, stride)
@@ -90,7 +96,15 @@ def compress_keys_triton(k: torch.Tensor, kernel: int, stride: int) -> torch.Ten
 
 def update_compressed_keys_triton(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
                                   kernel: int, stride: int) -> None:
-    """In place: write ``ck[b, h, j]`` if the token at ``kv_len[b] - 1`` completes window ``j``."""
+    """In place: write ``ck[b, h, j]`` if the token at ``kv_len[b] - 1`` completes window ``j`` (SPEC §3.1).
+
+    ``k [B, H, T, d]`` fp16/bf16/fp32; ``ck [B, H, C_max, d]`` buffer; ``kv_len [B]`` int
+    tokens including the new one; ``kernel``/``stride`` in tokens.
+
+    Raises:
+        SpardaError: bad ``k`` (rank, dtype, head dim) or ``ck`` not a matching buffer
+            with a contiguous last dim.
+    """
     _check_k(k)
     if ck.dim() != 4 or ck.shape[:2] != k.shape[:2] or ck.shape[-1] != k.shape[-1] or ck.stride(-1) != 1:
         raise SpardaError(f"ck must be a [B, H, C_max, d] buffer (last dim contiguous) matching k "

@@ -129,8 +129,15 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Triton twin of ``reference.block_sparse_attention`` (see ``sparda.kernels.prefill_attention``).
 
+    ``q [B, H_kv, G, Tq, d]``, ``k, v [B, H_kv, T, d]`` (same fp16/bf16/fp32 dtype),
+    ``block_mask [B, H_kv, Tq, N]`` bool or None, ``q_pos [B, Tq]`` int, ``kv_len [B]``
+    int (tokens), ``block_size`` in tokens -> ``[B, H_kv, G, Tq, d]`` in ``q``'s dtype.
     ``block_m`` query rows per program (a power of two >= 16); ``num_warps`` and
     ``num_stages`` are Triton launch parameters (tuning).
+
+    Raises:
+        SpardaError: a bad dtype, rank or shape mismatch, or a head dim not a power
+            of two >= 16.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         tl_float_dtype_ok(t, name)

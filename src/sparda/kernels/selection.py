@@ -221,7 +221,11 @@ def _tile_geometry(cfg: SelectionConfig) -> tuple[int, int, int]:
 def decode_block_scores_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                                num_blocks: int, cfg: SelectionConfig,
                                ck_len: torch.Tensor | None = None) -> torch.Tensor:
-    """Block scores ``[B, H, N]`` fp32 for one decode token (see ``select_decode_blocks``)."""
+    """Block scores ``[B, H, N]`` fp32 for one decode token (see ``select_decode_blocks``).
+
+    Raises:
+        SpardaError: via ``twins.check_selection_inputs``.
+    """
     check_selection_inputs(query, ck, q_pos, ck_len)
     bsz, heads, num_ck, d = ck.shape
     out = torch.empty(bsz, heads, num_blocks, device=ck.device, dtype=torch.float32)
@@ -292,6 +296,13 @@ def select_decode_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: to
                                 num_blocks: int, cfg: SelectionConfig, *,
                                 ck_len: torch.Tensor | None = None, width: int | None = None,
                                 return_mask: bool = False):
-    """Triton twin of ``twins.select_decode_reference`` (see ``sparda.kernels.select_decode_blocks``)."""
+    """Triton twin of ``twins.select_decode_reference`` (see ``sparda.kernels.select_decode_blocks``).
+
+    ``query [B, H, G, d]`` or ``[B, H, d]`` (Forecast), ``ck [B, H, C, d]``, ``q_pos [B]``
+    -> ``ids [B, H, width]`` int32 (or ``(ids, mask [B, H, N] bool)``), SPEC §3.2-3.4.
+
+    Raises:
+        SpardaError: via ``twins.check_selection_inputs``.
+    """
     scores = decode_block_scores_triton(query, ck, q_pos, num_blocks, cfg, ck_len)
     return select_from_scores_triton(scores, q_pos, cfg, width, return_mask)

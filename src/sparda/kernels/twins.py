@@ -19,7 +19,7 @@ from sparda.kernels._common import check_head_dim, tl_float_dtype_ok
 
 
 def ids_to_block_mask(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``[..., W]`` block ids (-1 padded) -> ``[..., N]`` bool mask; ids outside ``[0, N)`` drop."""
+    """``[..., W]`` integer block ids (-1 padded) -> ``[..., N]`` bool mask; ids outside ``[0, N)`` drop."""
     ids = block_ids.long()
     ids = torch.where((ids < 0) | (ids >= num_blocks), num_blocks, ids)
     mask = torch.zeros(*ids.shape[:-1], num_blocks + 1, dtype=torch.bool, device=ids.device)
@@ -31,7 +31,10 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                block_size: int) -> torch.Tensor:
     """Decode attention over a block-id list via ``reference.block_sparse_attention``.
 
-    The query sits at position ``kv_len - 1``; ``q [B, H, G, d]`` -> ``[B, H, G, d]``.
+    The query sits at position ``kv_len - 1``; ``q [B, H, G, d]`` -> ``[B, H, G, d]`` in
+    ``q``'s dtype. ``k, v [B, H, T, d]``; ``block_ids [B, H, W]`` int (-1 padded);
+    ``kv_len [B]`` int (tokens); ``block_size`` in tokens. No shape checks (the Triton twin
+    raises SpardaError on a mismatch).
     """
     num_blocks = -(-k.shape[2] // block_size)
     mask = ids_to_block_mask(block_ids, num_blocks)[:, :, None]  # [B, H, 1, N]
@@ -41,9 +44,10 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def default_width(num_blocks: int, cfg: SelectionConfig) -> int:
-    """Static id-list width that holds every decode selection (no host sync).
+    """Static id-list width (blocks) that holds every decode selection (no host sync).
 
-    The budget bounds a sparse selection; the dense fallback (``t + 1 < dense_len``)
+    Returns ``min(num_blocks, max(budget_blocks, ceil(dense_len / block_size)))``, at
+    least 1 (SPEC §3.4, §3.6). The budget bounds a sparse selection; the dense fallback (``t + 1 < dense_len``)
     selects at most ``ceil(dense_len / block_size)`` blocks.
     """
     dense_blocks = -(-cfg.dense_len // cfg.block_size)
@@ -51,7 +55,16 @@ def default_width(num_blocks: int, cfg: SelectionConfig) -> int:
 
 
 def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, ck_len) -> None:
-    """Raise SpardaError unless the decode-selection inputs fit together."""
+    """Check the decode-selection inputs of one query token per sequence (SPEC §3.2, §4).
+
+    Args:
+        query: ``[B, H, G, d]`` (query-based) or ``[B, H, d]`` (Forecast), fp16/bf16/fp32.
+        ck: ``[B, H, C, d]`` compressed keys, fp16/bf16/fp32.
+        q_pos: ``[B]`` integer token position. ck_len: ``None`` or ``[B]`` integer.
+    Raises:
+        SpardaError: a bad dtype, rank or shape mismatch, or a head dim that is not a
+            power of two >= 16.
+    """
     tl_float_dtype_ok(query, "query")
     tl_float_dtype_ok(ck, "ck")
     if query.dim() not in (3, 4):
@@ -70,7 +83,16 @@ def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.T
 def decode_block_scores_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                                   num_blocks: int, cfg: SelectionConfig,
                                   ck_len: torch.Tensor | None = None) -> torch.Tensor:
-    """PyTorch twin of :func:`decode_block_scores_triton`, built from ``reference``."""
+    """PyTorch twin of :func:`decode_block_scores_triton`, built from ``reference`` (SPEC §3.2-3.3, §4).
+
+    Args as :func:`sparda.kernels.decode_block_scores`: ``query [B, H, G, d]`` (softmax
+    scores summed over the group) or ``[B, H, d]`` (Forecast raw dot products),
+    ``ck [B, H, C, d]``, ``q_pos [B]`` int, ``num_blocks`` ``N``, ``ck_len`` ``[B]`` or None.
+    Returns:
+        ``[B, H, N]`` fp32 block scores.
+    Raises:
+        SpardaError: via :func:`check_selection_inputs`.
+    """
     check_selection_inputs(query, ck, q_pos, ck_len)
     if ck_len is not None:  # row b sees only its first ck_len[b] compressed keys
         rows = [decode_block_scores_reference(query[i:i + 1], ck[i:i + 1, :, :int(ck_len[i])],
@@ -90,7 +112,16 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
                             num_blocks: int, cfg: SelectionConfig, *,
                             ck_len: torch.Tensor | None = None, width: int | None = None,
                             return_mask: bool = False):
-    """Decode selection from the reference functions: score, pool, select, to ids."""
+    """Decode selection from the reference functions: score, pool, select, to ids (SPEC §3.2-3.4).
+
+    Args as :func:`decode_block_scores_reference`; ``width`` defaults to
+    :func:`default_width`.
+    Returns:
+        ``ids [B, H, width]`` int32, ascending, -1 padded; with ``return_mask``,
+        ``(ids, mask [B, H, N] bool)``.
+    Raises:
+        SpardaError: via :func:`check_selection_inputs`.
+    """
     scores = decode_block_scores_reference(query, ck, q_pos, num_blocks, cfg, ck_len)
     mask = reference.select_blocks(scores[:, :, None], q_pos.view(-1, 1).long(), cfg)[:, :, 0]
     width = default_width(num_blocks, cfg) if width is None else int(width)
@@ -101,7 +132,16 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
 def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                               block_ids: torch.Tensor, slot_ids: torch.Tensor,
                               kv_len: torch.Tensor) -> torch.Tensor:
-    """PyTorch twin of :func:`decode_attention_slots_triton` (fp32 math)."""
+    """PyTorch twin of :func:`decode_attention_slots_triton` (fp32 math, SPEC §3.5, §6).
+
+    Args:
+        q: ``[B, H, G, d]``. k_slots, v_slots: ``[B, H, S, block_size, d]``.
+        block_ids: ``[B, H, W]`` int logical block ids (-1 = skip).
+        slot_ids: ``[B, H, W]`` int slot of each block (broadcastable; clamped to ``[0, S)``).
+        kv_len: ``[B]`` int valid tokens per sequence.
+    Returns:
+        ``[B, H, G, d]`` in ``q``'s dtype; rows that see no key are 0. No shape checks.
+    """
     bsz, heads, groups, d = q.shape
     block_size = k_slots.shape[3]
     slot_ids = slot_ids.expand(block_ids.shape).long().clamp(0, k_slots.shape[2] - 1)
@@ -118,7 +158,12 @@ def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: t
 
 def update_compressed_keys_reference(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
                                      kernel: int, stride: int) -> None:
-    """PyTorch twin of :func:`update_compressed_keys_triton` (in place, no host sync)."""
+    """PyTorch twin of :func:`update_compressed_keys_triton` (in place, no host sync, SPEC §3.1).
+
+    ``k [B, H, T, d]``, ``ck [B, H, C_max, d]`` (written in place, its dtype),
+    ``kv_len [B]`` int tokens including the new one; ``kernel``/``stride`` in tokens.
+    No shape checks.
+    """
     n = kv_len.long() - kernel
     j = n.clamp(min=0) // stride
     do = (n >= 0) & (n.clamp(min=0) % stride == 0) & (j < ck.shape[2])

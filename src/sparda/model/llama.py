@@ -61,6 +61,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> same shape; normalised in fp32, cast back to ``x``'s dtype,
+        then scaled by ``weight`` (result in the promoted dtype of ``weight`` and ``x``)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -68,7 +70,12 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """RoPE tables. Frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` for scaled
-    types (linear, dynamic, yarn, longrope, llama3) and the base formula otherwise."""
+    types (linear, dynamic, yarn, longrope, llama3) and the base formula otherwise
+    (``inv_freq_i = theta^(-2i/d)``, RoFormer, Su et al. 2021).
+
+    Raises:
+        SpardaError: an unsupported ``rope_type`` in the model config.
+    """
 
     def __init__(self, config, head_dim: int) -> None:
         super().__init__()
@@ -142,6 +149,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., hidden]`` -> ``[..., hidden]`` in the weights' dtype (via ``[..., inner]``)."""
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -194,7 +202,12 @@ class StepInfo:
 
 
 class CausalLM(nn.Module):
-    """A Llama-family causal LM whose attention is delegated to an attention method."""
+    """A Llama-family causal LM whose attention is delegated to an attention method.
+
+    Raises:
+        SpardaError: ``num_attention_heads`` not a multiple of ``num_key_value_heads``, or
+            an unsupported ``rope_type``.
+    """
 
     def __init__(self, config, bias: bool = False, qk_norm: bool = False, rotary: bool = True) -> None:
         super().__init__()

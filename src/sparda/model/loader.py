@@ -62,6 +62,11 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     Uses ``transformers`` GGUF loading (needs the ``gguf`` package). The loaded model's
     quantization config is dropped before ``save_pretrained``. The directory is written
     to a temporary name and renamed, so a crash never leaves a half-written model.
+
+    Returns:
+        ``out_dir`` (weights fp32 safetensors, tokenizer, ``sparda_source.json``).
+    Raises:
+        SpardaError: the GGUF cannot be loaded or its architecture is unsupported.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -146,7 +151,11 @@ def load_config(model_dir: Path):
 
 
 def load_tokenizer(model_dir: Path):
-    """The model directory's tokenizer, via ``transformers.AutoTokenizer``."""
+    """The model directory's tokenizer, via ``transformers.AutoTokenizer``.
+
+    Raises:
+        SpardaError: the tokenizer files are missing or unreadable.
+    """
     from transformers import AutoTokenizer
 
     try:
@@ -158,7 +167,11 @@ def load_tokenizer(model_dir: Path):
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """Read every ``*.safetensors`` shard of a model directory into one dict (CPU tensors).
 
-    Raises SpardaError if there is none or a file is unreadable.
+    Returns:
+        checkpoint name -> tensor, each in its stored shape and dtype (e.g.
+        ``model.layers.{i}.self_attn.q_proj.weight [H_q * d, d_model]``).
+    Raises:
+        SpardaError: no ``*.safetensors`` file, or a file is unreadable.
     """
     from safetensors.torch import load_file
 

@@ -83,7 +83,8 @@ class Batches:
         self.order: list[int] = []
 
     def next(self) -> torch.Tensor:
-        """The next batch (reshuffles after each pass)."""
+        """The next batch ``[batch, seq_len]`` (dtype of ``sequences``, int64 token ids from
+        :func:`pack`); reshuffles after each pass, seeded."""
         picked = []
         while len(picked) < self.batch_size:
             if not self.order:

@@ -15,24 +15,31 @@ from sparda.kernels import reference as ref
 
 
 def forced_blocks(q_pos: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
-    """Forced (init + local) or causally invalid blocks: ``[B, 1, Tq, N]`` bool (SPEC §3.4)."""
+    """Forced (init + local) or causally invalid blocks: ``[B, 1, Tq, N]`` bool (SPEC §3.4).
+
+    ``q_pos [B, Tq]`` int64 token positions; ``num_blocks`` ``N``.
+    """
     blocks = torch.arange(num_blocks, device=q_pos.device).view(1, 1, 1, -1)
     cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)
     return (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks) | (blocks > cur)
 
 
 def free_selection(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
-    """The top-k blocks the §3.4 rule picks beyond the forced ones: ``[B, H, Tq, N]`` bool."""
+    """The top-k blocks the §3.4 rule picks beyond the forced ones: ``[B, H, Tq, N]`` bool.
+
+    ``block_scores [B, H, Tq, N]`` (any float dtype, larger is better); ``q_pos [B, Tq]`` int64.
+    Raises ValueError (from ``reference.select_blocks``) for ``N >= 2^24``.
+    """
     mask = ref.select_blocks(block_scores, q_pos, cfg)
     return mask & ~forced_blocks(q_pos, block_scores.shape[-1], cfg)
 
 
 def restriction(teacher: torch.Tensor, q_pos: torch.Tensor, num_tokens: int,
                 cfg: SelectionConfig) -> torch.Tensor:
-    """Compressed-key entries compared by the loss: ``[B, H, Tq, C]`` bool.
+    """Compressed-key entries compared by the loss: ``[B, H, Tq, C]`` bool (SPEC §5, Restriction).
 
-    Args: ``teacher [B, H, Tq, C]`` (non-negative, 0 at invisible keys); ``num_tokens``
-    the key length ``T`` (sets the block count).
+    Args: ``teacher [B, H, Tq, C]`` fp32 (non-negative, 0 at invisible keys); ``q_pos [B, Tq]``
+    int64; ``num_tokens`` the key length ``T`` in tokens (sets the block count).
     """
     num_blocks = -(-num_tokens // cfg.block_size)
     blocks = ref.pool_to_blocks(teacher, num_blocks, cfg)
@@ -44,7 +51,9 @@ def restriction(teacher: torch.Tensor, q_pos: torch.Tensor, num_tokens: int,
 
 
 def restricted(dist: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-    """``dist [..., C]`` restricted to ``entries`` plus a rest bucket: ``[..., C+1]``, rows sum to 1."""
+    """``dist [..., C]`` restricted to ``entries`` (bool, same shape) plus a rest bucket:
+    ``[..., C+1]`` in ``dist``'s dtype; rows sum to ``dist``'s row sum (1 for a distribution,
+    0 for an all-0 row), SPEC §5."""
     kept = dist * entries
     rest = (dist.sum(-1, keepdim=True) - kept.sum(-1, keepdim=True)).clamp_min(0.0)
     return torch.cat([kept, rest], dim=-1)
@@ -54,7 +63,8 @@ def student_distribution(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                          cfg: SelectionConfig) -> torch.Tensor:
     """Student ``softmax(F . K~ / sqrt(d))`` over visible compressed keys, fp32 (SPEC §5).
 
-    Args: ``f [B, H, Tq, d]`` Forecast queries (RoPE applied); ``ck [B, H, C, d]``.
+    Args: ``f [B, H, Tq, d]`` Forecast queries (RoPE applied); ``ck [B, H, C, d]``;
+    ``q_pos [B, Tq]`` int64 (causality).
     Returns: ``[B, H, Tq, C]`` fp32 (0 at invisible keys; all-0 rows where none is visible).
     """
     logits = ref.forecast_scores(f, ck, q_pos, cfg.kernel_size, cfg.kernel_stride) / f.shape[-1] ** 0.5
@@ -72,6 +82,7 @@ def restricted_kl(teacher: torch.Tensor, student: torch.Tensor, entries: torch.T
 
 
 def recall(selected: torch.Tensor, target: torch.Tensor) -> float:
-    """Fraction of ``target`` blocks (``[..., N]`` bool) that ``selected`` also holds."""
+    """Fraction (0-1, a host float; syncs) of ``target`` blocks (``[..., N]`` bool) that
+    ``selected`` (same shape, bool) also holds; 1.0 when ``target`` is empty (SPEC §8 recall)."""
     total = target.sum().item()
     return (selected & target).sum().item() / total if total else 1.0

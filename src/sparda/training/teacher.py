@@ -26,6 +26,7 @@ def pool_fine_to_grid(fine: torch.Tensor, num_ck: int, cfg: SelectionConfig) -> 
     inference grid: compressed key ``i`` takes the max over fine keys ``i*s .. i*s + k - 2``.
 
     Returns ``[..., num_ck]`` in ``fine``'s dtype (0 where a window holds no fine key).
+    SPEC §5 (Teacher: fine kernel 2, stride 1, max-pooled onto the k 32, s 16 grid).
     """
     width = cfg.kernel_size - FINE_KERNEL + 1
     need = (num_ck - 1) * cfg.kernel_stride + width if num_ck else 0

@@ -30,7 +30,16 @@ from sparda.training.teacher import teacher_distribution
 def layer_loss(forecast: Forecast, layer: int, h_prev, q, k, cos, sin, q_idx, cfg: SelectionConfig):
     """Loss and selection recall (vs the query-based ``sparse`` free top-k) of one layer.
 
-    ``q_idx [Tq]`` int64 query positions (same for every row). Returns ``(loss, hits, total)``.
+    Args:
+        forecast: the Forecast being trained; ``layer``: the scored layer (its Forecast
+            is ``F_{layer-1}``, or ``W^C_0`` for layer 0).
+        h_prev: ``[B, T, d_model]`` attention input of layer ``layer - 1`` (of layer 0 for 0).
+        q: ``[B, H_kv, G, T, d]`` and k: ``[B, H_kv, T, d]`` post-RoPE, of ``layer``.
+        cos, sin: ``[B, 1, T, d]`` query RoPE tables.
+        q_idx: ``[Tq]`` int64 query positions (same for every row).
+    Returns:
+        ``(loss, hits, total)``: restricted KL (fp32 scalar with grad, SPEC §5) and the
+        free-top-k block counts (host ints) behind recall (SPEC §8).
     """
     b = q.shape[0]
     q_pos = q_idx.view(1, -1).expand(b, -1)

@@ -79,7 +79,11 @@ def haystack_window(tokenizer, haystack: str, num_tokens: int, rng: random.Rando
 def insert_at_depths(text: str, needles: list[tuple[float, str]]) -> str:
     """Insert each ``(depth, sentence)`` into ``text`` at the line or sentence break nearest
     before ``depth`` (0-1, by characters). Depths are taken in the original text, so
-    needles never split each other."""
+    needles never split each other.
+
+    Raises:
+        SpardaError: a depth outside ``[0, 1]``.
+    """
     cuts = []
     for index, (depth, needle) in enumerate(needles):
         check_depth(depth)
@@ -111,7 +115,11 @@ def spread_depths(rng: random.Random, count: int, fixed: float | None = None) ->
 @lru_cache(maxsize=4)
 def word_list(kind: str = "noun") -> tuple[str, ...]:
     """Lower-case single words from the ``wonderwords`` package (``noun``, ``adjective`` or
-    ``verb``), profanities removed, sorted (a stable order for seeded sampling)."""
+    ``verb``), profanities removed, sorted (a stable order for seeded sampling).
+
+    Raises:
+        SpardaError: an unknown ``kind``.
+    """
     import wonderwords
 
     files = {"noun": wonderwords.Defaults.NOUNS, "adjective": wonderwords.Defaults.ADJECTIVES,

@@ -68,7 +68,9 @@ def make_frequent_words(tokenizer, context_tokens: int, seed: int, num_answers: 
     """A text of words drawn with Zipf frequencies (rank ``r`` count ∝ ``r**-alpha``); the
     model names the ``num_answers`` most frequent words (their counts are distinct).
 
-    Returns a ``fraction``-scored :class:`TaskSample` (``depth=None``).
+    Returns a ``fraction``-scored :class:`TaskSample` (``depth=None``) of at most about
+    ``context_tokens`` tokens.
+    Raises ValueError if ``vocab_size`` exceeds the noun list (``random.sample``).
     """
     rng = random.Random(f"fwe-{seed}")
     vocab = rng.sample(word_list("noun"), vocab_size)
