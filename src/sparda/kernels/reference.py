@@ -53,7 +53,11 @@ def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
 
 
 def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: int) -> torch.Tensor:
-    """Causal visibility of compressed keys: ``[B, Tq, C]`` bool from ``q_pos [B, Tq]``."""
+    """Causal visibility of compressed keys (SPEC §3.1-3.2): ``[B, Tq, C]`` bool.
+
+    Compressed key ``j`` covers tokens ``[j*stride, j*stride + kernel)``; a query at
+    position ``t`` (``q_pos [B, Tq]`` int64, tokens) sees it iff its last token ``<= t``.
+    """
     ends = torch.arange(num_ck, device=q_pos.device) * stride + kernel - 1
     return ends.view(1, 1, -1) <= q_pos.unsqueeze(-1)
 
@@ -66,7 +70,10 @@ def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
     summed over the ``G`` query heads of each KV head.
 
     Args:
-        q: ``[B, H, G, Tq, d]`` queries. ck: ``[B, H, C, d]``. q_pos: ``[B, Tq]``.
+        q: ``[B, H, G, Tq, d]`` queries (any float dtype; computed in fp32).
+        ck: ``[B, H, C, d]`` compressed keys.
+        q_pos: ``[B, Tq]`` int64 query positions (tokens).
+        kernel, stride: compression window and stride (tokens; SPEC §3.1: 32, 16).
     Returns:
         ``[B, H, Tq, C]`` fp32; zeros at invisible keys (rows with no visible key are 0).
     """
@@ -83,7 +90,10 @@ def forecast_scores(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
     """Forecast scores: raw dot products, one row per KV head (SPEC §4).
 
     Args:
-        f: ``[B, H, Tq, d]`` Forecast queries (RoPE applied). ck: ``[B, H, C, d]``.
+        f: ``[B, H, Tq, d]`` Forecast queries (RoPE applied; any float dtype, fp32 math).
+        ck: ``[B, H, C, d]`` compressed keys of the scored layer.
+        q_pos: ``[B, Tq]`` int64 query positions (tokens).
+        kernel, stride: compression window and stride (tokens; SPEC §3.1).
     Returns:
         ``[B, H, Tq, C]`` fp32, ``-inf`` at causally invisible compressed keys.
     """
@@ -126,6 +136,8 @@ def pool_to_blocks(scores: torch.Tensor, num_blocks: int, cfg: SelectionConfig) 
     Args:
         scores: ``[..., C]``; invisible entries must be ``-inf`` (or 0 for softmax
             scores, which are non-negative).
+        num_blocks: ``N``, KV blocks of the context (``ceil(tokens / block_size)``).
+        cfg: the block size and compression geometry (:func:`pool_window`).
     Returns:
         ``[..., N]`` fp32: per block the max over the compressed keys overlapping it
         (:func:`block_overlap`), ``-inf`` where none exists.
@@ -161,11 +173,14 @@ def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selectio
     (dense fallback), every valid block is selected.
 
     Args:
-        block_scores: ``[B, H, Tq, N]``; larger is better; ``-inf`` allowed.
+        block_scores: ``[B, H, Tq, N]``; larger is better; ``-inf`` and NaN count as
+            unscored (ranked below every scored block, chosen only to fill the top-k).
         q_pos: ``[B, Tq]`` int64 query positions.
         kv_len: unused for masking beyond ``q_pos`` (kept for API symmetry), ``[B]``.
     Returns:
         ``[B, H, Tq, N]`` bool block mask.
+    Raises:
+        ValueError: ``N >= 2^24`` blocks per row (the tie-breaking key's limit).
     """
     del kv_len
     num_blocks = block_scores.shape[-1]
@@ -187,9 +202,11 @@ def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selectio
 
 
 def block_mask_to_indices(mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """Turn a block mask ``[..., N]`` into sorted block ids ``[..., width]``, padded with -1.
+    """Turn a bool block mask ``[..., N]`` into sorted int64 block ids ``[..., width]``,
+    padded with -1 (the index lists the kernels read, SPEC §3.5; callers cast to int32).
 
-    ``width`` defaults to the largest number of selected blocks in any row.
+    ``width`` defaults to the largest number of selected blocks in any row (one host
+    synchronisation); a smaller ``width`` keeps the lowest ids.
     """
     counts = mask.sum(-1)
     width = int(counts.max().item()) if width is None else width
@@ -216,8 +233,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``None`` for dense causal attention.
         q_pos: ``[B, Tq]`` positions; key ``i`` is visible iff ``i <= q_pos`` and
             ``i < kv_len``. A query that sees no key gets 0.
-        kv_len: ``[B]`` valid keys per sequence.
+        kv_len: ``[B]`` valid keys per sequence (tokens).
+        block_size: tokens per KV block (``B_s``).
         chunk: query tokens per chunk (bounds memory at ``B*H*G*chunk*T`` floats).
+        q, k and v share one float dtype; ``q_pos`` and ``kv_len`` are int64. One host
+        synchronisation per chunk (its largest position). ``Tq`` must be >= 1.
     Returns:
         ``[B, H, G, Tq, d]`` in ``q``'s dtype.
     """
@@ -250,9 +270,18 @@ def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
                          kv_len: torch.Tensor, block_size: int, chunk: int = 1024) -> torch.Tensor:
     """True attention mass per block, summed over the GQA group (oracle scores, SPEC §8).
 
-    Args: as :func:`block_sparse_attention`.
+    ``mass[b, h, t, n] = sum_g sum_{i in block n} softmax_i(q_g . k_i / sqrt(d))`` over the
+    causally visible keys, in fp32.
+
+    Args:
+        q: ``[B, H, G, Tq, d]`` (``Tq >= 1``). k: ``[B, H, T, d]``.
+        q_pos: ``[B, Tq]`` int64; kv_len: ``[B]`` int64 (tokens), as in
+            :func:`block_sparse_attention`.
+        block_size: tokens per KV block.
+        chunk: query tokens per chunk (memory about ``B*H*G*chunk*T`` fp32).
     Returns:
-        ``[B, H, Tq, N]`` fp32 with ``N = ceil(T / block_size)``; each row sums to ``G``.
+        ``[B, H, Tq, N]`` fp32 with ``N = ceil(T / block_size)``; each row sums to ``G``
+        (0 for a query that sees no key).
     """
     d = q.shape[-1]
     num_keys = k.shape[-2]
