@@ -3,8 +3,8 @@
 # (KV cache offloaded to pinned host memory, uva transfer engine, lookahead prefetch),
 # then `sparda generate --method sparda --offload` on the same prompt, with JSON stats.
 #
-# Usage: bash benchmarks/passkey_gpu.sh MODEL.gguf OUT_DIR [--device cuda]
-# (MODEL defaults to the bundled GGUF when installed; outputs are copied under OUT_DIR.)
+# Usage: bash benchmarks/passkey_gpu.sh MODEL OUT_DIR [extra sparda options, e.g. --device cpu]
+# (MODEL: the bundled GGUF file or any model path sparda accepts; outputs are written under OUT_DIR.)
 set -uo pipefail
 MODEL=${1:?usage: passkey_gpu.sh MODEL.gguf OUT_DIR}
 OUT=${2:?usage: passkey_gpu.sh MODEL.gguf OUT_DIR}

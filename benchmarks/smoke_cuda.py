@@ -49,7 +49,7 @@ def main() -> None:
     path, fpath = build(Path("/tmp/sparda_smoke"), args.tokenizer)
     ids = [torch.randint(0, 49152, (n,)).tolist() for n in (args.prompt_tokens, args.prompt_tokens // 2 + 77)]
     runs = [("dense", {}), ("sparse", {}), ("sparse", {"dense_prefill": True}), ("sparse-offload", {}),
-            ("sparda", {"forecast": str(fpath)}), ("sparda", {"forecast": str(fpath), "offload": True}),
+            ("sparda", {"forecast": str(fpath), "offload": False}), ("sparda", {"forecast": str(fpath), "offload": True}),
             ("sparda-no-prefetch", {"forecast": str(fpath)}), ("infinigen", {})]
     rows, tokens = [], {}
     for dtype in ("float32", "bfloat16"):

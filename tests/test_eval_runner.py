@@ -141,3 +141,11 @@ def test_dense_prefill_plan_prefills_densely(make_tiny, tmp_path):
         sparse, _, _ = models.get(MethodSpec("sparse"), 300)
         got, want = sparse.logits(ids), models.base.logits(ids)
         assert torch.allclose(got, want, atol=1e-5) == dense_prefill
+
+
+def test_dense_prefill_default_tasks_leave_out_ppl(tmp_path):
+    from sparda.eval.runner import PPL, plan_from_options
+
+    plan = plan_from_options(quick=True, dense_prefill=True, out=str(tmp_path / "q"))
+    assert plan.tasks and PPL not in plan.tasks and plan.dense_prefill
+    assert PPL in plan_from_options(quick=True, out=str(tmp_path / "q")).tasks

@@ -16,6 +16,10 @@ from sparda.config import METHODS, PRESETS
 from sparda.errors import SpardaError
 
 
+# click >= 8.2 raises this for a bare `sparda`; older click prints the help itself
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class _Group(click.Group):
     """A click group that turns SpardaError, unreadable files and usage errors into one-line errors."""
 
@@ -24,7 +28,7 @@ class _Group(click.Group):
         kwargs.pop("standalone_mode", None)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
-        except click.exceptions.NoArgsIsHelpError as exc:  # bare `sparda`: the help text, as click prints it
+        except _NO_ARGS_IS_HELP as exc:  # bare `sparda`: the help text, as click prints it
             click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
             sys.exit(0)
         except click.UsageError as exc:

@@ -111,7 +111,8 @@ class SpardaConfig:
             ``None`` uses the shipped weights for the bundled model, if any.
         sparse_prefill: when True (SPEC §3), block-sparse methods select per query token
             in prefill too; when False they prefill densely and select in decode only.
-        offload: keep the full KV cache in host memory (``None``: the method's default).
+        offload: keep the full KV cache in host memory (``None``: ``LLM`` decides, see
+            :func:`sparda.engine.llm.default_offload`).
     """
 
     method: str = "dense"

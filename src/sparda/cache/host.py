@@ -95,7 +95,8 @@ class HostKVStore:
     def _message(need: int, free: int | None) -> str:
         have = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
         return (f"offloaded KV cache needs {need / 2**30:.2f} GiB of host memory but {have} is available; "
-                "use a smaller batch or context (fewer --max-new-tokens or a shorter prompt)")
+                "use a smaller batch or context (fewer --max-new-tokens or a shorter prompt), "
+                "or --no-offload (offload=False) to keep the KV cache on the GPU")
 
     def write_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k, v [H_kv, T, d]`` (any device) as tokens ``0 .. T-1`` of ``row`` (prefill).

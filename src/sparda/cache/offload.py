@@ -94,7 +94,7 @@ class OffloadKVCache:
             need = elem * (2 * len(self.offloaded) * batch * num_kv_heads * (self.slots + 1) * cfg.block_size
                            + 2 * len(self.resident) * batch * num_kv_heads * capacity) * head_dim
             raise SpardaError(f"offload slot buffers of {need / 2**30:.2f} GiB do not fit on {self.device}; "
-                              "use a smaller batch, context or budget") from exc
+                              "use a smaller batch, context or budget, or --no-offload") from exc
         self.prefetcher = Prefetcher(self.engine, self.device, num_layers, self.host.block_bytes)
         #: ``[B]`` int64 tokens stored per row.
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)

@@ -130,7 +130,8 @@ class LLM:
 
         Device and dtype are the model's. ``forecast`` (a :class:`Forecast`) is handed to the
         ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``
-        as in :class:`LLM`. Raises SpardaError for a bad method, preset or budget.
+        as in :class:`LLM`, except that ``offload`` defaults to off on every device (the
+        caller builds the model and decides where its cache lives). Raises SpardaError for a bad method, preset or budget.
         """
         llm = cls.__new__(cls)
         offload = overrides.pop("offload", None)
@@ -281,7 +282,7 @@ class LLM:
                 "new_tokens": len(out[b]),
                 "prefill_ms": round(prefill_ms[b], 3),
                 "decode_tok_s": round(decoded / decode_s, 3) if decoded and decode_s > 0 else 0.0,
-                "kv_cache_bytes": int(per_token * (len(ids) + len(out[b]))),
+                "kv_cache_bytes": int(per_token * (len(ids) + len(out[b]) - 1)),  # the last token is never cached
                 "kv_read_fraction": round(self.method.read_fraction(b), 4),
             }))
             if hasattr(cache, "offload_stats"):

@@ -214,7 +214,7 @@ def write_report(out: Path, records: list[dict]) -> dict:
     atomic_write(out / "summary.json", json.dumps(agg["summary"], indent=1))
     names = plots(out, records, agg)
     body = markdown(records, agg) + "".join(f"\n![{n}]({n})\n" for n in names)
-    prefill = {r.get("prefill") for r in records if r.get("prefill")}
+    prefill = {r.get("prefill") for r in records if r.get("prefill") and r.get("method") != "dense"}
     regime = f"Prefill of block-sparse methods: {', '.join(sorted(prefill))}.\n\n" if prefill else ""
     atomic_write(out / "report.md", "# sparda eval\n\n" + regime + body)
     return agg["summary"]

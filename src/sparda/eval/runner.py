@@ -167,6 +167,7 @@ class _Models:
         """``(llm, tracker, topk_blocks)`` for ``spec`` at ``length`` tokens."""
         from sparda.attention.registry import build_method
         from sparda.config import SelectionConfig, SpardaConfig
+        from sparda.engine.llm import default_offload
         from sparda.eval.metrics import HitRateTracker, budget_topk
 
         key = (spec, length if spec.budget_pct is not None else None)
@@ -176,7 +177,8 @@ class _Models:
             if spec.budget_pct is not None:
                 overrides["topk_blocks"] = budget_topk(spec.budget_pct, length, base_sel)
             selection = SelectionConfig.from_preset(self.plan.preset, **overrides)
-            config = SpardaConfig(method=spec.method, selection=selection, sparse_prefill=not self.plan.dense_prefill)
+            config = SpardaConfig(method=spec.method, selection=selection, sparse_prefill=not self.plan.dense_prefill,
+                                  offload=default_offload(spec.method, self.base.device))  # as `sparda generate`
             llm = copy.copy(self.base)
             llm.config = config
             llm.method = build_method(config, llm.shape, model=llm.model, model_dir=llm.model_dir)
@@ -211,7 +213,8 @@ def _task_record(models: _Models, spec: MethodSpec, sample, length: int, index: 
                 kv_read_fraction=stats["kv_read_fraction"],
                 kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
                 hit_rate=tracker.take(), seconds=round(time.perf_counter() - start, 2),
-                prefill="dense" if models.plan.dense_prefill else "block-sparse")
+                prefill="dense" if models.plan.dense_prefill or spec.method == "dense" else "block-sparse",
+                offload=bool(llm.config.offload))
 
 
 def _ppl_records(models: _Models, specs: list[MethodSpec], todo: list[MethodSpec], text_ids: list[int],
@@ -315,8 +318,8 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     if plan_path.exists():
         old = json.loads(plan_path.read_text(encoding="utf-8")).get("fingerprint")
         if old != plan.fingerprint():
-            raise SpardaError(f"{out} holds results of a different plan (seed, depths, model, preset or text "
-                              "differ); use a new --out directory")
+            raise SpardaError(f"{out} holds results of a different plan (seed, depths, model, preset, text "
+                              "or --dense-prefill differ); use a new --out directory")
     atomic_write(plan_path, json.dumps({**asdict(plan), "fingerprint": plan.fingerprint()}, indent=1))
     journal = _Journal(out / "results.jsonl")
     items = list(_items(plan, specs))
@@ -361,6 +364,8 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
     from sparda.attention.registry import METHOD_CLASSES
 
     base = QUICK if quick else FULL
+    if dense_prefill and not tasks:  # ppl scores prefill logits, which dense prefill makes equal to dense
+        tasks = tuple(t for t in base["tasks"] if t != PPL)
     if methods is None:
         methods = tuple(m for m in base.get("methods", METHOD_CLASSES) if m in METHOD_CLASSES)
     if depths and any(not 0 <= d <= 1 for d in depths):
