@@ -49,3 +49,11 @@ def test_sparse_batch_of_different_lengths_matches_single_runs(make_tiny):
         assert res.stats["kv_read_fraction"] == alone.stats["kv_read_fraction"]  # per sequence
         fractions.append(res.stats["kv_read_fraction"])
     assert fractions[1] < fractions[0] and 0 < fractions[1] < 1  # longer context, smaller share read
+
+
+def test_method_names_agree_between_config_and_registry():
+    """The CLI's --method choices (config.METHODS) are exactly the registered methods."""
+    from sparda.attention.registry import METHOD_CLASSES
+    from sparda.config import METHODS
+
+    assert list(METHODS) == list(METHOD_CLASSES)
