@@ -51,6 +51,13 @@ def test_generate_text_output_and_stdin(make_tiny):
     (["generate", "-p", "x", "--method", "sparse", "--forecast", "f.safetensors"],
      "--forecast applies to the sparda methods only"),
     (["selection-report", "--lengths", "abc"], "expected comma-separated int values"),
+    (["selection-report", "--lengths", "4096", "--queries", "0"], "--queries must be >= 1"),
+    (["selection-report", "--lengths", "100"], "length 100 is outside [2048, 8192]"),
+    (["generate", "-p", "x", "--method", "sparse-offload", "--no-offload"], "sparse-offload always offloads"),
+    (["generate", "-p", "x", "--model", ""], "empty --model"),
+    (["train-forecast", "--lr", "-1", "--out", "/tmp/sparda-test-never.safetensors"], "--lr must be > 0"),
+    (["eval", "--tasks", "passkey", "--lengths", "99999", "--out", "/tmp/sparda-test-eval-never-created"],
+     "leaves no room for an answer in the model's context of 8192 tokens"),
     (["eval", "--samples", "0", "--out", "/tmp/sparda-test-eval-never-created"], "--samples >= 1"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):

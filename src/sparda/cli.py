@@ -99,9 +99,13 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
     from sparda.engine.llm import LLM
 
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
-    return LLM(model, method=method, preset=preset, device=device, dtype=dtype,
-               topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
-               block_size=block_size, dense_len=dense_len, **extra)
+    llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype,
+              topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
+              block_size=block_size, dense_len=dense_len, **extra)
+    offloaded = bool(llm.config.offload) or getattr(llm.method, "offloaded", False)
+    click.echo(f"method {llm.config.method} on {llm.device} ({str(llm.dtype).replace('torch.', '')}), "
+               f"KV cache {'offloaded to host memory' if offloaded else 'on the device'}", err=True)
+    return llm
 
 
 def stats_line(stats: dict) -> str:

@@ -108,6 +108,9 @@ class LLM:
         self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,
                                    sparse_prefill=not dense_prefill,
                                    offload=offload)
+        if offload is False and self.config.method in ("sparse-offload", "sparda-no-prefetch"):
+            raise SpardaError(f"{self.config.method} always offloads its KV cache; drop --no-offload, or use "
+                              f"--method {self.config.method.split('-')[0]} for a cache on the device")
         if forecast is not None and self.config.method not in ("sparda", "sparda-no-prefetch"):
             raise SpardaError(f"--forecast applies to the sparda methods only, not {self.config.method!r}; "
                               "drop --forecast or pick --method sparda")

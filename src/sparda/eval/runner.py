@@ -276,6 +276,19 @@ def _items(plan: EvalPlan, specs: list[MethodSpec]):
                     yield index, length, task
 
 
+def _check_device_and_lengths(plan: EvalPlan) -> None:
+    """Fail before anything is written: an unusable ``--device``, or ``--lengths`` that leave
+    no room for an answer in the model's context (read from its config, no weights loaded)."""
+    from sparda.engine.llm import resolve_device
+    from sparda.model.loader import load_config, resolve_model_dir
+
+    resolve_device(plan.device)
+    context = getattr(load_config(resolve_model_dir(plan.model)), "max_position_embeddings", None)
+    if context is not None and max(plan.lengths) + 32 > context:
+        raise SpardaError(f"--lengths {max(plan.lengths)} leaves no room for an answer in the model's context of "
+                          f"{context} tokens; use lengths up to {context - 32}")
+
+
 def _key(label: str, task: str, length: int, index: int) -> str:
     return f"{label}|{task}|{length}|{index}"
 
@@ -309,6 +322,7 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
         raise SpardaError("ppl scores prefill logits, which --dense-prefill makes equal to dense; "
                           "run ppl without --dense-prefill")
     haystack = _haystack(plan)  # an unreadable --text fails here, before anything is written
+    _check_device_and_lengths(plan)
     out = Path(plan.out)
     if out.exists() and not out.is_dir():
         raise SpardaError(f"--out {out} is a file, not a directory; pass a directory path")

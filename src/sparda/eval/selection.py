@@ -96,12 +96,22 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
         "mean_recall_vs_sparse", "mean_recall_vs_oracle", "mean_mass", "setup": {text, lengths, queries,
         budget_blocks}}}`` (keyed by method only).
     Raises:
-        SpardaError: unknown method, text shorter than a length, unreadable file.
+        SpardaError: unknown method, ``queries < 1``, a length outside
+            ``[dense_len, model context]``, text shorter than a length, unreadable file.
     """
     from sparda.engine.llm import LLM
 
+    if queries < 1:
+        raise SpardaError(f"--queries must be >= 1, got {queries}")
+    if not lengths:
+        raise SpardaError("no --lengths given; pass e.g. --lengths 4096,8192")
+
     llm = llm or LLM(model, method="dense", preset=preset, device=device, dtype="float32" if device in (None, "cpu") else None)
     net, cfg, shape = llm.model, llm.config.selection, llm.shape
+    for length in lengths:
+        if not cfg.dense_len <= length <= shape.max_positions:
+            raise SpardaError(f"length {length} is outside [{cfg.dense_len}, {shape.max_positions}]: shorter "
+                              "contexts use dense attention (recall 1), longer ones exceed the model's context")
     if text is None:
         from sparda.data import heldout_text
 

@@ -110,6 +110,9 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """
     if model is None:
         gguf = bundled_gguf_path()
+    elif not str(model).strip():
+        raise SpardaError("empty --model; pass a model directory or a .gguf file, or leave --model out "
+                          "for the bundled model")
     else:
         path = Path(model).expanduser()
         if not path.exists():

@@ -89,6 +89,8 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
         raise SpardaError(f"--seq-len {seq_len} must exceed the preset's dense_len {cfg.dense_len}")
     if steps < 1 or batch_size < 1 or queries < 1 or save_every < 1:
         raise SpardaError("--steps, --batch-size, --queries and --save-every must be >= 1")
+    if not lr > 0:
+        raise SpardaError(f"--lr must be > 0, got {lr}")
     if init not in ("q", "random"):
         raise SpardaError(f"unknown init {init!r}; choose q or random")
     dev = resolve_device(device)
