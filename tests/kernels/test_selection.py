@@ -25,7 +25,9 @@ def _check_scores(out, ref):
     finite = torch.isfinite(ref)
     assert torch.equal(finite, torch.isfinite(out))
     assert torch.equal(out[~finite], ref[~finite])
-    torch.testing.assert_close(out[finite], ref[finite], rtol=1e-5, atol=1e-6)
+    # fp32 dot products of d <= 32 terms with |q_i k_i| summing to ~50: another summation
+    # order moves a result by a few ulps of that sum (seen: 2.1e-6 on a score of 0.08)
+    torch.testing.assert_close(out[finite], ref[finite], rtol=1e-5, atol=5e-5)
 
 
 @pytest.mark.parametrize("groups", [None, 1, 3, 4, 8, 16])  # None: Forecast [B, H, d]
