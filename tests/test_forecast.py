@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -152,6 +153,9 @@ def test_sparda_without_weights_and_with_foreign_weights(make_tiny, tmp_path):
     shape = ModelShape.from_config(config)
     path = tmp_path / "q.safetensors"
     save_forecast(Forecast.for_shape(shape), path, model_identity(config, shape))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # the user's usual mode, not 0600
     with pytest.raises(SpardaError, match="not for the loaded model"):
         LLM(str(make_tiny("llama")), method="sparda", device="cpu", forecast=str(path))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -159,6 +160,9 @@ def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; give the user's usual mode
     tmp.replace(path)
 
 
