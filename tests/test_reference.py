@@ -146,3 +146,14 @@ def test_block_mask_to_indices_round_trip():
         assert row == sorted(row)
         back[idx][row] = True
     assert torch.equal(back, mask)
+
+
+def test_no_query_tokens_give_empty_outputs():
+    """Tq = 0 returns empty tensors of the right shape (the Triton prefill does the same)."""
+    b, h, g, t, d = 2, 3, 2, int(torch.randint(40, 90, ())), 8
+    q, k, v = torch.randn(b, h, g, 0, d), torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    q_pos, kv_len = torch.zeros(b, 0, dtype=torch.long), torch.full((b,), t)
+    n = -(-t // 16)
+    out = ref.block_sparse_attention(q, k, v, torch.ones(b, h, 0, n, dtype=torch.bool), q_pos, kv_len, 16)
+    assert out.shape == (b, h, g, 0, d)
+    assert ref.block_attention_mass(q, k, q_pos, kv_len, 16).shape == (b, h, 0, n)

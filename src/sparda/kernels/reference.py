@@ -237,7 +237,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_size: tokens per KV block (``B_s``).
         chunk: query tokens per chunk (bounds memory at ``B*H*G*chunk*T`` floats).
         q, k and v share one float dtype; ``q_pos`` and ``kv_len`` are int64. One host
-        synchronisation per chunk (its largest position). ``Tq`` must be >= 1.
+        synchronisation per chunk (its largest position). ``Tq = 0`` gives an empty output.
     Returns:
         ``[B, H, G, Tq, d]`` in ``q``'s dtype.
     """
@@ -263,7 +263,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             v[:, :, :num_keys].reshape(b * h, 1, num_keys, d), attn_mask=mask, enable_gqa=True)
         seen = mask.any(-1).view(b, h, 1, rows, 1)  # rows that see no key give 0, as the kernels do
         outs.append(torch.where(seen, out.view(b, h, g, rows, d), 0.0))
-    return torch.cat(outs, dim=-2)
+    return torch.cat(outs, dim=-2) if outs else q.new_zeros(q.shape)
 
 
 def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
@@ -274,7 +274,7 @@ def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     causally visible keys, in fp32.
 
     Args:
-        q: ``[B, H, G, Tq, d]`` (``Tq >= 1``). k: ``[B, H, T, d]``.
+        q: ``[B, H, G, Tq, d]`` (``Tq = 0`` gives ``[B, H, 0, N]``). k: ``[B, H, T, d]``.
         q_pos: ``[B, Tq]`` int64; kv_len: ``[B]`` int64 (tokens), as in
             :func:`block_sparse_attention`.
         block_size: tokens per KV block.
@@ -300,4 +300,4 @@ def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
         pad = num_blocks * block_size - num_keys
         probs = torch.nn.functional.pad(probs, (0, pad))
         outs.append(probs.view(*probs.shape[:-1], num_blocks, block_size).sum(-1))
-    return torch.cat(outs, dim=-2)
+    return torch.cat(outs, dim=-2) if outs else q.new_zeros(*q.shape[:2], 0, num_blocks, dtype=torch.float32)
