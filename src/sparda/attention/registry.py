@@ -23,6 +23,12 @@ METHOD_CLASSES: dict[str, type[AttentionMethod]] = {
 }
 
 
+#: methods whose KV cache always lives in host memory (SPEC §6); ``--no-offload`` is refused
+ALWAYS_OFFLOADED = ("sparse-offload", "sparda-no-prefetch")
+#: methods that read trained Forecast weights (``--forecast``)
+FORECAST_METHODS = ("sparda", "sparda-no-prefetch")
+
+
 def register(name: str, cls: type[AttentionMethod]) -> None:
     """Add (or replace) a method under ``name``."""
     METHOD_CLASSES[name] = cls
@@ -36,7 +42,7 @@ def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:
     cls = METHOD_CLASSES.get(config.method)
     if config.offload and config.method in OFFLOADED:  # --offload: the offloaded variant (SPEC §6)
         cls = OFFLOADED[config.method]
-    elif config.offload and config.method not in ("sparse-offload", "sparda-no-prefetch"):
+    elif config.offload and config.method not in ALWAYS_OFFLOADED:
         raise SpardaError(
             f"--offload is not supported for method {config.method!r}; use it with sparse or sparda, "
             "or the always-offloaded sparse-offload / sparda-no-prefetch")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparda.attention.forecast import default_forecast_available
-from sparda.attention.registry import build_method
+from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_method
 from sparda.cache.device import DeviceKVCache
 from sparda.cache.offload import OffloadKVCache
 from sparda.config import SelectionConfig, SpardaConfig
@@ -108,10 +108,10 @@ class LLM:
         self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,
                                    sparse_prefill=not dense_prefill,
                                    offload=offload)
-        if offload is False and self.config.method in ("sparse-offload", "sparda-no-prefetch"):
+        if offload is False and self.config.method in ALWAYS_OFFLOADED:
             raise SpardaError(f"{self.config.method} always offloads its KV cache; drop --no-offload, or use "
                               f"--method {self.config.method.split('-')[0]} for a cache on the device")
-        if forecast is not None and self.config.method not in ("sparda", "sparda-no-prefetch"):
+        if forecast is not None and self.config.method not in FORECAST_METHODS:
             raise SpardaError(f"--forecast applies to the sparda methods only, not {self.config.method!r}; "
                               "drop --forecast or pick --method sparda")
         self.device = resolve_device(device)
