@@ -1,4 +1,4 @@
-"""Offload runtime benchmark (SPEC §6): copy bandwidth, parity, hit rate, hidden copy time.
+"""Offload runtime benchmark (design §6): copy bandwidth, parity, hit rate, hidden copy time.
 
 Run on a CUDA machine from the repository root::
 

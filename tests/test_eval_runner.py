@@ -1,4 +1,4 @@
-"""``sparda eval`` runner: resumable, atomic, identical to an uninterrupted run (SPEC §8)."""
+"""``sparda eval`` runner: resumable, atomic, identical to an uninterrupted run (design §8)."""
 
 from __future__ import annotations
 

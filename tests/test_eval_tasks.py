@@ -1,4 +1,4 @@
-"""Task generators (deterministic, answer really in the prompt), scoring and metrics (SPEC §8)."""
+"""Task generators (deterministic, answer really in the prompt), scoring and metrics (design §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Forecast projection and the ``sparda`` / ``infinigen`` methods (SPEC §4, §6)."""
+"""The Forecast projection and the ``sparda`` / ``infinigen`` methods (design §4, §6)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _sparda(llm, forecast, in_prefill=True):
 
 def test_parameter_count_and_projection_matches_float64():
     fc = Forecast(num_layers=30, hidden_size=576, num_kv_heads=3, head_dim=64)
-    assert sum(p.numel() for p in fc.parameters()) == 29 * 576 * 192 + 576 * 192  # SPEC §4
+    assert sum(p.numel() for p in fc.parameters()) == 29 * 576 * 192 + 576 * 192  # design §4
     small = Forecast(num_layers=3, hidden_size=24, num_kv_heads=2, head_dim=8)
     h = torch.randn(1, 5, 24)
     pos = torch.arange(5).view(1, -1) + int(torch.randint(0, 100, ()).item())

@@ -1,4 +1,4 @@
-"""Offload runtime (SPEC §6): host storage, slot diff, transfer engines, offloaded methods.
+"""Offload runtime (design §6): host storage, slot diff, transfer engines, offloaded methods.
 
 The offloaded paths are checked against the on-device methods on tiny random models with
 small blocks (block 16, kernel 8, stride 4, dense_len 0) so that selection drops blocks

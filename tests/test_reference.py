@@ -25,7 +25,7 @@ def brute_select(q, keys, t, cfg):
     """Independent selection for one query position ``t`` and one KV head.
 
     q: [G, d] queries of the group; keys: [T, d] post-RoPE keys. Returns a sorted list
-    of selected block ids, following SPEC §3 literally with Python loops.
+    of selected block ids, following design §3 literally with Python loops.
     """
     kernel, stride, bs = cfg.kernel_size, cfg.kernel_stride, cfg.block_size
     ck = brute_compressed(keys, kernel, stride)
@@ -82,7 +82,7 @@ def test_paper_geometry_is_pool_5_4_1():
 
 @pytest.mark.parametrize("G", [1, 3, 4])
 def test_small_preset_selection_matches_brute_force(G):
-    """SPEC §3 selection at the `small` preset, lengths not a multiple of the block size."""
+    """design §3 selection at the `small` preset, lengths not a multiple of the block size."""
     cfg = SelectionConfig.from_preset("small")
     H, d = 2, 16
     T = cfg.block_size * int(torch.randint(33, 36, ()).item()) + int(torch.randint(1, cfg.block_size, ()).item())

@@ -1,4 +1,4 @@
-"""``sparda selection-report`` (SPEC §8) on a tiny random model."""
+"""``sparda selection-report`` (design §8) on a tiny random model."""
 
 from __future__ import annotations
 

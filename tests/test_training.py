@@ -1,4 +1,4 @@
-"""Forecast training (SPEC §5): teacher causality, restricted KL, a short run, weight files."""
+"""Forecast training (design §5): teacher causality, restricted KL, a short run, weight files."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def model_options(func):
                      help="Attention method [default: sparda where Forecast weights exist (the bundled "
                           "model, or --forecast), else sparse]."),
         click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)),
-                     help="Selection budget preset (SPEC §3)."),
+                     help="Selection budget preset (design §3)."),
         click.option("--topk-blocks", type=int, default=None, help="Scored blocks per KV head."),
         click.option("--local-blocks", type=int, default=None, help="Most recent blocks always kept (>= 1)."),
         click.option("--init-blocks", type=int, default=None, help="Attention-sink blocks always kept."),
@@ -80,7 +80,7 @@ def model_options(func):
         click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available]."),
         click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU]."),
         click.option("--offload/--no-offload", default=None,
-                     help="Keep the full KV cache in host memory, selected blocks on the device (SPEC §6) "
+                     help="Keep the full KV cache in host memory, selected blocks on the device (design §6) "
                           "[default: on for sparda on CUDA, off otherwise; sparse-offload and "
                           "sparda-no-prefetch always offload]."),
         click.option("--forecast", default=None,
@@ -212,7 +212,7 @@ def _csv(kind):
 @click.option("--dense-prefill", is_flag=True, default=False,
               help="Block-sparse methods: dense prefill, selection in decode only (not with ppl).")
 def eval_cmd(**opts):
-    """Accuracy, perplexity/agreement and KV reads of every method (resumable; SPEC §8)."""
+    """Accuracy, perplexity/agreement and KV reads of every method (resumable; design §8)."""
     from sparda.eval.runner import plan_from_options, run_eval
 
     plan = plan_from_options(**opts)
@@ -237,7 +237,7 @@ def eval_cmd(**opts):
 @click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
 @click.option("--save-every", default=50, show_default=True, type=int, help="Checkpoint period in steps.")
 def train_forecast_cmd(model, data, out, **opts):
-    """Train Forecast weights with the base model frozen (SPEC §5)."""
+    """Train Forecast weights with the base model frozen (design §5)."""
     from sparda.training.trainer import train_forecast
 
     result = train_forecast(model, list(data) or None, out=out, **opts)
@@ -257,7 +257,7 @@ def train_forecast_cmd(model, data, out, **opts):
 @click.option("--device", default=None, help="cpu or cuda[:N].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object keyed by method.")
 def selection_report_cmd(model, text, methods, lengths, queries, preset, forecast, device, as_json):
-    """Per-layer selection recall of each method vs the query-based and oracle top-k (SPEC §8)."""
+    """Per-layer selection recall of each method vs the query-based and oracle top-k (design §8)."""
     from sparda.eval.selection import format_report, selection_report
 
     report = selection_report(model, text, [m.strip() for m in methods.split(",") if m.strip()],

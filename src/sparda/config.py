@@ -1,6 +1,6 @@
 """Validated configuration: the block-sparse selection budget and the attention method.
 
-The selection fields follow SPEC §3 (InfLLM-V2-style block selection):
+The selection fields follow design §3 (InfLLM-V2-style block selection):
 ``block_size`` tokens per KV block, compressed keys of ``kernel_size`` tokens every
 ``kernel_stride`` tokens, ``init_blocks`` attention-sink blocks, ``local_blocks``
 most recent blocks (current partial block included) and ``topk_blocks`` scored blocks.
@@ -25,7 +25,7 @@ METHODS = (
     "sparda-no-prefetch",
 )
 
-#: Named selection presets, SPEC §3.
+#: Named selection presets, design §3.
 PRESETS: dict[str, dict[str, int]] = {
     "paper": dict(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1,
                   local_blocks=33, topk_blocks=62, dense_len=8192),
@@ -36,7 +36,7 @@ PRESETS: dict[str, dict[str, int]] = {
 
 @dataclass(frozen=True)
 class SelectionConfig:
-    """Block-selection budget (SPEC §3). All lengths are in tokens, counts in blocks.
+    """Block-selection budget (design §3). All lengths are in tokens, counts in blocks.
 
     Raises:
         SpardaError: on any invalid field (negative counts, ``local_blocks < 1``,
@@ -109,7 +109,7 @@ class SpardaConfig:
         selection: the block budget, :class:`SelectionConfig`.
         forecast_path: safetensors file of Forecast weights (method ``sparda``);
             ``None`` uses the shipped weights for the bundled model, if any.
-        sparse_prefill: when True (SPEC §3), block-sparse methods select per query token
+        sparse_prefill: when True (design §3), block-sparse methods select per query token
             in prefill too; when False they prefill densely and select in decode only.
         offload: keep the full KV cache in host memory (``None``: ``LLM`` decides, see
             :func:`sparda.engine.llm.default_offload`).

@@ -1,6 +1,6 @@
 """The Forecast's decode lookahead through the selection kernel (`ck_len` cut) equals the
 reference composition used on CPU: score layer l+1's compressed keys as they stood before
-this step's token (visibility at ``q_pos - 1``), then select at ``q_pos`` (SPEC §4)."""
+this step's token (visibility at ``q_pos - 1``), then select at ``q_pos`` (design §4)."""
 
 from __future__ import annotations
 

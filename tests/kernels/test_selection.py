@@ -51,7 +51,7 @@ def test_scores_and_selection_match_reference(groups, cfg):
 
 
 def test_ck_len_cuts_compressed_keys():
-    """A Forecast scoring keys before this step's window was appended (SPEC §4)."""
+    """A Forecast scoring keys before this step's window was appended (design §4)."""
     bsz, heads, d = 3, 2, 16
     ck = torch.randn(bsz, heads, 60, d)  # preallocated buffer, tail is junk
     q_pos = torch.tensor([200, 99, 47])

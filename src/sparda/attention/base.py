@@ -94,7 +94,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      step, first: int, cfg) -> torch.Tensor:
-    """Exact attention over the selected blocks (SPEC §3.5) for queries ``first..``.
+    """Exact attention over the selected blocks (design §3.5) for queries ``first..``.
 
     CPU tensors use :func:`sparda.kernels.reference.block_sparse_attention`; CUDA tensors
     the Triton kernels (block-sparse prefill tiles; split-KV decode over block ids).
@@ -116,7 +116,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class BlockSparseMethod(AttentionMethod):
-    """Block-sparse attention (SPEC §3): score blocks, select per KV head, attend exactly.
+    """Block-sparse attention (design §3): score blocks, select per KV head, attend exactly.
 
     Subclasses implement :meth:`block_scores`; the selection rule lives in
     :func:`sparda.kernels.reference.select_blocks`.
@@ -131,7 +131,7 @@ class BlockSparseMethod(AttentionMethod):
         raise NotImplementedError
 
     def needs_selection(self, step) -> bool:
-        """False when every query falls under the dense fallback (SPEC §3.6)."""
+        """False when every query falls under the dense fallback (design §3.6)."""
         cfg = self.selection
         last = step.max_kv_len - 1
         return last + 1 >= cfg.dense_len and last // cfg.block_size + 1 > cfg.budget_blocks
@@ -144,7 +144,7 @@ class BlockSparseMethod(AttentionMethod):
         """
 
     def dense_prefix(self, step) -> int:
-        """How many leading prefill queries fall under the dense fallback (SPEC §3.6):
+        """How many leading prefill queries fall under the dense fallback (design §3.6):
         query ``t`` does iff ``t + 1 < dense_len`` or its ``t // B_s + 1`` valid blocks fit
         the budget. Prefill starts at position 0, so these form a prefix. 0 in decode."""
         if step.phase != "prefill":
@@ -156,7 +156,7 @@ class BlockSparseMethod(AttentionMethod):
         """Block mask ``[B, H_kv, Tq - first, N]`` bool for this layer's queries ``first..Tq-1``.
 
         Scores ``chunk_tokens`` queries at a time with :meth:`block_scores` and applies the
-        selection rule (SPEC §3.4); ``N = ceil(step.max_kv_len / block_size)``.
+        selection rule (design §3.4); ``N = ceil(step.max_kv_len / block_size)``.
         """
         num_tokens = step.max_kv_len
         k, _, ck = cache.view(layer, step.rows, num_tokens)
@@ -169,7 +169,7 @@ class BlockSparseMethod(AttentionMethod):
         return torch.cat(masks, dim=2)
 
     def attend(self, layer, q, h, cache, step):
-        """Block-sparse attention of one layer (SPEC §3.4-3.6): ``q [B, H_kv, G, Tq, d]`` -> same shape.
+        """Block-sparse attention of one layer (design §3.4-3.6): ``q [B, H_kv, G, Tq, d]`` -> same shape.
 
         Runs :meth:`before_layer`, then dense attention where the dense fallback covers
         every query (or in prefill without ``config.sparse_prefill``); otherwise dense for

@@ -1,4 +1,4 @@
-"""``sparse`` and ``oracle``: block selection from the layer's own queries (SPEC §3, §8).
+"""``sparse`` and ``oracle``: block selection from the layer's own queries (design §3, §8).
 
 ``sparse`` is InfLLM-V2-style, training-free: compressed scores
 ``sum_h softmax(q_h . K~ / sqrt(d))`` over the GQA group, max-pooled onto blocks.
@@ -14,12 +14,12 @@ from sparda.kernels import reference as ref
 
 
 class SparseAttention(BlockSparseMethod):
-    """Query-based block-sparse attention (SPEC §3.2–3.5)."""
+    """Query-based block-sparse attention (design §3.2–3.5)."""
 
     name = "sparse"
 
     def select(self, layer, q, h, cache, step, first=0):
-        """Block mask ``[B, H_kv, Tq - first, N]`` bool (SPEC §3.2-3.4).
+        """Block mask ``[B, H_kv, Tq - first, N]`` bool (design §3.2-3.4).
 
         CUDA decode: the fused Triton scoring + pooling + selection
         (:func:`sparda.kernels.select_decode_blocks`, ``Tq - first = 1``); otherwise
@@ -36,7 +36,7 @@ class SparseAttention(BlockSparseMethod):
         return mask.unsqueeze(2)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
-        """Query-based block scores ``[B, H_kv, Tq_chunk, N]`` fp32 (SPEC §3.2-3.3).
+        """Query-based block scores ``[B, H_kv, Tq_chunk, N]`` fp32 (design §3.2-3.3).
 
         ``sum_h softmax(q_h . ck / sqrt(d))`` over the group, max-pooled onto blocks;
         ``q [B, H_kv, G, Tq, d]``, ``k [B, H_kv, T, d]``, ``ck [B, H_kv, C, d]``,
@@ -50,12 +50,12 @@ class SparseAttention(BlockSparseMethod):
 
 
 class OracleAttention(BlockSparseMethod):
-    """Selects the top-k blocks by exact attention mass (group-summed softmax), SPEC §8."""
+    """Selects the top-k blocks by exact attention mass (group-summed softmax), design §8."""
 
     name = "oracle"
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
-        """True attention mass per block ``[B, H_kv, Tq_chunk, N]`` fp32, group-summed (SPEC §8).
+        """True attention mass per block ``[B, H_kv, Tq_chunk, N]`` fp32, group-summed (design §8).
 
         ``q [B, H_kv, G, Tq, d]``, ``k [B, H_kv, T, d]``; ``N = ceil(T / block_size)``;
         each row sums to ``G``.

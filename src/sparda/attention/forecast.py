@@ -1,4 +1,4 @@
-"""The Forecast (SPEC §4): layer ``l`` predicts which KV blocks layer ``l+1`` will need.
+"""The Forecast (design §4): layer ``l`` predicts which KV blocks layer ``l+1`` will need.
 
 :class:`Forecast` holds one bias-free projection ``d_model -> H_kv * d`` per layer
 ``l < L-1`` (``forecast.{l}.weight``, ``F_l``) plus layer 0's current-layer projection
@@ -72,14 +72,14 @@ def describe(identity: dict[str, str]) -> str:
 
 
 class Forecast(nn.Module):
-    """Forecast projections of one model (SPEC §4): ``L-1`` lookahead heads plus ``W^C_0``.
+    """Forecast projections of one model (design §4): ``L-1`` lookahead heads plus ``W^C_0``.
 
     Args:
         num_layers: ``L`` (>= 1). hidden_size: ``d_model``. num_kv_heads: ``H_kv``. head_dim: ``d``.
     Attributes:
         current: ``nn.Linear(d_model, H_kv*d, bias=False)``, ``W^C_0`` (scores layer 0).
         forecast: ``L-1`` such layers; ``forecast[l]`` reads layer ``l``'s input and scores
-            layer ``l+1``. Parameter count: ``L * d_model * H_kv * d`` (SPEC §4).
+            layer ``l+1``. Parameter count: ``L * d_model * H_kv * d`` (design §4).
     Raises:
         SpardaError: ``num_layers < 1``.
     """
@@ -121,7 +121,7 @@ def q_init(forecast: Forecast, model) -> None:
 
     ``F_l = mean_g W_q^{l+1}[group] diag(w_{l+1} / w_l)`` with ``w`` the input RMSNorm
     weights (the residual stream changes little between neighbouring layers);
-    ``W^C_0 = mean_g W_q^0``. Training then refines it (SPEC §5 does not fix an init).
+    ``W^C_0 = mean_g W_q^0``. Training then refines it (design §5 does not fix an init).
     """
     s = model.shape
     layers = model.model.layers
@@ -245,7 +245,7 @@ def model_name(model_dir) -> str | None:
 
 
 class ForecastAttention(BlockSparseMethod):
-    """Method ``sparda`` with the KV cache on the device (SPEC §4).
+    """Method ``sparda`` with the KV cache on the device (design §4).
 
     Loads ``config.forecast_path`` or, for the bundled model, the shipped weights; a
     ``forecast=`` :class:`Forecast` argument replaces both (used by tests and reports).
@@ -313,7 +313,7 @@ class ForecastAttention(BlockSparseMethod):
         return step.phase == "prefill" and not self.config.sparse_prefill
 
     def before_layer(self, layer, q, h, cache, step):
-        """Run the Forecast for the next layer (SPEC §4), from ``h [B, Tq, d_model]``.
+        """Run the Forecast for the next layer (design §4), from ``h [B, Tq, d_model]``.
 
         Prefill: store ``F_layer(h)`` (and ``W^C_0(h)`` at layer 0) as ``[B, H_kv, Tq, d]``
         queries for the target layer. Decode: store layer ``layer+1``'s block mask
@@ -334,7 +334,7 @@ class ForecastAttention(BlockSparseMethod):
             self._masks[layer + 1] = self.predict_next(layer, h, cache, step)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
-        """Forecast block scores ``[B, H_kv, Tq_chunk, N]`` fp32 (SPEC §3.3, §4).
+        """Forecast block scores ``[B, H_kv, Tq_chunk, N]`` fp32 (design §3.3, §4).
 
         Raw dot products of the stored Forecast queries ``[B, H_kv, Tq, d]`` with
         ``ck [B, H_kv, C, d]`` (``-inf`` where invisible), max-pooled onto
@@ -348,7 +348,7 @@ class ForecastAttention(BlockSparseMethod):
 
     def select(self, layer, q, h, cache, step, first=0):
         """Block mask ``[B, H_kv, Tq - first, N]`` bool: in decode, the mask predicted by the
-        previous layer (popped, not repaired: SPEC §4); otherwise scored from the stored
+        previous layer (popped, not repaired: design §4); otherwise scored from the stored
         Forecast queries, which are then dropped."""
         if step.phase == "decode" and layer in self._masks:
             return self._masks.pop(layer)
@@ -369,7 +369,7 @@ class ForecastAttention(BlockSparseMethod):
 
 class RandomForecastAttention(ForecastAttention):
     """Method ``sparda-random``: ``sparda`` with a seeded random-init Forecast (``nn.Linear``
-    default init, seed 0), the untrained contrast row of SPEC §8's measurements."""
+    default init, seed 0), the untrained contrast row of design §8's measurements."""
 
     name = "sparda-random"
 

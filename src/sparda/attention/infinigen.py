@@ -102,7 +102,7 @@ class InfiniGenAttention(BlockSparseMethod):
 
     def scores(self, target: int, qp: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """Compressed scores ``[B, H, Tq, C]`` fp32 of partial queries ``qp [B, H, G, Tq, c]``
-        against the kept columns of ``ck [B, H, C, d]`` (SPEC §3.2 on the partial space).
+        against the kept columns of ``ck [B, H, C, d]`` (design §3.2 on the partial space).
 
         ``softmax(q_p . K~_p / sqrt(d))`` per query head (full ``d`` in the scale), summed over
         the group; ``q_pos [B, Tq]`` int64 gives causality. Not yet pooled onto blocks.
@@ -128,13 +128,13 @@ class InfiniGenAttention(BlockSparseMethod):
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
         """Block scores ``[B, H, Tq_chunk, N]`` fp32: :meth:`scores` max-pooled onto
-        ``N = ceil(T / block_size)`` blocks (SPEC §3.3); ``q`` is unused. Raises KeyError
+        ``N = ceil(T / block_size)`` blocks (design §3.3); ``q`` is unused. Raises KeyError
         if :meth:`before_layer` stored no partial queries for ``layer``."""
         sc = self.scores(layer, self._queries[layer][..., chunk, :], ck, step.q_pos[:, chunk])
         return ref.pool_to_blocks(sc, -(-k.shape[-2] // self.selection.block_size), self.selection)
 
     def select(self, layer, q, h, cache, step, first=0):
-        """Block mask ``[B, H, Tq - first, N]`` bool (SPEC §3.4); drops the stored queries."""
+        """Block mask ``[B, H, Tq - first, N]`` bool (design §3.4); drops the stored queries."""
         mask = super().select(layer, q, h, cache, step, first)
         self._queries.pop(layer, None)
         return mask

@@ -1,13 +1,13 @@
-"""Offloaded block-sparse methods (SPEC §6): ``sparse-offload``, ``sparda-no-prefetch``, ``sparda``.
+"""Offloaded block-sparse methods (design §6): ``sparse-offload``, ``sparda-no-prefetch``, ``sparda``.
 
 All three run on :class:`~sparda.cache.offload.OffloadKVCache` with the same storage,
 slot diff and transfer engine, so they differ only in *when* blocks are chosen and
 copied:
 
-* ``sparse-offload``: layer ``l`` selects with its own query (SPEC §3), then fetches
+* ``sparse-offload``: layer ``l`` selects with its own query (design §3), then fetches
   its misses synchronously (on the compute stream) and attends;
 * ``sparda-no-prefetch``: layer ``l``'s blocks were chosen in layer ``l-1`` by the
-  Forecast (SPEC §4); layer ``l`` fetches them synchronously before its attention;
+  Forecast (design §4); layer ``l`` fetches them synchronously before its attention;
 * ``sparda`` (offloaded): in layer ``l`` the Forecast scores layer ``l+1``'s
   compressed keys as they stood before this step's token, selects, diffs against
   layer ``l+1``'s slots and enqueues the copy of the misses on the side stream; layer
@@ -73,7 +73,7 @@ class OffloadDecodeMixin:
 
 
 class SparseOffloadAttention(OffloadDecodeMixin, SparseAttention):
-    """``sparse-offload``: own-query selection, synchronous fetch (SPEC §6 baseline)."""
+    """``sparse-offload``: own-query selection, synchronous fetch (design §6 baseline)."""
 
     name = "sparse-offload"
 
@@ -91,7 +91,7 @@ class SparseOffloadAttention(OffloadDecodeMixin, SparseAttention):
 
 class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
     """``sparda`` offloaded: Forecast selection of layer ``l+1`` in layer ``l`` with
-    lookahead prefetch on a side stream (SPEC §4, §6)."""
+    lookahead prefetch on a side stream (design §4, §6)."""
 
     name = "sparda"
     #: copy layer l+1's misses during layer l (False: synchronous fetch in layer l+1)
@@ -103,7 +103,7 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
         self._next: dict[int, torch.Tensor] = {}
 
     def attend(self, layer, q, h, cache, step):
-        """``q [B, H, G, Tq, d]`` -> same shape, ``q``'s dtype (SPEC §4, §6 step order).
+        """``q [B, H, G, Tq, d]`` -> same shape, ``q``'s dtype (design §4, §6 step order).
 
         Prefill: :meth:`ForecastAttention.attend`. Decode: take the mask chosen in layer
         ``l-1`` (``W^C_0`` at layer 0, fetched synchronously), Forecast-select layer

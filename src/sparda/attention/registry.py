@@ -23,7 +23,7 @@ METHOD_CLASSES: dict[str, type[AttentionMethod]] = {
 }
 
 
-#: methods whose KV cache always lives in host memory (SPEC §6); ``--no-offload`` is refused
+#: methods whose KV cache always lives in host memory (design §6); ``--no-offload`` is refused
 ALWAYS_OFFLOADED = ("sparse-offload", "sparda-no-prefetch")
 #: methods that read trained Forecast weights (``--forecast``)
 FORECAST_METHODS = ("sparda", "sparda-no-prefetch")
@@ -40,7 +40,7 @@ def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:
     Raises SpardaError if the method is not available in this build.
     """
     cls = METHOD_CLASSES.get(config.method)
-    if config.offload and config.method in OFFLOADED:  # --offload: the offloaded variant (SPEC §6)
+    if config.offload and config.method in OFFLOADED:  # --offload: the offloaded variant (design §6)
         cls = OFFLOADED[config.method]
     elif config.offload and config.method not in ALWAYS_OFFLOADED:
         raise SpardaError(

@@ -31,7 +31,7 @@ from sparda.model.llama import CausalLM
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A named model shape plus the selection budget benchmarked with it (SPEC §3 presets).
+    """A named model shape plus the selection budget benchmarked with it (design §3 presets).
 
     Attributes: ``layers``, ``q_heads``, ``kv_heads``, ``head_dim``, ``hidden``, ``mlp``
     (intermediate size), ``vocab``; ``tie`` (tied embeddings); ``preset`` and
@@ -68,7 +68,7 @@ def model_spec(name: str) -> ModelSpec:
 
 
 def selection_config(name: str) -> SelectionConfig:
-    """The selection budget benchmarked with model ``name`` (paper preset for 8B shapes, SPEC §3).
+    """The selection budget benchmarked with model ``name`` (paper preset for 8B shapes, design §3).
 
     Raises:
         SpardaError: unknown name, or a preset/override the config rejects.

@@ -24,7 +24,7 @@ from sparda.engine.llm import LLM
 from sparda.errors import SpardaError
 from sparda.model.llama import StepInfo
 
-#: methods whose KV cache lives in host memory (SPEC §6)
+#: methods whose KV cache lives in host memory (design §6)
 HOST_KV = {"sparse-offload", "sparda-no-prefetch", "sparda"}
 
 

@@ -35,7 +35,7 @@ def roofline_ms(weight_bytes: float, kv_bytes: float, missed_bytes: float,
 
 
 def kv_read_bytes(method: str, shape, selection, batch: int, context: int, elem_bytes: int) -> int:
-    """KV bytes one decode step reads from device memory (SPEC §3).
+    """KV bytes one decode step reads from device memory (design §3).
 
     ``dense``: all ``context`` keys and values. Block-sparse methods: per layer and KV head,
     ``min(budget, blocks)`` blocks of K and V plus the ``C(context)`` compressed keys that

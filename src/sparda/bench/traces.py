@@ -179,7 +179,7 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
         np.put_along_axis(out[i], np.where(valid, np.clip(chosen, 0, num_blocks - 1), num_blocks), True, -1)
         for b in range(B):
             c = int(cur_t[b])
-            if c + 1 <= cfg.budget_blocks:  # the budget covers every block (SPEC §3.6)
+            if c + 1 <= cfg.budget_blocks:  # the budget covers every block (design §3.6)
                 out[i, :, b, :, :c + 1] = True
                 continue
             out[i, :, b, :, :cfg.init_blocks] = True

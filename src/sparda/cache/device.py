@@ -1,4 +1,4 @@
-"""The on-device KV cache: full K/V per layer plus compressed keys (SPEC §3.1).
+"""The on-device KV cache: full K/V per layer plus compressed keys (design §3.1).
 
 The cache stores and moves; it never chooses blocks. Rows are sequences; each row has
 its own length, so a batch can mix prompt lengths.
@@ -59,7 +59,7 @@ class DeviceKVCache:
         return int(self.lengths.sum().item()) * per_token
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
-        """Write this step's keys/values and update compressed keys (SPEC §3.1).
+        """Write this step's keys/values and update compressed keys (design §3.1).
 
         Args:
             layer: layer index.

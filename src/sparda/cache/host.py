@@ -1,4 +1,4 @@
-"""Host-side storage of the offloaded KV cache (SPEC §6).
+"""Host-side storage of the offloaded KV cache (design §6).
 
 The full K and V of every offloaded layer live in host memory, pinned when the cache
 serves a CUDA device (so the GPU can read them directly through UVA or DMA them

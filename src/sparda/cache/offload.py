@@ -1,4 +1,4 @@
-"""The offloaded KV cache (SPEC §6): full K/V in host memory, selected blocks in GPU slots.
+"""The offloaded KV cache (design §6): full K/V in host memory, selected blocks in GPU slots.
 
 What lives where:
 
@@ -30,7 +30,7 @@ from sparda.kernels import reference as ref
 
 
 def num_slots(capacity: int, cfg: SelectionConfig) -> int:
-    """Slots per offloaded layer and KV head: enough for any selection (SPEC §3.4, §3.6)."""
+    """Slots per offloaded layer and KV head: enough for any selection (design §3.4, §3.6)."""
     blocks = -(-capacity // cfg.block_size)
     return max(1, min(blocks, max(cfg.budget_blocks, -(-cfg.dense_len // cfg.block_size))))
 

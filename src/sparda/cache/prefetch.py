@@ -1,4 +1,4 @@
-"""Slot diff, side-stream prefetch and counters of the offload runtime (SPEC §6).
+"""Slot diff, side-stream prefetch and counters of the offload runtime (design §6).
 
 Each offloaded layer keeps ``S`` GPU slots and a block map ``slot_map [B, H, S]``
 (logical block held by each slot, ``-1`` = empty). A new selection is diffed against

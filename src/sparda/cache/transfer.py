@@ -1,4 +1,4 @@
-"""Host <-> device transfer engines of the offload runtime (SPEC §6), behind one interface.
+"""Host <-> device transfer engines of the offload runtime (design §6), behind one interface.
 
 Two operations, both on one :class:`~sparda.cache.host.HostChunk` (rows
 ``[row0, row1)`` of one layer):
@@ -213,7 +213,7 @@ class UvaEngine(TransferEngine):
 
     def gather(self, chunk, dst_k, dst_v, load):
         """As :meth:`TransferEngine.gather` (``load [B, H, S]`` int64, slots
-        ``[B, H, S', bs, d]``), by the grid-stride UVA kernel; no host sync (SPEC §6).
+        ``[B, H, S', bs, d]``), by the grid-stride UVA kernel; no host sync (design §6).
 
         Raises:
             SpardaError: the host chunk or the slot buffer has ``>= 2^31`` elements.

@@ -68,7 +68,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def default_offload(method: str, device: torch.device) -> bool:
     """Whether ``method`` offloads its KV cache when ``--offload`` is not given.
 
-    ``sparda`` offloads where CUDA is present (SPEC §6: the lookahead prefetch is the point
+    ``sparda`` offloads where CUDA is present (design §6: the lookahead prefetch is the point
     of the method); on the CPU there is no side stream to hide copies behind, and every
     other method keeps its cache on the device unless asked (``sparse-offload`` and
     ``sparda-no-prefetch`` always offload, by definition).
@@ -84,7 +84,7 @@ class LLM:
             SmolLM2-135M-Instruct.
         method: attention method (``dense``, ``sparse``, ``oracle``, ``sparda``, ...); ``None``:
             ``sparda`` if Forecast weights are given or shipped for the model, else ``sparse``.
-        preset: selection preset, ``small`` or ``paper`` (SPEC §3).
+        preset: selection preset, ``small`` or ``paper`` (design §3).
         device, dtype: defaults: CUDA + bf16 if available, else CPU + fp32.
         **overrides: selection fields (``topk_blocks``, ``local_blocks``, ``init_blocks``,
             ``block_size``, ``kernel_size``, ``kernel_stride``, ``dense_len``) and
@@ -102,7 +102,7 @@ class LLM:
         forecast = overrides.pop("forecast", None)
         dense_prefill = bool(overrides.pop("dense_prefill", False))
         offload = overrides.pop("offload", None)
-        #: offload transfer engine: auto, uva, copy or sync (SPEC §6)
+        #: offload transfer engine: auto, uva, copy or sync (design §6)
         self.transfer = overrides.pop("transfer", None) or "auto"
         selection = SelectionConfig.from_preset(preset, **overrides)
         self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,

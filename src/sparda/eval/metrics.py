@@ -1,9 +1,9 @@
-"""Scores and model-quality metrics for ``sparda eval`` (SPEC §8).
+"""Scores and model-quality metrics for ``sparda eval`` (design §8).
 
 * task scoring: exact match, contains, fraction of expected items found;
 * logit comparison against dense attention: perplexity, next-token top-1 agreement,
   KL(dense || method);
-* budgets given as a percentage of the context, mapped onto ``topk_blocks`` (SPEC §3.4);
+* budgets given as a percentage of the context, mapped onto ``topk_blocks`` (design §3.4);
 * step-to-step block hit rate of a block-sparse method's decode selections.
 """
 

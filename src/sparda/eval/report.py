@@ -1,4 +1,4 @@
-"""Tables, plots and ``summary.json`` from the records of ``sparda eval`` (SPEC §8).
+"""Tables, plots and ``summary.json`` from the records of ``sparda eval`` (design §8).
 
 Everything here is rebuilt from ``results.jsonl`` alone, so it can run on a partial
 (still running or interrupted) evaluation. Every file is written atomically.

@@ -1,4 +1,4 @@
-"""``sparda eval``: every task x method x length x sample, resumable (SPEC §8).
+"""``sparda eval``: every task x method x length x sample, resumable (design §8).
 
 Each finished sample is appended (one JSON line, flushed and fsynced) to
 ``DIR/results.jsonl``; a rerun with the same plan skips every key already there, so an

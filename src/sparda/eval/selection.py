@@ -1,4 +1,4 @@
-"""Selection-quality report (SPEC §8): how well each selector recovers the top-k blocks.
+"""Selection-quality report (design §8): how well each selector recovers the top-k blocks.
 
 For each context length, a window of real text runs through the frozen model with dense
 attention; at ``queries`` query positions spread over the window's second half, every

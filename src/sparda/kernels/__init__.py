@@ -1,4 +1,4 @@
-"""Kernels for block-sparse attention, with dispatch by tensor device (SPEC §3, §4, §6).
+"""Kernels for block-sparse attention, with dispatch by tensor device (design §3, §4, §6).
 
 Each public function runs a Triton kernel when its tensors live on a CUDA device and
 Triton imports, and the PyTorch twin (:mod:`sparda.kernels.reference`,
@@ -47,7 +47,7 @@ def _on_triton(*tensors: torch.Tensor | None) -> bool:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor,
                      kv_len: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Attention of one decode token per sequence over its selected KV blocks (SPEC §3.5).
+    """Attention of one decode token per sequence over its selected KV blocks (design §3.5).
 
     All ``G`` query heads of a KV head attend to that head's blocks. The query sits at
     position ``kv_len[b] - 1``: key ``i`` is visible iff it lies in a listed block and
@@ -76,7 +76,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
 def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                            block_ids: torch.Tensor, slot_ids: torch.Tensor,
                            kv_len: torch.Tensor) -> torch.Tensor:
-    """Decode attention reading the offload runtime's slot buffer (SPEC §6).
+    """Decode attention reading the offload runtime's slot buffer (design §6).
 
     Same result as :func:`decode_attention` on a cache whose logical block
     ``block_ids[b, h, w]`` is stored in slot ``slot_ids[b, h, w]``.
@@ -103,7 +103,7 @@ def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torc
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       block_mask: torch.Tensor | None, q_pos: torch.Tensor, kv_len: torch.Tensor,
                       block_size: int) -> torch.Tensor:
-    """Block-sparse (or dense) causal prefill attention (SPEC §3.5).
+    """Block-sparse (or dense) causal prefill attention (design §3.5).
 
     Same signature and result as ``reference.block_sparse_attention`` (without its
     ``chunk``). On CUDA: a FlashAttention-2-style kernel over 64-query tiles that
@@ -131,7 +131,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def decode_block_scores(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                         num_blocks: int, cfg: SelectionConfig,
                         ck_len: torch.Tensor | None = None) -> torch.Tensor:
-    """Block scores of one decode token per sequence, scoring fused with pooling (SPEC §3.2-3.3, §4).
+    """Block scores of one decode token per sequence, scoring fused with pooling (design §3.2-3.3, §4).
 
     Args:
         query: ``[B, H, G, d]`` queries -> query-based scores (per-head softmax over the
@@ -144,7 +144,7 @@ def decode_block_scores(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tens
         cfg: the selection config (block size, compression kernel and stride).
         ck_len: optional ``[B]``: row ``b`` has only its first ``ck_len[b]`` compressed
             keys (as if ``ck`` were cut there), e.g. a Forecast scoring the next layer's
-            keys before this step's window was appended (SPEC §4).
+            keys before this step's window was appended (design §4).
     Returns:
         ``[B, H, N]`` fp32, equal to ``reference.pool_to_blocks`` of
         ``reference.query_group_scores`` / ``reference.forecast_scores`` at ``Tq = 1``.
@@ -160,7 +160,7 @@ def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Ten
                          num_blocks: int, cfg: SelectionConfig, *,
                          ck_len: torch.Tensor | None = None, width: int | None = None,
                          return_mask: bool = False):
-    """Decode block selection: score, pool, forced blocks + top-k (SPEC §3.2-3.4, §4).
+    """Decode block selection: score, pool, forced blocks + top-k (design §3.2-3.4, §4).
 
     Arguments as :func:`decode_block_scores`. The rule is ``reference.select_blocks``
     at ``Tq = 1``: sinks, the local window (current block included), the dense
@@ -186,7 +186,7 @@ def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Ten
 
 
 def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Compressed keys: mean of each complete window of ``kernel`` keys every ``stride`` (SPEC §3.1).
+    """Compressed keys: mean of each complete window of ``kernel`` keys every ``stride`` (design §3.1).
 
     Args:
         k: ``[B, H, T, d]`` post-RoPE keys, fp16/bf16/fp32 (the twin takes any ``[..., T, d]``).

@@ -1,4 +1,4 @@
-"""Compressed-key construction in Triton (SPEC §3.1).
+"""Compressed-key construction in Triton (design §3.1).
 
 ``compress_keys_triton`` builds all complete windows (mean over ``kernel`` keys every
 ``stride`` keys) of a prefilled cache; ``update_compressed_keys_triton`` writes, after
@@ -72,7 +72,7 @@ def _check_k(k: torch.Tensor) -> None:
 
 
 def compress_keys_triton(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Triton twin of ``reference.compress_keys`` for ``k [B, H, T, d]`` -> ``[B, H, C, d]`` (SPEC §3.1).
+    """Triton twin of ``reference.compress_keys`` for ``k [B, H, T, d]`` -> ``[B, H, C, d]`` (design §3.1).
 
     ``k`` fp16/bf16/fp32; output in ``k``'s dtype; ``kernel``/``stride`` in tokens.
 
@@ -96,7 +96,7 @@ def compress_keys_triton(k: torch.Tensor, kernel: int, stride: int) -> torch.Ten
 
 def update_compressed_keys_triton(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
                                   kernel: int, stride: int) -> None:
-    """In place: write ``ck[b, h, j]`` if the token at ``kv_len[b] - 1`` completes window ``j`` (SPEC §3.1).
+    """In place: write ``ck[b, h, j]`` if the token at ``kv_len[b] - 1`` completes window ``j`` (design §3.1).
 
     ``k [B, H, T, d]`` fp16/bf16/fp32; ``ck [B, H, C_max, d]`` buffer; ``kv_len [B]`` int
     tokens including the new one; ``kernel``/``stride`` in tokens.

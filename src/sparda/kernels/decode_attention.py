@@ -1,4 +1,4 @@
-"""Decode attention over selected KV blocks: Triton split-KV kernel (SPEC §3.5, §6).
+"""Decode attention over selected KV blocks: Triton split-KV kernel (design §3.5, §6).
 
 One query token per sequence; all ``G`` query heads of a KV head share its block list.
 The grid is ``(B * H_kv, splits)``: each program walks a contiguous slice of the block
@@ -242,7 +242,7 @@ def decode_attention_slots_triton(q: torch.Tensor, k_slots: torch.Tensor, v_slot
                                   block_ids: torch.Tensor, slot_ids: torch.Tensor,
                                   kv_len: torch.Tensor, num_splits: int | None = None, *,
                                   num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """Triton decode attention reading the offload slot buffer (SPEC §6).
+    """Triton decode attention reading the offload slot buffer (design §6).
 
     Args:
         q: ``[B, H_kv, G, d]``.

@@ -1,4 +1,4 @@
-"""Block-sparse prefill attention in Triton (SPEC §3.5), FlashAttention-2 style.
+"""Block-sparse prefill attention in Triton (design §3.5), FlashAttention-2 style.
 
 Each program owns ``BLOCK_M`` query rows of one query head and walks the key blocks
 that any of its rows selected (the union over the tile, built once per call by

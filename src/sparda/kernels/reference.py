@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of SparDA's block-sparse attention (SPEC §3, §4).
+"""Pure-PyTorch reference of SparDA's block-sparse attention (design §3, §4).
 
 Every Triton kernel in ``sparda.kernels`` has its twin here, and the CPU runtime uses
 these functions directly. They favour clarity over speed and compute in fp32.
@@ -32,12 +32,12 @@ _UNSCORED = -1e30
 
 
 def num_compressed(num_tokens: int, kernel: int, stride: int) -> int:
-    """Number of complete compression windows over ``num_tokens`` tokens (SPEC §3.1)."""
+    """Number of complete compression windows over ``num_tokens`` tokens (design §3.1)."""
     return 0 if num_tokens < kernel else (num_tokens - kernel) // stride + 1
 
 
 def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Mean-pool keys into compressed keys (SPEC §3.1).
+    """Mean-pool keys into compressed keys (design §3.1).
 
     Args:
         k: ``[..., T, d]`` post-RoPE keys, any float dtype.
@@ -53,7 +53,7 @@ def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
 
 
 def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: int) -> torch.Tensor:
-    """Causal visibility of compressed keys (SPEC §3.1-3.2): ``[B, Tq, C]`` bool.
+    """Causal visibility of compressed keys (design §3.1-3.2): ``[B, Tq, C]`` bool.
 
     Compressed key ``j`` covers tokens ``[j*stride, j*stride + kernel)``; a query at
     position ``t`` (``q_pos [B, Tq]`` int64, tokens) sees it iff its last token ``<= t``.
@@ -64,7 +64,7 @@ def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: in
 
 def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                        kernel: int, stride: int) -> torch.Tensor:
-    """Query-based compressed scores, summed over the GQA group (SPEC §3.2).
+    """Query-based compressed scores, summed over the GQA group (design §3.2).
 
     ``p_h = softmax(q_h . ck / sqrt(d))`` over the causally visible compressed keys,
     summed over the ``G`` query heads of each KV head.
@@ -73,7 +73,7 @@ def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
         q: ``[B, H, G, Tq, d]`` queries (any float dtype; computed in fp32).
         ck: ``[B, H, C, d]`` compressed keys.
         q_pos: ``[B, Tq]`` int64 query positions (tokens).
-        kernel, stride: compression window and stride (tokens; SPEC §3.1: 32, 16).
+        kernel, stride: compression window and stride (tokens; design §3.1: 32, 16).
     Returns:
         ``[B, H, Tq, C]`` fp32; zeros at invisible keys (rows with no visible key are 0).
     """
@@ -87,13 +87,13 @@ def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
 
 def forecast_scores(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                     kernel: int, stride: int) -> torch.Tensor:
-    """Forecast scores: raw dot products, one row per KV head (SPEC §4).
+    """Forecast scores: raw dot products, one row per KV head (design §4).
 
     Args:
         f: ``[B, H, Tq, d]`` Forecast queries (RoPE applied; any float dtype, fp32 math).
         ck: ``[B, H, C, d]`` compressed keys of the scored layer.
         q_pos: ``[B, Tq]`` int64 query positions (tokens).
-        kernel, stride: compression window and stride (tokens; SPEC §3.1).
+        kernel, stride: compression window and stride (tokens; design §3.1).
     Returns:
         ``[B, H, Tq, C]`` fp32, ``-inf`` at causally invisible compressed keys.
     """
@@ -104,7 +104,7 @@ def forecast_scores(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
 
 def block_overlap(num_ck: int, num_blocks: int, cfg: SelectionConfig,
                   device: torch.device | str = "cpu") -> torch.Tensor:
-    """Which compressed keys overlap which blocks: ``[C, N]`` bool (SPEC §3.3).
+    """Which compressed keys overlap which blocks: ``[C, N]`` bool (design §3.3).
 
     Compressed key ``j`` covers tokens ``[j*s, j*s + k)``; block ``b`` covers
     ``[b*B_s, (b+1)*B_s)``; they overlap iff the intervals intersect. With
@@ -120,7 +120,7 @@ def block_overlap(num_ck: int, num_blocks: int, cfg: SelectionConfig,
 def pool_window(cfg: SelectionConfig) -> tuple[int, int, int]:
     """Max-pool geometry ``(kernel, stride, left_padding)`` mapping compressed keys to blocks.
 
-    Derived from the overlap rule of :func:`block_overlap` (SPEC §3.3): with
+    Derived from the overlap rule of :func:`block_overlap` (design §3.3): with
     ``r = block_size / kernel_stride`` and ``p = ceil(kernel_size / kernel_stride) - 1``,
     block ``b`` pools compressed keys ``b*r - p .. b*r + r - 1``, i.e. kernel ``r + p``,
     stride ``r``, left padding ``p`` (5, 4, 1 for ``k=32, s=16, B_s=64``).
@@ -131,7 +131,7 @@ def pool_window(cfg: SelectionConfig) -> tuple[int, int, int]:
 
 
 def pool_to_blocks(scores: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
-    """Max-pool compressed scores onto KV blocks (SPEC §3.3).
+    """Max-pool compressed scores onto KV blocks (design §3.3).
 
     Args:
         scores: ``[..., C]``; invisible entries must be ``-inf`` (or 0 for softmax
@@ -164,7 +164,7 @@ def _rank_key(scores: torch.Tensor) -> torch.Tensor:
 
 def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig,
                   kv_len: torch.Tensor | None = None) -> torch.Tensor:
-    """The selection rule (SPEC §3.4, §3.6): sinks + local window + top-k, per KV head.
+    """The selection rule (design §3.4, §3.6): sinks + local window + top-k, per KV head.
 
     For a query at position ``t`` the causally valid blocks are ``0 .. t // B_s``.
     Forced: blocks ``< init_blocks`` and the ``local_blocks`` most recent valid blocks.
@@ -203,7 +203,7 @@ def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selectio
 
 def block_mask_to_indices(mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """Turn a bool block mask ``[..., N]`` into sorted int64 block ids ``[..., width]``,
-    padded with -1 (the index lists the kernels read, SPEC §3.5; callers cast to int32).
+    padded with -1 (the index lists the kernels read, design §3.5; callers cast to int32).
 
     ``width`` defaults to the largest number of selected blocks in any row (one host
     synchronisation); a smaller ``width`` keeps the lowest ids.
@@ -222,7 +222,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            block_mask: torch.Tensor | None, q_pos: torch.Tensor,
                            kv_len: torch.Tensor, block_size: int,
                            chunk: int = 512) -> torch.Tensor:
-    """Exact softmax attention over the selected blocks, causal (SPEC §3.5).
+    """Exact softmax attention over the selected blocks, causal (design §3.5).
 
     Each query chunk only reads keys up to its last position; the softmax itself is
     ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
@@ -268,7 +268,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
                          kv_len: torch.Tensor, block_size: int, chunk: int = 1024) -> torch.Tensor:
-    """True attention mass per block, summed over the GQA group (oracle scores, SPEC §8).
+    """True attention mass per block, summed over the GQA group (oracle scores, design §8).
 
     ``mass[b, h, t, n] = sum_g sum_{i in block n} softmax_i(q_g . k_i / sqrt(d))`` over the
     causally visible keys, in fp32.

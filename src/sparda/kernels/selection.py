@@ -1,6 +1,6 @@
 """Decode block selection in Triton: scoring fused with block pooling, then the rule.
 
-Three kernels (SPEC §3.2-§3.4, §4), all for one query token per sequence:
+Three kernels (design §3.2-§3.4, §4), all for one query token per sequence:
 
 * ``_forecast_pool_kernel``: Forecast raw dot products ``f . ck`` (one head per KV
   head) fused with the block max-pool; grid ``(B*H, block tiles)``.
@@ -299,7 +299,7 @@ def select_decode_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: to
     """Triton twin of ``twins.select_decode_reference`` (see ``sparda.kernels.select_decode_blocks``).
 
     ``query [B, H, G, d]`` or ``[B, H, d]`` (Forecast), ``ck [B, H, C, d]``, ``q_pos [B]``
-    -> ``ids [B, H, width]`` int32 (or ``(ids, mask [B, H, N] bool)``), SPEC §3.2-3.4.
+    -> ``ids [B, H, width]`` int32 (or ``(ids, mask [B, H, N] bool)``), design §3.2-3.4.
 
     Raises:
         SpardaError: via ``twins.check_selection_inputs``.

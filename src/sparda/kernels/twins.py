@@ -47,7 +47,7 @@ def default_width(num_blocks: int, cfg: SelectionConfig) -> int:
     """Static id-list width (blocks) that holds every decode selection (no host sync).
 
     Returns ``min(num_blocks, max(budget_blocks, ceil(dense_len / block_size)))``, at
-    least 1 (SPEC §3.4, §3.6). The budget bounds a sparse selection; the dense fallback (``t + 1 < dense_len``)
+    least 1 (design §3.4, §3.6). The budget bounds a sparse selection; the dense fallback (``t + 1 < dense_len``)
     selects at most ``ceil(dense_len / block_size)`` blocks.
     """
     dense_blocks = -(-cfg.dense_len // cfg.block_size)
@@ -55,7 +55,7 @@ def default_width(num_blocks: int, cfg: SelectionConfig) -> int:
 
 
 def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, ck_len) -> None:
-    """Check the decode-selection inputs of one query token per sequence (SPEC §3.2, §4).
+    """Check the decode-selection inputs of one query token per sequence (design §3.2, §4).
 
     Args:
         query: ``[B, H, G, d]`` (query-based) or ``[B, H, d]`` (Forecast), fp16/bf16/fp32.
@@ -83,7 +83,7 @@ def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.T
 def decode_block_scores_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                                   num_blocks: int, cfg: SelectionConfig,
                                   ck_len: torch.Tensor | None = None) -> torch.Tensor:
-    """PyTorch twin of :func:`decode_block_scores_triton`, built from ``reference`` (SPEC §3.2-3.3, §4).
+    """PyTorch twin of :func:`decode_block_scores_triton`, built from ``reference`` (design §3.2-3.3, §4).
 
     Args as :func:`sparda.kernels.decode_block_scores`: ``query [B, H, G, d]`` (softmax
     scores summed over the group) or ``[B, H, d]`` (Forecast raw dot products),
@@ -112,7 +112,7 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
                             num_blocks: int, cfg: SelectionConfig, *,
                             ck_len: torch.Tensor | None = None, width: int | None = None,
                             return_mask: bool = False):
-    """Decode selection from the reference functions: score, pool, select, to ids (SPEC §3.2-3.4).
+    """Decode selection from the reference functions: score, pool, select, to ids (design §3.2-3.4).
 
     Args as :func:`decode_block_scores_reference`; ``width`` defaults to
     :func:`default_width`.
@@ -132,7 +132,7 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
 def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                               block_ids: torch.Tensor, slot_ids: torch.Tensor,
                               kv_len: torch.Tensor) -> torch.Tensor:
-    """PyTorch twin of :func:`decode_attention_slots_triton` (fp32 math, SPEC §3.5, §6).
+    """PyTorch twin of :func:`decode_attention_slots_triton` (fp32 math, design §3.5, §6).
 
     Args:
         q: ``[B, H, G, d]``. k_slots, v_slots: ``[B, H, S, block_size, d]``.
@@ -158,7 +158,7 @@ def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: t
 
 def update_compressed_keys_reference(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
                                      kernel: int, stride: int) -> None:
-    """PyTorch twin of :func:`update_compressed_keys_triton` (in place, no host sync, SPEC §3.1).
+    """PyTorch twin of :func:`update_compressed_keys_triton` (in place, no host sync, design §3.1).
 
     ``k [B, H, T, d]``, ``ck [B, H, C_max, d]`` (written in place, its dtype),
     ``kv_len [B]`` int tokens including the new one; ``kernel``/``stride`` in tokens.

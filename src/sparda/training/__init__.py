@@ -1,1 +1,1 @@
-"""Forecast training with the base model frozen (SPEC §5)."""
+"""Forecast training with the base model frozen (design §5)."""

@@ -1,4 +1,4 @@
-"""The restricted KL loss of Forecast training (SPEC §5) and selection recall.
+"""The restricted KL loss of Forecast training (design §5) and selection recall.
 
 Restriction: the teacher's selected blocks under the §3.4 rule, minus the forced
 init/local blocks, expanded to the compressed keys that overlap them; the two
@@ -15,7 +15,7 @@ from sparda.kernels import reference as ref
 
 
 def forced_blocks(q_pos: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
-    """Forced (init + local) or causally invalid blocks: ``[B, 1, Tq, N]`` bool (SPEC §3.4).
+    """Forced (init + local) or causally invalid blocks: ``[B, 1, Tq, N]`` bool (design §3.4).
 
     ``q_pos [B, Tq]`` int64 token positions; ``num_blocks`` ``N``.
     """
@@ -36,7 +36,7 @@ def free_selection(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selecti
 
 def restriction(teacher: torch.Tensor, q_pos: torch.Tensor, num_tokens: int,
                 cfg: SelectionConfig) -> torch.Tensor:
-    """Compressed-key entries compared by the loss: ``[B, H, Tq, C]`` bool (SPEC §5, Restriction).
+    """Compressed-key entries compared by the loss: ``[B, H, Tq, C]`` bool (design §5, Restriction).
 
     Args: ``teacher [B, H, Tq, C]`` fp32 (non-negative, 0 at invisible keys); ``q_pos [B, Tq]``
     int64; ``num_tokens`` the key length ``T`` in tokens (sets the block count).
@@ -53,7 +53,7 @@ def restriction(teacher: torch.Tensor, q_pos: torch.Tensor, num_tokens: int,
 def restricted(dist: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
     """``dist [..., C]`` restricted to ``entries`` (bool, same shape) plus a rest bucket:
     ``[..., C+1]`` in ``dist``'s dtype; rows sum to ``dist``'s row sum (1 for a distribution,
-    0 for an all-0 row), SPEC §5."""
+    0 for an all-0 row), design §5."""
     kept = dist * entries
     rest = (dist.sum(-1, keepdim=True) - kept.sum(-1, keepdim=True)).clamp_min(0.0)
     return torch.cat([kept, rest], dim=-1)
@@ -61,7 +61,7 @@ def restricted(dist: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
 
 def student_distribution(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                          cfg: SelectionConfig) -> torch.Tensor:
-    """Student ``softmax(F . K~ / sqrt(d))`` over visible compressed keys, fp32 (SPEC §5).
+    """Student ``softmax(F . K~ / sqrt(d))`` over visible compressed keys, fp32 (design §5).
 
     Args: ``f [B, H, Tq, d]`` Forecast queries (RoPE applied); ``ck [B, H, C, d]``;
     ``q_pos [B, Tq]`` int64 (causality).
@@ -73,7 +73,7 @@ def student_distribution(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
 
 def restricted_kl(teacher: torch.Tensor, student: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
     """``KL(teacher || student)`` on the restricted entries + rest bucket, averaged over
-    KV heads and query tokens (SPEC §5). Inputs ``[B, H, Tq, C]``; returns a fp32 scalar.
+    KV heads and query tokens (design §5). Inputs ``[B, H, Tq, C]``; returns a fp32 scalar.
     """
     t = restricted(teacher.float(), entries)
     s = restricted(student.float(), entries)
@@ -83,6 +83,6 @@ def restricted_kl(teacher: torch.Tensor, student: torch.Tensor, entries: torch.T
 
 def recall(selected: torch.Tensor, target: torch.Tensor) -> float:
     """Fraction (0-1, a host float; syncs) of ``target`` blocks (``[..., N]`` bool) that
-    ``selected`` (same shape, bool) also holds; 1.0 when ``target`` is empty (SPEC §8 recall)."""
+    ``selected`` (same shape, bool) also holds; 1.0 when ``target`` is empty (design §8 recall)."""
     total = target.sum().item()
     return (selected & target).sum().item() / total if total else 1.0

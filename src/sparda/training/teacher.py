@@ -1,4 +1,4 @@
-"""The strictly causal fine-grained teacher of Forecast training (SPEC §5).
+"""The strictly causal fine-grained teacher of Forecast training (design §5).
 
 The real queries of layer ``l`` score *fine* compressed keys (kernel 2, stride 1,
 post-RoPE): per query head ``softmax(q . K_fine / sqrt(d))``, summed over the ``G``
@@ -26,7 +26,7 @@ def pool_fine_to_grid(fine: torch.Tensor, num_ck: int, cfg: SelectionConfig) -> 
     inference grid: compressed key ``i`` takes the max over fine keys ``i*s .. i*s + k - 2``.
 
     Returns ``[..., num_ck]`` in ``fine``'s dtype (0 where a window holds no fine key).
-    SPEC §5 (Teacher: fine kernel 2, stride 1, max-pooled onto the k 32, s 16 grid).
+    design §5 (Teacher: fine kernel 2, stride 1, max-pooled onto the k 32, s 16 grid).
     """
     width = cfg.kernel_size - FINE_KERNEL + 1
     need = (num_ck - 1) * cfg.kernel_stride + width if num_ck else 0
@@ -39,7 +39,7 @@ def pool_fine_to_grid(fine: torch.Tensor, num_ck: int, cfg: SelectionConfig) -> 
 @torch.no_grad()
 def teacher_distribution(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
                          cfg: SelectionConfig) -> torch.Tensor:
-    """Teacher distribution over inference-grid compressed keys (SPEC §5).
+    """Teacher distribution over inference-grid compressed keys (design §5).
 
     Args:
         q: ``[B, H, G, Tq, d]`` layer queries (post-RoPE). k: ``[B, H, T, d]`` post-RoPE keys.

@@ -1,7 +1,7 @@
-"""Train the Forecast with the base model frozen (SPEC §5).
+"""Train the Forecast with the base model frozen (design §5).
 
 Each step packs ``batch_size`` sequences of ``seq_len`` tokens, runs the frozen model
-layer by layer with *dense* attention (a documented simplification of SPEC §5's
+layer by layer with *dense* attention (a documented simplification of design §5's
 teacher-selected sparse attention: the bundled model's contexts are short enough), and
 for every layer ``l`` computes the restricted KL between the fine-grained teacher of
 layer ``l`` and the student ``F_{l-1}`` (``W^C_0`` for layer 0), with an immediate
@@ -38,8 +38,8 @@ def layer_loss(forecast: Forecast, layer: int, h_prev, q, k, cos, sin, q_idx, cf
         cos, sin: ``[B, 1, T, d]`` query RoPE tables.
         q_idx: ``[Tq]`` int64 query positions (same for every row).
     Returns:
-        ``(loss, hits, total)``: restricted KL (fp32 scalar with grad, SPEC §5) and the
-        free-top-k block counts (host ints) behind recall (SPEC §8).
+        ``(loss, hits, total)``: restricted KL (fp32 scalar with grad, design §5) and the
+        free-top-k block counts (host ints) behind recall (design §8).
     """
     b = q.shape[0]
     q_pos = q_idx.view(1, -1).expand(b, -1)
@@ -64,7 +64,7 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
                    preset: str = "small", init: str = "q", betas=(0.9, 0.95), eps: float = 1e-6,
                    weight_decay: float = 0.01, clip: float = 0.5, progress: bool = True,
                    selection: SelectionConfig | None = None) -> dict:
-    """Train Forecast weights for ``model`` and save them to ``out`` (SPEC §5).
+    """Train Forecast weights for ``model`` and save them to ``out`` (design §5).
 
     Args:
         model: model directory / .gguf / ``None`` (bundled). data: paths or ``None`` (bundled split).

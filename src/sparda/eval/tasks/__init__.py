@@ -1,4 +1,4 @@
-"""Long-context evaluation tasks (SPEC §8): name -> seeded generator of :class:`TaskSample`.
+"""Long-context evaluation tasks (design §8): name -> seeded generator of :class:`TaskSample`.
 
 Every generator has the signature ``make(tokenizer, haystack, context_tokens, depth, seed)``;
 ``haystack`` is the real text (held-out novel or ``--text`` file), and tasks that want

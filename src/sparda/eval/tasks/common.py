@@ -1,5 +1,5 @@
 """Pieces every long-context task shares: the sample record, haystacks, needle insertion,
-word lists (SPEC §8).
+word lists (design §8).
 
 All generators are deterministic in their ``seed`` and download nothing: real-text
 haystacks come from the bundled held-out novel (or a user file), synthetic filler is

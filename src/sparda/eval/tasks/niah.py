@@ -1,4 +1,4 @@
-"""RULER-style needle-in-a-haystack: single, multi-key, multi-value, multi-query (SPEC §8).
+"""RULER-style needle-in-a-haystack: single, multi-key, multi-value, multi-query (design §8).
 
 A needle is ``One of the special magic numbers for <key> is: <7-digit number>.``; keys are
 ``adjective-noun`` pairs from ``wonderwords``. The queried needle sits at the requested

@@ -1,4 +1,4 @@
-"""Passkey retrieval: a number hidden at a chosen depth of a long haystack (SPEC §8)."""
+"""Passkey retrieval: a number hidden at a chosen depth of a long haystack (design §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RULER-style aggregation tasks (SPEC §8): common-words extraction (``cwe``) and
+"""RULER-style aggregation tasks (design §8): common-words extraction (``cwe``) and
 frequent-words extraction (``fwe``). Words come from the ``wonderwords`` noun list."""
 
 from __future__ import annotations
