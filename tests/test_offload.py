@@ -171,10 +171,10 @@ def test_diff_counters_against_brute_force():
         before = [set(x for x in cache.slot_map[layer][i, j].tolist() if x >= 0) for i in range(b) for j in range(h)]
         wanted = [set(torch.nonzero(want[i, j]).flatten().tolist()) for i in range(b) for j in range(h)]
         hits, misses = _brute_force(before, wanted)
-        h0, m0 = int(cache.prefetcher.hits), int(cache.prefetcher.misses)
+        h0, m0 = int(cache.prefetcher.hits.sum()), int(cache.prefetcher.misses.sum())
         cache.fetch(layer, want, pos)
-        assert int(cache.prefetcher.hits) - h0 == hits
-        assert int(cache.prefetcher.misses) - m0 == misses
+        assert int(cache.prefetcher.hits.sum()) - h0 == hits
+        assert int(cache.prefetcher.misses.sum()) - m0 == misses
         total_hits, total_misses = total_hits + hits, total_misses + misses
         after = [set(x for x in cache.slot_map[layer][i, j].tolist() if x >= 0) for i in range(b) for j in range(h)]
         for bef, wnt, aft in zip(before, wanted, after):

@@ -87,6 +87,8 @@ def model_options(func):
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
         click.option("--dense-prefill", is_flag=True, default=False,
                      help="Block-sparse methods: dense prefill, block selection in decode only."),
+        click.option("--eager", is_flag=True, default=False,
+                     help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -94,14 +96,14 @@ def model_options(func):
 
 
 def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, block_size, dense_len,
-              device, dtype, **extra):
+              device, dtype, eager=False, **extra):
     """Construct :class:`sparda.LLM` from CLI options (a progress line goes to stderr)."""
     from sparda.engine.llm import LLM
 
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
     llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype,
               topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
-              block_size=block_size, dense_len=dense_len, **extra)
+              block_size=block_size, dense_len=dense_len, cuda_graphs=not eager, **extra)
     offloaded = bool(llm.config.offload) or getattr(llm.method, "offloaded", False)
     click.echo(f"method {llm.config.method} on {llm.device} ({str(llm.dtype).replace('torch.', '')}), "
                f"KV cache {'offloaded to host memory' if offloaded else 'on the device'}", err=True)
@@ -149,7 +151,7 @@ def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list
 def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, as_json, **opts):
     """Generate completions for one or more prompts."""
     prompts = _read_prompts(prompt, prompt_file)
-    llm = build_llm(**opts)
+    llm = build_llm(offload_timing=as_json, **opts)
     results = llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, chat=chat, ignore_eos=ignore_eos)
     for result in results:
@@ -280,6 +282,7 @@ def selection_report_cmd(model, text, methods, lengths, queries, preset, forecas
 @click.option("--host-mem-gb", type=float, default=None, help="Cap the host KV cache (GiB) [default: 90% of free memory].")
 @click.option("--trace", default=None, help="Selection trace (.npz) replayed by offloaded methods; 'none': native selection [default: shipped].")
 @click.option("--time-budget-s", type=float, default=None, help="Points after this many seconds are recorded as skipped.")
+@click.option("--eager", is_flag=True, default=None, help="CUDA: eager decode steps instead of CUDA-graph replay.")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
 @click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")
 def bench_cmd(quick, record_trace, **opts):

@@ -37,8 +37,14 @@ class AttentionMethod:
         self.stats: dict[str, float] = {"blocks_read": 0.0, "blocks_valid": 0.0}
 
     def reset(self) -> None:
-        """Clear per-request state and counters (called before each prefill)."""
-        self.stats = {k: 0.0 for k in self.stats}
+        """Clear per-request state and counters (called before each prefill); device
+        counters are zeroed in place, so a captured CUDA graph keeps counting into them."""
+        for key, value in self.stats.items():
+            if torch.is_tensor(value):
+                with torch.inference_mode():  # counters are made in inference mode
+                    value.zero_()
+            else:
+                self.stats[key] = 0.0
 
     def attend(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> torch.Tensor:
         """Attention output ``[B, H_kv, G, Tq, d]`` for queries ``q [B, H_kv, G, Tq, d]``.
@@ -46,6 +52,13 @@ class AttentionMethod:
         ``h [B, Tq, d_model]`` is the layer's attention input (post-RMSNorm hidden state).
         """
         raise NotImplementedError
+
+    def graph_key(self, live_len: int):
+        """Hashable summary of every host-side branch a decode step takes when its longest
+        row holds ``live_len`` tokens (tokens). Two steps with the same key launch the same
+        kernels on the same shapes, so one captured CUDA graph serves both
+        (:mod:`sparda.engine.graph_runner`). ``None``: no branch (dense)."""
+        return None
 
     def read_fraction(self, row: int | None = None) -> float:
         """Fraction of causally valid KV blocks read per decode step (1.0 = dense), summed
@@ -64,8 +77,17 @@ class AttentionMethod:
             return
         valid = (step.q_pos[:, -1] // self.selection.block_size + 1) * self.shape.num_kv_heads  # [B]
         read = valid if read_mask is None else read_mask.reshape(read_mask.shape[0], -1).sum(-1)
-        self.stats["blocks_read"] = self.stats["blocks_read"] + read
-        self.stats["blocks_valid"] = self.stats["blocks_valid"] + valid
+        self._accumulate("blocks_read", read)
+        self._accumulate("blocks_valid", valid)
+
+    def _accumulate(self, key: str, value: torch.Tensor) -> None:
+        """``stats[key] += value`` in place (``[B]`` int64 on the device), so that a captured
+        CUDA graph keeps counting on replay; the first decode step allocates the counter."""
+        cur = self.stats[key]
+        if torch.is_tensor(cur) and cur.shape == value.shape and cur.device == value.device:
+            cur.add_(value)
+        else:
+            self.stats[key] = value.to(torch.long) + torch.as_tensor(cur, dtype=torch.long)
 
     def _count_dense(self, step) -> None:
         self._count(step, None)
@@ -132,9 +154,21 @@ class BlockSparseMethod(AttentionMethod):
 
     def needs_selection(self, step) -> bool:
         """False when every query falls under the dense fallback (design §3.6)."""
+        return self.selects_at(step.live_len)
+
+    def selects_at(self, live_len: int) -> bool:
+        """Whether a step whose longest row holds ``live_len`` tokens selects (design §3.6).
+
+        A host-side decision on a host int: it flips once as the context grows past the
+        dense fallback, and the CUDA-graph runner keys its graphs on it (:meth:`graph_key`)."""
         cfg = self.selection
-        last = step.max_kv_len - 1
+        last = live_len - 1
         return last + 1 >= cfg.dense_len and last // cfg.block_size + 1 > cfg.budget_blocks
+
+    def graph_key(self, live_len: int):
+        """The host-side branch a decode step of ``live_len`` tokens takes (see
+        :meth:`AttentionMethod.graph_key`): whether it selects."""
+        return self.selects_at(live_len)
 
     def before_layer(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> None:
         """Hook run at the start of every layer's attention (Forecast methods use it).

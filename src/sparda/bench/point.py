@@ -20,6 +20,7 @@ from sparda.bench.roofline import kv_read_bytes, roofline_ms
 from sparda.bench.timing import ComponentTimer
 from sparda.bench.traces import Replayer, replay_masks, trace_for
 from sparda.cache.host import available_host_bytes
+from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.llm import LLM
 from sparda.errors import SpardaError
 from sparda.model.llama import StepInfo
@@ -32,13 +33,27 @@ class OutOfMemory(Exception):
     """A point does not fit (device or host memory); recorded as ``oom``."""
 
 
-def make_llm(model, method: str, selection, forecast, transfer: str = "auto") -> LLM:
+def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cuda_graphs: bool = True) -> LLM:
     """The LLM a sweep method runs: ``sparda`` is the offloaded, prefetching SparDA;
-    ``dense``, ``sparse``, ``infinigen`` keep the KV cache on the device."""
+    ``dense``, ``sparse``, ``infinigen`` keep the KV cache on the device. ``cuda_graphs``:
+    decode steps replay CUDA graphs on CUDA (docs/cuda_graphs.md)."""
     fields = {f: getattr(selection, f) for f in ("block_size", "kernel_size", "kernel_stride", "init_blocks",
                                                  "local_blocks", "topk_blocks", "dense_len")}
     return LLM.from_model(model, method=method, preset="small", forecast=forecast, transfer=transfer,
-                          offload=True if method == "sparda" else None, **fields)
+                          offload=True if method == "sparda" else None, cuda_graphs=cuda_graphs, **fields)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give freed memory back: Python garbage, the CUDA caching allocator and the caching
+    *host* allocator, which keeps freed pinned memory (the host KV cache of the last
+    point) unless emptied, so that the next point sees the host's free memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
 
 
 def sync(device: torch.device) -> None:
@@ -147,7 +162,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     cache does not fit.
     """
     dev, s, cfg = llm.device, llm.shape, llm.config.selection
-    total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps
+    extra = getattr(opts, "profile_steps", 0) + getattr(opts, "timing_steps", 0) + 2  # + timed warm-up/capture
+    total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps + extra
     capacity = context + total_steps + 1
     check_memory(llm, batch, capacity, opts.host_limit_bytes)
     if dev.type == "cuda":
@@ -169,14 +185,18 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     tokens = torch.randint(0, llm.model.config.vocab_size, (batch,), device=dev)
     state = {"i": 0}
 
-    def step():
+    runner = llm.runner(cache)
+
+    def step(run=runner):
         i = state["i"]
         if replayer is not None:
             replayer.step = i
-        pos = torch.full((batch,), context + i, device=dev)
-        out = llm.decode(cache, tokens, pos, context + i).argmax(-1)
+        run.positions.fill_(context + i)
+        out = run.step(context + i + 1).argmax(-1)
         state["i"] = i + 1
         return out
+
+    runner.load(tokens, torch.full((batch,), context, device=dev))
 
     for _ in range(opts.warmup_steps):
         step()
@@ -193,13 +213,21 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         tpots.append((time.perf_counter() - start) / opts.decode_steps * 1e3)
     timed_steps = opts.decode_steps * opts.repeats
     stats = cache.offload_stats(timed_steps * batch) if offloaded else {}
+    profile = {"kernels_per_step": None, "gpu_kernel_ms": None}
+    if dev.type == "cuda" and getattr(opts, "profile_steps", 0):
+        profile = profile_kernels(step, opts.profile_steps)
+    timing = {}
+    if offloaded and getattr(opts, "timing_steps", 0):
+        timing = copy_timing(llm, cache, step, opts.timing_steps)
     breakdown = {}
-    if opts.breakdown_steps:
+    if opts.breakdown_steps:  # hooks run in eager steps only: a runner without graphs
+        eager = DecodeRunner(llm, cache, cuda_graphs=False)
+        eager.load(tokens, runner.positions)
         timer = ComponentTimer(dev)
         timer.install(llm, cache)
         try:
             for _ in range(opts.breakdown_steps):
-                timer.step(step)
+                timer.step(lambda: step(eager))
             breakdown = timer.summary()
         finally:
             timer.remove()
@@ -218,16 +246,67 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         else "hbm",
         "weight_bytes": w_bytes, "kv_read_bytes_per_step": kv_bytes, "missed_bytes_per_step": round(missed, 1),
         "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
-        "exposed_wait_ms": round(stats["exposed_wait_ms"] / timed_steps, 4) if stats else 0.0,
-        "copy_ms": round(stats["copy_ms"] / timed_steps, 4) if stats else 0.0,
+        "exposed_wait_ms": timing.get("exposed_wait_ms", 0.0), "copy_ms": timing.get("copy_ms", 0.0),
+        "hidden_fraction": timing.get("hidden_fraction"),
+        "cuda_graph": runner.use_graphs and runner.replays > 0, **profile,
         "selection_ms": breakdown.get("selection"), "breakdown_ms": breakdown,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "peak_host_bytes": host_peak, "host_kv_bytes": cache.host.nbytes if offloaded else 0,
         "kv": "host" if offloaded else "device", "selection_source": source if offloaded else "native",
         "read_fraction": round(llm.method.read_fraction(), 4),
     }
-    del cache, replayer
-    gc.collect()
+    del cache, replayer, runner
+    release_memory(dev)
     if dev.type == "cuda":
-        torch.cuda.empty_cache()
+        rec["host_free_bytes_after"] = available_host_bytes()
     return rec
+
+
+def profile_kernels(step, steps: int) -> dict:
+    """``kernels_per_step`` and ``gpu_kernel_ms`` (summed GPU kernel time per step, every
+    stream, ms) of ``steps`` calls of ``step()``, from ``torch.profiler`` (CUDA activity;
+    kernels inside replayed CUDA graphs count one by one). Memcpy/memset records are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels, total_us = 0, 0.0
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if ev.name.startswith(("Memcpy", "Memset", "cudaMem")):
+            continue
+        kernels += 1
+        total_us += ev.time_range.elapsed_us()
+    return {"kernels_per_step": round(kernels / steps, 1), "gpu_kernel_ms": round(total_us / steps / 1e3, 4)}
+
+
+def copy_timing(llm: LLM, cache, step, steps: int) -> dict:
+    """Per-step ``copy_ms``, ``exposed_wait_ms`` and ``hidden_fraction`` of an offloaded cache,
+    from a run of ``steps`` (+1 warm-up, +1 capture on CUDA) steps with the prefetcher's
+    device timestamps on (:mod:`sparda.cache.timestamps`): a runner of its own, so the
+    throughput graphs stay free of the timestamp kernels."""
+    pref = cache.prefetcher
+    pref.timing = True
+    pref.reset()
+    timed = DecodeRunner(llm, cache, cuda_graphs=llm.cuda_graphs)
+    timed.load(llm.runner(cache).tokens, llm.runner(cache).positions)
+    try:
+        for _ in range(2 if timed.use_graphs else 0):  # warm-up + capture of the timed graph
+            step(timed)
+        sync(llm.device)
+        pref.reset()
+        for _ in range(steps):
+            step(timed)
+        sync(llm.device)
+        pref.resolve()
+        copy, exposed = pref.copy_ms / steps, pref.exposed_ms / steps
+    finally:
+        pref.timing = False
+        pref._clock = None  # the timed graph goes with its runner
+        pref.reset()
+    return {"copy_ms": round(copy, 4), "exposed_wait_ms": round(exposed, 4),
+            "hidden_fraction": round(1 - exposed / copy, 4) if copy > 0 else None}

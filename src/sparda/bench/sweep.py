@@ -46,6 +46,10 @@ class SweepConfig:
         gpu_mem_gb: cap on this process's GPU memory; host_mem_gb: cap on host KV bytes.
         trace: selection trace file, ``None`` = the shipped one, ``"none"`` = native selection.
         transfer: offload copy engine. time_budget_s: later points are ``skipped``.
+        eager: run decode steps eagerly (default: CUDA graphs on CUDA, docs/cuda_graphs.md).
+        profile_steps: steps profiled with ``torch.profiler`` for ``kernels_per_step`` and
+            ``gpu_kernel_ms`` (CUDA; 0 = off). timing_steps: steps of the copy-timing run
+            of offloaded methods (device timestamps, ``copy_ms`` / ``exposed_wait_ms``).
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -65,6 +69,9 @@ class SweepConfig:
     trace: str | None = None
     transfer: str = "auto"
     time_budget_s: float | None = None
+    eager: bool = False
+    profile_steps: int = 3
+    timing_steps: int = 4
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -171,7 +178,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
         forecast = random_forecast(model)
         for context in cfg.contexts:
             for method in cfg.methods:
-                llm = pt.make_llm(model, method, selection, forecast, cfg.transfer)
+                llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager)
                 prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
                 failed = None
                 for batch in sorted(cfg.batches):
@@ -218,9 +225,7 @@ def _prefill(llm, tokens: int, cfg: SweepConfig, t0: float, log) -> dict:
 
 
 def _cleanup(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    pt.release_memory(device)
 
 
 def _line(rec: dict) -> str:

@@ -200,7 +200,18 @@ class Replayer:
 
     def __init__(self, masks: torch.Tensor) -> None:
         self.masks = masks
-        self.step = 0
+        #: ``[1]`` int64 on the masks' device: the replayed step (device-side, so that a
+        #: captured CUDA graph of the decode step reads the current one on every replay)
+        self.index = torch.zeros(1, dtype=torch.long, device=masks.device)
+
+    @property
+    def step(self) -> int:
+        """The replayed step (reads the device index: one host sync)."""
+        return int(self.index.item())
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.index.fill_(int(value))
 
     def install(self, cache) -> None:
         """Wrap ``cache.fetch`` (instance attribute; the class is untouched)."""
@@ -208,7 +219,8 @@ class Replayer:
 
         def fetch(layer, mask, pos, prefetch=False):
             n = mask.shape[-1]
-            return original(layer, self.masks[self.step, layer, :, :, :n], pos, prefetch)
+            chosen = self.masks.index_select(0, self.index)[0, layer, :, :, :n]
+            return original(layer, chosen, pos, prefetch)
 
         cache.fetch = fetch
 

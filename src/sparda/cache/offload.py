@@ -50,6 +50,7 @@ class OffloadKVCache:
         resident_layers: layers kept whole on the device (not offloaded).
         chunk_bytes: largest host allocation.
         engine_options: passed to the engine (``num_ctas``, ``num_warps``, ``tile``).
+        timing: measure copy and exposed-wait time (:class:`~sparda.cache.prefetch.Prefetcher`).
     Raises:
         SpardaError: host or device memory does not suffice (bytes named), bad engine.
     """
@@ -57,7 +58,8 @@ class OffloadKVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
+                 timing: bool = False) -> None:
         self.device = torch.device(device)
         self.selection = cfg = selection
         self.capacity = capacity
@@ -95,7 +97,8 @@ class OffloadKVCache:
                            + 2 * len(self.resident) * batch * num_kv_heads * capacity) * head_dim
             raise SpardaError(f"offload slot buffers of {need / 2**30:.2f} GiB do not fit on {self.device}; "
                               "use a smaller batch, context or budget, or --no-offload") from exc
-        self.prefetcher = Prefetcher(self.engine, self.device, num_layers, self.host.block_bytes)
+        self.prefetcher = Prefetcher(self.engine, self.device, num_layers, self.host.block_bytes,
+                                     batch=batch, timing=timing)
         #: ``[B]`` int64 tokens stored per row.
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._stash: tuple | None = None  # prefill: (layer, k, v) of the prompt being run
@@ -281,8 +284,9 @@ class OffloadKVCache:
         return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer], ids, slot_ids,
                                               kv_len)
 
-    def offload_stats(self, tokens: int) -> dict[str, float]:
-        """Prefetch counters (:meth:`~sparda.cache.prefetch.Prefetcher.stats`) plus memory split."""
-        stats = self.prefetcher.stats(tokens)
+    def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
+        """Prefetch counters of cache row ``row`` (or the whole batch) over ``tokens`` decoded
+        tokens (:meth:`~sparda.cache.prefetch.Prefetcher.stats`) plus the memory split."""
+        stats = self.prefetcher.stats(tokens, row)
         stats.update(engine=self.engine.name, host_bytes=self.host.nbytes, device_bytes=self.device_bytes)
         return stats

@@ -12,9 +12,11 @@ it on the device, with static shapes and no host synchronisation:
   the layer waits on just before it uses its slots) or on the compute stream
   (synchronous fetch).
 
-Counters: hits, misses, bytes copied, copy time and the part of it the compute
-stream waited for (exposed wait), measured with CUDA events on the GPU and a wall
-clock on the CPU.
+Counters: hits and misses per cache row (device tensors updated in place, so a captured
+CUDA graph keeps counting), bytes copied, and -- only with ``timing`` -- copy time and
+the part of it the compute stream waited for (exposed wait), measured with device
+timestamps on the GPU (graph-safe, :mod:`sparda.cache.timestamps`) and a wall clock on
+the CPU.
 """
 
 from __future__ import annotations
@@ -67,34 +69,50 @@ class Prefetcher:
     Args:
         engine: a :class:`~sparda.cache.transfer.TransferEngine`.
         device: the compute device. On CUDA a side stream (high priority by default)
-            carries prefetch copies; ``timing`` adds CUDA timing events.
+            carries prefetch copies.
         num_layers: layers of the model.
         block_bytes: bytes of one block of one head, K or V alone.
+        batch: cache rows (hits and misses are counted per row).
+        timing: measure copy time and the part the compute stream waited for. Off by
+            default: on CUDA it adds four tiny timestamp kernels per offloaded layer and
+            step (:mod:`sparda.cache.timestamps`), which work inside a CUDA graph.
+    Attributes:
+        hits, misses: ``[batch]`` int64 device counters, updated in place (graph-safe).
     """
 
     def __init__(self, engine, device: torch.device, num_layers: int, block_bytes: int,
-                 stream_priority: int = -1, timing: bool = True) -> None:
+                 batch: int = 1, stream_priority: int = -1, timing: bool = False) -> None:
         self.engine = engine
         self.device = device
         self.block_bytes = block_bytes
+        self.num_layers = num_layers
+        self.batch = batch
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device, priority=stream_priority) if self.cuda else None
         self.timing = timing
         self.pending: dict[int, tuple] = {}  # layer -> (done event, keep-alive tensors)
-        self._timings: list[tuple] = []      # (start, done, need) CUDA events
+        self._clock = None
+        self.hits = self.misses = None
         self.reset()
 
     def reset(self) -> None:
-        """Zero the counters."""
-        self.hits = torch.zeros((), dtype=torch.long, device=self.device)
-        self.misses = torch.zeros((), dtype=torch.long, device=self.device)
+        """Zero the counters, in place: a captured CUDA graph keeps counting into them."""
+        if getattr(self, "hits", None) is None:
+            self.hits = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+            self.misses = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        else:
+            with torch.inference_mode():
+                self.hits.zero_()
+                self.misses.zero_()
         self.copy_ms = 0.0
         self.exposed_ms = 0.0
-        self.fetches = 0
-        self._timings.clear()
+        if self._clock is not None:
+            with torch.inference_mode():
+                self._clock.totals.zero_()
+        elif self.cuda and self.timing:
+            from sparda.cache.timestamps import DeviceClock
 
-    def _event(self):
-        return torch.cuda.Event(enable_timing=self.timing)
+            self._clock = DeviceClock(self.num_layers, self.device)
 
     def fetch(self, layer: int, copy_fn, hits: torch.Tensor, misses: torch.Tensor,
               keep: tuple, prefetch: bool) -> None:
@@ -104,73 +122,81 @@ class Prefetcher:
         event :meth:`wait` blocks on; else on the compute stream (synchronous fetch, all
         of its time exposed). ``keep``: tensors that must live until the copy is done.
         ``hits, misses``: ``[B, H]`` int64 device counts (from :func:`diff_slots`), summed
-        into the scalar counters without a host sync. Copy time (``copy_ms``, ms) is
-        timed with CUDA events (resolved in :meth:`stats`) or the wall clock on the CPU.
+        over heads into the per-row counters in place (no host sync). With ``timing``,
+        copy time comes from device timestamps (CUDA) or the wall clock (CPU).
         """
-        self.hits += hits.sum()
-        self.misses += misses.sum()
-        self.fetches += 1
+        self.hits.add_(hits.sum(-1))
+        self.misses.add_(misses.sum(-1))
         if not self.cuda:
             start = time.perf_counter()
             copy_fn()
-            ms = (time.perf_counter() - start) * 1e3
-            self.copy_ms += ms
-            self.exposed_ms += ms
+            if self.timing:
+                ms = (time.perf_counter() - start) * 1e3
+                self.copy_ms += ms
+                self.exposed_ms += ms
             return
         main = torch.cuda.current_stream(self.device)
-        stream = self.stream if prefetch else main
-        start = self._event() if self.timing else None
-        if prefetch:
-            stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            if start is not None:
-                start.record(stream)
+        clock = self._clock
+        if not prefetch:  # on the compute stream: the whole copy is waited for
+            if clock is not None:
+                clock.mark(layer, clock.WAIT)
+                clock.mark(layer, clock.START)
             copy_fn()
-            done = self._event()
-            done.record(stream)
-        if prefetch:
-            self.pending[layer] = (done, start, keep)
-        elif start is not None:
-            self._timings.append((start, done, None))
+            if clock is not None:
+                clock.mark(layer, clock.END)
+                clock.account(layer)
+            return
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            if clock is not None:
+                clock.mark(layer, clock.START)
+            copy_fn()
+            if clock is not None:
+                clock.mark(layer, clock.END)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.pending[layer] = (done, keep)
 
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s prefetch (no host sync)."""
         item = self.pending.pop(layer, None)
         if item is None or not self.cuda:
             return
-        done, start, _ = item
+        done, _ = item
         main = torch.cuda.current_stream(self.device)
-        need = None
-        if start is not None:
-            need = self._event()
-            need.record(main)
+        clock = self._clock
+        if clock is not None:
+            clock.mark(layer, clock.WAIT)
         main.wait_event(done)
-        if start is not None:
-            self._timings.append((start, done, need))
+        if clock is not None:
+            clock.account(layer)
 
     def resolve(self) -> None:
-        """Turn recorded CUDA events into ``copy_ms`` / ``exposed_ms`` (synchronises)."""
-        if not self._timings:
-            return
-        torch.cuda.synchronize(self.device)
-        for start, done, need in self._timings:
-            copy = start.elapsed_time(done)
+        """Move the device-side timing totals into ``copy_ms`` / ``exposed_ms`` (synchronises)."""
+        if self._clock is not None:
+            copy, exposed = self._clock.drain()
             self.copy_ms += copy
-            self.exposed_ms += copy if need is None else max(0.0, need.elapsed_time(done))
-        self._timings.clear()
+            self.exposed_ms += exposed
 
-    def stats(self, tokens: int) -> dict[str, float]:
-        """Counters: ``hit_rate``, ``bytes_per_token`` (K+V copied per decoded token),
-        ``copy_ms``, ``exposed_wait_ms``, ``hidden_fraction`` (copy time not waited for)."""
-        self.resolve()
-        hits, misses = int(self.hits.item()), int(self.misses.item())
+    def stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
+        """Counters of one cache row (``row``) or of the whole batch: ``hits``, ``misses``,
+        ``hit_rate``, ``bytes_copied``, ``bytes_per_token`` (K+V copied per decoded token,
+        ``tokens`` decoded tokens of that row or batch). With ``timing``, also ``copy_ms``,
+        ``exposed_wait_ms`` and ``hidden_fraction`` (copy time not waited for) -- batch-wide:
+        one copy carries every row's misses; 0 when nothing was copied."""
+        hits_t, misses_t = (self.hits, self.misses) if row is None else (self.hits[row], self.misses[row])
+        hits, misses = int(hits_t.sum().item()), int(misses_t.sum().item())
         copied = 2 * misses * self.block_bytes
-        return {
+        out = {
             "hits": hits, "misses": misses,
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
             "bytes_copied": copied,
             "bytes_per_token": round(copied / tokens, 1) if tokens else 0.0,
-            "copy_ms": round(self.copy_ms, 3),
-            "exposed_wait_ms": round(self.exposed_ms, 3),
-            "hidden_fraction": round(1 - self.exposed_ms / self.copy_ms, 4) if self.copy_ms > 0 else 0.0,
         }
+        if self.timing:
+            self.resolve()
+            nothing = int(self.misses.sum().item()) == 0
+            copy_ms, exposed = (0.0, 0.0) if nothing else (self.copy_ms, self.exposed_ms)
+            out.update(copy_ms=round(copy_ms, 3), exposed_wait_ms=round(exposed, 3),
+                       hidden_fraction=round(1 - exposed / copy_ms, 4) if copy_ms > 0 else 0.0)
+        return out

@@ -14,6 +14,7 @@ from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_
 from sparda.cache.device import DeviceKVCache
 from sparda.cache.offload import OffloadKVCache
 from sparda.config import SelectionConfig, SpardaConfig
+from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.sampler import sample
 from sparda.errors import SpardaError
 from sparda.model.llama import StepInfo
@@ -91,7 +92,11 @@ class LLM:
             ``forecast`` (path of Forecast weights, sparda methods only) / ``dense_prefill``
             (block-sparse methods: dense prefill, selection in decode only) / ``offload``
             (``None``: on for ``sparda`` on CUDA, off otherwise) / ``transfer``
-            (offload copy engine: ``auto``, ``uva``, ``copy``, ``sync``; docs/offload.md).
+            (offload copy engine: ``auto``, ``uva``, ``copy``, ``sync``; docs/offload.md) /
+            ``cuda_graphs`` (default True: on CUDA every decode step replays a captured CUDA
+            graph; False runs the same static-shape step eagerly; docs/cuda_graphs.md) /
+            ``offload_timing`` (default False: also time the offload copies, adding
+            ``copy_ms``, ``exposed_wait_ms``, ``hidden_fraction`` to ``stats["offload"]``).
     Raises:
         SpardaError: bad method, preset, budget, path or architecture.
     """
@@ -100,6 +105,10 @@ class LLM:
                  preset: str = "small", device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, **overrides) -> None:
         forecast = overrides.pop("forecast", None)
+        #: replay decode steps as CUDA graphs on CUDA (docs/cuda_graphs.md)
+        self.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
+        #: time offload copies (copy_ms, exposed_wait_ms in stats["offload"]); off by default
+        self.offload_timing = bool(overrides.pop("offload_timing", False))
         dense_prefill = bool(overrides.pop("dense_prefill", False))
         offload = overrides.pop("offload", None)
         #: offload transfer engine: auto, uva, copy or sync (design §6)
@@ -137,6 +146,8 @@ class LLM:
         caller builds the model and decides where its cache lives). Raises SpardaError for a bad method, preset or budget.
         """
         llm = cls.__new__(cls)
+        llm.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
+        llm.offload_timing = bool(overrides.pop("offload_timing", False))
         offload = overrides.pop("offload", None)
         llm.transfer = overrides.pop("transfer", None) or "auto"
         selection = SelectionConfig.from_preset(preset, **overrides)
@@ -167,10 +178,10 @@ class LLM:
             raise SpardaError("empty prompt; pass some text")
 
     def _step(self, phase: str, rows: torch.Tensor, q_pos: torch.Tensor,
-              max_kv_len: int | None = None) -> StepInfo:
+              max_kv_len: int | None = None, live_len: int | None = None) -> StepInfo:
         cos, sin = self.model.rotary(q_pos, self.dtype)
         return StepInfo(phase=phase, rows=rows, q_pos=q_pos, kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin,
-                        max_kv_len=max_kv_len)
+                        max_kv_len=max_kv_len, live_len=live_len)
 
     def new_cache(self, batch: int, capacity: int):
         """An empty KV cache for ``batch`` rows of ``capacity`` tokens."""
@@ -178,7 +189,8 @@ class LLM:
         if self.config.offload or getattr(self.method, "offloaded", False):
             return OffloadKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                                   self.config.selection, self.dtype, self.device, engine=self.transfer,
-                                  resident_layers=getattr(self.method, "resident_layers", ()))
+                                  resident_layers=getattr(self.method, "resident_layers", ()),
+                                  timing=self.offload_timing)
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                              self.config.selection, self.dtype, self.device)
 
@@ -191,17 +203,34 @@ class LLM:
         step = self._step("prefill", rows, q_pos, len(ids))
         return self.model(x, step, cache, self.method, all_logits=all_logits)[0]
 
+    def _decode_step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                     live_len: int) -> torch.Tensor:
+        """The static-shape decode step (docs/cuda_graphs.md): views span the cache's
+        capacity, per-row lengths mask the rest; ``live_len`` (host int) only steers
+        host-side branches. ``tokens, positions, rows [B]`` int64 -> logits ``[B, V]`` fp32."""
+        step = self._step("decode", rows, positions.view(-1, 1), cache.capacity, live_len)
+        return self.model(tokens.view(-1, 1), step, cache, self.method)[:, -1]
+
+    def runner(self, cache) -> DecodeRunner:
+        """The :class:`~sparda.engine.graph_runner.DecodeRunner` of ``cache`` (made once per cache)."""
+        run = getattr(cache, "decode_runner", None)
+        if run is None:
+            run = cache.decode_runner = DecodeRunner(self, cache, self.cuda_graphs)
+        return run
+
     @torch.inference_mode()
     def decode(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
                max_position: int | None = None) -> torch.Tensor:
         """One decode step for every row: ``tokens [B]`` at ``positions [B]`` -> logits ``[B, V]``.
 
-        ``max_position`` (host int, ``max(positions)``) avoids a device sync if given."""
-        rows = torch.arange(tokens.shape[0], device=self.device)
+        On CUDA the step replays the cache's captured CUDA graph (after one eager warm-up
+        step per graph key; docs/cuda_graphs.md). ``max_position`` (host int,
+        ``max(positions)``) avoids a device sync if given. Returns a fresh fp32 tensor."""
         if max_position is None:
             max_position = int(positions.max().item())
-        step = self._step("decode", rows, positions.view(-1, 1), max_position + 1)
-        return self.model(tokens.view(-1, 1), step, cache, self.method)[:, -1]
+        run = self.runner(cache)
+        run.load(tokens, positions)
+        return run.step(max_position + 1).clone()
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -258,24 +287,32 @@ class LLM:
         tokens = torch.cat(first)
         positions = torch.tensor([len(ids) for ids in prompt_token_ids], device=self.device)
         max_position = max(len(ids) for ids in prompt_token_ids)
-        out = [[int(t)] for t in tokens.tolist()]
-        done = [out[b][0] in eos or max_new_tokens == 1 for b in range(batch)]
+        history = torch.empty(batch, max_new_tokens, dtype=torch.long, device=self.device)
+        history[:, 0] = tokens
+        eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=self.device)
+        run = self.runner(cache)
+        run.load(tokens, positions)
         start = time.perf_counter()
         steps = 0
-        while not all(done):
-            logits = self.decode(cache, tokens, positions, max_position)
-            tokens = sample(logits, temperature, top_p, gen)
-            positions = positions + 1
-            max_position += 1
+        done = self._all_done(history, 1, eos_ids, max_new_tokens)
+        while not done:
+            logits = run.step(max_position + 1)
+            nxt = sample(logits, temperature, top_p, gen)
             steps += 1
-            for b, tok in enumerate(tokens.tolist()):
-                if not done[b]:
-                    out[b].append(tok)
-                    done[b] = tok in eos or len(out[b]) >= max_new_tokens
+            history[:, steps] = nxt
+            run.tokens.copy_(nxt)
+            run.positions.add_(1)
+            max_position += 1
+            if steps + 1 >= max_new_tokens:
+                break
+            if len(eos_ids) and steps % self.eos_check_every == 0:  # one host sync per few steps
+                done = self._all_done(history, steps + 1, eos_ids, max_new_tokens)
         self._sync()
         decode_s = time.perf_counter() - start
+        out = [self._cut(row, eos, max_new_tokens) for row in history[:, :steps + 1].tolist()]
         s = self.shape  # K and V of every layer, whichever memory holds them (offload: see stats["offload"])
         per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+        step_rate = steps / decode_s if steps and decode_s > 0 else 0.0
         results = []
         for b, ids in enumerate(prompt_token_ids):
             text = self.tokenizer.decode(out[b], skip_special_tokens=True)
@@ -284,13 +321,35 @@ class LLM:
                 "prompt_tokens": len(ids),
                 "new_tokens": len(out[b]),
                 "prefill_ms": round(prefill_ms[b], 3),
-                "decode_tok_s": round(decoded / decode_s, 3) if decoded and decode_s > 0 else 0.0,
+                # this sequence's tokens over its own decode time (steps while it ran)
+                "decode_tok_s": round(step_rate, 3) if decoded else 0.0,
                 "kv_cache_bytes": int(per_token * (len(ids) + len(out[b]) - 1)),  # the last token is never cached
                 "kv_read_fraction": round(self.method.read_fraction(b), 4),
+                "cuda_graph": run.use_graphs and run.replays > 0,
             }))
             if hasattr(cache, "offload_stats"):
-                results[-1].stats["offload"] = cache.offload_stats(max(steps, 1) * batch)
+                results[-1].stats["offload"] = cache.offload_stats(max(decoded, 1), row=b)
         return results
+
+    #: decode steps between two host checks for EOS (each check is one device sync)
+    eos_check_every = 8
+
+    @staticmethod
+    def _all_done(history: torch.Tensor, filled: int, eos_ids: torch.Tensor, max_new_tokens: int) -> bool:
+        """True if every row has produced an EOS in ``history[:, :filled]`` or is full (syncs)."""
+        if filled >= max_new_tokens:
+            return True
+        if not len(eos_ids):
+            return False
+        return bool(torch.isin(history[:, :filled], eos_ids).any(-1).all().item())
+
+    @staticmethod
+    def _cut(row: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
+        """A row's tokens up to and including its first EOS, at most ``max_new_tokens``."""
+        for i, tok in enumerate(row[:max_new_tokens]):
+            if tok in eos:
+                return row[:i + 1]
+        return row[:max_new_tokens]
 
     def _eos_ids(self) -> set[int]:
         ids = set()

@@ -184,8 +184,13 @@ class StepInfo:
         q_pos: ``[B, Tq]`` int64 absolute positions of the query tokens.
         kv_len: ``[B]`` int64 valid keys per row after this step's append.
         cos, sin: RoPE tables ``[B, 1, Tq, d]`` for the query positions.
-        max_kv_len: ``max(kv_len)`` as a host int (tokens), so that no layer needs a
-            device-to-host sync to size its views.
+        max_kv_len: host int (tokens): how many cached tokens every layer's views expose.
+            Prefill: the prompt length. Decode: the cache capacity (static shapes, so that a
+            CUDA graph of the step replays at every length; per-row ``kv_len`` masks the
+            rest, docs/cuda_graphs.md).
+        live_len: host int (tokens): ``max(kv_len)``, the longest row's real length. Only
+            host-side decisions read it (the dense fallback of design §3.6), never a shape;
+            defaults to ``max_kv_len``.
     """
 
     phase: str
@@ -195,10 +200,13 @@ class StepInfo:
     cos: torch.Tensor
     sin: torch.Tensor
     max_kv_len: int | None = None
+    live_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_kv_len is None:  # one device sync; the engine passes it to avoid that
             self.max_kv_len = int(self.kv_len.max().item())
+        if self.live_len is None:
+            self.live_len = self.max_kv_len
 
 
 class CausalLM(nn.Module):
