@@ -86,8 +86,10 @@ class AttentionMethod:
         cur = self.stats[key]
         if torch.is_tensor(cur) and cur.shape == value.shape and cur.device == value.device:
             cur.add_(value)
+        elif torch.is_tensor(cur):  # another batch than the last one counted: start afresh
+            self.stats[key] = value.to(torch.long).clone()
         else:
-            self.stats[key] = value.to(torch.long) + torch.as_tensor(cur, dtype=torch.long)
+            self.stats[key] = value.to(torch.long) + int(cur)
 
     def _count_dense(self, step) -> None:
         self._count(step, None)

@@ -162,7 +162,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     cache does not fit.
     """
     dev, s, cfg = llm.device, llm.shape, llm.config.selection
-    extra = getattr(opts, "profile_steps", 0) + getattr(opts, "timing_steps", 0) + 2  # + timed warm-up/capture
+    extra = (getattr(opts, "profile_steps", 0) + getattr(opts, "timing_steps", 0) + 2  # + timed warm-up/capture
+             + getattr(opts, "parity_steps", 0))
     total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps + extra
     capacity = context + total_steps + 1
     check_memory(llm, batch, capacity, opts.host_limit_bytes)
@@ -196,9 +197,28 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         state["i"] = i + 1
         return out
 
+    parity = None
+    if getattr(opts, "parity_steps", 0) and runner.use_graphs:
+        # eager reference from the filled state, then refill: the graph run starts from it too
+        eager = DecodeRunner(llm, cache, cuda_graphs=False)
+        eager.load(tokens, torch.full((batch,), context, device=dev))
+        reference = torch.stack([step(eager) for _ in range(opts.parity_steps)])
+        state["i"] = 0
+        llm.method.reset()
+        fill_cache(cache, s, batch, context, dev, llm.dtype)
+        if offloaded:
+            for layer in cache.offloaded:
+                cache.slot_map[layer].fill_(-1)
+        del eager
+        parity = reference
     runner.load(tokens, torch.full((batch,), context, device=dev))
+    if parity is not None:
+        replayed = torch.stack([step() for _ in range(opts.parity_steps)])
+        parity = {"parity_steps": opts.parity_steps,
+                  "graph_tokens_equal": bool(torch.equal(replayed, parity)),
+                  "graph_token_mismatches": int((replayed != parity).sum().item())}
 
-    for _ in range(opts.warmup_steps):
+    for _ in range(max(0, opts.warmup_steps - (opts.parity_steps if parity else 0))):
         step()
     sync(dev)
     if offloaded:
@@ -248,7 +268,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
         "exposed_wait_ms": timing.get("exposed_wait_ms", 0.0), "copy_ms": timing.get("copy_ms", 0.0),
         "hidden_fraction": timing.get("hidden_fraction"),
-        "cuda_graph": runner.use_graphs and runner.replays > 0, **profile,
+        "cuda_graph": runner.use_graphs and runner.replays > 0, **profile, **(parity or {}),
         "selection_ms": breakdown.get("selection"), "breakdown_ms": breakdown,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "peak_host_bytes": host_peak, "host_kv_bytes": cache.host.nbytes if offloaded else 0,

@@ -50,6 +50,8 @@ class SweepConfig:
         profile_steps: steps profiled with ``torch.profiler`` for ``kernels_per_step`` and
             ``gpu_kernel_ms`` (CUDA; 0 = off). timing_steps: steps of the copy-timing run
             of offloaded methods (device timestamps, ``copy_ms`` / ``exposed_wait_ms``).
+        parity_steps: CUDA graphs: greedy tokens of this many replayed steps are compared
+            with an eager run from the same filled cache (``graph_tokens_equal``); 0 = off.
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -72,6 +74,7 @@ class SweepConfig:
     eager: bool = False
     profile_steps: int = 3
     timing_steps: int = 4
+    parity_steps: int = 0
 
     def __post_init__(self) -> None:
         for m in self.models:

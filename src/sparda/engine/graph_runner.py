@@ -79,6 +79,7 @@ class DecodeRunner:
         longest row's length after this step's append. Returns logits ``[B, V]`` fp32."""
         return self.llm._decode_step(self.cache, self.tokens, self.positions, self.rows, live_len)
 
+    @torch.inference_mode()
     def step(self, live_len: int) -> torch.Tensor:
         """Run one decode step from :attr:`tokens` / :attr:`positions`.
 
