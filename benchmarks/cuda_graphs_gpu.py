@@ -4,7 +4,7 @@ Usage (on a CUDA machine, from the repository root, PYTHONPATH=src):
 
     python3 benchmarks/cuda_graphs_gpu.py parity OUT          # random model, every method, bf16 + fp32
     python3 benchmarks/cuda_graphs_gpu.py bundled OUT GGUF    # bundled model, ~7K-token passkey prompt
-    python3 benchmarks/cuda_graphs_gpu.py sweep OUT [BUDGET_S] # MiniCPM-8B shape, 128K, every method
+    python3 benchmarks/cuda_graphs_gpu.py sweep OUT [BUDGET_S [NAME ...]]  # MiniCPM-8B shape, 128K
 
 Each part writes ``OUT/<part>.json`` and prints a short table. ``parity`` generates with
 ``cuda_graphs=True`` and ``False`` from the same prompts and checks that the greedy tokens
@@ -139,14 +139,29 @@ def bundled(out_dir: Path, gguf: str) -> list[dict]:
     return rows
 
 
-def sweep(out_dir: Path, budget_s: float) -> list[dict]:
+#: (name, methods, batches, parity steps): the B16 pair first, then every method at B4
+SWEEPS = [("b16", ["sparda", "sparse-offload"], [16], 16),
+          ("b4", ["sparse-offload", "dense", "sparse", "sparda-no-prefetch", "infinigen", "sparda"], [4], 64),
+          ("b8-24", ["sparda", "sparse-offload", "dense", "sparse"], [8, 24], 16)]
+
+
+def sweep(out_dir: Path, budget_s: float, names=None) -> list[dict]:
     from sparda.bench.sweep import SweepConfig, run_sweep
 
-    cfg = SweepConfig(models=["minicpm-8b"], contexts=[131072], batches=[4, 8, 16, 24],
-                      methods=["sparda", "sparse-offload", "dense", "sparse", "sparda-no-prefetch", "infinigen"],
-                      decode_steps=16, repeats=3, warmup_steps=3, breakdown_steps=0, prefill_tokens=16384,
-                      out=str(out_dir / "sweep"), time_budget_s=budget_s, parity_steps=64)
-    return run_sweep(cfg, log=lambda line: print(line, flush=True))
+    t0 = time.perf_counter()
+    records = []
+    for name, methods, batches, parity_steps in SWEEPS:
+        if names and name not in names:
+            continue
+        left = budget_s - (time.perf_counter() - t0)
+        if left < 30:
+            break
+        cfg = SweepConfig(models=["minicpm-8b"], contexts=[131072], batches=batches, methods=methods,
+                          decode_steps=16, repeats=3, warmup_steps=3, breakdown_steps=0, prefill_tokens=16384,
+                          out=str(out_dir / f"sweep-{name}"), time_budget_s=left, parity_steps=parity_steps)
+        records += run_sweep(cfg, log=lambda line: print(f"[{time.perf_counter() - t0:6.0f} s] {line}", flush=True))
+    (out_dir / "sweep.json").write_text(json.dumps(records, indent=1))
+    return records
 
 
 if __name__ == "__main__":
@@ -157,7 +172,7 @@ if __name__ == "__main__":
     elif part == "bundled":
         bundled(out, sys.argv[3])
     elif part == "sweep":
-        recs = sweep(out, float(sys.argv[3]) if len(sys.argv) > 3 else 480)
+        recs = sweep(out, float(sys.argv[3]) if len(sys.argv) > 3 else 480, sys.argv[4:])
         for r in recs:
             print(r["method"], r["batch"], r["status"], r.get("decode_tok_s"), r.get("tpot_ms"),
                   r.get("gpu_kernel_ms"), r.get("kernels_per_step"), r.get("graph_tokens_equal"))
