@@ -30,6 +30,7 @@ from torch import nn
 
 from sparda.attention.base import BlockSparseMethod, dense_attention
 from sparda.errors import SpardaError
+from sparda.io import atomic_output
 from sparda import kernels
 from sparda.kernels import reference as ref
 
@@ -140,7 +141,7 @@ def q_init(forecast: Forecast, model) -> None:
 
 def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str],
                   dtype: torch.dtype = torch.bfloat16, **meta) -> None:
-    """Write Forecast tensors (only) and metadata to a safetensors file (atomic: ``.tmp`` then rename).
+    """Write Forecast tensors (only) and metadata to a safetensors file (atomically, :mod:`sparda.io`).
 
     The file holds ``current.weight`` and ``forecast.{l}.weight`` (``l < L-1``), each
     ``[H_kv * d, d_model]`` in ``dtype``, on CPU.
@@ -150,20 +151,23 @@ def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str]
         dtype: storage dtype (bf16 keeps SmolLM2's 3.3 M parameters under 7 MB).
         **meta: extra metadata (``preset``, ``step``, ``data``, ...), stringified.
     Raises:
-        OSError: the file cannot be written (not wrapped in SpardaError).
+        SpardaError: the file cannot be written (no temporary file is left behind).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in forecast.state_dict().items()}
     metadata = {"format": FORMAT, **identity, **{k: str(v) for k, v in meta.items()}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; give the user's usual mode
-    tmp.replace(path)
+    with atomic_output(path) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as exc:  # an I/O failure inside safetensors (read-only, full disk)
+            raise SpardaError(f"cannot write {path}: {str(exc).splitlines()[0]}") from exc
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; give the user's usual mode
 
 
 def read_forecast(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -23,6 +23,7 @@ import torch
 from sparda.attention.forecast import Forecast, load_forecast, model_name, q_init, shipped_path
 from sparda.config import SpardaConfig
 from sparda.errors import SpardaError
+from sparda.io import read_text
 from sparda.kernels import reference as ref
 
 KNOWN = ("sparse", "oracle", "sparda", "sparda-random", "sparda-qinit", "infinigen")
@@ -117,11 +118,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
 
         body, source = heldout_text(), "held-out Emma"
     else:
-        try:
-            with open(text, encoding="utf-8") as handle:
-                body, source = handle.read(), text
-        except OSError as exc:
-            raise SpardaError(f"cannot read --text {text}: {exc.strerror}") from exc
+        body, source = read_text(text, "--text"), text
     ids_all = llm.tokenizer.encode(body, add_special_tokens=False)
     selectors = _selectors(list(methods), net, shape, cfg, forecast, llm.model_dir)
     stats = {m: [[0.0] * 5 for _ in range(shape.num_layers)] for m in methods}  # hs, ts, ho, to, mass
