@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -178,6 +179,18 @@ class LLM:
                 f"context of {limit} tokens; shorten the prompt or lower --max-new-tokens")
         if num_prompt == 0:
             raise SpardaError("empty prompt; pass some text")
+        self._note_dense_fallback(num_prompt + max_new_tokens - 1)
+
+    def _note_dense_fallback(self, num_tokens: int) -> None:
+        """Say once per LLM and cause, on stderr (logger ``sparda``), that a block-sparse
+        method will attend densely to a request of ``num_tokens`` processed tokens."""
+        reason = None if self.config.method == "dense" else self.config.selection.dense_reason(num_tokens)
+        noted = self.__dict__.setdefault("_dense_noted", set())
+        cause = reason and ("--dense-len" if "--dense-len" in reason else "--topk-blocks")
+        if reason and cause not in noted:
+            noted.add(cause)
+            logging.getLogger("sparda").warning(
+                f"note: {self.config.method} falls back to dense attention (design §3.6): {reason}")
 
     def _step(self, phase: str, rows: torch.Tensor, q_pos: torch.Tensor,
               max_kv_len: int | None = None, live_len: int | None = None) -> StepInfo:
