@@ -42,12 +42,6 @@ _IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "n
                     "rope_parameters", "max_position_embeddings", "tie_word_embeddings")
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, d]`` by ``cos, sin [B, 1, T, d]`` (half-split, as the model's queries)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 def model_identity(config, shape) -> dict[str, str]:
     """Metadata naming a base model: architecture, layer/head counts, hidden size, config hash.
 
@@ -99,6 +93,14 @@ class Forecast(nn.Module):
         """A randomly initialised Forecast (``nn.Linear`` default init) for a ``ModelShape``."""
         return cls(shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim)
 
+    @classmethod
+    def seeded(cls, shape, seed: int) -> "Forecast":
+        """:meth:`for_shape` drawn from ``torch.manual_seed(seed)``, leaving the caller's
+        CPU random state as it was (the random-Forecast contrast of design §8)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls.for_shape(shape)
+
     def scorer(self, target_layer: int) -> nn.Linear:
         """The projection whose output scores ``target_layer``'s compressed keys
         (``W^C_0`` for layer 0, else ``F_{target-1}``, which reads layer ``target-1``'s input)."""
@@ -114,7 +116,7 @@ class Forecast(nn.Module):
         lin = self.scorer(target_layer)
         b, t, _ = h.shape
         f = lin(h.to(lin.weight.dtype)).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return rope(f, cos.to(f.dtype), sin.to(f.dtype))
+        return ref.apply_rope(f, cos.to(f.dtype), sin.to(f.dtype))
 
 
 def q_init(forecast: Forecast, model) -> None:
@@ -378,10 +380,4 @@ class RandomForecastAttention(ForecastAttention):
     name = "sparda-random"
 
     def __init__(self, config, shape, model=None, model_dir=None) -> None:
-        state = torch.random.get_rng_state()
-        try:
-            torch.manual_seed(0)
-            forecast = Forecast.for_shape(shape)
-        finally:
-            torch.random.set_rng_state(state)
-        super().__init__(config, shape, model=model, model_dir=model_dir, forecast=forecast)
+        super().__init__(config, shape, model=model, model_dir=model_dir, forecast=Forecast.seeded(shape, 0))
