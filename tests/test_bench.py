@@ -70,7 +70,7 @@ def test_quick_sweep_writes_valid_records(tmp_path):
 def test_injected_oom_is_recorded_and_sweep_continues(tmp_path, monkeypatch):
     calls = []
 
-    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None):
+    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None, deadline=None):
         calls.append((llm.config.method, batch))
         if llm.config.method == "sparse" and batch == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
