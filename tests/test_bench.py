@@ -70,7 +70,7 @@ def test_quick_sweep_writes_valid_records(tmp_path):
 def test_injected_oom_is_recorded_and_sweep_continues(tmp_path, monkeypatch):
     calls = []
 
-    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None):
+    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None, deadline=None):
         calls.append((llm.config.method, batch))
         if llm.config.method == "sparse" and batch == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -169,3 +169,85 @@ def test_bad_options_raise():
         sweep.config_from_options(contexts="32k")
     with pytest.raises(SpardaError):
         sweep.config_from_options(models="llama-70b")
+
+
+def test_weight_bytes_from_the_spec_equal_the_built_model():
+    """The pre-allocation estimate counts exactly the parameters a built model holds."""
+    from sparda.bench.models import spec_weight_bytes, weight_bytes
+
+    model = build_model("tiny", "cpu", torch.float32)
+    params = sum(p.numel() for p in model.parameters()) * 4  # tied embeddings count once
+    embed_rows = model.model.embed_tokens.weight.numel() * 4
+    assert spec_weight_bytes("tiny", torch.float32) == params
+    assert weight_bytes(model) == params - embed_rows  # the per-step read skips the input embedding
+    assert spec_weight_bytes("llama-8b", torch.bfloat16) == pytest.approx(16.06e9, rel=0.01)  # Llama-3-8B
+
+
+def test_bench_refuses_a_model_that_cannot_fit_before_allocating(tmp_path, monkeypatch):
+    """U1: the default llama-8b on a 24 GB CPU box was OOM-killed after 89 s."""
+    from sparda.bench import models
+
+    free = int(torch.randint(2**20, 2**28, ()))
+    monkeypatch.setattr(models, "available_memory_bytes", lambda device: free)
+    monkeypatch.setattr(sweep, "build_model", lambda *a, **k: pytest.fail("built the model"))
+    cfg = sweep.quick_config(str(tmp_path / "out"), models=["bundled"])
+    need = models.spec_weight_bytes("bundled", torch.float32)
+    with pytest.raises(SpardaError, match=f"needs .*{need:,} bytes.*only .*{free:,} bytes"):
+        sweep.run_sweep(cfg, log=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_time_budget_is_honoured_inside_a_point(tmp_path, monkeypatch):
+    """U1: a point that starts inside the budget stops at its next decode step once the
+    budget is spent, and is recorded as skipped, not measured to the end."""
+    import time
+
+    fill = pt.fill_cache
+
+    def slow_fill(*args, **kwargs):
+        fill(*args, **kwargs)
+        time.sleep(1.5)  # the budget runs out while the point fills its cache
+
+    monkeypatch.setattr(pt, "fill_cache", slow_fill)
+    monkeypatch.setattr(pt, "measure_prefill", lambda llm, n: {"prefill_tokens": n, "ttft_ms": 1.0,
+                                                                "prefill_tok_s": 1.0})
+    monkeypatch.setattr(sweep, "measure_bandwidth", lambda device: {"hbm_gbps": 1.0, "pcie_gbps": 1.0})
+    cfg = sweep.quick_config(str(tmp_path), methods=["dense"], contexts=[512], batches=[1], decode_steps=50,
+                             repeats=3, time_budget_s=1.0)
+    records = sweep.run_sweep(cfg, log=lambda _: None)
+    assert [(r["status"], r["error"]) for r in records] == [("skipped", "time budget (ran out inside the point)")]
+
+
+def test_decode_point_stops_at_a_passed_deadline():
+    import time
+
+    model = build_model("tiny", "cpu", torch.float32)
+    llm = pt.make_llm(model, "dense", selection_config("tiny"), random_forecast(model))
+    calls = []
+    decode = llm.decode
+    llm.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+    opts = sweep.quick_config("unused", decode_steps=4, repeats=2)
+    with pytest.raises(pt.TimeBudgetExceeded):
+        pt.decode_point(llm, "tiny", 1, 300, opts, {"hbm_gbps": 1.0, "pcie_gbps": 1.0},
+                        deadline=time.perf_counter())
+    assert calls == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "FILE"], "--out FILE is a file, not a directory; pass a directory path"),
+    (["--record-trace", "DIR"], "--record-trace DIR is a directory; pass a file path such as DIR/trace.npz"),
+])
+def test_bench_output_paths_are_checked_first(tmp_path, monkeypatch, args, message):
+    """U9: `bench --out afile` printed a raw [Errno 17]; `--record-trace` failed after 80 s of recording."""
+    from click.testing import CliRunner
+
+    from sparda.bench import traces
+    from sparda.cli import main
+
+    (tmp_path / "FILE").write_text("x")
+    (tmp_path / "DIR").mkdir()
+    monkeypatch.setattr(traces, "record_traces", lambda **k: pytest.fail("recorded before checking"))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["bench", "--quick", *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: {message}"

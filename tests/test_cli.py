@@ -39,7 +39,7 @@ def test_generate_text_output_and_stdin(make_tiny):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["generate", "-f", "/no/such/file"], "cannot read prompt file /no/such/file"),
+    (["generate", "-f", "/no/such/file"], "cannot read --prompt-file /no/such/file: no such file or directory"),
     (["generate", "-p", "x", "--model", "/no/such/dir"], "model path not found"),
     (["generate", "-p", "x", "--topk-blocks", "-3"], "topk_blocks must be >= 0"),
     (["generate", "-p", "x", "--local-blocks", "0"], "local_blocks must be >= 1"),

@@ -117,7 +117,7 @@ def test_selection_task_reports_recall(make_tiny, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--budgets", "150"], "--budgets are percentages in (0, 100], got 150"),
-    (["--text", "/no/such/text.txt"], "cannot read --text file /no/such/text.txt"),
+    (["--text", "/no/such/text.txt"], "cannot read --text /no/such/text.txt: no such file or directory"),
     (["--dense-prefill", "--tasks", "passkey,ppl"], "run ppl without --dense-prefill"),
 ])
 def test_late_errors_write_nothing(tmp_path, args, message):

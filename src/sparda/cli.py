@@ -14,6 +14,7 @@ import click
 from sparda import __version__
 from sparda.config import METHODS, PRESETS
 from sparda.errors import SpardaError
+from sparda.io import os_reason, read_text
 
 
 # click >= 8.2 raises this for a bare `sparda`; older click prints the help itself
@@ -49,8 +50,12 @@ class _Group(click.Group):
         except SpardaError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
-        except (OSError, UnicodeDecodeError) as exc:
-            click.echo(f"error: {exc}", err=True)
+        except OSError as exc:  # a file the command did not check itself: name it, no [Errno N]
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"error: {where}{os_reason(exc)}", err=True)
+            sys.exit(2)
+        except UnicodeDecodeError:
+            click.echo("error: an input file is not UTF-8 text; convert it, e.g. with iconv -t UTF-8", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
@@ -98,8 +103,10 @@ def model_options(func):
 def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, block_size, dense_len,
               device, dtype, eager=False, **extra):
     """Construct :class:`sparda.LLM` from CLI options (a progress line goes to stderr)."""
+    from sparda.attention.registry import check_offload
     from sparda.engine.llm import LLM
 
+    check_offload(method or "sparda", extra.get("offload"))
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
     llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype,
               topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
@@ -124,13 +131,7 @@ def stats_line(stats: dict) -> str:
 def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list[str]:
     prompts = list(prompt)
     for path in prompt_file:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                prompts.append(handle.read())
-        except OSError as exc:
-            raise SpardaError(f"cannot read prompt file {path}: {exc.strerror}") from exc
-        except UnicodeDecodeError as exc:
-            raise SpardaError(f"prompt file {path} is not UTF-8 text") from exc
+        prompts.append(read_text(path, "--prompt-file"))
     if not prompts:
         if sys.stdin is None or sys.stdin.isatty():
             raise SpardaError("no prompt given; use --prompt TEXT, --prompt-file FILE or pipe text on stdin")
@@ -147,19 +148,29 @@ def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap prompts in the chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling generator.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
-def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, as_json, **opts):
+def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, seed, as_json, **opts):
     """Generate completions for one or more prompts."""
-    prompts = _read_prompts(prompt, prompt_file)
+    from sparda.engine.validate import check_prompts, check_sampling
+
+    check_sampling(max_new_tokens, temperature, top_p, seed)  # model-free checks first
+    prompts = check_prompts(_read_prompts(prompt, prompt_file))
     llm = build_llm(offload_timing=as_json, **opts)
     results = llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, chat=chat, ignore_eos=ignore_eos)
+                           top_p=top_p, chat=chat, ignore_eos=ignore_eos, seed=seed)
     for result in results:
         if as_json:
             click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
         else:
             click.echo(result.text)
             click.echo(stats_line(result.stats))
+
+
+#: smallest demo haystack (tokens) that holds the pass key, its filler and the question
+_DEMO_MIN_TOKENS = 128
+#: tokens the needle, the question and the chat template add to the haystack, at most
+_DEMO_EXTRA_TOKENS = 96
 
 
 @main.command()
@@ -171,8 +182,21 @@ def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, igno
 def demo(context_tokens, depth, seed, max_new_tokens, **opts):
     """Hide a pass key in ~7K tokens of Jane Austen's Emma and ask the model for it."""
     from sparda.data import heldout_text
+    from sparda.engine.validate import check_sampling
     from sparda.eval.tasks.passkey import make_passkey, passkey_correct
+    from sparda.model.loader import context_length
 
+    check_sampling(max_new_tokens, 0.0, 1.0, seed)
+    if not 0 <= depth <= 1:
+        raise SpardaError(f"--depth must lie in [0, 1] (0 is the start of the haystack), got {depth}")
+    if context_tokens < _DEMO_MIN_TOKENS:
+        raise SpardaError(f"--context-tokens {context_tokens} leaves no room for the haystack; "
+                          f"use at least {_DEMO_MIN_TOKENS}")
+    limit = context_length(opts.get("model"))
+    if limit is not None and context_tokens + max_new_tokens + _DEMO_EXTRA_TOKENS > limit:
+        raise SpardaError(f"--context-tokens {context_tokens} does not fit the model's context of {limit} tokens "
+                          f"(with the question, the chat template and {max_new_tokens} new tokens); use --context-tokens "
+                          f"{limit - max_new_tokens - _DEMO_EXTRA_TOKENS} or less")
     llm = build_llm(**opts)
     sample = make_passkey(llm.tokenizer, heldout_text(), context_tokens, depth, seed)
     click.echo(f"pass key {sample.answer} hidden at depth {depth:.0%} of {context_tokens} tokens of 'Emma'", err=True)
@@ -288,8 +312,10 @@ def selection_report_cmd(model, text, methods, lengths, queries, preset, forecas
 def bench_cmd(quick, record_trace, **opts):
     """Decode/prefill throughput of every method with a per-component breakdown (docs/bench.md)."""
     from sparda.bench import sweep, traces
+    from sparda.io import check_output_file
 
     if record_trace:
+        check_output_file(record_trace, "--record-trace", "trace.npz")  # before the minutes of recording
         recorded = traces.record_traces(device=opts.get("device") or "cpu")
         traces.save_traces(record_trace, recorded)
         click.echo(json.dumps({"trace": record_trace, **{k: traces.reuse_stats(v) for k, v in recorded.items()}}))

@@ -82,6 +82,23 @@ class SelectionConfig:
         """Tokens attended per KV head at most: ``budget_blocks * block_size``."""
         return self.budget_blocks * self.block_size
 
+    def dense_reason(self, num_tokens: int) -> str | None:
+        """Why a sequence of ``num_tokens`` tokens (positions ``0 .. num_tokens - 1``) falls
+        wholly under the dense fallback of design §3.6, or ``None`` if blocks get selected.
+
+        The fallback holds at the last position iff it holds everywhere before it: fewer
+        tokens than ``dense_len``, or a budget that covers every valid block.
+        """
+        blocks = -(-num_tokens // self.block_size)
+        if num_tokens < self.dense_len:
+            return (f"{num_tokens} tokens are fewer than dense_len {self.dense_len} "
+                    "(lower --dense-len to select blocks)")
+        if blocks <= self.budget_blocks:
+            return (f"the budget of {self.budget_blocks} blocks (init {self.init_blocks} + local "
+                    f"{self.local_blocks} + top-k {self.topk_blocks}) covers all {blocks} blocks of "
+                    f"{num_tokens} tokens (lower --topk-blocks to select blocks)")
+        return None
+
     @classmethod
     def from_preset(cls, preset: str = "small", **overrides: int | None) -> "SelectionConfig":
         """Build from a named preset (``small`` or ``paper``) plus per-field overrides.

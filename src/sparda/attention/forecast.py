@@ -30,6 +30,7 @@ from torch import nn
 
 from sparda.attention.base import BlockSparseMethod, dense_attention
 from sparda.errors import SpardaError
+from sparda.io import atomic_output
 from sparda import kernels
 from sparda.kernels import reference as ref
 
@@ -39,12 +40,6 @@ SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.safetensors"}
 _IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "hidden_size", "intermediate_size", "vocab_size", "head_dim", "rope_theta",
                     "rope_parameters", "max_position_embeddings", "tie_word_embeddings")
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, d]`` by ``cos, sin [B, 1, T, d]`` (half-split, as the model's queries)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def model_identity(config, shape) -> dict[str, str]:
@@ -98,6 +93,14 @@ class Forecast(nn.Module):
         """A randomly initialised Forecast (``nn.Linear`` default init) for a ``ModelShape``."""
         return cls(shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim)
 
+    @classmethod
+    def seeded(cls, shape, seed: int) -> "Forecast":
+        """:meth:`for_shape` drawn from ``torch.manual_seed(seed)``, leaving the caller's
+        CPU random state as it was (the random-Forecast contrast of design §8)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls.for_shape(shape)
+
     def scorer(self, target_layer: int) -> nn.Linear:
         """The projection whose output scores ``target_layer``'s compressed keys
         (``W^C_0`` for layer 0, else ``F_{target-1}``, which reads layer ``target-1``'s input)."""
@@ -113,7 +116,7 @@ class Forecast(nn.Module):
         lin = self.scorer(target_layer)
         b, t, _ = h.shape
         f = lin(h.to(lin.weight.dtype)).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return rope(f, cos.to(f.dtype), sin.to(f.dtype))
+        return ref.apply_rope(f, cos.to(f.dtype), sin.to(f.dtype))
 
 
 def q_init(forecast: Forecast, model) -> None:
@@ -140,7 +143,7 @@ def q_init(forecast: Forecast, model) -> None:
 
 def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str],
                   dtype: torch.dtype = torch.bfloat16, **meta) -> None:
-    """Write Forecast tensors (only) and metadata to a safetensors file (atomic: ``.tmp`` then rename).
+    """Write Forecast tensors (only) and metadata to a safetensors file (atomically, :mod:`sparda.io`).
 
     The file holds ``current.weight`` and ``forecast.{l}.weight`` (``l < L-1``), each
     ``[H_kv * d, d_model]`` in ``dtype``, on CPU.
@@ -150,20 +153,23 @@ def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str]
         dtype: storage dtype (bf16 keeps SmolLM2's 3.3 M parameters under 7 MB).
         **meta: extra metadata (``preset``, ``step``, ``data``, ...), stringified.
     Raises:
-        OSError: the file cannot be written (not wrapped in SpardaError).
+        SpardaError: the file cannot be written (no temporary file is left behind).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in forecast.state_dict().items()}
     metadata = {"format": FORMAT, **identity, **{k: str(v) for k, v in meta.items()}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; give the user's usual mode
-    tmp.replace(path)
+    with atomic_output(path) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as exc:  # an I/O failure inside safetensors (read-only, full disk)
+            raise SpardaError(f"cannot write {path}: {str(exc).splitlines()[0]}") from exc
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; give the user's usual mode
 
 
 def read_forecast(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -374,10 +380,4 @@ class RandomForecastAttention(ForecastAttention):
     name = "sparda-random"
 
     def __init__(self, config, shape, model=None, model_dir=None) -> None:
-        state = torch.random.get_rng_state()
-        try:
-            torch.manual_seed(0)
-            forecast = Forecast.for_shape(shape)
-        finally:
-            torch.random.set_rng_state(state)
-        super().__init__(config, shape, model=model, model_dir=model_dir, forecast=forecast)
+        super().__init__(config, shape, model=model, model_dir=model_dir, forecast=Forecast.seeded(shape, 0))

@@ -34,18 +34,26 @@ def register(name: str, cls: type[AttentionMethod]) -> None:
     METHOD_CLASSES[name] = cls
 
 
+def check_offload(method: str, offload: bool | None) -> None:
+    """Refuse ``--offload`` for a method without an offloaded variant (no model needed).
+
+    Raises SpardaError naming the methods that do offload.
+    """
+    if offload and method not in OFFLOADED and method not in ALWAYS_OFFLOADED:
+        raise SpardaError(
+            f"--offload is not supported for method {method!r}; use it with sparse or sparda, "
+            "or the always-offloaded sparse-offload / sparda-no-prefetch")
+
+
 def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:
     """Instantiate ``config.method`` for a model of ``shape``.
 
-    Raises SpardaError if the method is not available in this build.
+    Raises SpardaError if the method is not available in this build or cannot offload.
     """
+    check_offload(config.method, config.offload)
     cls = METHOD_CLASSES.get(config.method)
     if config.offload and config.method in OFFLOADED:  # --offload: the offloaded variant (design §6)
         cls = OFFLOADED[config.method]
-    elif config.offload and config.method not in ALWAYS_OFFLOADED:
-        raise SpardaError(
-            f"--offload is not supported for method {config.method!r}; use it with sparse or sparda, "
-            "or the always-offloaded sparse-offload / sparda-no-prefetch")
     if cls is None:
         raise SpardaError(
             f"method {config.method!r} is not available; available: {', '.join(METHOD_CLASSES)}")

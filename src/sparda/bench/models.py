@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparda.attention.forecast import Forecast
+from sparda.cache.host import available_host_bytes
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
 from sparda.model.llama import CausalLM
@@ -75,6 +76,55 @@ def selection_config(name: str) -> SelectionConfig:
     """
     spec = model_spec(name)
     return SelectionConfig.from_preset(spec.preset, **spec.selection)
+
+
+def spec_weight_bytes(name: str, dtype: torch.dtype) -> int:
+    """Bytes of all the weights of model ``name`` in ``dtype`` (embedding, attention, MLP,
+    norms, LM head unless tied), counted from its :class:`ModelSpec` without building it."""
+    s = model_spec(name)
+    attn = s.hidden * s.head_dim * (2 * s.q_heads + 2 * s.kv_heads)  # q, o and k, v projections
+    layer = attn + 3 * s.hidden * s.mlp + 2 * s.hidden
+    params = s.vocab * s.hidden * (1 if s.tie else 2) + s.layers * layer + s.hidden
+    return params * torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory that can hold new weights on ``device``: free GPU memory on CUDA, the
+    kernel's ``MemAvailable`` (else free pages) on the CPU; ``None`` if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return available_host_bytes()
+
+
+def check_models_fit(names, device: torch.device, dtype: torch.dtype, limit_bytes: float | None = None) -> None:
+    """Refuse, before anything is allocated, a model whose weights cannot fit on ``device``.
+
+    Args:
+        names: bench model names. limit_bytes: a cap (``--gpu-mem-gb``) below the free memory.
+    Raises:
+        SpardaError: naming the model, the bytes its weights need and the bytes available.
+    """
+    available = available_memory_bytes(device)
+    if limit_bytes is not None:
+        available = min(available, limit_bytes) if available is not None else limit_bytes
+    if available is None:
+        return
+    for name in names:
+        need = spec_weight_bytes(name, dtype)
+        if need > 0.9 * available:
+            where = "GPU memory free" if device.type == "cuda" else "host memory available"
+            raise SpardaError(
+                f"bench model {name} needs {need / 2**30:.1f} GiB ({need:,} bytes) for its "
+                f"{str(dtype).replace('torch.', '')} weights, but only {available / 2**30:.1f} GiB "
+                f"({available:,} bytes) of {where} (weights may use 90 %); pick a smaller --models "
+                "(bundled, tiny), --quick, or a machine with more memory")
 
 
 def build_model(name: str, device: torch.device | str, dtype: torch.dtype,

@@ -33,6 +33,16 @@ class OutOfMemory(Exception):
     """A point does not fit (device or host memory); recorded as ``oom``."""
 
 
+class TimeBudgetExceeded(Exception):
+    """The sweep's ``--time-budget-s`` ran out inside a point; recorded as ``skipped``."""
+
+
+def check_deadline(deadline: float | None) -> None:
+    """Raise :class:`TimeBudgetExceeded` once ``time.perf_counter()`` passes ``deadline`` (s)."""
+    if deadline is not None and time.perf_counter() > deadline:
+        raise TimeBudgetExceeded("time budget ran out inside the point")
+
+
 def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cuda_graphs: bool = True) -> LLM:
     """The LLM a sweep method runs: ``sparda`` is the offloaded, prefetching SparDA;
     ``dense``, ``sparse``, ``infinigen`` keep the KV cache on the device. ``cuda_graphs``:
@@ -154,12 +164,13 @@ def measure_prefill(llm: LLM, tokens: int, seed: int = 0) -> dict:
 
 
 def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, bandwidth: dict,
-                 traces=None) -> dict:
+                 traces=None, deadline: float | None = None) -> dict:
     """Measure one decode point (module doc); returns the measured fields of a record.
 
     ``opts``: ``warmup_steps``, ``decode_steps``, ``repeats``, ``breakdown_steps``,
-    ``host_limit_bytes``. Raises :class:`OutOfMemory` (or the allocator's error) if the
-    cache does not fit.
+    ``host_limit_bytes``. ``deadline``: a ``time.perf_counter()`` value checked before
+    every decode step. Raises :class:`OutOfMemory` (or the allocator's error) if the
+    cache does not fit, :class:`TimeBudgetExceeded` once ``deadline`` has passed.
     """
     dev, s, cfg = llm.device, llm.shape, llm.config.selection
     extra = (getattr(opts, "profile_steps", 0) + getattr(opts, "timing_steps", 0) + 2  # + timed warm-up/capture
@@ -189,6 +200,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     runner = llm.runner(cache)
 
     def step(run=runner):
+        check_deadline(deadline)
         i = state["i"]
         if replayer is not None:
             replayer.step = i

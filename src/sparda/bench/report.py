@@ -12,10 +12,10 @@ Files written to the output directory (each atomically):
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sparda.bench.timing import COMPONENTS
+from sparda.io import atomic_output, atomic_write
 
 #: the paper's decode throughput (tok/s), H100, MiniCPM4.1-8B, 128K context: batch -> (sparda, sparse-offload)
 PAPER_DECODE = {4: (240.2, 167.8), 16: (705.3, 447.9), 64: (1000.1, 788.9)}
@@ -88,9 +88,8 @@ def render_markdown(records: list[dict], env: dict) -> str:
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=110, bbox_inches="tight")
 
 
 def plot(records: list[dict], out: Path) -> list[Path]:
@@ -158,7 +157,5 @@ def write_report(records: list[dict], env: dict, out: Path) -> Path:
     except ImportError:  # pragma: no cover - matplotlib missing on a bare GPU box
         env = {**env, "plots": "matplotlib not installed: no plots"}
     path = out / "report.md"
-    tmp = path.with_name("report.md.tmp")
-    tmp.write_text(render_markdown(records, env))
-    os.replace(tmp, path)
+    atomic_write(path, render_markdown(records, env))
     return path

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +21,12 @@ from pathlib import Path
 import torch
 
 from sparda.bench import point as pt
-from sparda.bench.models import build_model, model_spec, random_forecast, selection_config
+from sparda.bench.models import build_model, check_models_fit, model_spec, random_forecast, selection_config
 from sparda.bench.roofline import measure_bandwidth
 from sparda.bench.traces import SHIPPED_TRACE, load_traces, reuse_stats
 from sparda.engine.llm import resolve_device, resolve_dtype
 from sparda.errors import SpardaError
+from sparda.io import atomic_write, check_output_dir
 
 SWEEP_METHODS = ("dense", "sparse", "sparse-offload", "infinigen", "sparda-no-prefetch", "sparda")
 REQUIRED_KEYS = ("model", "method", "context", "batch", "status", "prefill_tok_s", "decode_tok_s", "tpot_ms",
@@ -103,9 +103,7 @@ def quick_config(out: str, **overrides) -> SweepConfig:
 
 def write_json(path: Path, obj) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (temp file + rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=1, default=str))
 
 
 def environment(device: torch.device) -> dict:
@@ -140,9 +138,11 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
     """
     from sparda.bench.report import write_report
 
+    out = check_output_dir(cfg.out, "--out")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    out = Path(cfg.out)
+    check_models_fit(cfg.models, device, dtype, None if cfg.gpu_mem_gb is None or device.type != "cuda"
+                     else cfg.gpu_mem_gb * 2**30)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.gpu_mem_gb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -195,7 +195,11 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                         base.update(status="oom", error=f"batch {failed} was out of memory")
                     else:
                         try:
-                            base.update(pt.decode_point(llm, model_name, batch, context, cfg, env, traces))
+                            base.update(pt.decode_point(llm, model_name, batch, context, cfg, env, traces,
+                                                        deadline=_deadline(cfg, t0)))
+                        except pt.TimeBudgetExceeded:
+                            _cleanup(device)
+                            base.update(status="skipped", error="time budget (ran out inside the point)")
                         except Exception as exc:  # noqa: BLE001 - every failure becomes a record
                             _cleanup(device)
                             oom = pt.is_oom(exc)
@@ -212,6 +216,11 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
     save()
     write_report(records, env, out)
     return records
+
+
+def _deadline(cfg: SweepConfig, t0: float) -> float | None:
+    """The ``time.perf_counter()`` value at which ``--time-budget-s`` runs out, or None."""
+    return t0 + cfg.time_budget_s if cfg.time_budget_s else None
 
 
 def _prefill(llm, tokens: int, cfg: SweepConfig, t0: float, log) -> dict:

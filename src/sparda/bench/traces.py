@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from sparda.errors import SpardaError
+from sparda.io import atomic_output
 
 FORMAT = "sparda-trace-v1"
 #: the trace shipped with the package (recorded by :func:`record_traces` with defaults)
@@ -79,10 +80,8 @@ def save_traces(path: str | os.PathLike, traces: dict[str, SelectionTrace]) -> N
         arrays[f"{name}.meta"] = np.array(json.dumps(tr.meta))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
+    with atomic_output(path) as tmp, open(tmp, "wb") as handle:
         np.savez_compressed(handle, **arrays)
-    os.replace(tmp, path)
 
 
 def load_traces(path: str | os.PathLike) -> dict[str, SelectionTrace]:

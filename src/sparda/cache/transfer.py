@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from sparda.errors import SpardaError
+from sparda.kernels._common import next_pow2
 
 try:
     import triton
@@ -74,10 +75,6 @@ if HAS_TRITON:
         dst = b * d_row + h * d_head + blk * d_blk + o * D + offs
         tl.store(DK + dst, tl.load(SK + b * s_row + h * s_head + offs, mask=m), mask=m)
         tl.store(DV + dst, tl.load(SV + b * s_row + h * s_head + offs, mask=m), mask=m)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 class TransferEngine:
@@ -231,7 +228,7 @@ class UvaEngine(TransferEngine):
             chunk.k, chunk.v, dk, dv, part, tasks, slots, heads,
             chunk.k.stride(0), chunk.k.stride(1), chunk.k.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), part.stride(0), part.stride(1),
-            ELEMS=elems, TILE=min(self.tile, _next_pow2(elems)), num_warps=self.num_warps)
+            ELEMS=elems, TILE=min(self.tile, next_pow2(elems)), num_warps=self.num_warps)
 
     def store_tokens(self, chunk, k_tok, v_tok, pos):
         """As :meth:`TransferEngine.store_tokens` (``k_tok, v_tok [B, H, d]``, ``pos [B]``
@@ -245,7 +242,7 @@ class UvaEngine(TransferEngine):
         _uva_store_kernel[(rows * heads,)](
             sk, sv, chunk.k, chunk.v, p, heads, sk.stride(0), sk.stride(1),
             chunk.k.stride(0), chunk.k.stride(1), chunk.k.stride(2),
-            D=d, D_P=_next_pow2(max(d, 16)), BS=chunk.k.shape[3], num_warps=1)
+            D=d, D_P=next_pow2(max(d, 16)), BS=chunk.k.shape[3], num_warps=1)
 
 
 def make_engine(name: str, device: torch.device, **kwargs) -> TransferEngine:

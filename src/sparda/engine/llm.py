@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -10,12 +11,13 @@ from dataclasses import dataclass, field
 import torch
 
 from sparda.attention.forecast import default_forecast_available
-from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_method
+from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_method, check_offload
 from sparda.cache.device import DeviceKVCache
 from sparda.cache.offload import OffloadKVCache
 from sparda.config import SelectionConfig, SpardaConfig
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.sampler import sample
+from sparda.engine.validate import check_request
 from sparda.errors import SpardaError
 from sparda.model.llama import StepInfo
 from sparda.model.loader import load_model
@@ -123,6 +125,7 @@ class LLM:
         if forecast is not None and self.config.method not in FORECAST_METHODS:
             raise SpardaError(f"--forecast applies to the sparda methods only, not {self.config.method!r}; "
                               "drop --forecast or pick --method sparda")
+        check_offload(self.config.method, offload)  # before the model loads
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.tokenizer, self.model_dir = load_model(model, self.device, self.dtype)
@@ -176,6 +179,18 @@ class LLM:
                 f"context of {limit} tokens; shorten the prompt or lower --max-new-tokens")
         if num_prompt == 0:
             raise SpardaError("empty prompt; pass some text")
+        self._note_dense_fallback(num_prompt + max_new_tokens - 1)
+
+    def _note_dense_fallback(self, num_tokens: int) -> None:
+        """Say once per LLM and cause, on stderr (logger ``sparda``), that a block-sparse
+        method will attend densely to a request of ``num_tokens`` processed tokens."""
+        reason = None if self.config.method == "dense" else self.config.selection.dense_reason(num_tokens)
+        noted = self.__dict__.setdefault("_dense_noted", set())
+        cause = reason and ("--dense-len" if "--dense-len" in reason else "--topk-blocks")
+        if reason and cause not in noted:
+            noted.add(cause)
+            logging.getLogger("sparda").warning(
+                f"note: {self.config.method} falls back to dense attention (design §3.6): {reason}")
 
     def _step(self, phase: str, rows: torch.Tensor, q_pos: torch.Tensor,
               max_kv_len: int | None = None, live_len: int | None = None) -> StepInfo:
@@ -257,12 +272,11 @@ class LLM:
         Returns:
             One :class:`Completion` per prompt, in order.
         Raises:
-            SpardaError: empty or too-long prompts, bad sampling parameters.
+            SpardaError: empty, non-string or too-long prompts, token ids outside the vocabulary,
+                bad sampling parameters (:func:`sparda.engine.validate.check_request`).
         """
-        if max_new_tokens < 1:
-            raise SpardaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise SpardaError("temperature must be >= 0 and top_p in (0, 1]")
+        check_request(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                      seed=seed, prompt_token_ids=prompt_token_ids, vocab_size=self.model.config.vocab_size)
         if prompt_token_ids is None:
             prompts = [prompts] if isinstance(prompts, str) else list(prompts)
             if any(not p or not p.strip() for p in prompts):

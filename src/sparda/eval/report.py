@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import defaultdict
 from pathlib import Path
+
+from sparda.io import atomic_output, atomic_write
 
 PPL = "ppl"
 SELECTION = "selection"
@@ -143,9 +144,8 @@ def markdown(records: list[dict], agg: dict) -> str:
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
 
 
 def plots(out: Path, records: list[dict], agg: dict) -> list[str]:
@@ -206,8 +206,6 @@ def plots(out: Path, records: list[dict], agg: dict) -> list[str]:
 def write_report(out: Path, records: list[dict]) -> dict:
     """Write ``summary.json``, ``results.json``, ``report.md`` and the plots into ``out``;
     returns the summary (label -> task -> mean score 0-1)."""
-    from sparda.eval.runner import atomic_write
-
     out = Path(out)
     agg = aggregate(records)
     atomic_write(out / "results.json", json.dumps(agg, indent=1))

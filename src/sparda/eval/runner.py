@@ -4,6 +4,9 @@ Each finished sample is appended (one JSON line, flushed and fsynced) to
 ``DIR/results.jsonl``; a rerun with the same plan skips every key already there, so an
 interrupted run resumes where it stopped. The tables, plots and ``summary.json`` are
 rebuilt from that file at the end (:mod:`sparda.eval.report`), each written atomically.
+Every check (tasks, methods, lengths, budgets, device, dtype, ``--text``, ``--out``)
+runs before anything is written; ``DIR`` and its ``plan.json`` appear only with the
+first finished sample, so a run that fails at its start never locks its ``--out``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from sparda.errors import SpardaError
+from sparda.io import atomic_write, check_output_dir, read_text
 
 #: default needle depths, cycled over samples
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -108,16 +112,6 @@ def method_specs(plan: EvalPlan) -> list[MethodSpec]:
     return specs
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def load_results(path: Path) -> list[dict]:
     """Records of a results file; a torn last line (killed mid-write) is dropped and the
     file rewritten without it, so later appends start on a clean line."""
@@ -191,10 +185,10 @@ def _haystack(plan: EvalPlan) -> str:
         from sparda.data import heldout_text
 
         return heldout_text()
-    try:
-        return Path(plan.text).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpardaError(f"cannot read --text file {plan.text}: {exc.strerror}") from exc
+    text = read_text(plan.text, "--text")
+    if not text.strip():
+        raise SpardaError(f"--text file {plan.text} is empty; pass a file with some text")
+    return text
 
 
 def _task_record(models: _Models, spec: MethodSpec, sample, length: int, index: int, seed: int) -> dict:
@@ -277,16 +271,38 @@ def _items(plan: EvalPlan, specs: list[MethodSpec]):
 
 
 def _check_device_and_lengths(plan: EvalPlan) -> None:
-    """Fail before anything is written: an unusable ``--device``, or ``--lengths`` that leave
-    no room for an answer in the model's context (read from its config, no weights loaded)."""
-    from sparda.engine.llm import resolve_device
-    from sparda.model.loader import load_config, resolve_model_dir
+    """Fail before anything is written: an unusable ``--device`` or ``--dtype``, or ``--lengths``
+    that leave no room for an answer in the model's context (read from its config, no weights
+    loaded)."""
+    from sparda.engine.llm import resolve_device, resolve_dtype
+    from sparda.model.loader import context_length
 
-    resolve_device(plan.device)
-    context = getattr(load_config(resolve_model_dir(plan.model)), "max_position_embeddings", None)
+    resolve_dtype(plan.dtype, resolve_device(plan.device))
+    context = context_length(plan.model)
     if context is not None and max(plan.lengths) + 32 > context:
         raise SpardaError(f"--lengths {max(plan.lengths)} leaves no room for an answer in the model's context of "
                           f"{context} tokens; use lengths up to {context - 32}")
+
+
+def _check_plan_file(out: Path, plan: EvalPlan) -> None:
+    """Refuse an ``--out`` that holds results of another plan (``plan.json`` of a different
+    fingerprint); an absent or unreadable file, or one beside no results, counts as none."""
+    plan_path = out / "plan.json"
+    if not plan_path.is_file() or not (out / "results.jsonl").exists():
+        return
+    try:
+        old = json.loads(plan_path.read_text(encoding="utf-8")).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        old = None
+    if old != plan.fingerprint():
+        raise SpardaError(f"{out} holds results of a different plan (seed, depths, model, preset, text "
+                          "or --dense-prefill differ); use a new --out directory")
+
+
+def _write_plan_file(out: Path, plan: EvalPlan) -> None:
+    """Create ``out`` and write ``plan.json`` (just before the first result is journaled)."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "plan.json", json.dumps({**asdict(plan), "fingerprint": plan.fingerprint()}, indent=1))
 
 
 def _key(label: str, task: str, length: int, index: int) -> str:
@@ -323,18 +339,9 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
                           "run ppl without --dense-prefill")
     haystack = _haystack(plan)  # an unreadable --text fails here, before anything is written
     _check_device_and_lengths(plan)
-    out = Path(plan.out)
-    if out.exists() and not out.is_dir():
-        raise SpardaError(f"--out {out} is a file, not a directory; pass a directory path")
+    out = check_output_dir(plan.out, "--out")
     specs = method_specs(plan)
-    out.mkdir(parents=True, exist_ok=True)
-    plan_path = out / "plan.json"
-    if plan_path.exists():
-        old = json.loads(plan_path.read_text(encoding="utf-8")).get("fingerprint")
-        if old != plan.fingerprint():
-            raise SpardaError(f"{out} holds results of a different plan (seed, depths, model, preset, text "
-                              "or --dense-prefill differ); use a new --out directory")
-    atomic_write(plan_path, json.dumps({**asdict(plan), "fingerprint": plan.fingerprint()}, indent=1))
+    _check_plan_file(out, plan)
     journal = _Journal(out / "results.jsonl")
     items = list(_items(plan, specs))
     total = sum(len(specs) for _ in items)
@@ -360,6 +367,8 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
                 sample = make_sample(task, models.base.tokenizer, haystack, length, depth, seed)
                 records = (_task_record(models, spec, sample, length, index, seed) for spec in todo)
             for record in records:  # lazily computed: each is journaled as soon as it exists
+                if not journal.records or not (out / "plan.json").is_file():
+                    _write_plan_file(out, plan)  # the first result: only now is anything written
                 journal.add({"key": _key(record["label"], task, length, index), **record})
                 bar.update(1)
                 new += 1

@@ -23,15 +23,10 @@ import torch
 from sparda.attention.forecast import Forecast, load_forecast, model_name, q_init, shipped_path
 from sparda.config import SpardaConfig
 from sparda.errors import SpardaError
+from sparda.io import read_text
 from sparda.kernels import reference as ref
 
 KNOWN = ("sparse", "oracle", "sparda", "sparda-random", "sparda-qinit", "infinigen")
-
-
-def _forced(q_pos, num_blocks, cfg):
-    blocks = torch.arange(num_blocks, device=q_pos.device).view(1, 1, 1, -1)
-    cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)
-    return (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks) | (blocks > cur)
 
 
 def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
@@ -50,10 +45,7 @@ def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
                 raise SpardaError("no Forecast weights for this model; pass --forecast PATH")
             forecasts[name] = load_forecast(path, model.config, shape, model_name(model_dir))[0]
         elif name == "sparda-random":
-            gen_state = torch.random.get_rng_state()
-            torch.manual_seed(0)
-            forecasts[name] = Forecast.for_shape(shape)
-            torch.random.set_rng_state(gen_state)
+            forecasts[name] = Forecast.seeded(shape, 0)
         elif name == "sparda-qinit":
             forecasts[name] = Forecast.for_shape(shape)
             q_init(forecasts[name], model)
@@ -117,11 +109,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
 
         body, source = heldout_text(), "held-out Emma"
     else:
-        try:
-            with open(text, encoding="utf-8") as handle:
-                body, source = handle.read(), text
-        except OSError as exc:
-            raise SpardaError(f"cannot read --text {text}: {exc.strerror}") from exc
+        body, source = read_text(text, "--text"), text
     ids_all = llm.tokenizer.encode(body, add_special_tokens=False)
     selectors = _selectors(list(methods), net, shape, cfg, forecast, llm.model_dir)
     stats = {m: [[0.0] * 5 for _ in range(shape.num_layers)] for m in methods}  # hs, ts, ho, to, mass
@@ -134,7 +122,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
         q_idx = torch.linspace(length // 2, length - 1, queries, device=llm.device).long().unique()
         q_pos = q_idx.view(1, -1)
         num_blocks = -(-length // cfg.block_size)
-        forced = _forced(q_pos, num_blocks, cfg)
+        forced = ref.forced_blocks(q_pos, num_blocks, cfg)
         h_prev = None
         for layer, h, q, k, cos, sin in net.dense_layers(ids):
             ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()

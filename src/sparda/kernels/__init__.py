@@ -34,7 +34,6 @@ __all__ = [
     "compress_keys",
     "decode_attention",
     "decode_attention_slots",
-    "decode_block_scores",
     "prefill_attention",
     "select_decode_blocks",
     "update_compressed_keys",
@@ -128,10 +127,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return reference.block_sparse_attention(q, k, v, block_mask, q_pos, kv_len, block_size)
 
 
-def decode_block_scores(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
-                        num_blocks: int, cfg: SelectionConfig,
-                        ck_len: torch.Tensor | None = None) -> torch.Tensor:
-    """Block scores of one decode token per sequence, scoring fused with pooling (design §3.2-3.3, §4).
+def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                         num_blocks: int, cfg: SelectionConfig, *,
+                         ck_len: torch.Tensor | None = None, width: int | None = None,
+                         return_mask: bool = False):
+    """Decode block selection: score, pool, forced blocks + top-k (design §3.2-3.4, §4).
+
+    Scores (see ``query``) are max-pooled onto blocks; the rule is ``reference.select_blocks`` at
+    ``Tq = 1``: sinks, the local window (current block included), the dense fallback,
+    then the ``topk_blocks`` best other valid blocks, ties to the lower id.
 
     Args:
         query: ``[B, H, G, d]`` queries -> query-based scores (per-head softmax over the
@@ -145,28 +149,6 @@ def decode_block_scores(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tens
         ck_len: optional ``[B]``: row ``b`` has only its first ``ck_len[b]`` compressed
             keys (as if ``ck`` were cut there), e.g. a Forecast scoring the next layer's
             keys before this step's window was appended (design §4).
-    Returns:
-        ``[B, H, N]`` fp32, equal to ``reference.pool_to_blocks`` of
-        ``reference.query_group_scores`` / ``reference.forecast_scores`` at ``Tq = 1``.
-    Raises:
-        SpardaError: mismatched shapes, dtypes or an unsupported head dim (Triton path).
-    """
-    if _on_triton(query, ck, q_pos, ck_len) and supported_head_dim(query.shape[-1]):
-        return _selection.decode_block_scores_triton(query, ck, q_pos, num_blocks, cfg, ck_len)
-    return twins.decode_block_scores_reference(query, ck, q_pos, num_blocks, cfg, ck_len)
-
-
-def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
-                         num_blocks: int, cfg: SelectionConfig, *,
-                         ck_len: torch.Tensor | None = None, width: int | None = None,
-                         return_mask: bool = False):
-    """Decode block selection: score, pool, forced blocks + top-k (design §3.2-3.4, §4).
-
-    Arguments as :func:`decode_block_scores`. The rule is ``reference.select_blocks``
-    at ``Tq = 1``: sinks, the local window (current block included), the dense
-    fallback, then the ``topk_blocks`` best other valid blocks, ties to the lower id.
-
-    Args:
         width: length of the returned id lists; default
             ``min(N, max(budget_blocks, ceil(dense_len / block_size)))``, which holds
             every selection with no host sync. Callers that never select in the dense
@@ -176,7 +158,8 @@ def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Ten
         ``block_ids [B, H, width]`` int32, ascending, padded with ``-1`` (feed it to
         :func:`decode_attention`); with ``return_mask``, ``(block_ids, mask)``.
     Raises:
-        SpardaError: mismatched shapes, dtypes or an unsupported head dim (Triton path).
+        SpardaError: mismatched shapes or dtypes. Any head dim works: those the kernel
+            does not tile take the PyTorch twin.
     """
     if _on_triton(query, ck, q_pos, ck_len) and supported_head_dim(query.shape[-1]):
         return _selection.select_decode_blocks_triton(query, ck, q_pos, num_blocks, cfg, ck_len=ck_len,

@@ -21,8 +21,9 @@ def check_head_dim(d: int) -> None:
         SpardaError: ``d`` (head dim, elements) is below 16 or not a power of two.
     """
     if d < 16 or d & (d - 1):
-        raise SpardaError(f"Triton kernels need a power-of-two head dim >= 16, got {d}; "
-                          "use the reference path (CPU tensors) for this model")
+        raise SpardaError(f"this Triton kernel tiles the head dim in one piece and needs a power of two "
+                          f">= 16, got {d}; call the dispatching function in sparda.kernels instead, which "
+                          "runs the PyTorch twin for such head dims")
 
 
 def supported_head_dim(d: int) -> bool:

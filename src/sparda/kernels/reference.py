@@ -31,6 +31,18 @@ NEG_INF = float("-inf")
 _UNSCORED = -1e30
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, half-split convention (the model's queries and keys, and
+    the Forecast's queries): rotate ``x [B, H, T, d]`` by ``cos, sin [B, 1, T, d]``.
+
+    Returns ``x * cos + rotate_half(x) * sin`` in the inputs' promoted dtype, where
+    ``rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])``.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
 def num_compressed(num_tokens: int, kernel: int, stride: int) -> int:
     """Number of complete compression windows over ``num_tokens`` tokens (design §3.1)."""
     return 0 if num_tokens < kernel else (num_tokens - kernel) // stride + 1
@@ -162,8 +174,19 @@ def _rank_key(scores: torch.Tensor) -> torch.Tensor:
     return (mono << 24) + ((1 << 24) - 1 - index)
 
 
-def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig,
-                  kv_len: torch.Tensor | None = None) -> torch.Tensor:
+def forced_blocks(q_pos: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
+    """Blocks the top-k never competes for: ``[B, 1, Tq, N]`` bool (design §3.4).
+
+    True for the forced blocks (the ``init_blocks`` sinks and the ``local_blocks`` most
+    recent valid blocks) and for the causally invalid ones (after the query's block).
+    ``q_pos [B, Tq]`` int64 token positions; ``num_blocks`` ``N``.
+    """
+    blocks = torch.arange(num_blocks, device=q_pos.device).view(1, 1, 1, -1)
+    cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)
+    return (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks) | (blocks > cur)
+
+
+def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     """The selection rule (design §3.4, §3.6): sinks + local window + top-k, per KV head.
 
     For a query at position ``t`` the causally valid blocks are ``0 .. t // B_s``.
@@ -176,18 +199,15 @@ def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selectio
         block_scores: ``[B, H, Tq, N]``; larger is better; ``-inf`` and NaN count as
             unscored (ranked below every scored block, chosen only to fill the top-k).
         q_pos: ``[B, Tq]`` int64 query positions.
-        kv_len: unused for masking beyond ``q_pos`` (kept for API symmetry), ``[B]``.
     Returns:
         ``[B, H, Tq, N]`` bool block mask.
     Raises:
         ValueError: ``N >= 2^24`` blocks per row (the tie-breaking key's limit).
     """
-    del kv_len
     num_blocks = block_scores.shape[-1]
     blocks = torch.arange(num_blocks, device=block_scores.device).view(1, 1, 1, -1)
-    cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)  # [B,1,Tq,1]
-    valid = blocks <= cur
-    forced = (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks)
+    valid = blocks <= (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)  # [B,1,Tq,N]
+    forced = forced_blocks(q_pos, num_blocks, cfg)  # and invalid, which `valid` removes
     dense = ((q_pos + 1 < cfg.dense_len) | (q_pos // cfg.block_size + 1 <= cfg.budget_blocks))
     dense = dense.unsqueeze(1).unsqueeze(-1)
     base = (valid & (forced | dense)).expand(block_scores.shape)

@@ -54,16 +54,16 @@ def default_width(num_blocks: int, cfg: SelectionConfig) -> int:
     return max(1, min(num_blocks, max(cfg.budget_blocks, dense_blocks)))
 
 
-def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, ck_len) -> None:
-    """Check the decode-selection inputs of one query token per sequence (design §3.2, §4).
+def check_selection_shapes(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, ck_len) -> None:
+    """Check the decode-selection inputs of one query token per sequence (design §3.2, §4),
+    for any head dim (what the PyTorch twins need).
 
     Args:
         query: ``[B, H, G, d]`` (query-based) or ``[B, H, d]`` (Forecast), fp16/bf16/fp32.
         ck: ``[B, H, C, d]`` compressed keys, fp16/bf16/fp32.
         q_pos: ``[B]`` integer token position. ck_len: ``None`` or ``[B]`` integer.
     Raises:
-        SpardaError: a bad dtype, rank or shape mismatch, or a head dim that is not a
-            power of two >= 16.
+        SpardaError: a bad dtype, rank or shape mismatch.
     """
     tl_float_dtype_ok(query, "query")
     tl_float_dtype_ok(ck, "ck")
@@ -72,12 +72,21 @@ def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.T
                           f"got {tuple(query.shape)}")
     if ck.dim() != 4 or ck.shape[:2] != query.shape[:2] or ck.shape[-1] != query.shape[-1]:
         raise SpardaError(f"ck must be [B, H, C, d] matching query {tuple(query.shape)}, got {tuple(ck.shape)}")
-    check_head_dim(query.shape[-1])
     if q_pos.shape != (query.shape[0],):
         raise SpardaError(f"q_pos must be [B]={query.shape[0]} (decode position), got {tuple(q_pos.shape)}")
     if ck_len is not None and ck_len.shape != (query.shape[0],):
         raise SpardaError(f"ck_len must be [B], got {tuple(ck_len.shape)}")
 
+
+def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, ck_len) -> None:
+    """:func:`check_selection_shapes` plus the head dim the Triton selection kernel tiles.
+
+    Raises:
+        SpardaError: as :func:`check_selection_shapes`, or a head dim that is not a power
+            of two >= 16 (the dispatch in :mod:`sparda.kernels` sends those to the twins).
+    """
+    check_selection_shapes(query, ck, q_pos, ck_len)
+    check_head_dim(query.shape[-1])
 
 
 def decode_block_scores_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
@@ -85,15 +94,15 @@ def decode_block_scores_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: 
                                   ck_len: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch twin of :func:`decode_block_scores_triton`, built from ``reference`` (design §3.2-3.3, §4).
 
-    Args as :func:`sparda.kernels.decode_block_scores`: ``query [B, H, G, d]`` (softmax
+    Args: ``query [B, H, G, d]`` (softmax
     scores summed over the group) or ``[B, H, d]`` (Forecast raw dot products),
     ``ck [B, H, C, d]``, ``q_pos [B]`` int, ``num_blocks`` ``N``, ``ck_len`` ``[B]`` or None.
     Returns:
         ``[B, H, N]`` fp32 block scores.
     Raises:
-        SpardaError: via :func:`check_selection_inputs`.
+        SpardaError: via :func:`check_selection_shapes` (any head dim is accepted).
     """
-    check_selection_inputs(query, ck, q_pos, ck_len)
+    check_selection_shapes(query, ck, q_pos, ck_len)
     if ck_len is not None:  # row b sees only its first ck_len[b] compressed keys
         rows = [decode_block_scores_reference(query[i:i + 1], ck[i:i + 1, :, :int(ck_len[i])],
                                               q_pos[i:i + 1], num_blocks, cfg)
@@ -120,7 +129,7 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
         ``ids [B, H, width]`` int32, ascending, -1 padded; with ``return_mask``,
         ``(ids, mask [B, H, N] bool)``.
     Raises:
-        SpardaError: via :func:`check_selection_inputs`.
+        SpardaError: via :func:`check_selection_shapes` (any head dim is accepted).
     """
     scores = decode_block_scores_reference(query, ck, q_pos, num_blocks, cfg, ck_len)
     mask = reference.select_blocks(scores[:, :, None], q_pos.view(-1, 1).long(), cfg)[:, :, 0]

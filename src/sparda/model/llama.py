@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from sparda.errors import SpardaError
+from sparda.kernels.reference import apply_rope
 
 
 @dataclass(frozen=True)
@@ -100,13 +101,6 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return ((emb.cos() * self.scaling).to(dtype).unsqueeze(1),
                 (emb.sin() * self.scaling).to(dtype).unsqueeze(1))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, d]`` by ``cos, sin [B, 1, T, d]`` (half-split convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):

@@ -148,9 +148,19 @@ def load_config(model_dir: Path):
     try:
         raw = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise SpardaError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not valid JSON"
+        raise SpardaError(f"cannot read {model_dir / 'config.json'}: {reason}") from exc
     _check_architecture(raw.get("model_type", "<missing>"), str(model_dir / "config.json"))
     return AutoConfig.from_pretrained(model_dir)
+
+
+def context_length(model: str | os.PathLike | None) -> int | None:
+    """The model's context in tokens (``max_position_embeddings``), read from its config
+    alone, so that commands can check lengths before any weights load; ``None`` if unset.
+
+    Raises SpardaError for a missing model path or an unreadable or unsupported config.
+    """
+    return getattr(load_config(resolve_model_dir(model)), "max_position_embeddings", None)
 
 
 def load_tokenizer(model_dir: Path):

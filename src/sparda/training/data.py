@@ -12,14 +12,12 @@ from pathlib import Path
 import torch
 
 from sparda.errors import SpardaError
+from sparda.io import read_text
 
 
 
 def _read_file(path: Path) -> list[str]:
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise SpardaError(f"training file {path} is not UTF-8 text") from exc
+    raw = read_text(path, "--data")
     if path.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(raw.splitlines(), 1):

@@ -14,16 +14,6 @@ from sparda.config import SelectionConfig
 from sparda.kernels import reference as ref
 
 
-def forced_blocks(q_pos: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
-    """Forced (init + local) or causally invalid blocks: ``[B, 1, Tq, N]`` bool (design §3.4).
-
-    ``q_pos [B, Tq]`` int64 token positions; ``num_blocks`` ``N``.
-    """
-    blocks = torch.arange(num_blocks, device=q_pos.device).view(1, 1, 1, -1)
-    cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)
-    return (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks) | (blocks > cur)
-
-
 def free_selection(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     """The top-k blocks the §3.4 rule picks beyond the forced ones: ``[B, H, Tq, N]`` bool.
 
@@ -31,7 +21,7 @@ def free_selection(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selecti
     Raises ValueError (from ``reference.select_blocks``) for ``N >= 2^24``.
     """
     mask = ref.select_blocks(block_scores, q_pos, cfg)
-    return mask & ~forced_blocks(q_pos, block_scores.shape[-1], cfg)
+    return mask & ~ref.forced_blocks(q_pos, block_scores.shape[-1], cfg)
 
 
 def restriction(teacher: torch.Tensor, q_pos: torch.Tensor, num_tokens: int,

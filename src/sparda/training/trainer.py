@@ -21,6 +21,7 @@ import torch
 from sparda.attention.forecast import Forecast, model_identity, model_name, q_init, save_forecast
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
+from sparda.io import atomic_output, check_output_file
 from sparda.kernels import reference as ref
 from sparda.training.data import Batches, load_texts, pack
 from sparda.training.loss import free_selection, restricted_kl, restriction, student_distribution
@@ -75,14 +76,17 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
         init: ``q`` (from the scored layer's query weights, :func:`q_init`) or ``random``.
         device: ``cpu`` (fp32) or ``cuda`` (frozen model in bf16, Forecast and loss in fp32).
         selection: a :class:`SelectionConfig` replacing ``preset`` (tests use tiny budgets).
-    Returns: ``{"step", "first_loss", "loss", "recall", "seconds"}`` (``first_loss``: mean of this
-        run's first 5 steps; ``loss``, ``recall``: means of the last 20).
-    Raises: SpardaError for bad arguments, data shorter than ``seq_len``, unreadable files.
+    Returns: ``{"step", "first_loss", "loss", "recall", "seconds"}`` (``first_loss``: the loss of
+        this run's first step, as the progress bar showed it; ``loss``, ``recall``: means of the
+        last 20 steps).
+    Raises: SpardaError for bad arguments, an ``out`` that cannot be written (checked before the
+        model loads), data shorter than ``seq_len``, unreadable files. The weights and the
+        checkpoint state are written atomically (:mod:`sparda.io`): no half-written file stays.
     """
     from tqdm import tqdm
 
     from sparda.engine.llm import resolve_device
-    from sparda.model.loader import load_model
+    from sparda.model.loader import context_length, load_model
 
     cfg = selection or SelectionConfig.from_preset(preset)
     if seq_len <= cfg.dense_len:
@@ -93,27 +97,28 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
         raise SpardaError(f"--lr must be > 0, got {lr}")
     if init not in ("q", "random"):
         raise SpardaError(f"unknown init {init!r}; choose q or random")
+    out = check_output_file(out, "--out", "forecast.safetensors")
+    state_path = out.with_name(out.name + ".state.pt")
+    if resume and not state_path.is_file():
+        raise SpardaError(f"--resume: no checkpoint state at {state_path}")
+    check_output_file(state_path, "--out (checkpoint state)")
     dev = resolve_device(device)
+    context = context_length(model)
+    if context is not None and seq_len > context:
+        raise SpardaError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens; lower --seq-len")
+    texts, description = load_texts(data)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(seed)
     net, tokenizer, model_dir = load_model(model, dev, dtype)
     net.requires_grad_(False)
-    if seq_len > net.shape.max_positions:
-        raise SpardaError(f"--seq-len {seq_len} exceeds the model's context of {net.shape.max_positions} tokens; "
-                          "lower --seq-len")
-    texts, description = load_texts(data)
     batches = Batches(pack(texts, tokenizer, seq_len), batch_size, seed)
     forecast = Forecast.for_shape(net.shape)
     if init == "q":
         q_init(forecast, net)
     forecast = forecast.to(dev)
     opt = torch.optim.AdamW(forecast.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-    out = Path(out)
-    state_path = out.with_name(out.name + ".state.pt")
     step = 0
     if resume:
-        if not state_path.is_file():
-            raise SpardaError(f"--resume: no checkpoint state at {state_path}")
         state = torch.load(state_path, map_location=dev, weights_only=False)
         forecast.load_state_dict(state["forecast"])
         opt.load_state_dict(state["optimizer"])
@@ -129,41 +134,43 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
         save_forecast(forecast, out, identity, preset=preset, step=step, data=description,
                       seq_len=seq_len, batch_size=batch_size, lr=lr, queries=queries, init=init,
                       train_loss=f"{loss_avg:.4f}", train_recall_vs_sparse=f"{rec_avg:.4f}")
-        torch.save({"forecast": forecast.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "data_gen": batches.gen, "data_order": batches.order}, state_path)
+        with atomic_output(state_path) as tmp:
+            torch.save({"forecast": forecast.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "data_gen": batches.gen, "data_order": batches.order}, tmp)
 
     bar = tqdm(total=steps, initial=step, disable=not progress, desc="train-forecast", dynamic_ncols=True)
-    while step < steps:
-        ids = batches.next().to(dev)
-        low = max(cfg.dense_len, cfg.budget_blocks * cfg.block_size)
-        q_idx = torch.randperm(seq_len - low, generator=gen)[:queries].sort().values.add(low).to(dev)
-        opt.zero_grad(set_to_none=True)
-        total_loss, hits, total = 0.0, 0, 0
-        h_prev = None
-        with torch.no_grad():
-            layers = net.dense_layers(ids)
-            for layer, h, q, k, cos, sin in layers:
-                with torch.enable_grad():
-                    loss, hit, tot = layer_loss(forecast, layer, h if layer == 0 else h_prev, q, k, cos, sin,
-                                                q_idx, cfg)
-                    loss.backward()
-                total_loss += loss.item()
-                hits, total = hits + hit, total + tot
-                h_prev = h
-        torch.nn.utils.clip_grad_norm_(forecast.parameters(), clip)
-        opt.step()
-        step += 1
-        history.append((total_loss, hits / max(total, 1)))
-        run_recall = sum(y for _, y in history[-20:]) / len(history[-20:])
-        bar.set_postfix(loss=f"{total_loss:.3f}", recall=f"{run_recall:.3f}")
-        bar.update(1)
-        if not math.isfinite(total_loss):
-            raise SpardaError(f"training diverged at step {step} (loss {total_loss}); lower --lr")
-        if step % save_every == 0 or step == steps:
-            save()
-    bar.close()
+    try:  # the bar ends its line before any error message is printed
+        while step < steps:
+            ids = batches.next().to(dev)
+            low = max(cfg.dense_len, cfg.budget_blocks * cfg.block_size)
+            q_idx = torch.randperm(seq_len - low, generator=gen)[:queries].sort().values.add(low).to(dev)
+            opt.zero_grad(set_to_none=True)
+            total_loss, hits, total = 0.0, 0, 0
+            h_prev = None
+            with torch.no_grad():
+                layers = net.dense_layers(ids)
+                for layer, h, q, k, cos, sin in layers:
+                    with torch.enable_grad():
+                        loss, hit, tot = layer_loss(forecast, layer, h if layer == 0 else h_prev, q, k, cos, sin,
+                                                    q_idx, cfg)
+                        loss.backward()
+                    total_loss += loss.item()
+                    hits, total = hits + hit, total + tot
+                    h_prev = h
+            torch.nn.utils.clip_grad_norm_(forecast.parameters(), clip)
+            opt.step()
+            step += 1
+            history.append((total_loss, hits / max(total, 1)))
+            run_recall = sum(y for _, y in history[-20:]) / len(history[-20:])
+            bar.set_postfix(loss=f"{total_loss:.3f}", recall=f"{run_recall:.3f}")
+            bar.update(1)
+            if not math.isfinite(total_loss):
+                raise SpardaError(f"training diverged at step {step} (loss {total_loss}); lower --lr")
+            if step % save_every == 0 or step == steps:
+                save()
+    finally:
+        bar.close()
     tail = history[-20:] or [(float("nan"), float("nan"))]
-    head = history[:5] or tail
-    return {"step": step, "first_loss": sum(x for x, _ in head) / len(head),
+    return {"step": step, "first_loss": (history or tail)[0][0],
             "loss": sum(x for x, _ in tail) / len(tail),
             "recall": sum(y for _, y in tail) / len(tail), "seconds": round(time.time() - start, 1)}
