@@ -69,8 +69,11 @@ def test_refusals(make_tiny):
 def test_bundled_model_generate_with_sparda_equals_llm(bundled_dir):
     from sparda.data import heldout_text
 
-    llm = LLM(None, method="sparda", device="cpu", dense_len=512)
+    budget = dict(topk_blocks=4, local_blocks=2, dense_len=512)  # 7 of 15 blocks
+    llm = LLM(None, method="sparda", device="cpu", **budget)
     ids = llm.encode(heldout_text()[:6000], chat=False)[:900]
     expected = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=16, ignore_eos=True)[0].token_ids
-    model = sparda.hf.enable(_hf(bundled_dir), method="sparda", dense_len=512)
+    model = sparda.hf.enable(_hf(bundled_dir), method="sparda", **budget)
     assert _greedy(model, ids, 16) == expected
+    assert sparda.hf.method_of(model).read_fraction() == pytest.approx(llm.method.read_fraction())
+    assert llm.method.read_fraction() < 0.6

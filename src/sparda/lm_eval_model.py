@@ -20,7 +20,8 @@ follow lm-eval's ``hf`` model, through lm-eval's own helpers):
 * ``generate_until``: ``sparda.LLM.generate`` on ``batch_size`` prompts at once, the
   text cut at the first stop string (greedy unless ``do_sample``).
 
-Model args: ``pretrained`` (model directory, ``.gguf``, ``ORG/NAME`` in the local
+``device`` ``cuda`` without CUDA falls back to the CPU, as lm-eval's ``hf`` does (lm-eval's
+CLI passes ``cuda:0`` when ``--device`` is not given). Model args: ``pretrained`` (model directory, ``.gguf``, ``ORG/NAME`` in the local
 Hugging Face cache, or empty for the bundled model), ``method``, ``preset``,
 ``device``, ``dtype``, ``max_length``, ``add_bos_token``, ``batch_size``, and the
 :class:`sparda.LLM` options (``topk_blocks``, ``local_blocks``, ``init_blocks``,
@@ -28,6 +29,9 @@ Hugging Face cache, or empty for the bundled model), ``method``, ``preset``,
 """
 
 from __future__ import annotations
+
+import logging
+import sys
 
 import torch
 
@@ -63,6 +67,11 @@ class SpardaLM(TemplateLM):
             raise SpardaError(f"batch_size must be a positive integer for sparda, got {batch_size!r}") from None
         if self.batch_size < 1:
             raise SpardaError(f"batch_size must be a positive integer for sparda, got {batch_size!r}")
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI passes cuda:0 when --device is not given; its hf model then runs on
+            # the CPU, and so does this one
+            logging.getLogger(__name__).warning("CUDA is not available; running sparda on the CPU")
+            device = "cpu"
         self.llm = LLM(pretrained or None, method=method, preset=preset, device=device, dtype=dtype, **options)
         self.tokenizer = self.llm.tokenizer
         self._max_length = int(max_length) if max_length else self.llm.shape.max_positions
@@ -218,7 +227,11 @@ def main() -> None:
     """lm-eval's CLI with ``--model sparda`` registered (``python -m sparda.lm_eval_model``)."""
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except SpardaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":
