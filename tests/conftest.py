@@ -62,7 +62,7 @@ def make_tiny(tmp_path_factory, bundled_tokenizer):
     made = {}
 
     def make(arch: str, **extra):
-        key = (arch, tuple(sorted(extra.items())))
+        key = (arch, repr(sorted(extra.items())))
         if key not in made:
             config = tiny_config(arch, len(bundled_tokenizer), **extra)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

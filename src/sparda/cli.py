@@ -71,7 +71,7 @@ def main() -> None:
 def model_options(func):
     """Options shared by every subcommand that loads a model and picks a method."""
     options = [
-        click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled SmolLM2-135M-Instruct]."),
+        click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled SmolLM2-135M-Instruct]."),
         click.option("--method", default=None, type=click.Choice(METHODS),
                      help="Attention method [default: sparda where Forecast weights exist (the bundled "
                           "model, or --forecast), else sparse]."),
@@ -230,7 +230,7 @@ def _csv(kind):
 @click.option("--out", required=True, help="Output directory (rerun with the same one to resume).")
 @click.option("--quick", is_flag=True, help="CPU-sized subset (2.5K tokens, 2 samples, < 10 min on 2 cores).")
 @click.option("--text", default=None, help="UTF-8 text file for haystacks and ppl [default: held-out Emma].")
-@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled model].")
+@click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled model].")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None)
@@ -248,7 +248,7 @@ def eval_cmd(**opts):
 
 
 @main.command("train-forecast")
-@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled SmolLM2-135M-Instruct].")
+@click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled SmolLM2-135M-Instruct].")
 @click.option("--data", multiple=True, help="Text file, directory or jsonl with a 'text' field (repeatable) [default: bundled training split].")
 @click.option("--seq-len", default=4096, show_default=True, type=int, help="Tokens per training sequence.")
 @click.option("--steps", default=200, show_default=True, type=int)
@@ -271,7 +271,7 @@ def train_forecast_cmd(model, data, out, **opts):
 
 
 @main.command("selection-report")
-@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled].")
+@click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled].")
 @click.option("--text", default=None, help="UTF-8 text file [default: the held-out Emma].")
 @click.option("--methods", default="sparse,oracle,sparda,sparda-random,infinigen", show_default=True,
               help="Comma-separated selectors.")

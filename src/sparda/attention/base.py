@@ -95,15 +95,19 @@ class AttentionMethod:
         self._count(step, None)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,
+                    window: int | None = None) -> torch.Tensor:
     """Dense causal attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
     Args:
         q: ``[B, H_kv, G, Tq, d]``; k, v: ``[B, H_kv, T, d]``; ``step.q_pos``,
             ``step.kv_len`` give causality and per-row lengths.
+        window: sliding window in tokens (:func:`window_attention`), ``None`` = full.
     Returns:
         ``[B, H_kv, G, Tq, d]`` in ``q``'s dtype.
     """
+    if window is not None and window < k.shape[-2]:
+        return window_attention(q, k, v, step, window)
     b, hk, g, t, d = q.shape
     qf = q.reshape(b, hk * g, t, d)
     if step.phase == "prefill":
@@ -114,6 +118,39 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> 
         out = torch.nn.functional.scaled_dot_product_attention(
             qf, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=True)
     return out.view(b, hk, g, t, d)
+
+
+#: prefill query tokens per chunk of :func:`window_attention` (bounds the mask's memory)
+WINDOW_CHUNK_TOKENS = 1024
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, window: int) -> torch.Tensor:
+    """Sliding-window causal attention: the query at position ``p`` sees keys ``i`` with
+    ``p - window < i <= p`` and ``i < kv_len`` (transformers' ``sliding_window_overlay``).
+
+    Decode masks all ``T`` keys (no host sync); prefill (positions ``0..Tq-1``) runs
+    :data:`WINDOW_CHUNK_TOKENS` queries at a time over only the keys their windows reach.
+
+    Args:
+        q: ``[B, H_kv, G, Tq, d]``; k, v: ``[B, H_kv, T, d]``; ``step`` a StepInfo;
+            window: tokens (>= 1).
+    Returns:
+        ``[B, H_kv, G, Tq, d]`` in ``q``'s dtype.
+    """
+    b, hk, g, t, d = q.shape
+    keys = torch.arange(k.shape[-2], device=q.device)
+    spans = [(0, t, 0, k.shape[-2])] if step.phase != "prefill" else [
+        (start, min(start + WINDOW_CHUNK_TOKENS, t), max(0, start - window + 1), min(start + WINDOW_CHUNK_TOKENS, t))
+        for start in range(0, t, WINDOW_CHUNK_TOKENS)]
+    out = []
+    for start, end, lo, hi in spans:
+        pos = step.q_pos[:, start:end].unsqueeze(-1)  # [B, c, 1]
+        key = keys[lo:hi].view(1, 1, -1)
+        allowed = (key <= pos) & (key > pos - window) & (key < step.kv_len.view(-1, 1, 1))
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q[..., start:end, :].reshape(b, hk * g, end - start, d), k[:, :, lo:hi], v[:, :, lo:hi],
+            attn_mask=allowed.unsqueeze(1), enable_gqa=True))
+    return torch.cat(out, dim=-2).view(b, hk, g, t, d)
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

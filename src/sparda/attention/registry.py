@@ -57,4 +57,21 @@ def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:
     if cls is None:
         raise SpardaError(
             f"method {config.method!r} is not available; available: {', '.join(METHOD_CLASSES)}")
+    check_windows(config.method, cls, shape)
     return cls(config, shape, **kwargs)
+
+
+def check_windows(name: str, cls: type[AttentionMethod], shape) -> None:
+    """Refuse a block-sparse method on a model with sliding-window layers.
+
+    Only ``dense`` applies the window; the block-sparse methods do not cap their
+    selection at it yet, so a window shorter than the context would compute wrongly.
+    Raises SpardaError naming the config field and ``--method dense``.
+    """
+    layers = shape.windowed_layers() if hasattr(shape, "windowed_layers") else []
+    if layers and not issubclass(cls, DenseAttention):
+        window = shape.window(layers[0])
+        raise SpardaError(
+            f"method {name!r} does not implement sliding-window attention (config sliding_window={window} on "
+            f"{len(layers)} of {shape.num_layers} layers, shorter than the context of {shape.max_positions} "
+            "tokens); use --method dense")

@@ -83,7 +83,8 @@ class LLM:
     """Load a Llama-family model and generate with a chosen attention method.
 
     Args:
-        model: Hugging Face model directory, ``.gguf`` file, or ``None`` for the bundled
+        model: Hugging Face model directory, ``ORG/NAME`` in the local Hugging Face cache
+            (offline), ``.gguf`` file, or ``None`` for the bundled
             SmolLM2-135M-Instruct.
         method: attention method (``dense``, ``sparse``, ``oracle``, ``sparda``, ...); ``None``:
             ``sparda`` if Forecast weights are given or shipped for the model, else ``sparse``.

@@ -1,8 +1,10 @@
 """Our own decoder forward for the Llama family (llama, mistral, qwen2, qwen3).
 
-RMSNorm, RoPE (every scaling type transformers implements), GQA, SwiGLU MLP, tied
-embeddings, QKV bias and Qwen3's per-head q/k norms. Module names follow the Hugging
-Face checkpoint keys, so ``load_state_dict`` takes a checkpoint as is.
+RMSNorm, RoPE (every scaling type transformers implements), GQA, gated MLP (SwiGLU, or
+transformers' ``hidden_act``), tied embeddings, QKV/O/MLP biases and Qwen3's per-head q/k
+norms. Module names follow the Hugging Face checkpoint keys, so ``load_state_dict`` takes a checkpoint as is. Sliding-window
+layers (mistral, qwen2, qwen3) are read by :mod:`sparda.model.attention_config`; fields
+sparda does not implement are refused there.
 
 The model never knows which attention method runs: each layer projects Q/K/V, appends
 K/V to the cache and hands the rest to ``method.attend``.
@@ -17,6 +19,7 @@ from torch import nn
 
 from sparda.errors import SpardaError
 from sparda.kernels.reference import apply_rope
+from sparda.model.attention_config import check_supported, sliding_windows
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,9 @@ class ModelShape:
     """The attention geometry every method and cache needs.
 
     Attributes: ``num_layers``; ``num_q_heads`` (H_q); ``num_kv_heads`` (H_kv);
-    ``head_dim`` (d); ``hidden_size`` (d_model); ``max_positions`` (tokens).
+    ``head_dim`` (d); ``hidden_size`` (d_model); ``max_positions`` (tokens);
+    ``sliding_windows``: per-layer window in tokens, ``None`` = full attention (empty:
+    every layer full).
     """
 
     num_layers: int
@@ -33,6 +38,16 @@ class ModelShape:
     head_dim: int
     hidden_size: int
     max_positions: int
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window of ``layer`` in tokens (query at ``p`` sees keys ``p - W < i <= p``),
+        or ``None`` for full causal attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def windowed_layers(self) -> list[int]:
+        """Layers whose window is shorter than the context (where it changes attention)."""
+        return [i for i, w in enumerate(self.sliding_windows) if w is not None and w < self.max_positions]
 
     @property
     def group_size(self) -> int:
@@ -50,6 +65,7 @@ class ModelShape:
             head_dim=head_dim,
             hidden_size=config.hidden_size,
             max_positions=config.max_position_embeddings,
+            sliding_windows=sliding_windows(config),
         )
 
 
@@ -113,7 +129,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(shape.hidden_size, hq * d, bias=bias)
         self.k_proj = nn.Linear(shape.hidden_size, hk * d, bias=bias)
         self.v_proj = nn.Linear(shape.hidden_size, hk * d, bias=bias)
-        self.o_proj = nn.Linear(hq * d, shape.hidden_size, bias=False)
+        # transformers: llama and qwen3 give o_proj a bias iff attention_bias; mistral, qwen2 never
+        o_bias = getattr(config, "model_type", None) in ("llama", "qwen3") and bool(getattr(config, "attention_bias", False))
+        self.o_proj = nn.Linear(hq * d, shape.hidden_size, bias=o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -134,17 +152,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` = transformers' ``ACT2FN[hidden_act]``
+    (``silu``: SwiGLU); biases where the checkpoint has them (llama ``mlp_bias``)."""
 
-    def __init__(self, hidden: int, inner: int) -> None:
+    def __init__(self, hidden: int, inner: int, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., hidden]`` -> ``[..., hidden]`` in the weights' dtype (via ``[..., inner]``)."""
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -155,7 +177,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, shape, bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(shape.hidden_size, config.intermediate_size)
+        mlp_bias = getattr(config, "model_type", None) == "llama" and bool(getattr(config, "mlp_bias", False))
+        self.mlp = MLP(shape.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"), mlp_bias)
 
 
 class Backbone(nn.Module):
@@ -207,12 +230,14 @@ class CausalLM(nn.Module):
     """A Llama-family causal LM whose attention is delegated to an attention method.
 
     Raises:
-        SpardaError: ``num_attention_heads`` not a multiple of ``num_key_value_heads``, or
-            an unsupported ``rope_type``.
+        SpardaError: ``num_attention_heads`` not a multiple of ``num_key_value_heads``, an
+            unsupported ``rope_type``, or a config field sparda does not implement
+            (:func:`sparda.model.attention_config.check_supported`).
     """
 
     def __init__(self, config, bias: bool = False, qk_norm: bool = False, rotary: bool = True) -> None:
         super().__init__()
+        check_supported(config)
         self.config = config
         self.shape = ModelShape.from_config(config)
         if self.shape.num_q_heads % self.shape.num_kv_heads:
@@ -262,8 +287,15 @@ class CausalLM(nn.Module):
             h = layer.input_layernorm(x)
             q, k, v = layer.self_attn.project(h, cos, sin)
             yield index, h, q, k, cos, sin
+            window = s.window(index)
+            if window is not None and window < t:  # key i visible to query p iff p - W < i <= p
+                p = torch.arange(t, device=ids.device)
+                mask = (p.view(1, -1) <= p.view(-1, 1)) & (p.view(1, -1) > p.view(-1, 1) - window)
+                extra = {"attn_mask": mask}
+            else:
+                extra = {"is_causal": True}
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.reshape(b, s.num_q_heads, t, s.head_dim), k, v, is_causal=True, enable_gqa=True)
+                q.reshape(b, s.num_q_heads, t, s.head_dim), k, v, enable_gqa=True, **extra)
             x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
 

@@ -1,8 +1,13 @@
-"""Find, convert and load Llama-family checkpoints: Hugging Face directories and GGUF files.
+"""Find, convert and load Llama-family checkpoints: Hugging Face directories, models in the
+local Hugging Face cache (``ORG/NAME``) and GGUF files.
 
-Configs and tokenizers come from transformers; weights from safetensors. A GGUF file is
-loaded once through transformers' GGUF support (which de-quantises it), then saved as
-an ordinary safetensors directory under the sparda cache so later loads are fast.
+Configs and tokenizers come from transformers; weights from safetensors (or PyTorch
+``.bin`` files). ``ORG/NAME`` resolves through ``huggingface_hub``'s cache
+(``HF_HOME`` / ``HF_HUB_CACHE``) with ``local_files_only``: sparda never touches the
+network. A GGUF file is loaded once through transformers' GGUF support (which
+de-quantises it), then saved as an ordinary safetensors directory under the sparda
+cache, keyed by the file's content (sha256), so later loads are fast and a copy of the
+same file at another path reuses the conversion.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -51,9 +57,44 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def _file_digest(path: Path) -> str:
+_DIGEST_CHUNK_BYTES = 16 << 20
+_DIGESTS_FILE = "digests.json"
+
+
+def file_digest(path: Path) -> str:
+    """First 16 hex digits of the sha256 of ``path``'s content, read in 16 MiB chunks.
+
+    The digest is remembered in ``~/.cache/sparda/digests.json`` under the file's path,
+    device, inode, size and mtime, so an unchanged file is hashed once; the memo is
+    rewritten atomically (temporary file + rename) and a broken memo is ignored.
+    Raises OSError if the file cannot be read.
+    """
     stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = f"{path.resolve()}|{stat.st_dev}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo_path = cache_root() / _DIGESTS_FILE
+    try:
+        memo = json.loads(memo_path.read_text())
+        if not isinstance(memo, dict):
+            memo = {}
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo.get(key), str):
+        return memo[key]
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(_DIGEST_CHUNK_BYTES), b""):
+            sha.update(chunk)
+    digest = sha.hexdigest()[:16]
+    memo[key] = digest
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=memo_path.parent, prefix=".digests-")
+        with os.fdopen(fd, "w") as out:
+            json.dump(memo, out)
+        os.replace(tmp, memo_path)
+    except OSError:
+        pass  # the memo only saves time
+    return digest
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -102,32 +143,77 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+#: ``ORG/NAME`` as the Hub spells repository ids
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def is_repo_id(model: str) -> bool:
+    """True if ``model`` reads as a Hugging Face repository id ``ORG/NAME``."""
+    return bool(_REPO_ID.match(model)) and ".." not in model
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot directory of ``repo_id`` in the Hugging Face cache (no network).
+
+    Uses ``huggingface_hub.snapshot_download(repo_id, local_files_only=True)``, so the
+    cache location follows ``HF_HOME`` / ``HF_HUB_CACHE`` and the ``main`` ref.
+
+    Raises:
+        SpardaError: the model is not in the local cache (with how to put it there).
+    """
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as exc:  # LocalEntryNotFoundError, incomplete snapshot, bad id
+        raise SpardaError(
+            f"model {repo_id} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); on a machine "
+            f"with network run `hf download {repo_id}` (and copy the cache here, or point HF_HOME at it), "
+            "or pass a model directory") from exc
+
+
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """Turn ``--model`` into a Hugging Face model directory.
 
-    ``None`` means the bundled SmolLM2-135M-Instruct. A ``.gguf`` file is converted once
-    into ``~/.cache/sparda/<name>-<hash>/``. Raises SpardaError for a missing path.
+    ``None`` means the bundled SmolLM2-135M-Instruct. An existing path is a model
+    directory or a ``.gguf`` file; otherwise ``ORG/NAME`` is looked up in the local
+    Hugging Face cache (:func:`hub_snapshot`; a snapshot holding only one ``.gguf`` file
+    is converted). A ``.gguf`` file is converted once into
+    ``~/.cache/sparda/<name>-<content hash>/`` (:func:`file_digest`).
+    Raises SpardaError for a missing path, a model not in the cache, or no config.json.
     """
     if model is None:
         gguf = bundled_gguf_path()
     elif not str(model).strip():
-        raise SpardaError("empty --model; pass a model directory or a .gguf file, or leave --model out "
-                          "for the bundled model")
+        raise SpardaError("empty --model; pass a model directory, a .gguf file or ORG/NAME, or leave --model "
+                          "out for the bundled model")
     else:
         path = Path(model).expanduser()
+        where = ""
+        if not path.exists() and is_repo_id(str(model)):
+            path, where = hub_snapshot(str(model)), f" (the cached snapshot of {model})"
+            ggufs = sorted(path.glob("*.gguf"))
+            if not (path / "config.json").is_file() and len(ggufs) == 1:
+                path = ggufs[0]
         if not path.exists():
-            raise SpardaError(f"model path not found: {path}; pass a Hugging Face model directory or a .gguf file")
+            raise SpardaError(f"model path not found: {path}; pass a Hugging Face model directory, a .gguf file, "
+                              "or ORG/NAME of a model in the local Hugging Face cache")
         if path.is_dir():
             if not (path / "config.json").is_file():
-                raise SpardaError(f"{path} has no config.json; pass a Hugging Face model directory or a .gguf file")
+                raise SpardaError(f"{path}{where} has no config.json; pass a Hugging Face model directory or a "
+                                  ".gguf file")
             return path
         if path.suffix.lower() != ".gguf":
             raise SpardaError(f"{path} is neither a model directory nor a .gguf file")
         gguf = path
-    out = cache_root() / f"{gguf.stem}-{_file_digest(gguf)}"
-    if (out / "config.json").is_file():
-        return out
-    return convert_gguf(gguf, out)
+    try:
+        digest = file_digest(gguf)
+    except OSError as exc:
+        raise SpardaError(f"cannot read {gguf}: {exc.strerror or exc}") from exc
+    for done in sorted(cache_root().glob(f"*-{digest}")):  # the same content under any name
+        if (done / "config.json").is_file():
+            return done
+    return convert_gguf(gguf, cache_root() / f"{gguf.stem}-{digest}")
 
 
 def _check_architecture(model_type: str, where: str) -> None:
@@ -177,24 +263,55 @@ def load_tokenizer(model_dir: Path):
         raise SpardaError(f"cannot load the tokenizer in {model_dir}: {exc}".splitlines()[0]) from exc
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint files of a model directory, as transformers picks them.
+
+    ``model.safetensors.index.json``'s shards, else ``model.safetensors``, else every
+    ``*.safetensors`` but Mistral's ``consolidated*`` copy; failing those the same for
+    PyTorch ``pytorch_model*.bin``. Empty if there are none.
+    """
+    for name, single, pattern in (("model.safetensors.index.json", "model.safetensors", "*.safetensors"),
+                                  ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin")):
+        index = model_dir / name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as exc:
+                raise SpardaError(f"cannot read {index}: {exc}".splitlines()[0]) from exc
+            return [model_dir / shard for shard in shards]
+        if (model_dir / single).is_file():
+            return [model_dir / single]
+        files = [f for f in sorted(model_dir.glob(pattern)) if not f.name.startswith("consolidated")]
+        if files:
+            return files
+    return []
+
+
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Read every ``*.safetensors`` shard of a model directory into one dict (CPU tensors).
+    """Read a model directory's weights (:func:`weight_files`) into one dict (CPU tensors).
+
+    ``.safetensors`` through safetensors; ``.bin`` through ``torch.load(weights_only=True)``
+    (no code from the file is run).
 
     Returns:
         checkpoint name -> tensor, each in its stored shape and dtype (e.g.
         ``model.layers.{i}.self_attn.q_proj.weight [H_q * d, d_model]``).
     Raises:
-        SpardaError: no ``*.safetensors`` file, or a file is unreadable.
+        SpardaError: no weights, or a file is missing or unreadable.
     """
     from safetensors.torch import load_file
 
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
-        raise SpardaError(f"no *.safetensors weights in {model_dir}; convert the checkpoint to safetensors")
+        raise SpardaError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}; pass a complete "
+                          "Hugging Face model directory")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            state.update(load_file(file))
+            if file.suffix == ".bin":
+                state.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+            else:
+                state.update(load_file(file))
         except Exception as exc:
             raise SpardaError(f"cannot read weights {file}: {exc}".splitlines()[0]) from exc
     return state
@@ -204,7 +321,8 @@ def load_model(model: str | os.PathLike | None, device: torch.device | str, dtyp
     """Load a supported checkpoint as our :class:`~sparda.model.llama.CausalLM`.
 
     Args:
-        model: model directory, ``.gguf`` file, or ``None`` for the bundled model.
+        model: model directory, ``.gguf`` file, ``ORG/NAME`` in the local Hugging Face cache,
+            or ``None`` for the bundled model.
         device, dtype: where and how to keep the weights.
     Returns:
         ``(model, tokenizer, model_dir)``.

@@ -1,0 +1,79 @@
+"""transformers' own generate() with sparda attention (sparda.hf) against sparda.LLM."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import sparda.hf
+from sparda import LLM, SpardaError
+
+# A budget that selects at a few hundred tokens: 16-token blocks, 3 + 1 + 1 of them.
+BUDGET = dict(block_size=16, kernel_size=16, kernel_stride=8, topk_blocks=3, local_blocks=1, init_blocks=1,
+              dense_len=64)
+
+
+def _hf(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("method", ["sparse", "sparda-random"])
+def test_generate_with_sparda_attention_equals_llm(method, make_tiny, monkeypatch):
+    monkeypatch.setattr(sparda.hf, "GROW_TOKENS", int(torch.randint(3, 12, ())))  # the cache grows in decode
+    path = make_tiny("llama")
+    ids = torch.randint(0, 49152, (int(torch.randint(150, 260, ())),)).tolist()  # 10-16 blocks
+    llm = LLM(path, method=method, device="cpu", **BUDGET)
+    expected = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=16, ignore_eos=True)[0]
+    model = sparda.hf.enable(_hf(path), method=method, **BUDGET)
+    assert _greedy(model, ids, 16) == expected.token_ids
+    assert sparda.hf.method_of(model).read_fraction() == pytest.approx(llm.method.read_fraction())
+    # a second call starts a fresh sequence
+    short = ids[: int(torch.randint(70, 140, ()))]
+    again = llm.generate([None], prompt_token_ids=[short], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    assert _greedy(model, short, 8) == again
+    with torch.no_grad():  # a plain forward: all positions' logits, as LLM.logits
+        logits = model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(logits, llm.logits(ids), rtol=0, atol=1e-4 * float(logits.abs().max()))
+    sparda.hf.disable(model)  # selection is really on: the logits differ from transformers' own attention
+    with torch.no_grad():
+        plain = model(torch.tensor([ids])).logits[0]
+    assert (plain - logits).abs().max() > 1e-2 * plain.abs().max()
+
+
+def test_sliding_window_model_through_hf_dense(make_tiny):
+    path = make_tiny("mistral", sliding_window=24)
+    ids = torch.randint(0, 49152, (int(torch.randint(60, 120, ())),)).tolist()
+    plain = _greedy(_hf(path), ids, 30)
+    assert _greedy(sparda.hf.enable(_hf(path), method="dense"), ids, 30) == plain
+    with pytest.raises(SpardaError, match="does not implement sliding-window attention.*use --method dense"):
+        sparda.hf.enable(_hf(path), method="sparse")
+
+
+def test_refusals(make_tiny):
+    model = sparda.hf.enable(_hf(make_tiny("qwen3")), method="sparse", **BUDGET)
+    with pytest.raises(SpardaError, match="one sequence per call, got a batch of 2"):
+        model.generate(torch.ones(2, 5, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(SpardaError, match="batch of 2 .beam search"):
+        model.generate(torch.ones(1, 5, dtype=torch.long), max_new_tokens=2, num_beams=2, do_sample=False)
+    with pytest.raises(SpardaError, match="on-device methods; 'sparse-offload' offloads"):
+        sparda.hf.enable(model, method="sparse-offload")
+
+
+@pytest.mark.slow
+def test_bundled_model_generate_with_sparda_equals_llm(bundled_dir):
+    from sparda.data import heldout_text
+
+    budget = dict(topk_blocks=4, local_blocks=2, dense_len=512)  # 7 of 15 blocks
+    llm = LLM(None, method="sparda", device="cpu", **budget)
+    ids = llm.encode(heldout_text()[:6000], chat=False)[:900]
+    expected = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=16, ignore_eos=True)[0].token_ids
+    model = sparda.hf.enable(_hf(bundled_dir), method="sparda", **budget)
+    assert _greedy(model, ids, 16) == expected
+    assert sparda.hf.method_of(model).read_fraction() == pytest.approx(llm.method.read_fraction())
+    assert llm.method.read_fraction() < 0.6
