@@ -7,18 +7,24 @@
 2. admits at most one waiting request: resets its row's counters, prefills its whole
    prompt into the row (:meth:`LLM.prefill`) and samples its first token;
 3. runs one decode step of **every** cache row (:meth:`LLM.decode`, the same call and
-   shapes each step, so on CUDA it is the captured graph): running rows at their own
-   positions, free rows as padding (token 0 at position 0, output discarded);
+   shapes each step, so on CUDA it can replay one captured graph): running rows at their
+   own positions, free rows as padding (token 0 at position 0, output discarded);
 4. samples each running row with its own parameters and generator, appends the token,
    streams the text it completes and frees the rows of requests that finished.
 
-A request's greedy tokens do not depend on which other requests share the batch: rows
-never read each other's cache, sampling is per row, and per-row method counters are
-zeroed at admission (``method.reset()`` runs once, when the engine starts). With dense
-attention the logits of a row are the same as alone on the CPU in fp32 (tested); with
-block-sparse methods a short row in a batch that also holds a long one can take the
-selection path where it would alone take the dense fallback (the fallback switch is
-per step), which reads every one of its blocks either way but sums in another order.
+A request's output does not depend on which other requests share the batch: rows never
+read each other's cache, sampling is per row (each request has its own generator), the
+method's per-row counters are zeroed at admission (``method.reset()`` runs once, when the
+engine starts), and every decode step has the same shapes whatever the batch holds:
+``max_batch`` rows, and cache views that span the whole row (``max_position =
+max_model_len - 1``; keys past a row's length are masked). So with dense attention in
+fp32 on the CPU a request's logits are bit-identical alone or in a busy batch of the same
+engine (tested), and its greedy tokens equal ``LLM.generate`` run alone. Block-sparse
+methods always take their selection path (short rows select every valid block, the
+dense fallback of design §3.6); their CPU reference attention still sizes its key range
+by the batch's longest row, so there the logits agree to rounding (~1e-6) and the greedy
+tokens match (tested). The price of the fixed views is attention over ``max_model_len``
+keys per row for dense decoding: size ``--max-model-len`` to the requests you expect.
 
 The engine runs synchronously (:meth:`Engine.run`, used by ``LLM.generate`` with
 :class:`SamplingParams`) or on a background thread (:meth:`Engine.start`, used by the
@@ -223,8 +229,8 @@ class Engine:
         device = self.llm.device
         tokens = torch.tensor(self._tokens, device=device)
         positions = torch.tensor(self._positions, device=device)
-        max_position = max(self._positions[row] for row, _ in running)
-        logits = self.llm.decode(self.cache, tokens, positions, max_position)
+        # A fixed view of the whole row: the same shapes every step, whoever else runs.
+        logits = self.llm.decode(self.cache, tokens, positions, self.max_model_len - 1)
         rows = [row for row, _ in running]
         seqs = [seq for _, seq in running]
         picked = self._sample(seqs, logits[rows])
@@ -302,13 +308,22 @@ class Engine:
             stats["offload"] = dict(self._offload)
         with self._lock:
             if seq.row is not None:
-                self._tokens[seq.row] = 0
-                self._positions[seq.row] = 0
+                self._clear_row(seq.row)
             self.scheduler.free(seq)
             self._seqs.pop(seq.request_id, None)
             self.finished[reason] += 1
         output = seq.finish(reason, stats)
         return Delta(seq.request_id, flushed, [], None, reason, output)
+
+    def _clear_row(self, row: int) -> None:
+        """Make a freed row plain padding: token 0 at position 0, length 0 and, offloaded,
+        an empty block map (a stale one could name blocks past every live row's length)."""
+        self._tokens[row] = 0
+        self._positions[row] = 0
+        with torch.inference_mode():
+            self.cache.lengths[row] = 0
+            for slot_map in getattr(self.cache, "slot_map", {}).values():
+                slot_map[row] = -1
 
     def _refresh_offload(self) -> None:
         self._offload = self.cache.offload_stats(max(self._decoded_tokens, 1))
@@ -414,14 +429,14 @@ def run_requests(llm, prompt_ids: list[list[int]], params: list[SamplingParams],
     for a request that does not fit, before anything runs.
     """
     limit = llm.shape.max_positions
+    for ids, p in zip(prompt_ids, params):
+        llm._check_length(len(ids), p.max_tokens or 1)
     need = max(len(ids) + (p.max_tokens if p.max_tokens is not None else limit) for ids, p in zip(prompt_ids, params))
     engine = Engine(llm, max_batch=max_batch or len(prompt_ids), max_model_len=min(max(need, 2), limit),
                     max_waiting=len(prompt_ids))
-    index = {}
     for i, (ids, p) in enumerate(zip(prompt_ids, params)):
-        index[engine.add_request(ids, p, request_id=str(i)).request_id] = i
-    for delta in engine.run():
-        yield index[delta.request_id], delta
+        engine.add_request(ids, p, request_id=str(i))
+    return ((int(delta.request_id), delta) for delta in engine.run())
 
 
 def generate_requests(llm, prompt_ids: list[list[int]], params: list[SamplingParams],
