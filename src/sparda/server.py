@@ -372,9 +372,14 @@ def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # no re-raise of the signal afterwards: exit 0
-            engine.stop_accepting()
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
+            if not self.should_exit:
+                engine.stop_accepting()
+                m = engine.metrics()
+                print(f"shutting down: draining {m['requests_running']} running and {m['requests_waiting']} "
+                      f"waiting requests for up to {drain_timeout_s:g} s (Ctrl-C again to stop now)",
+                      file=sys.stderr, flush=True)
             self.should_exit = True
 
     app = create_app(engine, model_name, drain_timeout_s, banner)
