@@ -26,9 +26,11 @@ by the batch's longest row, so there the logits agree to rounding (~1e-6) and th
 tokens match (tested). The price of the fixed views is attention over ``max_model_len``
 keys per row for dense decoding: size ``--max-model-len`` to the requests you expect.
 
-The engine runs synchronously (:meth:`Engine.run`, used by ``LLM.generate`` with
-:class:`SamplingParams`) or on a background thread (:meth:`Engine.start`, used by the
-server), where requests are added and cancelled from other threads.
+The engine runs synchronously (:meth:`Engine.run`; ``engine/offline.py`` does this for
+``LLM.generate`` with :class:`SamplingParams`) or on a background thread
+(:meth:`Engine.start`, used by the server), where requests are added and cancelled from
+other threads. An LLM must not run ``generate`` while its engine serves on another
+thread: the attention method keeps per-batch state.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch
 from sparda.engine.sampler import sample
 from sparda.engine.sampling_params import SamplingParams
 from sparda.engine.scheduler import Scheduler
-from sparda.engine.sequence import Delta, RequestOutput, Sequence, Status
+from sparda.engine.sequence import Delta, Sequence, Status
 from sparda.errors import SpardaError
 
 #: seconds of history behind the tokens/s figure of :meth:`Engine.metrics`
@@ -274,21 +276,16 @@ class Engine:
             self.generated_tokens += 1
             self._rate.append((now, 1))
         if delta.finish_reason is not None:
-            final = self._finish(seq, delta.finish_reason)
-            delta.output, delta.finish_reason = final.output, final.finish_reason
-            delta.text += final.text
+            delta.output = self._finish(seq, delta.finish_reason).output
         else:
             self._tokens[seq.row] = token
             self._positions[seq.row] = seq.position
         return delta
 
     def _finish(self, seq: Sequence, reason: str) -> Delta:
-        """Free ``seq``'s row and build its final output; the returned delta carries any
-        held-back text (flushed unless a stop string cut it)."""
-        flushed = ""
-        if reason not in ("stop", "abort", "error") and seq._held:
-            flushed, seq._held = seq._held, ""
-            seq.text += flushed
+        """Free ``seq``'s row and build its final output (a delta with no new text: text
+        held back for a possible stop string is dropped on ``abort``/``error``, and was
+        already released by :meth:`Sequence.append` on ``stop``/``length``)."""
         now = time.perf_counter()
         first = seq.first_token or now
         decoded = max(len(seq.output_ids) - 1, 0)
@@ -313,7 +310,7 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
             self.finished[reason] += 1
         output = seq.finish(reason, stats)
-        return Delta(seq.request_id, flushed, [], None, reason, output)
+        return Delta(seq.request_id, "", [], None, reason, output)
 
     def _clear_row(self, row: int) -> None:
         """Make a freed row plain padding: token 0 at position 0, length 0 and, offloaded,
@@ -419,60 +416,3 @@ class Engine:
                 out["offload"] = dict(self._offload or {"hit_rate": 0.0, "bytes_per_token": 0.0})
         return out
 
-
-def run_requests(llm, prompt_ids: list[list[int]], params: list[SamplingParams],
-                 max_batch: int | None = None) -> Iterator[tuple[int, Delta]]:
-    """Run requests through a fresh synchronous engine, yielding ``(index, delta)``.
-
-    The engine's rows hold the longest prompt plus its ``max_tokens`` (``None``: up to the
-    model's context); ``max_batch`` defaults to one row per request. Raises SpardaError
-    for a request that does not fit, before anything runs.
-    """
-    limit = llm.shape.max_positions
-    for ids, p in zip(prompt_ids, params):
-        llm._check_length(len(ids), p.max_tokens or 1)
-    need = max(len(ids) + (p.max_tokens if p.max_tokens is not None else limit) for ids, p in zip(prompt_ids, params))
-    engine = Engine(llm, max_batch=max_batch or len(prompt_ids), max_model_len=min(max(need, 2), limit),
-                    max_waiting=len(prompt_ids))
-    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
-        engine.add_request(ids, p, request_id=str(i))
-    return ((int(delta.request_id), delta) for delta in engine.run())
-
-
-def generate_requests(llm, prompt_ids: list[list[int]], params: list[SamplingParams],
-                      max_batch: int | None = None) -> list[RequestOutput]:
-    """:func:`run_requests` to the end: one :class:`RequestOutput` per request, in order."""
-    outputs: list[RequestOutput | None] = [None] * len(prompt_ids)
-    for i, delta in run_requests(llm, prompt_ids, params, max_batch):
-        if delta.output is not None:
-            outputs[i] = delta.output
-    return outputs
-
-
-def request_inputs(llm, prompts, sampling_params, chat: bool = True,
-                   prompt_token_ids: list[list[int]] | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Token ids and one :class:`SamplingParams` per request, checked before anything runs.
-
-    ``prompts``: a string or a list of strings (wrapped in the chat template if ``chat``),
-    replaced by ``prompt_token_ids`` if given; ``sampling_params``: one for all requests or
-    a list of one per request. Raises SpardaError: no prompts, an empty one, a list of
-    parameters of the wrong length or type.
-    """
-    if prompt_token_ids is None:
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts or [])
-        if any(not isinstance(p, str) for p in prompts):
-            raise SpardaError("prompts must be strings (or pass prompt_token_ids)")
-        if any(not p.strip() for p in prompts):
-            raise SpardaError("empty prompt; pass some text")
-        prompt_token_ids = [llm.encode(p, chat) for p in prompts]
-    prompt_token_ids = [list(ids) for ids in prompt_token_ids]
-    if not prompt_token_ids:
-        raise SpardaError("no prompts given; pass a string or a non-empty list")
-    if isinstance(sampling_params, SamplingParams):
-        params = [sampling_params] * len(prompt_token_ids)
-    else:
-        params = list(sampling_params)
-        if len(params) != len(prompt_token_ids) or not all(isinstance(p, SamplingParams) for p in params):
-            raise SpardaError(f"pass one SamplingParams for all prompts or a list of {len(prompt_token_ids)} "
-                              f"(one per prompt), got {len(params)}")
-    return prompt_token_ids, params

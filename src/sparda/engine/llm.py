@@ -389,7 +389,7 @@ class LLM:
         Raises:
             SpardaError: empty prompts, bad parameters, a request longer than the context.
         """
-        from sparda.engine.engine import generate_requests, request_inputs
+        from sparda.engine.offline import generate_requests, request_inputs
 
         ids, params = request_inputs(self, prompts, sampling_params, chat, prompt_token_ids)
         return generate_requests(self, ids, params, max_batch)
@@ -404,7 +404,7 @@ class LLM:
         deltas' texts concatenate to its final text. Arguments are checked before the
         first token (SpardaError).
         """
-        from sparda.engine.engine import request_inputs, run_requests
+        from sparda.engine.offline import request_inputs, run_requests
         from sparda.engine.sampling_params import SamplingParams
 
         ids, params = request_inputs(self, prompts, sampling_params or SamplingParams(), chat, prompt_token_ids)
