@@ -76,6 +76,10 @@ def test_block_sparse_rows_joining_a_batch_match_each_alone(make_tiny, fresh_see
         if len(ids) >= 100:
             assert got.stats["kv_read_fraction"] == pytest.approx(alone.stats["kv_read_fraction"])
             assert got.stats["kv_read_fraction"] < 1  # selection really dropped blocks
+            if "offload" in alone.stats:  # per-row hit/miss counters, zeroed when a request takes the row
+                assert (got.stats["offload"]["hits"], got.stats["offload"]["misses"]) == \
+                       (alone.stats["offload"]["hits"], alone.stats["offload"]["misses"])
+                assert got.stats["offload"]["misses"] > 0
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(make_tiny, fresh_seed):

@@ -255,3 +255,18 @@ def test_full_queue_is_429_and_draining_is_503_with_retry_after(tiny_dir):
         running.engine.abort(second.request_id)
     finally:
         running.stop()
+
+
+def test_offloaded_server_reports_hit_rate_and_bytes_per_token(tiny_dir):
+    llm = LLM(tiny_dir, method="sparse-offload", device="cpu", block_size=16, kernel_size=8, kernel_stride=4,
+              init_blocks=1, local_blocks=2, topk_blocks=2, dense_len=0)
+    running = Running(llm, max_batch=2, max_model_len=192)
+    try:
+        prompts = [torch.randint(0, 49152, (n,)).tolist() for n in (120, 150)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda ids: running.client.completions.create(
+                model=MODEL, prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}), prompts))
+        metrics = running.metrics()
+        assert 0 < metrics["sparda_offload_hit_rate"] < 1 and metrics["sparda_offload_bytes_per_token"] > 0
+    finally:
+        running.stop()

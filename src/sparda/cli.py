@@ -221,6 +221,8 @@ def _print_stream(deltas, count: int) -> None:
 @click.option("--dense-prefill", is_flag=True, default=False, help="Block-sparse methods: dense prefill.")
 @click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU].")
+@click.option("--eager", is_flag=True, default=False,
+              help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0: a free one).")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1),
@@ -234,7 +236,7 @@ def _print_stream(deltas, count: int) -> None:
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def serve(model, method, preset, offload, forecast, dense_prefill, device, dtype, host, port, max_batch,
+def serve(model, method, preset, offload, forecast, dense_prefill, device, dtype, eager, host, port, max_batch,
           max_model_len, max_waiting, served_model_name, drain_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.attention.forecast import model_name
@@ -242,7 +244,7 @@ def serve(model, method, preset, offload, forecast, dense_prefill, device, dtype
     from sparda.server import bind_socket, serve as run_server
 
     sock = bind_socket(host, port)  # a busy port fails before the model loads
-    llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype,
+    llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype, eager=eager,
                     offload=offload, forecast=forecast, dense_prefill=dense_prefill)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
     name = served_model_name or model_name(llm.model_dir) or model or "sparda"

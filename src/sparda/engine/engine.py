@@ -15,16 +15,19 @@
 A request's output does not depend on which other requests share the batch: rows never
 read each other's cache, sampling is per row (each request has its own generator), the
 method's per-row counters are zeroed at admission (``method.reset()`` runs once, when the
-engine starts), and every decode step has the same shapes whatever the batch holds:
-``max_batch`` rows, and cache views that span the whole row (``max_position =
-max_model_len - 1``; keys past a row's length are masked). So with dense attention in
-fp32 on the CPU a request's logits are bit-identical alone or in a busy batch of the same
-engine (tested), and its greedy tokens equal ``LLM.generate`` run alone. Block-sparse
-methods always take their selection path (short rows select every valid block, the
-dense fallback of design §3.6); their CPU reference attention still sizes its key range
-by the batch's longest row, so there the logits agree to rounding (~1e-6) and the greedy
-tokens match (tested). The price of the fixed views is attention over ``max_model_len``
-keys per row for dense decoding: size ``--max-model-len`` to the requests you expect.
+engine starts), and every decode step has the same shapes and takes the same host-side
+branch whatever the batch holds: ``max_batch`` rows, cache views that span the whole row
+(the runtime's static-shape decode step; keys past a row's length are masked), and
+``max_position = max_model_len - 1``, so the method's dense-fallback switch (design
+§3.6, a per-step branch on the longest row) and the CUDA-graph key never depend on the
+neighbours. So with dense attention in fp32 on the CPU a request's logits are
+bit-identical alone or in a busy batch of the same engine (tested), and its greedy tokens
+equal ``LLM.generate`` run alone. Block-sparse methods always take their selection path
+(short rows select every valid block, the per-row dense fallback); their CPU reference
+attention still sizes its key range by the batch's longest row, so there the logits
+agree to rounding (~1e-6) and the greedy tokens match (tested). The price is that a
+short row in a long pool attends (dense) or is scored (block-sparse) over
+``max_model_len`` positions: size ``--max-model-len`` to the requests you expect.
 
 The engine runs synchronously (:meth:`Engine.run`; ``engine/offline.py`` does this for
 ``LLM.generate`` with :class:`SamplingParams`) or on a background thread
@@ -119,6 +122,7 @@ class Engine:
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
         self._decoded_tokens = 0
         self._offload: dict | None = None
+        self._offload_done = [0, 0]  # hits, misses of finished requests
         self._offload_at = 0.0
 
     @property
@@ -207,13 +211,20 @@ class Engine:
             if seq.on_delta is not None:
                 seq.on_delta(delta)
 
+    def _row_counters(self) -> list[torch.Tensor]:
+        """Per-row ``[B]`` counters: the method's block counts, the offload hits/misses."""
+        counters = [v for v in getattr(self.llm.method, "stats", {}).values()
+                    if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == self.max_batch]
+        prefetcher = getattr(self.cache, "prefetcher", None)
+        if prefetcher is not None and prefetcher.hits is not None:
+            counters += [prefetcher.hits, prefetcher.misses]
+        return counters
+
     def _reset_row(self, row: int) -> None:
-        """Zero the method's per-row counters of ``row`` (a new request takes it)."""
-        stats = getattr(self.llm.method, "stats", {})
+        """Zero ``row``'s counters (in place: a captured graph keeps counting into them)."""
         with torch.inference_mode():
-            for value in stats.values():
-                if torch.is_tensor(value) and value.dim() == 1 and value.shape[0] > row:
-                    value[row] = 0
+            for counter in self._row_counters():
+                counter[row] = 0
 
     def _prefill(self, seq: Sequence) -> Delta:
         seq.admitted = time.perf_counter()
@@ -231,7 +242,7 @@ class Engine:
         device = self.llm.device
         tokens = torch.tensor(self._tokens, device=device)
         positions = torch.tensor(self._positions, device=device)
-        # A fixed view of the whole row: the same shapes every step, whoever else runs.
+        # max_position fixed at the row's end: the same branch (and graph) whoever else runs.
         logits = self.llm.decode(self.cache, tokens, positions, self.max_model_len - 1)
         rows = [row for row, _ in running]
         seqs = [seq for _, seq in running]
@@ -300,9 +311,12 @@ class Engine:
             "kv_cache_bytes": int(self._kv_bytes_per_token * max(seq.num_prompt + len(seq.output_ids) - 1, 0)),
             "kv_read_fraction": round(self.llm.method.read_fraction(seq.row), 4) if seq.row is not None else 1.0,
         }
-        if self.offloaded:
+        if self.offloaded and seq.row is not None:
+            stats["offload"] = self.cache.offload_stats(max(decoded, 1), row=seq.row)
+            self._offload_done[0] += stats["offload"]["hits"]
+            self._offload_done[1] += stats["offload"]["misses"]
+            self._reset_row(seq.row)  # so that the live rows' counters cover running requests only
             self._refresh_offload()
-            stats["offload"] = dict(self._offload)
         with self._lock:
             if seq.row is not None:
                 self._clear_row(seq.row)
@@ -323,7 +337,14 @@ class Engine:
                 slot_map[row] = -1
 
     def _refresh_offload(self) -> None:
-        self._offload = self.cache.offload_stats(max(self._decoded_tokens, 1))
+        """Engine-wide offload figures: finished requests plus the running rows (one sync)."""
+        live = self.cache.offload_stats(1)
+        hits, misses = self._offload_done[0] + live["hits"], self._offload_done[1] + live["misses"]
+        copied = 2 * misses * self.cache.prefetcher.block_bytes
+        self._offload = {"hits": hits, "misses": misses,
+                         "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+                         "bytes_copied": copied,
+                         "bytes_per_token": round(copied / self._decoded_tokens, 1) if self._decoded_tokens else 0.0}
         self._offload_at = time.perf_counter()
 
     # ------------------------------------------------------------ synchronous

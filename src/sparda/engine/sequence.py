@@ -47,7 +47,9 @@ class RequestOutput:
             to finish), ``decode_tok_s`` (this request's tokens after the first over its own
             decode time), ``kv_cache_bytes`` (its K and V, all layers),
             ``kv_read_fraction`` (KV blocks read per decode step), and on offloaded caches
-            ``offload`` (the cache's counters since the engine started, all rows together).
+            ``offload``: this request's ``hits``, ``misses``, ``hit_rate``, ``bytes_copied``
+            and ``bytes_per_token`` (its row's counters while it ran; copy times, where
+            timed, are the whole batch's).
     """
 
     request_id: str
