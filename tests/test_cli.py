@@ -1,6 +1,7 @@
 """The CLI: output format, JSON, and one-line errors with exit code 2."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -84,3 +85,13 @@ def test_usage_errors_are_one_line(args, message):
     assert res.returncode == 2 and res.stdout == ""
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_generate_streams_text_in_prompt_order_equal_to_json(make_tiny):
+    base = ("generate", "--model", str(make_tiny("llama")), "-p", "first prompt", "-p", "a second, longer prompt",
+            "--max-new-tokens", "6", "--ignore-eos", "--method", "dense", "--device", "cpu")
+    streamed, as_json = run(*base), run(*base, "--json")
+    assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
+    texts = [json.loads(line)["text"] for line in as_json.stdout.splitlines()]
+    parts = re.split(r"\n\[prompt [^\n]*\]\n", streamed.stdout)  # text, stats line, text, stats line
+    assert parts == [*texts, ""]

@@ -150,12 +150,21 @@ def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling generator.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
-def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, seed, as_json, **opts):
+@click.option("--stream/--no-stream", default=True, show_default=True,
+              help="Text output: print tokens as they come (prompts still decode together).")
+def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, seed, as_json, stream,
+             **opts):
     """Generate completions for one or more prompts."""
     from sparda.engine.validate import check_prompts, check_sampling
 
     check_sampling(max_new_tokens, temperature, top_p, seed)  # model-free checks first
     prompts = check_prompts(_read_prompts(prompt, prompt_file))
+    if stream and not as_json:
+        params = _cli_sampling_params(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                      ignore_eos=ignore_eos, seed=seed)
+        llm = build_llm(**opts)
+        _print_stream(llm.generate_stream(prompts, params, chat=chat), len(prompts))
+        return
     llm = build_llm(offload_timing=as_json, **opts)
     results = llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, chat=chat, ignore_eos=ignore_eos, seed=seed)
@@ -165,6 +174,85 @@ def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, igno
         else:
             click.echo(result.text)
             click.echo(stats_line(result.stats))
+
+
+_CLI_NAMES = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p"}
+
+
+def _cli_sampling_params(**fields):
+    """SamplingParams from CLI options; errors name the option (checked before the model loads)."""
+    from sparda.engine.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(**fields)
+    except SpardaError as exc:
+        message = str(exc).replace("SamplingParams.", "")
+        name = message.split(" ", 1)[0]
+        raise SpardaError(message.replace(name, _CLI_NAMES.get(name, name), 1)) from None
+
+
+def _print_stream(deltas, count: int) -> None:
+    """Print streamed completions in prompt order: the first unfinished one live, the
+    others as soon as their turn comes; a stats line after each."""
+    pending, done, current = [[] for _ in range(count)], [None] * count, 0
+    for index, delta in deltas:
+        pending[index].append(delta.text)
+        done[index] = delta.output or done[index]
+        while current < count:
+            text, pending[current] = "".join(pending[current]), []
+            if text:
+                click.echo(text, nl=False)
+            if done[current] is None:
+                break
+            click.echo()
+            click.echo(stats_line(done[current].stats))
+            current += 1
+
+
+@main.command()
+@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled SmolLM2-135M-Instruct].")
+@click.option("--method", default=None, type=click.Choice(METHODS),
+              help="Attention method [default: sparda where Forecast weights exist, else sparse].")
+@click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)),
+              help="Selection budget preset (design §3).")
+@click.option("--offload/--no-offload", default=None,
+              help="KV cache in host memory, selected blocks on the device (design §6) [default: as generate].")
+@click.option("--forecast", default=None, help="Forecast weights (.safetensors) for method sparda.")
+@click.option("--dense-prefill", is_flag=True, default=False, help="Block-sparse methods: dense prefill.")
+@click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU].")
+@click.option("--eager", is_flag=True, default=False,
+              help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0: a free one).")
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1),
+              help="KV-cache rows: requests decoding together.")
+@click.option("--max-model-len", default=None, type=click.IntRange(2),
+              help="Tokens per row, prompt + new tokens of one request [default: the model's context].")
+@click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
+              help="Requests that may queue for a row before 429.")
+@click.option("--served-model-name", default=None, help="Name clients pass as 'model' [default: the model's name].")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds running requests get to finish after SIGINT/SIGTERM.")
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
+def serve(model, method, preset, offload, forecast, dense_prefill, device, dtype, eager, host, port, max_batch,
+          max_model_len, max_waiting, served_model_name, drain_timeout, log_level):
+    """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
+    from sparda.attention.forecast import model_name
+    from sparda.engine.engine import Engine
+    from sparda.server import bind_socket, serve as run_server
+
+    sock = bind_socket(host, port)  # a busy port fails before the model loads
+    llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype, eager=eager,
+                    offload=offload, forecast=forecast, dense_prefill=dense_prefill)
+    engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
+    name = served_model_name or model_name(llm.model_dir) or model or "sparda"
+    bound_host, bound_port = sock.getsockname()[:2]
+    pool = engine.cache.nbytes / 2**30
+    run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,
+               banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({engine.max_batch} rows x "
+                      f"{engine.max_model_len} tokens, KV pool {pool:.2f} GiB)")
 
 
 #: smallest demo haystack (tokens) that holds the pass key, its filler and the question

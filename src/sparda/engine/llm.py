@@ -258,13 +258,17 @@ class LLM:
 
     # --------------------------------------------------------------- generate
     @torch.inference_mode()
-    def generate(self, prompts: str | list[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, chat: bool = True, ignore_eos: bool = False,
+    def generate(self, prompts: str | list[str], sampling_params=None, *, max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_p: float = 1.0, chat: bool = True, ignore_eos: bool = False,
                  seed: int = 0, prompt_token_ids: list[list[int]] | None = None) -> list[Completion]:
         """Generate a completion for each prompt (prompts of different lengths batch together).
 
         Args:
             prompts: one string or a list. ``prompt_token_ids`` replaces them if given.
+            sampling_params: a :class:`~sparda.engine.sampling_params.SamplingParams` (for
+                all prompts) or a list (one per prompt): runs the request engine
+                (:meth:`generate_requests`) and returns ``RequestOutput`` objects; the
+                keyword options below are then ignored, except ``chat`` and ``prompt_token_ids``.
             max_new_tokens: tokens to generate at most per prompt.
             temperature, top_p: sampling; ``temperature=0`` is greedy.
             chat: wrap each prompt in the tokenizer's chat template.
@@ -276,6 +280,8 @@ class LLM:
             SpardaError: empty, non-string or too-long prompts, token ids outside the vocabulary,
                 bad sampling parameters (:func:`sparda.engine.validate.check_request`).
         """
+        if sampling_params is not None:
+            return self.generate_requests(prompts, sampling_params, chat=chat, prompt_token_ids=prompt_token_ids)
         check_request(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                       seed=seed, prompt_token_ids=prompt_token_ids, vocab_size=self.model.config.vocab_size)
         if prompt_token_ids is None:
@@ -365,6 +371,64 @@ class LLM:
             if tok in eos:
                 return row[:i + 1]
         return row[:max_new_tokens]
+
+    # ------------------------------------------------------ request engine
+    def generate_requests(self, prompts, sampling_params, *, chat: bool = True,
+                          prompt_token_ids: list[list[int]] | None = None, max_batch: int | None = None):
+        """Run prompts as requests of the continuous-batching engine (docs/serving.md).
+
+        Args:
+            prompts: a string or a list (chat template applied if ``chat``);
+                ``prompt_token_ids`` replaces them if given.
+            sampling_params: one :class:`~sparda.engine.sampling_params.SamplingParams`
+                for all, or a list of one per prompt.
+            max_batch: rows decoding together (default: one per prompt).
+        Returns:
+            One :class:`~sparda.engine.sequence.RequestOutput` per prompt, in order
+            (``text``, ``token_ids``, ``finish_reason``, ``logprobs``, ``stats``).
+        Raises:
+            SpardaError: empty prompts, bad parameters, a request longer than the context.
+        """
+        from sparda.engine.offline import generate_requests, request_inputs
+
+        ids, params = request_inputs(self, prompts, sampling_params, chat, prompt_token_ids)
+        return generate_requests(self, ids, params, max_batch)
+
+    def generate_stream(self, prompts, sampling_params=None, *, chat: bool = True,
+                        prompt_token_ids: list[list[int]] | None = None, max_batch: int | None = None):
+        """Like :meth:`generate_requests`, but an iterator of ``(index, Delta)`` as tokens come.
+
+        ``index`` is the prompt's position in ``prompts``; each
+        :class:`~sparda.engine.sequence.Delta` has the new ``text`` and ``token_ids``, and on
+        a request's last delta ``finish_reason`` and the full ``output``. A request's
+        deltas' texts concatenate to its final text. Arguments are checked before the
+        first token (SpardaError).
+        """
+        from sparda.engine.offline import request_inputs, run_requests
+        from sparda.engine.sampling_params import SamplingParams
+
+        ids, params = request_inputs(self, prompts, sampling_params or SamplingParams(), chat, prompt_token_ids)
+        return run_requests(self, ids, params, max_batch)
+
+    def chat(self, messages, sampling_params=None, *, max_batch: int | None = None):
+        """Answer conversations through the tokenizer's chat template (no system prompt added).
+
+        Args:
+            messages: one conversation, a list of ``{"role": "system"|"user"|"assistant",
+                "content": str}``, or a list of conversations.
+            sampling_params: as :meth:`generate_requests` (default: greedy, 64 tokens).
+        Returns:
+            One :class:`~sparda.engine.sequence.RequestOutput` per conversation.
+        Raises:
+            SpardaError: malformed messages, a tokenizer without a chat template.
+        """
+        from sparda.engine.chat import chat_token_ids
+        from sparda.engine.sampling_params import SamplingParams
+
+        single = not isinstance(messages, (list, tuple)) or not messages or isinstance(messages[0], dict)
+        ids = [chat_token_ids(self.tokenizer, conv) for conv in ([messages] if single else messages)]
+        return self.generate_requests(None, sampling_params or SamplingParams(), prompt_token_ids=ids,
+                                      max_batch=max_batch)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

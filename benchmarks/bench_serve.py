@@ -1,0 +1,161 @@
+"""Load test of ``sparda serve`` on loopback: latency, TTFT and throughput vs concurrency.
+
+Run from the repository root (CPU is fine; the bundled model by default)::
+
+    PYTHONPATH=src python benchmarks/bench_serve.py [--requests 64] [--concurrency 1,2,4,8]
+
+For each point it starts ``sparda serve`` as a subprocess on 127.0.0.1 (a free port),
+sends the same ``--requests`` streamed completions (prompts cut from held-out *Emma*,
+``--prompt-tokens`` long, ``--max-tokens`` new tokens each, greedy, EOS ignored so every
+request generates exactly ``--max-tokens``) through the ``openai`` client with at most
+``--concurrency`` in flight, then stops the server with SIGINT. Points:
+
+* ``one-at-a-time``: ``--max-batch 1`` and concurrency 1 (no batching at all);
+* ``continuous``: ``--max-batch`` = concurrency, for each ``--concurrency`` value.
+
+Per point: requests completed and lost, wall time, requests/s, generated tokens/s,
+p50/p99 latency and time to first token (ms). The last line is the tokens/s ratio of the
+largest concurrency to one-at-a-time. Prints a Markdown table and a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
+
+
+def make_prompts(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """``count`` token-id windows of held-out Emma, lengths drawn uniformly in [lo, hi]."""
+    from transformers import AutoTokenizer
+
+    from sparda.data import heldout_text
+    from sparda.model.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    ids = tokenizer.encode(heldout_text(), add_special_tokens=False)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n = rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - n)
+        out.append(ids[start:start + n])
+    return out
+
+
+def start_server(args, max_batch: int):
+    """``sparda serve`` on a free loopback port; returns (process, base url)."""
+    cmd = [sys.executable, "-m", "sparda.cli", "serve", "--port", "0", "--max-batch", str(max_batch),
+           "--max-model-len", str(args.max_model_len), "--device", "cpu", *args.serve_args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in proc.stderr:
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+        if found:
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+            return proc, found.group(1)
+    raise SystemExit(f"sparda serve exited with {proc.wait()}")
+
+
+def run_point(args, prompts, max_batch: int, concurrency: int, label: str) -> dict:
+    """Send every prompt with ``concurrency`` in flight; the point's figures."""
+    import openai
+
+    proc, url = start_server(args, max_batch)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        name = client.models.list().data[0].id
+
+        def one(ids):
+            start = time.perf_counter()
+            first, tokens, finish = None, 0, None
+            for chunk in client.completions.create(model=name, prompt=ids, max_tokens=args.max_tokens,
+                                                   temperature=0, stream=True,
+                                                   stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True}):
+                if chunk.choices and first is None:
+                    first = time.perf_counter()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            end = time.perf_counter()
+            return {"latency_ms": (end - start) * 1e3, "ttft_ms": ((first or end) - start) * 1e3,
+                    "tokens": tokens, "ok": finish == "length" and tokens == args.max_tokens}
+
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(one, prompts))
+        wall = time.perf_counter() - start
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    ok = [r for r in results if r["ok"]]
+    latency = [r["latency_ms"] for r in ok]
+    ttft = [r["ttft_ms"] for r in ok]
+    return {"point": label, "max_batch": max_batch, "concurrency": concurrency, "requests": len(prompts),
+            "completed": len(ok), "lost": len(prompts) - len(ok), "wall_s": round(wall, 2),
+            "requests_per_s": round(len(ok) / wall, 3),
+            "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
+            "latency_p50_ms": round(statistics.median(latency), 1) if ok else None,
+            "latency_p99_ms": round(percentile(latency, 0.99), 1) if ok else None,
+            "ttft_p50_ms": round(statistics.median(ttft), 1) if ok else None,
+            "ttft_p99_ms": round(percentile(ttft, 0.99), 1) if ok else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", default="8", help="Comma list of in-flight requests (= --max-batch).")
+    parser.add_argument("--prompt-tokens", default="64,256", help="min,max prompt length in tokens.")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=320)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-baseline", action="store_true", help="Skip the one-at-a-time point.")
+    parser.add_argument("serve_args", nargs="*", help="Extra `sparda serve` options after `--` (e.g. --method dense).")
+    args = parser.parse_args()
+    lo, hi = (int(v) for v in args.prompt_tokens.split(","))
+    if hi + args.max_tokens > args.max_model_len:
+        raise SystemExit(f"--max-model-len {args.max_model_len} is below the longest prompt {hi} + --max-tokens "
+                         f"{args.max_tokens}")
+    prompts = make_prompts(args.requests, lo, hi, args.seed)
+    points = []
+    if not args.no_baseline:
+        points.append(run_point(args, prompts, 1, 1, "one-at-a-time"))
+        print(json.dumps(points[-1]), file=sys.stderr, flush=True)
+    for c in (int(v) for v in args.concurrency.split(",")):
+        points.append(run_point(args, prompts, c, c, "continuous"))
+        print(json.dumps(points[-1]), file=sys.stderr, flush=True)
+    print(f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
+          f"--max-model-len {args.max_model_len}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n")
+    print("| point | max batch | concurrency | completed / lost | wall s | req/s | tok/s | "
+          "latency p50 / p99 ms | TTFT p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for p in points:
+        print(f"| {p['point']} | {p['max_batch']} | {p['concurrency']} | {p['completed']} / {p['lost']} | "
+              f"{p['wall_s']} | {p['requests_per_s']} | {p['tokens_per_s']} | {p['latency_p50_ms']} / "
+              f"{p['latency_p99_ms']} | {p['ttft_p50_ms']} / {p['ttft_p99_ms']} |")
+    summary = {"points": points}
+    if not args.no_baseline and len(points) > 1:
+        summary["continuous_vs_one_at_a_time_tok_s"] = round(points[-1]["tokens_per_s"] / points[0]["tokens_per_s"], 2)
+        print(f"\ncontinuous batching (concurrency {points[-1]['concurrency']}) vs one at a time: "
+              f"{summary['continuous_vs_one_at_a_time_tok_s']}x tokens/s")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Chat messages to prompt token ids, through the tokenizer's own chat template.
+
+sparda adds nothing to the conversation: no system prompt of its own, no edits. What
+the model's template does with the messages is the model's choice (SmolLM2's template,
+for instance, inserts its default system line when the conversation has none; pass a
+``system`` message to replace it).
+"""
+
+from __future__ import annotations
+
+from sparda.errors import SpardaError
+
+#: roles a chat template is expected to know
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def message_text(content) -> str:
+    """The text of a message's ``content``: a string, or OpenAI-style parts
+    ``[{"type": "text", "text": ...}, ...]`` joined. Raises SpardaError otherwise."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise SpardaError("message content parts must be {'type': 'text', 'text': ...}; "
+                              "images and audio are not supported")
+        return "".join(p["text"] for p in content)
+    raise SpardaError("message content must be a string or a list of text parts")
+
+
+def check_messages(messages) -> list[dict[str, str]]:
+    """Validate one conversation: a non-empty list of ``{"role", "content"}`` dicts.
+
+    Returns plain ``{"role": str, "content": str}`` dicts. Raises SpardaError naming the
+    first bad message (its index, and what is wrong).
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise SpardaError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise SpardaError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if msg["role"] not in ROLES:
+            raise SpardaError(f"messages[{i}] has role {msg['role']!r}; use one of {', '.join(ROLES)}")
+        try:
+            text = message_text(msg["content"])
+        except SpardaError as exc:
+            raise SpardaError(f"messages[{i}]: {exc}") from None
+        out.append({"role": msg["role"], "content": text})
+    return out
+
+
+def chat_token_ids(tokenizer, messages) -> list[int]:
+    """Prompt ids of a conversation: the template applied with the generation prompt (the
+    assistant turn opened), then tokenised without extra special tokens, exactly as
+    :meth:`sparda.LLM.encode` does with ``chat=True`` for a single user message.
+
+    Raises:
+        SpardaError: bad messages (:func:`check_messages`), or a tokenizer without a chat
+            template.
+    """
+    messages = check_messages(messages)
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpardaError("this model's tokenizer has no chat template; send a plain prompt "
+                          "(/v1/completions, LLM.generate) instead")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja raises its own errors (e.g. "roles must alternate")
+        raise SpardaError(f"the chat template refused these messages: {exc}") from None
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,439 @@
+"""The request-level engine: continuous batching over one fixed KV-cache pool.
+
+:class:`Engine` owns a cache of ``max_batch`` rows x ``max_model_len`` tokens and a
+:class:`~sparda.engine.scheduler.Scheduler`. Each :meth:`Engine.step`:
+
+1. drops cancelled requests (their rows are freed at once);
+2. admits at most one waiting request: resets its row's counters, prefills its whole
+   prompt into the row (:meth:`LLM.prefill`) and samples its first token;
+3. runs one decode step of **every** cache row (:meth:`LLM.decode`, the same call and
+   shapes each step, so on CUDA it can replay one captured graph): running rows at their
+   own positions, free rows as padding (token 0 at position 0, output discarded);
+4. samples each running row with its own parameters and generator, appends the token,
+   streams the text it completes and frees the rows of requests that finished.
+
+A request's output does not depend on which other requests share the batch: rows never
+read each other's cache, sampling is per row (each request has its own generator), the
+method's per-row counters are zeroed at admission (``method.reset()`` runs once, when the
+engine starts), and every decode step has the same shapes and takes the same host-side
+branch whatever the batch holds: ``max_batch`` rows, cache views that span the whole row
+(the runtime's static-shape decode step; keys past a row's length are masked), and
+``max_position = max_model_len - 1``, so the method's dense-fallback switch (design
+§3.6, a per-step branch on the longest row) and the CUDA-graph key never depend on the
+neighbours. So with dense attention in fp32 on the CPU a request's logits are
+bit-identical alone or in a busy batch of the same engine (tested), and its greedy tokens
+equal ``LLM.generate`` run alone. Block-sparse methods always take their selection path
+(short rows select every valid block, the per-row dense fallback); their CPU reference
+attention still sizes its key range by the batch's longest row, so there the logits
+agree to rounding (~1e-6) and the greedy tokens match (tested). The price is that a
+short row in a long pool attends (dense) or is scored (block-sparse) over
+``max_model_len`` positions: size ``--max-model-len`` to the requests you expect.
+
+The engine runs synchronously (:meth:`Engine.run`; ``engine/offline.py`` does this for
+``LLM.generate`` with :class:`SamplingParams`) or on a background thread
+(:meth:`Engine.start`, used by the server), where requests are added and cancelled from
+other threads. An LLM must not run ``generate`` while its engine serves on another
+thread: the attention method keeps per-batch state.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+import torch
+
+from sparda.engine.sampler import sample
+from sparda.engine.sampling_params import SamplingParams
+from sparda.engine.scheduler import Scheduler
+from sparda.engine.sequence import Delta, Sequence, Status
+from sparda.errors import SpardaError
+
+#: seconds of history behind the tokens/s figure of :meth:`Engine.metrics`
+RATE_WINDOW_S = 10.0
+#: seconds between two readings of the offload counters (each reading synchronises)
+OFFLOAD_REFRESH_S = 1.0
+
+
+class EngineStopped(SpardaError):
+    """The engine is shutting down and takes no new requests (the server answers 503)."""
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpardaError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class Engine:
+    """Continuous batching over a fixed pool of KV-cache rows (module docstring).
+
+    Args:
+        llm: a :class:`sparda.LLM` (model, tokenizer, attention method).
+        max_batch: cache rows, i.e. requests decoding together (>= 1).
+        max_model_len: tokens per row, prompt plus new tokens of one request (>= 2,
+            at most the model's context); ``None``: the model's context.
+        max_waiting: requests that may queue for a row before :class:`QueueFull`.
+    Raises:
+        SpardaError: bad sizes, or a cache pool that does not fit in memory (bytes named).
+    """
+
+    def __init__(self, llm, max_batch: int = 8, max_model_len: int | None = None, max_waiting: int = 256) -> None:
+        limit = llm.shape.max_positions
+        _positive_int("max_batch", max_batch)
+        max_model_len = limit if max_model_len is None else _positive_int("max_model_len", max_model_len)
+        if max_model_len < 2:
+            raise SpardaError("max_model_len must be >= 2 (a prompt token and a new one)")
+        if max_model_len > limit:
+            raise SpardaError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} tokens; "
+                              f"use at most {limit}")
+        if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
+            raise SpardaError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.vocab_size = llm.model.lm_head.out_features
+        self.cache = llm.new_cache(max_batch, max_model_len)
+        llm.method.reset()  # once: from here on, per-row counters are zeroed at admission
+        self.scheduler = Scheduler(max_batch, max_model_len, max_waiting)
+        self.eos_ids = llm._eos_ids()
+        s = llm.shape
+        self._kv_bytes_per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(llm.dtype).bits // 8
+        self._tokens = [0] * max_batch      # next input token per row (free rows: 0)
+        self._positions = [0] * max_batch   # its position (free rows: 0)
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # counters for metrics()
+        self.started = time.time()
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.finished: collections.Counter[str] = collections.Counter()
+        self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self._decoded_tokens = 0
+        self._offload: dict | None = None
+        self._offload_done = [0, 0]  # hits, misses of finished requests
+        self._offload_at = 0.0
+
+    @property
+    def offloaded(self) -> bool:
+        """True if the KV cache lives in host memory (an OffloadKVCache)."""
+        return hasattr(self.cache, "offload_stats")
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, on_delta: Callable[[Delta], None] | None = None) -> Sequence:
+        """Queue one request. Safe from any thread.
+
+        Args:
+            prompt_ids: prompt token ids (chat template already applied if wanted).
+            params: :class:`SamplingParams` (default: greedy, 64 tokens). ``max_tokens=None``
+                means up to the row's capacity.
+            request_id: an id unique among live requests (default: a counter).
+            on_delta: called with every :class:`Delta` of this request, on the engine's
+                thread; keep it short (e.g. hand the delta to an event loop).
+        Returns:
+            The queued :class:`Sequence`.
+        Raises:
+            SpardaError: empty prompt, ids outside the vocabulary, prompt + ``max_tokens``
+                over ``max_model_len`` (both sizes named); QueueFull; EngineStopped.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise SpardaError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+        ids = list(prompt_ids)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise SpardaError("prompt token ids must be integers")
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise SpardaError(f"prompt token ids must be in [0, {self.vocab_size}), the model's vocabulary")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(self.max_model_len - len(ids), 1)
+        self.scheduler.check(len(ids), max_tokens)
+        with self._lock:
+            if not self.accepting:
+                raise EngineStopped("the server is shutting down and takes no new requests; retry on another replica")
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._seqs:
+                raise SpardaError(f"request id {rid!r} is already in use")
+            seq = Sequence(rid, ids, params, max_tokens, on_delta)
+            self.scheduler.add(seq)
+            self._seqs[rid] = seq
+            self._work.notify_all()
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (waiting or running); its row is freed at the next step. Any thread."""
+        with self._lock:
+            seq = self._seqs.get(request_id)
+            if seq is not None and seq.status is not Status.FINISHED:
+                seq.cancelled = True
+                self._work.notify_all()
+
+    def has_work(self) -> bool:
+        """True if a request waits or runs."""
+        with self._lock:
+            return self.scheduler.has_work()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[Delta]:
+        """One iteration: drop cancelled, admit and prefill at most one, decode every row.
+
+        Returns the :class:`Delta` of every request that advanced (each one also goes to
+        its ``on_delta``). Raises whatever the model raises (the background loop turns it
+        into an ``error`` finish of the requests it holds).
+        """
+        events: list[tuple[Sequence, Delta]] = []
+        with self._lock:
+            for seq in self.scheduler.drop_cancelled():
+                events.append((seq, self._finish(seq, "abort")))
+            seq = self.scheduler.admit()
+        if seq is not None:
+            events.append((seq, self._prefill(seq)))
+        with self._lock:
+            running = sorted(self.scheduler.running.items())
+        if running:
+            events.extend(self._decode(running))
+        self._deliver(events)
+        return [delta for _, delta in events]
+
+    @staticmethod
+    def _deliver(events: list[tuple[Sequence, Delta]]) -> None:
+        for seq, delta in events:
+            if seq.on_delta is not None:
+                seq.on_delta(delta)
+
+    def _row_counters(self) -> list[torch.Tensor]:
+        """Per-row ``[B]`` counters: the method's block counts, the offload hits/misses."""
+        counters = [v for v in getattr(self.llm.method, "stats", {}).values()
+                    if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == self.max_batch]
+        prefetcher = getattr(self.cache, "prefetcher", None)
+        if prefetcher is not None and prefetcher.hits is not None:
+            counters += [prefetcher.hits, prefetcher.misses]
+        return counters
+
+    def _reset_row(self, row: int) -> None:
+        """Zero ``row``'s counters (in place: a captured graph keeps counting into them)."""
+        with torch.inference_mode():
+            for counter in self._row_counters():
+                counter[row] = 0
+
+    def _prefill(self, seq: Sequence) -> Delta:
+        seq.admitted = time.perf_counter()
+        self._reset_row(seq.row)
+        seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
+        logits = self.llm.prefill(self.cache, seq.row, seq.prompt_ids)
+        (token, logprob), = self._sample([seq], logits[-1:])
+        seq.prefill_ms = (time.perf_counter() - seq.admitted) * 1e3
+        with self._lock:
+            self.prompt_tokens += seq.num_prompt
+        return self._advance(seq, token, logprob)
+
+    def _decode(self, running: list[tuple[int, Sequence]]) -> list[tuple[Sequence, Delta]]:
+        device = self.llm.device
+        tokens = torch.tensor(self._tokens, device=device)
+        positions = torch.tensor(self._positions, device=device)
+        # max_position fixed at the row's end: the same branch (and graph) whoever else runs.
+        logits = self.llm.decode(self.cache, tokens, positions, self.max_model_len - 1)
+        rows = [row for row, _ in running]
+        seqs = [seq for _, seq in running]
+        picked = self._sample(seqs, logits[rows])
+        self._decoded_tokens += len(seqs)
+        events = [(seq, self._advance(seq, tok, lp)) for seq, (tok, lp) in zip(seqs, picked)]
+        if self.offloaded and time.perf_counter() - self._offload_at > OFFLOAD_REFRESH_S:
+            self._refresh_offload()
+        return events
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, dict | None]]:
+        """One token per sequence from ``logits [n, V]`` fp32, each with its own parameters."""
+        tokens: list[int | None] = [None] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if greedy:
+            for i, tok in zip(greedy, logits[greedy].argmax(-1).tolist()):
+                tokens[i] = tok
+        for i, seq in enumerate(seqs):
+            if tokens[i] is not None:
+                continue
+            p = seq.params
+            row = logits[i:i + 1]
+            if p.top_k > 0 and p.top_k < row.shape[-1]:
+                kth = row.topk(p.top_k, dim=-1).values[:, -1:]
+                row = row.masked_fill(row < kth, float("-inf"))
+            tokens[i] = int(sample(row, p.temperature, p.top_p, seq.generator)[0])
+        out = []
+        for i, seq in enumerate(seqs):
+            entry = None
+            if seq.params.logprobs is not None:
+                logp = torch.log_softmax(logits[i].float(), dim=-1)
+                top = logp.topk(seq.params.logprobs) if seq.params.logprobs else None
+                entry = {"token_id": tokens[i], "logprob": float(logp[tokens[i]]),
+                         "top_logprobs": {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))}
+            out.append((tokens[i], entry))
+        return out
+
+    def _advance(self, seq: Sequence, token: int, logprob: dict | None) -> Delta:
+        delta = seq.append(token, self.tokenizer, self.eos_ids, logprob)
+        now = time.perf_counter()
+        with self._lock:
+            self.generated_tokens += 1
+            self._rate.append((now, 1))
+        if delta.finish_reason is not None:
+            delta.output = self._finish(seq, delta.finish_reason).output
+        else:
+            self._tokens[seq.row] = token
+            self._positions[seq.row] = seq.position
+        return delta
+
+    def _finish(self, seq: Sequence, reason: str) -> Delta:
+        """Free ``seq``'s row and build its final output (a delta with no new text: text
+        held back for a possible stop string is dropped on ``abort``/``error``, and was
+        already released by :meth:`Sequence.append` on ``stop``/``length``)."""
+        now = time.perf_counter()
+        first = seq.first_token or now
+        decoded = max(len(seq.output_ids) - 1, 0)
+        stats = {
+            "prompt_tokens": seq.num_prompt,
+            "new_tokens": len(seq.output_ids),
+            "queue_ms": round(((seq.admitted or now) - seq.arrival) * 1e3, 3),
+            "prefill_ms": round(seq.prefill_ms, 3),
+            "ttft_ms": round((first - seq.arrival) * 1e3, 3) if seq.first_token else None,
+            "latency_ms": round((now - seq.arrival) * 1e3, 3),
+            "decode_tok_s": round(decoded / (now - first), 3) if decoded and now > first else 0.0,
+            "kv_cache_bytes": int(self._kv_bytes_per_token * max(seq.num_prompt + len(seq.output_ids) - 1, 0)),
+            "kv_read_fraction": round(self.llm.method.read_fraction(seq.row), 4) if seq.row is not None else 1.0,
+        }
+        if self.offloaded and seq.row is not None:
+            stats["offload"] = self.cache.offload_stats(max(decoded, 1), row=seq.row)
+            self._offload_done[0] += stats["offload"]["hits"]
+            self._offload_done[1] += stats["offload"]["misses"]
+            self._reset_row(seq.row)  # so that the live rows' counters cover running requests only
+            self._refresh_offload()
+        with self._lock:
+            if seq.row is not None:
+                self._clear_row(seq.row)
+            self.scheduler.free(seq)
+            self._seqs.pop(seq.request_id, None)
+            self.finished[reason] += 1
+        output = seq.finish(reason, stats)
+        return Delta(seq.request_id, "", [], None, reason, output)
+
+    def _clear_row(self, row: int) -> None:
+        """Make a freed row plain padding: token 0 at position 0, length 0 and, offloaded,
+        an empty block map (a stale one could name blocks past every live row's length)."""
+        self._tokens[row] = 0
+        self._positions[row] = 0
+        with torch.inference_mode():
+            self.cache.lengths[row] = 0
+            for slot_map in getattr(self.cache, "slot_map", {}).values():
+                slot_map[row] = -1
+
+    def _refresh_offload(self) -> None:
+        """Engine-wide offload figures: finished requests plus the running rows (one sync)."""
+        live = self.cache.offload_stats(1)
+        hits, misses = self._offload_done[0] + live["hits"], self._offload_done[1] + live["misses"]
+        copied = 2 * misses * self.cache.prefetcher.block_bytes
+        self._offload = {"hits": hits, "misses": misses,
+                         "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+                         "bytes_copied": copied,
+                         "bytes_per_token": round(copied / self._decoded_tokens, 1) if self._decoded_tokens else 0.0}
+        self._offload_at = time.perf_counter()
+
+    # ------------------------------------------------------------ synchronous
+    def run(self) -> Iterator[Delta]:
+        """Step until no request waits or runs, yielding every :class:`Delta` (offline use)."""
+        while self.has_work():
+            yield from self.step()
+
+    # ------------------------------------------------------------- background
+    def start(self) -> None:
+        """Run :meth:`step` on a background thread whenever there is work (the server)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="sparda-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """True if the background thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._work:
+                while not self._stop and not self.scheduler.has_work():
+                    self._work.wait()
+                stop, work = self._stop, self.scheduler.has_work()
+            if not work and stop:
+                return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - keep serving; fail the requests that were in flight
+                traceback.print_exc(file=sys.stderr)
+                self._fail_all()
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            seqs = list(self.scheduler.running.values()) + list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
+        self._deliver([(seq, self._finish(seq, "error")) for seq in seqs])
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (:class:`EngineStopped`); running ones go on."""
+        with self._lock:
+            self.accepting = False
+
+    def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop: refuse new requests, let the others finish for up to ``drain_timeout_s``
+        seconds, cancel what is left (finish reason ``abort``) and join the thread."""
+        self.stop_accepting()
+        deadline = time.monotonic() + max(drain_timeout_s, 0.0)
+        while self.alive and self.has_work() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:
+            for seq in list(self._seqs.values()):
+                seq.cancelled = True
+            self._stop = True
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        elif self.has_work():
+            self.step()
+
+    # ---------------------------------------------------------------- metrics
+    def metrics(self) -> dict:
+        """A snapshot: ``requests_running``, ``requests_waiting``, ``kv_rows_in_use``,
+        ``kv_rows_total``, ``max_model_len``, ``generation_tokens_total``,
+        ``prompt_tokens_total``, ``generation_tokens_per_s`` (over the last
+        ``RATE_WINDOW_S`` seconds), ``requests_finished`` (by finish reason) and, on an
+        offloaded cache, ``offload`` (``hit_rate``, ``bytes_per_token`` copied per decoded
+        token, ... read at most every ``OFFLOAD_REFRESH_S`` seconds)."""
+        now = time.perf_counter()
+        with self._lock:
+            while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+                self._rate.popleft()
+            span = min(RATE_WINDOW_S, max(time.time() - self.started, 1e-3))
+            out = {
+                "requests_running": len(self.scheduler.running),
+                "requests_waiting": len(self.scheduler.waiting),
+                "kv_rows_in_use": self.scheduler.rows_in_use,
+                "kv_rows_total": self.max_batch,
+                "max_model_len": self.max_model_len,
+                "generation_tokens_total": self.generated_tokens,
+                "prompt_tokens_total": self.prompt_tokens,
+                "generation_tokens_per_s": round(sum(n for _, n in self._rate) / span, 3),
+                "requests_finished": dict(self.finished),
+            }
+            if self.offloaded:
+                out["offload"] = dict(self._offload or {"hit_rate": 0.0, "bytes_per_token": 0.0})
+        return out
+

@@ -1,0 +1,112 @@
+"""Continuous batching: the queue, admission into KV-cache rows, and when to prefill.
+
+The KV cache is a fixed pool of ``max_batch`` rows of ``max_model_len`` tokens, allocated
+once when the engine starts, so a running request can never run out of memory. A request
+reserves one whole row at admission, which covers its prompt plus ``max_tokens`` new
+tokens:
+
+* a request whose prompt plus ``max_tokens`` exceeds ``max_model_len`` can never fit and is
+  refused when it is added (:class:`SpardaError` naming both sizes);
+* otherwise it waits, first come first served, until a row is free;
+* a queue already holding ``max_waiting`` requests refuses more (:class:`QueueFull`).
+
+Prefill is whole-prompt (the runtime's prefill runs one prompt into one row from position
+0) and is interleaved with decoding: each engine step admits **at most one** waiting
+request (its prefill), then runs one decode step of every running row. So a prompt that
+arrives while others decode delays them by at most one prefill per generated token. A
+row is freed as soon as its request finishes (EOS, a stop token or string, ``max_tokens``)
+or is cancelled.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+
+from sparda.engine.sequence import Sequence, Status
+from sparda.errors import SpardaError
+
+
+class QueueFull(SpardaError):
+    """The waiting queue is full; retry later (the server answers 429)."""
+
+
+class Scheduler:
+    """FIFO queue plus a pool of ``max_batch`` KV-cache rows of ``max_model_len`` tokens.
+
+    Not thread-safe on its own: the engine calls it under its lock.
+
+    Args:
+        max_batch: cache rows (requests decoding together), >= 1.
+        max_model_len: tokens per row (prompt + new tokens of one request), >= 2.
+        max_waiting: requests that may wait for a row, >= 0.
+    """
+
+    def __init__(self, max_batch: int, max_model_len: int, max_waiting: int) -> None:
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: dict[int, Sequence] = {}  # row -> sequence
+        self._free = list(range(max_batch))      # a heap: the lowest free row first
+
+    def check(self, num_prompt: int, max_tokens: int) -> None:
+        """Refuse a request that can never fit a row.
+
+        Raises:
+            SpardaError: empty prompt, or prompt + ``max_tokens`` over ``max_model_len``.
+        """
+        if num_prompt == 0:
+            raise SpardaError("empty prompt; pass some text")
+        if num_prompt >= self.max_model_len:
+            raise SpardaError(f"prompt of {num_prompt} tokens does not fit --max-model-len {self.max_model_len} "
+                              "(it needs room for at least one new token); shorten the prompt or raise --max-model-len")
+        if num_prompt + max_tokens > self.max_model_len:
+            raise SpardaError(f"prompt of {num_prompt} tokens plus max_tokens {max_tokens} exceeds --max-model-len "
+                              f"{self.max_model_len}; lower max_tokens to at most {self.max_model_len - num_prompt} "
+                              "or raise --max-model-len")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` (checked with :meth:`check`). Raises SpardaError, or QueueFull."""
+        self.check(seq.num_prompt, seq.max_tokens)
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"the queue is full ({self.max_waiting} requests waiting); retry later")
+        self.waiting.append(seq)
+
+    @property
+    def rows_in_use(self) -> int:
+        """Cache rows held by running requests."""
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        """True if a request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def drop_cancelled(self) -> list[Sequence]:
+        """Take cancelled requests out of the queue and free their rows; returns them."""
+        gone = [s for s in self.waiting if s.cancelled]
+        if gone:
+            self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
+        for row, seq in list(self.running.items()):
+            if seq.cancelled:
+                self.free(seq)
+                gone.append(seq)
+        return gone
+
+    def admit(self) -> Sequence | None:
+        """The next waiting request, given the lowest free row, or None (queue empty or
+        every row in use). At most one per engine step: see the module docstring."""
+        if not self.waiting or not self._free:
+            return None
+        seq = self.waiting.popleft()
+        seq.row = heapq.heappop(self._free)
+        seq.status = Status.RUNNING
+        self.running[seq.row] = seq
+        return seq
+
+    def free(self, seq: Sequence) -> None:
+        """Give ``seq``'s row back (finished or cancelled); no-op if it holds none."""
+        if seq.row is not None and self.running.get(seq.row) is seq:
+            del self.running[seq.row]
+            heapq.heappush(self._free, seq.row)
+        seq.row = None

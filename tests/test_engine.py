@@ -1,0 +1,213 @@
+"""The request engine: continuous batching gives each request what it gets alone."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from sparda import LLM, RequestOutput, SamplingParams, SpardaError
+from sparda.engine.engine import Engine
+from sparda.engine.scheduler import QueueFull
+
+SMALL_BLOCKS = dict(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
+                    topk_blocks=2, dense_len=0)
+
+
+def _draw(count, lo, hi, tokens_lo=1, tokens_hi=16):
+    """Prompts of random lengths in [lo, hi) and random max_tokens in [tokens_lo, tokens_hi)."""
+    lengths = torch.randint(lo, hi, (count,)).tolist()
+    prompts = [torch.randint(0, 49152, (n,)).tolist() for n in lengths]
+    return prompts, torch.randint(tokens_lo, tokens_hi, (count,)).tolist()
+
+
+def _run_staggered(engine, prompts, max_tokens, params=None, every=2):
+    """Add one request every ``every`` steps (so requests join a running batch); run to the end."""
+    outputs, seqs, pending = {}, [], list(zip(prompts, max_tokens))
+    step = 0
+    while pending or engine.has_work():
+        if pending and step % every == 0:
+            ids, m = pending.pop(0)
+            p = params or SamplingParams(max_tokens=m, ignore_eos=True, logprobs=0)
+            seqs.append(engine.add_request(ids, p))
+        for delta in engine.step():
+            if delta.output is not None:
+                outputs[delta.request_id] = delta.output
+        step += 1
+    return [outputs[s.request_id] for s in seqs]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models decode fastest on one thread (and the 2-core CI machine is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_dense_requests_joining_a_busy_batch_equal_each_alone_exactly(make_tiny, fresh_seed):
+    """fp32 on the CPU: bit-identical log-probabilities alone or in a busy batch of the same
+    engine, and the same tokens and text as generate() alone."""
+    llm = LLM(make_tiny("qwen2"), method="dense", device="cpu")
+    prompts, max_tokens = _draw(6, 3, 150, 1, 12)
+    engine = Engine(llm, max_batch=3, max_model_len=170)
+    batched = _run_staggered(engine, prompts, max_tokens)
+    assert engine.scheduler.rows_in_use == 0 and engine.metrics()["requests_finished"] == {"length": 6}
+    for ids, m, got in zip(prompts, max_tokens, batched):
+        solo = _run_staggered(Engine(llm, max_batch=3, max_model_len=170), [ids], [m])[0]
+        assert [e["logprob"] for e in got.logprobs] == [e["logprob"] for e in solo.logprobs], f"seed {fresh_seed}"
+        alone = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=m, ignore_eos=True)[0]
+        assert got.token_ids == solo.token_ids == alone.token_ids, f"seed {fresh_seed}, prompt {len(ids)}"
+        assert got.text == alone.text and got.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", ["sparse", "sparda-random", "sparse-offload"])
+def test_block_sparse_rows_joining_a_batch_match_each_alone(make_tiny, fresh_seed, method):
+    """Block-sparse methods (on-device, Forecast, offloaded) with rows admitted mid-batch and
+    rows reused after others leave: per-row selection, counters and slot maps stay per row."""
+    llm = LLM(make_tiny("llama"), method=method, device="cpu", **SMALL_BLOCKS)
+    long, long_tokens = _draw(2, 100, 180, 4, 14)  # past the 5-block budget: blocks are dropped
+    short, short_tokens = _draw(3, 30, 100, 4, 14)
+    prompts, max_tokens = [long[0], *short[:2], long[1], short[2]], [*long_tokens, *short_tokens]
+    engine = Engine(llm, max_batch=2, max_model_len=200)
+    batched = _run_staggered(engine, prompts, max_tokens, every=3)
+    for ids, m, got in zip(prompts, max_tokens, batched):
+        alone = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=m, ignore_eos=True)[0]
+        assert got.token_ids == alone.token_ids, f"seed {fresh_seed}, prompt {len(ids)}"
+        if len(ids) >= 100:
+            assert got.stats["kv_read_fraction"] == pytest.approx(alone.stats["kv_read_fraction"])
+            assert got.stats["kv_read_fraction"] < 1  # selection really dropped blocks
+            if "offload" in alone.stats:  # per-row hit/miss counters, zeroed when a request takes the row
+                assert (got.stats["offload"]["hits"], got.stats["offload"]["misses"]) == \
+                       (alone.stats["offload"]["hits"], alone.stats["offload"]["misses"])
+                assert got.stats["offload"]["misses"] > 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(make_tiny, fresh_seed):
+    llm = LLM(make_tiny("llama"), method="dense", device="cpu")
+    prompts, _ = _draw(3, 5, 40)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=s, ignore_eos=True) for s in (3, 4, 5)]
+    batched = llm.generate(None, params, prompt_token_ids=prompts)
+    for ids, p, got in zip(prompts, params, batched):
+        alone = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=10, temperature=1.0, top_p=0.9,
+                             seed=p.seed, ignore_eos=True)[0]
+        assert got.token_ids == alone.token_ids, f"seed {fresh_seed}"
+    top1 = llm.generate(None, SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=1, ignore_eos=True),
+                        prompt_token_ids=prompts[:1])[0]
+    greedy = llm.generate([None], prompt_token_ids=prompts[:1], max_new_tokens=8, ignore_eos=True)[0]
+    assert top1.token_ids == greedy.token_ids  # top_k = 1 is greedy whatever the temperature
+
+
+def _brute_force_stop(tokenizer, ids, stops):
+    """(text, tokens) of the first prefix of ``ids`` whose full decode holds a stop string."""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        found = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if found:
+            return text[:min(found)], ids[:k]
+    return None
+
+
+def test_stop_strings_and_stop_tokens_match_a_brute_force_reference(make_tiny, fresh_seed):
+    llm = LLM(make_tiny("mistral"), method="dense", device="cpu")
+    ids = torch.randint(0, 49152, (int(torch.randint(5, 60, ())),)).tolist()
+    full = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=24, ignore_eos=True)[0]
+    text = full.text
+    start = int(torch.randint(1, max(len(text) - 4, 2), ()))
+    stops = [text[start:start + 3], "\u2603never"]  # a stop string from the middle of the text
+    want_text, want_ids = _brute_force_stop(llm.tokenizer, full.token_ids, stops)
+    got = llm.generate(None, SamplingParams(max_tokens=24, stop=stops, ignore_eos=True), prompt_token_ids=[ids])[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want_text, want_ids, "stop"), f"seed {fresh_seed}"
+    streamed = "".join(d.text for _, d in llm.generate_stream(
+        None, SamplingParams(max_tokens=24, stop=stops, ignore_eos=True), prompt_token_ids=[ids]))
+    assert streamed == want_text  # held-back stop prefixes are never streamed
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    got = llm.generate(None, SamplingParams(max_tokens=24, stop_token_ids=[stop_id], ignore_eos=True),
+                       prompt_token_ids=[ids])[0]
+    assert got.token_ids == full.token_ids[:first + 1] and got.finish_reason == "stop"
+
+
+def test_cancel_frees_the_row_and_the_batch_goes_on(make_tiny):
+    llm = LLM(make_tiny("llama"), method="dense", device="cpu")
+    engine = Engine(llm, max_batch=2, max_model_len=128, max_waiting=2)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    a, b = engine.add_request([5, 6, 7], params), engine.add_request([8, 9], params)
+    engine.step()
+    engine.step()
+    assert engine.scheduler.rows_in_use == 2
+    c = engine.add_request([10, 11, 12, 13], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request([1], params)
+    with pytest.raises(QueueFull, match="2 requests waiting"):
+        engine.add_request([1], params)
+    engine.abort(a.request_id)
+    deltas = engine.step()  # a leaves, c takes its row and is prefilled, b decodes
+    aborted = [d for d in deltas if d.request_id == a.request_id]
+    assert aborted[0].finish_reason == "abort" and c.row == 0 and engine.metrics()["kv_rows_in_use"] == 2
+    outs = {d.request_id: d.output for d in engine.run() if d.output}
+    assert len(outs[c.request_id].token_ids) == 3 and len(outs[b.request_id].token_ids) == 50
+    alone = llm.generate([None], prompt_token_ids=[[10, 11, 12, 13]], max_new_tokens=3, ignore_eos=True)[0]
+    assert outs[c.request_id].token_ids == alone.token_ids  # the reused row kept nothing of a
+
+
+def test_generate_with_sampling_params_and_the_keyword_form(make_tiny):
+    llm = LLM(make_tiny("llama"), method="dense", device="cpu")
+    outs = llm.generate(["Hello there", "Why is the sky blue?"], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert all(isinstance(o, RequestOutput) and o.finish_reason == "length" and len(o.token_ids) == 5 for o in outs)
+    assert outs[1].stats["prompt_tokens"] == len(llm.encode("Why is the sky blue?")) and outs[1].stats["ttft_ms"] > 0
+    old = llm.generate(["Hello there"], max_new_tokens=5, ignore_eos=True)[0]
+    assert old.token_ids == outs[0].token_ids and not hasattr(old, "finish_reason")
+    with pytest.raises(SpardaError, match="a list of 2 \\(one per prompt\\), got 3"):
+        llm.generate(["a", "b"], [SamplingParams()] * 3)
+    with pytest.raises(SpardaError, match="no prompts given"):
+        llm.generate([], SamplingParams())
+    with pytest.raises(SpardaError, match="prompt token ids must be in \\[0, 49152\\)"):
+        llm.generate(None, SamplingParams(), prompt_token_ids=[[1, 49152]])
+    with pytest.raises(SpardaError, match="exceeds the model's context of 4096"):
+        llm.generate(None, SamplingParams(max_tokens=10), prompt_token_ids=[[5] * 4090])
+
+
+def test_chat_applies_the_template_to_system_and_multi_turn_messages(make_tiny, bundled_dir):
+    llm = LLM(make_tiny("llama"), method="dense", device="cpu")
+    reference = AutoTokenizer.from_pretrained(bundled_dir)
+    conversation = [{"role": "system", "content": "Answer in French."},
+                    {"role": "user", "content": "Hello"},
+                    {"role": "assistant", "content": "Bonjour"},
+                    {"role": "user", "content": [{"type": "text", "text": "How "}, {"type": "text", "text": "are you?"}]}]
+    flat = [dict(m, content="How are you?") if isinstance(m["content"], list) else m for m in conversation]
+    want = reference.apply_chat_template(flat, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    got = llm.chat(conversation, SamplingParams(max_tokens=3))[0]
+    assert got.prompt_token_ids == want and "You are a helpful" not in reference.decode(want)
+    single = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3))[0]
+    assert single.prompt_token_ids == llm.encode("Hi", chat=True)  # the template's own default system line
+    for bad, fragment in [([], "non-empty list"), ([{"role": "user"}], "messages\\[0\\] must be a dict"),
+                          ([{"role": "wizard", "content": "x"}], "messages\\[0\\] has role 'wizard'"),
+                          ([{"role": "user", "content": [{"type": "image_url"}]}], "images and audio")]:
+        with pytest.raises(SpardaError, match=fragment):
+            llm.chat(bad)
+
+
+def test_stream_deltas_concatenate_to_the_final_text(make_tiny):
+    llm = LLM(make_tiny("qwen3"), method="dense", device="cpu")
+    prompts = ["Once upon a time", "The capital of France"]
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    texts, last = ["", ""], [None, None]
+    for index, delta in llm.generate_stream(prompts, params):
+        assert last[index] is None  # nothing after a request's last delta
+        texts[index] += delta.text
+        last[index] = delta.output
+    full = llm.generate(prompts, params)
+    assert texts == [o.text for o in full] == [o.text for o in last]
+    assert [o.token_ids for o in last] == [o.token_ids for o in full]
+
+
+def test_logprobs_equal_the_log_softmax_of_the_model(make_tiny):
+    llm = LLM(make_tiny("llama"), method="dense", device="cpu")
+    ids = torch.randint(0, 49152, (20,)).tolist()
+    out = llm.generate(None, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3), prompt_token_ids=[ids])[0]
+    reference = torch.log_softmax(llm.logits(ids + out.token_ids[:-1])[len(ids) - 1:].double(), -1)
+    for entry, ref in zip(out.logprobs, reference):
+        assert entry["logprob"] == pytest.approx(float(ref[entry["token_id"]]), abs=1e-4)
+        top = torch.topk(ref, 3)
+        assert list(entry["top_logprobs"]) == top.indices.tolist()
+        assert list(entry["top_logprobs"].values()) == pytest.approx(top.values.tolist(), abs=1e-4)

@@ -1,0 +1,85 @@
+"""`sparda serve` as a process: loopback by default, SIGTERM drains and exits 0, one-line errors."""
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def start_serve(*args):
+    """``sparda serve ARGS --port 0``: ``(process, "http://host:port", stderr lines so far)``
+    once the banner is printed; later stderr lines keep arriving in that list."""
+    proc = subprocess.Popen([sys.executable, "-m", "sparda.cli", "serve", "--port", "0", *args],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
+    lines: queue.Queue = queue.Queue()
+    seen: list[str] = []
+
+    def read():
+        for line in proc.stderr:
+            seen.append(line)
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            assert proc.poll() is None, "".join(seen)
+            continue
+        found = re.search(r"on (http://[\d.]+:\d+)/v1", line)
+        if found:
+            return proc, found.group(1), seen
+    proc.kill()
+    pytest.fail("sparda serve did not start: " + "".join(seen))
+
+
+def test_serve_binds_loopback_and_sigterm_drains_then_exits_0(make_tiny):
+    proc, url, log = start_serve("--model", str(make_tiny("llama")), "--method", "dense", "--device", "cpu",
+                               "--max-batch", "2", "--max-model-len", "128", "--served-model-name", "tiny")
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=100, temperature=0,
+                                           extra_body={"ignore_eos": True}, stream=True)
+        chunks = [next(stream)]
+        proc.send_signal(signal.SIGTERM)  # mid-stream: the running request is let finish
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        whole = client.completions.create  # the listening socket is closed by now
+        with pytest.raises(openai.APIConnectionError):
+            whole(model="tiny", prompt="hi", max_tokens=2)
+        assert proc.wait(timeout=60) == 0
+        assert any("draining 1 running and 0 waiting requests" in line for line in log), "".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_refuses_a_busy_port_before_loading_the_model(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "sparda.cli", "serve", "--port", str(port)],
+                             capture_output=True, text=True, timeout=120, env=ENV)
+    assert res.returncode == 2 and "loading" not in res.stderr
+    assert res.stderr.strip() == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use; "
+                                  "pick another --port")
+
+
+def test_serve_usage_error_is_one_line_exit_2():
+    res = subprocess.run([sys.executable, "-m", "sparda.cli", "serve", "--max-batch", "0"], capture_output=True,
+                         text=True, timeout=120, env=ENV)
+    assert res.returncode == 2 and "Invalid value for '--max-batch'" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
