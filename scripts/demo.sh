@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# sparda (the default method) with the shipped Forecast; dense prefill (see README: block-sparse
-# prefill at the small preset loses the pass key on this 135M model).
-sparda demo --dense-prefill "$@"
+# The defaults: sparda with the shipped Forecast; the small preset prefills densely and selects
+# KV blocks in decode (README: block-sparse prefill at this budget loses the pass key on this
+# 135M model; --sparse-prefill turns it on).
+sparda demo "$@"

@@ -58,7 +58,7 @@ def _pair(tq=5, t_len=300, h=2, g=2, d=16):
     teacher = teacher_distribution(q, k, pos, CFG)
     f = torch.randn(1, h, tq, d) * 2
     ck = torch.randn(1, h, teacher.shape[-1], d)
-    student = student_distribution(f, ck, pos, CFG)
+    student = student_distribution(f, ck, pos, CFG, 1)
     return teacher, student, restriction(teacher, pos, t_len, CFG), pos
 
 

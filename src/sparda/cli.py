@@ -90,8 +90,9 @@ def model_options(func):
                           "sparda-no-prefetch always offload]."),
         click.option("--forecast", default=None,
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
-        click.option("--dense-prefill", is_flag=True, default=False,
-                     help="Block-sparse methods: dense prefill, block selection in decode only."),
+        click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
+                     help="Block-sparse methods: select blocks in prefill too, or prefill densely and "
+                          "select in decode only [default: dense at --preset small, block-sparse at paper]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
     ]
@@ -323,8 +324,10 @@ def _csv(kind):
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--dense-prefill", is_flag=True, default=False,
-              help="Block-sparse methods: dense prefill, selection in decode only (not with ppl).")
+@click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
+              help="Block-sparse methods in the generation tasks: select in prefill too, or prefill densely "
+                   "and select in decode only [default: dense at --preset small, block-sparse at paper]; "
+                   "ppl always scores block-sparse prefill logits.")
 def eval_cmd(**opts):
     """Accuracy, perplexity/agreement and KV reads of every method (resumable; design §8)."""
     from sparda.eval.runner import plan_from_options, run_eval

@@ -33,6 +33,38 @@ PRESETS: dict[str, dict[str, int]] = {
                   local_blocks=4, topk_blocks=16, dense_len=2048),
 }
 
+#: Whether a preset prefills block-sparsely by default (design §3.6: selection above
+#: ``dense_len``). ``small`` prefills densely and selects in decode only: at its 1,344-token
+#: budget, block-sparse prefill loses the 7K pass key on the bundled 135M model whichever
+#: selector picks, the oracle included (docs/accuracy.md). ``paper`` keeps block-sparse
+#: prefill. ``sparse_prefill=True`` / ``--sparse-prefill`` turns it on at any preset.
+SPARSE_PREFILL: dict[str, bool] = {"paper": True, "small": False}
+
+
+def resolve_sparse_prefill(preset: str, sparse_prefill: bool | None = None,
+                           dense_prefill: bool | None = None) -> bool:
+    """Whether block-sparse methods select in prefill: ``sparse_prefill`` if given, else
+    ``not dense_prefill`` if given (the inverse alias), else the preset's default
+    (:data:`SPARSE_PREFILL`).
+
+    Raises:
+        SpardaError: a non-bool value, both given and contradicting each other, or an
+            unknown preset.
+    """
+    for name, value in (("sparse_prefill", sparse_prefill), ("dense_prefill", dense_prefill)):
+        if value is not None and not isinstance(value, bool):
+            raise SpardaError(f"{name} must be True or False, got {value!r}")
+    if sparse_prefill is not None and dense_prefill is not None and sparse_prefill == dense_prefill:
+        raise SpardaError(f"sparse_prefill={sparse_prefill} and dense_prefill={dense_prefill} contradict "
+                          "each other; pass only one of them")
+    if sparse_prefill is not None:
+        return sparse_prefill
+    if dense_prefill is not None:
+        return not dense_prefill
+    if preset not in SPARSE_PREFILL:
+        raise SpardaError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return SPARSE_PREFILL[preset]
+
 
 @dataclass(frozen=True)
 class SelectionConfig:
@@ -40,7 +72,9 @@ class SelectionConfig:
 
     Raises:
         SpardaError: on any invalid field (negative counts, ``local_blocks < 1``,
-            a compression stride that does not divide the block size, ...).
+            a compression stride that does not divide the block size, a local window
+            that does not hold the window a decoded token completes: ``local_blocks <
+            min_local_blocks``, design §4, ...).
     """
 
     block_size: int = 64
@@ -71,6 +105,27 @@ class SelectionConfig:
             raise SpardaError(
                 f"kernel_size {self.kernel_size} must be >= kernel_stride {self.kernel_stride}"
             )
+        need = self.min_local_blocks
+        if self.local_blocks < need:
+            raise SpardaError(
+                f"local_blocks {self.local_blocks} is too small: the compressed key ({self.kernel_size} tokens, "
+                f"stride {self.kernel_stride}) that a decoded token completes can start {need - 1} block(s) of "
+                f"{self.block_size} before that token's block and must lie in the local window (design §4); "
+                f"use --local-blocks {need} or more"
+            )
+
+    @property
+    def min_local_blocks(self) -> int:
+        """Smallest ``local_blocks`` that holds every window a decoded token completes (design §4).
+
+        The token at ``t = j*s + k - 1`` completes compressed key ``j`` (tokens ``[j*s, t]``),
+        which the lookahead does not score (:func:`sparda.kernels.reference.lookahead_pos`).
+        With ``s | B_s``, ``j*s mod B_s`` takes every multiple of ``s`` below ``B_s``, so the key
+        starts up to ``(B_s - s + k - 1) // B_s`` blocks before ``t``'s block; the local window
+        (``t``'s block and the ``local_blocks - 1`` before it) covers it iff
+        ``local_blocks >= 1 + (B_s - s + k - 1) // B_s`` (2 at both presets).
+        """
+        return 1 + (self.block_size - self.kernel_stride + self.kernel_size - 1) // self.block_size
 
     @property
     def budget_blocks(self) -> int:
@@ -128,6 +183,8 @@ class SpardaConfig:
             ``None`` uses the shipped weights for the bundled model, if any.
         sparse_prefill: when True (design §3), block-sparse methods select per query token
             in prefill too; when False they prefill densely and select in decode only.
+            :class:`~sparda.LLM` and the CLI take it from the preset unless asked
+            (:func:`resolve_sparse_prefill`: dense at ``small``, block-sparse at ``paper``).
         offload: keep the full KV cache in host memory (``None``: ``LLM`` decides, see
             :func:`sparda.engine.llm.default_offload`).
     """

@@ -11,7 +11,9 @@ and scores a layer's compressed keys with raw dot products, one row per KV head.
   ``l+1``'s compressed keys *as they stood before this step's token was appended to
   layer l+1* and stores the block mask; layer ``l+1`` attends over exactly that mask;
 * prefill (``Tq = T``): layer ``l+1``'s keys do not exist yet while layer ``l`` runs, so
-  ``F_l(h_l)`` is stored and scored when layer ``l+1`` runs (identical per query token).
+  ``F_l(h_l)`` is stored and scored when layer ``l+1`` runs, under the same lookahead rule
+  (:func:`sparda.kernels.reference.lookahead_pos`): query ``t`` sees the windows complete
+  at ``t - 1``, so per query token prefill and decode select the same blocks.
 
 Weights live in safetensors files holding only Forecast tensors plus metadata that
 names the base model (:func:`save_forecast`, :func:`load_forecast`).
@@ -343,13 +345,16 @@ class ForecastAttention(BlockSparseMethod):
         """Forecast block scores ``[B, H_kv, Tq_chunk, N]`` fp32 (design §3.3, §4).
 
         Raw dot products of the stored Forecast queries ``[B, H_kv, Tq, d]`` with
-        ``ck [B, H_kv, C, d]`` (``-inf`` where invisible), max-pooled onto
-        ``N = ceil(T / block_size)`` blocks of ``k [B, H_kv, T, d]``; ``q`` is unused.
+        ``ck [B, H_kv, C, d]`` (``-inf`` where invisible under the lookahead rule,
+        :func:`~sparda.kernels.reference.lookahead_pos`: layers >= 1 see the windows complete
+        before the query's token, as in decode), max-pooled onto ``N = ceil(T / block_size)``
+        blocks of ``k [B, H_kv, T, d]``; ``q`` is unused.
         Raises KeyError if :meth:`before_layer` stored no queries for ``layer``.
         """
         cfg = self.selection
         f = self._queries[layer][..., chunk, :]
-        scores = ref.forecast_scores(f, ck, step.q_pos[:, chunk], cfg.kernel_size, cfg.kernel_stride)
+        scores = ref.forecast_scores(f, ck, ref.lookahead_pos(step.q_pos[:, chunk], layer),
+                                     cfg.kernel_size, cfg.kernel_stride)
         return ref.pool_to_blocks(scores, -(-k.shape[-2] // cfg.block_size), cfg)
 
     def select(self, layer, q, h, cache, step, first=0):

@@ -15,7 +15,10 @@ norms, of the group-mean ``W_q`` times those of ``W_k``) and keeps the top
 ``round(partial_ratio * d / 2)`` planes, scoring in that partial space:
 ``softmax(q_p . K~_p / sqrt(d))`` per query head (RoPE applied on the kept planes),
 summed over the ``G`` heads of a group, max-pooled onto blocks, then the §3.4 rule.
-Layer 0 (no predecessor) uses its own input with its own partial weights. No training.
+Layer ``l+1``'s compressed keys are scored as they stood before the query's token (the
+lookahead rule of ``sparda``, :func:`sparda.kernels.reference.lookahead_pos`), in prefill
+and decode alike. Layer 0 (no predecessor) uses its own input with its own partial
+weights. No training.
 """
 
 from __future__ import annotations
@@ -105,14 +108,17 @@ class InfiniGenAttention(BlockSparseMethod):
         against the kept columns of ``ck [B, H, C, d]`` (design §3.2 on the partial space).
 
         ``softmax(q_p . K~_p / sqrt(d))`` per query head (full ``d`` in the scale), summed over
-        the group; ``q_pos [B, Tq]`` int64 gives causality. Not yet pooled onto blocks.
+        the group, over the compressed keys the lookahead rule lets a query at ``q_pos
+        [B, Tq]`` (int64 positions) see (:func:`~sparda.kernels.reference.lookahead_pos`:
+        for ``target >= 1`` the windows complete before its token, as ``sparda``; layer 0
+        scores its own keys after the append). Not yet pooled onto blocks.
         """
         cfg = self.selection
         cols = self.columns[target]
         ckp = ck.gather(-1, cols.view(1, cols.shape[0], 1, -1).expand(ck.shape[0], -1, ck.shape[2], -1))
         # scale by the full head dim, as the model's own softmax does
-        sc = ref.query_group_scores(qp * (qp.shape[-1] / self.shape.head_dim) ** 0.5, ckp, q_pos,
-                                    cfg.kernel_size, cfg.kernel_stride)
+        sc = ref.query_group_scores(qp * (qp.shape[-1] / self.shape.head_dim) ** 0.5, ckp,
+                                    ref.lookahead_pos(q_pos, target), cfg.kernel_size, cfg.kernel_stride)
         return sc
 
     def before_layer(self, layer, q, h, cache, step):

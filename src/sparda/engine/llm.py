@@ -14,7 +14,7 @@ from sparda.attention.forecast import default_forecast_available
 from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_method, check_offload
 from sparda.cache.device import DeviceKVCache
 from sparda.cache.offload import OffloadKVCache
-from sparda.config import SelectionConfig, SpardaConfig
+from sparda.config import SelectionConfig, SpardaConfig, resolve_sparse_prefill
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.sampler import sample
 from sparda.engine.validate import check_request
@@ -92,8 +92,10 @@ class LLM:
         device, dtype: defaults: CUDA + bf16 if available, else CPU + fp32.
         **overrides: selection fields (``topk_blocks``, ``local_blocks``, ``init_blocks``,
             ``block_size``, ``kernel_size``, ``kernel_stride``, ``dense_len``) and
-            ``forecast`` (path of Forecast weights, sparda methods only) / ``dense_prefill``
-            (block-sparse methods: dense prefill, selection in decode only) / ``offload``
+            ``forecast`` (path of Forecast weights, sparda methods only) / ``sparse_prefill``
+            (block-sparse methods select in prefill too; default: the preset's,
+            :data:`sparda.config.SPARSE_PREFILL`: off at ``small``, on at ``paper``) /
+            ``dense_prefill`` (its inverse, kept for compatibility) / ``offload``
             (``None``: on for ``sparda`` on CUDA, off otherwise) / ``transfer``
             (offload copy engine: ``auto``, ``uva``, ``copy``, ``sync``; docs/offload.md) /
             ``cuda_graphs`` (default True: on CUDA every decode step replays a captured CUDA
@@ -112,13 +114,13 @@ class LLM:
         self.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         #: time offload copies (copy_ms, exposed_wait_ms in stats["offload"]); off by default
         self.offload_timing = bool(overrides.pop("offload_timing", False))
-        dense_prefill = bool(overrides.pop("dense_prefill", False))
+        prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
         offload = overrides.pop("offload", None)
         #: offload transfer engine: auto, uva, copy or sync (design §6)
         self.transfer = overrides.pop("transfer", None) or "auto"
         selection = SelectionConfig.from_preset(preset, **overrides)
         self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,
-                                   sparse_prefill=not dense_prefill,
+                                   sparse_prefill=resolve_sparse_prefill(preset, *prefill),
                                    offload=offload)
         if offload is False and self.config.method in ALWAYS_OFFLOADED:
             raise SpardaError(f"{self.config.method} always offloads its KV cache; drop --no-offload, or use "
@@ -145,17 +147,21 @@ class LLM:
         """An LLM around an in-memory :class:`~sparda.model.llama.CausalLM` (benchmarks, tests).
 
         Device and dtype are the model's. ``forecast`` (a :class:`Forecast`) is handed to the
-        ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``
-        as in :class:`LLM`, except that ``offload`` defaults to off on every device (the
-        caller builds the model and decides where its cache lives). Raises SpardaError for a bad method, preset or budget.
+        ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``/
+        ``sparse_prefill``/``dense_prefill`` as in :class:`LLM`, except that ``offload``
+        defaults to off on every device (the caller builds the model and decides where its
+        cache lives) and ``sparse_prefill`` to on at every preset (benchmarks time the
+        block-sparse prefill). Raises SpardaError for a bad method, preset or budget.
         """
         llm = cls.__new__(cls)
         llm.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         llm.offload_timing = bool(overrides.pop("offload_timing", False))
         offload = overrides.pop("offload", None)
         llm.transfer = overrides.pop("transfer", None) or "auto"
+        prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
+        sparse_prefill = True if prefill == (None, None) else resolve_sparse_prefill(preset, *prefill)
         selection = SelectionConfig.from_preset(preset, **overrides)
-        llm.config = SpardaConfig(method=method, selection=selection, offload=offload)
+        llm.config = SpardaConfig(method=method, selection=selection, offload=offload, sparse_prefill=sparse_prefill)
         param = next(model.parameters())
         llm.device, llm.dtype = param.device, param.dtype
         llm.model, llm.tokenizer, llm.model_dir, llm.shape = model.eval(), tokenizer, None, model.shape

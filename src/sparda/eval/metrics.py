@@ -4,7 +4,9 @@
 * logit comparison against dense attention: perplexity, next-token top-1 agreement,
   KL(dense || method);
 * budgets given as a percentage of the context, mapped onto ``topk_blocks`` (design §3.4);
-* step-to-step block hit rate of a block-sparse method's decode selections.
+* block hit rate in decode: for offloaded methods the offload runtime's own count
+  (:func:`runtime_hit_rate`), for on-device ones the step-to-step overlap of the
+  selections (:class:`HitRateTracker`).
 """
 
 from __future__ import annotations
@@ -101,14 +103,35 @@ def budget_topk(percent: float, context_tokens: int, selection) -> int:
     return max(0, round(blocks * percent / 100) - selection.init_blocks - selection.local_blocks)
 
 
+def runtime_hit_rate(offload_stats: dict) -> float | None:
+    """Block hit rate measured by the offload runtime (design §6), 0-1, or ``None`` when it
+    fetched nothing.
+
+    Args:
+        offload_stats: ``Completion.stats["offload"]``, i.e. ``OffloadKVCache.offload_stats``:
+            ``hits`` and ``misses`` (selected blocks already in a GPU slot / copied from the
+            host, over every decode step and offloaded layer: ints or per-row lists) and
+            ``hit_rate``.
+    """
+    def total(value) -> float:
+        return float(torch.as_tensor(value, dtype=torch.float64).sum())
+
+    hits, misses = offload_stats.get("hits"), offload_stats.get("misses")
+    if hits is not None and misses is not None:
+        return total(hits) / (total(hits) + total(misses)) if total(hits) + total(misses) else None
+    rate = offload_stats.get("hit_rate")
+    return None if rate is None else float(rate)
+
+
 class HitRateTracker:
-    """Step-to-step block hit rate of a block-sparse method in decode.
+    """Step-to-step block hit rate of an on-device block-sparse method in decode.
 
     Wraps ``method.select`` (instance attribute, the class is untouched) and, per layer,
     compares each decode step's selected blocks with the previous step's: hit rate =
     blocks selected at step ``t`` that were also selected at ``t-1`` / blocks selected at
     ``t`` (the blocks a prefetching runtime would already hold). Methods without
-    ``select`` (dense) report ``None``.
+    ``select`` (dense) report ``None``. Offloaded methods decode without ``select``: use
+    :func:`runtime_hit_rate` for them.
     """
 
     def __init__(self, method) -> None:

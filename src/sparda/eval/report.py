@@ -125,7 +125,7 @@ def markdown(records: list[dict], agg: dict) -> str:
                              f"{_fmt(m['recall_vs_oracle'])} % | {_fmt(m['mass'])} % |")
     if agg["efficiency"]:
         lines += ["", "### KV reads in decode (task samples)", "",
-                  "| method | KV blocks read / step | KV MiB read / token | step-to-step block hit rate | prefill ms |",
+                  "| method | KV blocks read / step | KV MiB read / token | block hit rate | prefill ms |",
                   "|---|---|---|---|---|"]
         for label in labels:
             e = agg["efficiency"].get(label)
@@ -134,6 +134,9 @@ def markdown(records: list[dict], agg: dict) -> str:
                 hit = "–" if e["hit_rate"] is None else f"{_fmt(e['hit_rate'])} %"
                 prefill = "–" if e["prefill_ms"] is None else f"{e['prefill_ms']:.0f}"
                 lines.append(f"| {label} | {_fmt(e['kv_read_fraction'])} % | {_fmt(mib, False)} | {hit} | {prefill} |")
+        lines += ["", "Block hit rate: offloaded methods, the runtime's share of selected blocks already in a "
+                  "GPU slot; on-device methods, the share of a step's selected blocks that the previous "
+                  "step also selected."]
     if agg["budgets"]:
         lines += ["", "### Budget sweep (budget = init + local + top-k blocks, % of the context)", "",
                   "| method | budget % | task score % | top-1 agreement % |", "|---|---|---|---|"]
@@ -212,7 +215,9 @@ def write_report(out: Path, records: list[dict]) -> dict:
     atomic_write(out / "summary.json", json.dumps(agg["summary"], indent=1))
     names = plots(out, records, agg)
     body = markdown(records, agg) + "".join(f"\n![{n}]({n})\n" for n in names)
-    prefill = {r.get("prefill") for r in records if r.get("prefill") and r.get("method") != "dense"}
-    regime = f"Prefill of block-sparse methods: {', '.join(sorted(prefill))}.\n\n" if prefill else ""
+    prefill = {r.get("prefill") for r in records
+               if r.get("prefill") and r.get("method") != "dense" and r.get("task") != "ppl"}
+    regime = (f"Prefill of block-sparse methods in the generation tasks: {', '.join(sorted(prefill))} "
+              "(ppl always scores block-sparse prefill logits).\n\n" if prefill else "")
     atomic_write(out / "report.md", "# sparda eval\n\n" + regime + body)
     return agg["summary"]

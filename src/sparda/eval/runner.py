@@ -54,8 +54,11 @@ class EvalPlan:
             selection fields (``dense_len``, ``block_size``...).
         text: haystack / perplexity text file; ``None`` = the held-out novel.
         seed: base seed of every generator.
-        dense_prefill: block-sparse methods prefill densely and select in decode only
-            (isolates decode-time selection; ``ppl``, which scores prefill logits, is refused).
+        sparse_prefill: whether block-sparse methods select in the prefill of the generation
+            tasks (``None``: the preset's default, :func:`sparda.config.resolve_sparse_prefill`:
+            dense prefill at ``small``, block-sparse at ``paper``). ``ppl`` scores prefill
+            logits, so it always runs block-sparse prefill (dense prefill would make them
+            dense's).
     """
 
     tasks: tuple[str, ...]
@@ -73,13 +76,20 @@ class EvalPlan:
     text: str | None = None
     seed: int = 0
     overrides: dict = field(default_factory=dict)
-    dense_prefill: bool = False
+    sparse_prefill: bool | None = None
+
+    @property
+    def prefill_is_sparse(self) -> bool:
+        """The resolved :attr:`sparse_prefill` (raises SpardaError for an unknown preset)."""
+        from sparda.config import resolve_sparse_prefill
+
+        return resolve_sparse_prefill(self.preset, self.sparse_prefill)
 
     def fingerprint(self) -> str:
         """Hash of everything that changes a sample's content (not the lists of what to run)."""
         keys = dict(depths=list(self.depths), model=self.model, preset=self.preset, dtype=self.dtype,
                     text=self.text, seed=self.seed, overrides=self.overrides, ppl_windows=self.ppl_windows)
-        if self.dense_prefill:  # only when set, so that older run directories keep their fingerprint
+        if not self.prefill_is_sparse:  # a key only for dense prefill, as older run directories had
             keys["dense_prefill"] = True
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -157,26 +167,33 @@ class _Models:
                         **plan.overrides)
         self._cache: dict = {}
 
-    def get(self, spec: MethodSpec, length: int):
-        """``(llm, tracker, topk_blocks)`` for ``spec`` at ``length`` tokens."""
+    def get(self, spec: MethodSpec, length: int, sparse_prefill: bool | None = None):
+        """``(llm, tracker, topk_blocks)`` for ``spec`` at ``length`` tokens; ``sparse_prefill``
+        replaces the plan's prefill mode (``ppl``). ``tracker`` is a
+        :class:`~sparda.eval.metrics.HitRateTracker` for on-device block-sparse methods and
+        ``None`` for offloaded ones (their decode bypasses ``select``; the runtime counts
+        their hits, :func:`~sparda.eval.metrics.runtime_hit_rate`)."""
         from sparda.attention.registry import build_method
         from sparda.config import SelectionConfig, SpardaConfig
         from sparda.engine.llm import default_offload
         from sparda.eval.metrics import HitRateTracker, budget_topk
 
-        key = (spec, length if spec.budget_pct is not None else None)
+        sparse_prefill = self.plan.prefill_is_sparse if sparse_prefill is None else sparse_prefill
+        key = (spec, length if spec.budget_pct is not None else None, sparse_prefill)
         if key not in self._cache:
             overrides = dict(self.plan.overrides)
             base_sel = SelectionConfig.from_preset(self.plan.preset, **overrides)
             if spec.budget_pct is not None:
                 overrides["topk_blocks"] = budget_topk(spec.budget_pct, length, base_sel)
             selection = SelectionConfig.from_preset(self.plan.preset, **overrides)
-            config = SpardaConfig(method=spec.method, selection=selection, sparse_prefill=not self.plan.dense_prefill,
+            config = SpardaConfig(method=spec.method, selection=selection, sparse_prefill=sparse_prefill,
                                   offload=default_offload(spec.method, self.base.device))  # as `sparda generate`
             llm = copy.copy(self.base)
             llm.config = config
             llm.method = build_method(config, llm.shape, model=llm.model, model_dir=llm.model_dir)
-            self._cache[key] = (llm, HitRateTracker(llm.method), selection.topk_blocks)
+            offloaded = bool(config.offload) or getattr(llm.method, "offloaded", False)
+            tracker = None if offloaded else HitRateTracker(llm.method)
+            self._cache[key] = (llm, tracker, selection.topk_blocks)
         return self._cache[key]
 
 
@@ -192,12 +209,14 @@ def _haystack(plan: EvalPlan) -> str:
 
 
 def _task_record(models: _Models, spec: MethodSpec, sample, length: int, index: int, seed: int) -> dict:
-    from sparda.eval.metrics import exact_match, score
+    from sparda.eval.metrics import exact_match, runtime_hit_rate, score
 
     llm, tracker, topk = models.get(spec, length)
     start = time.perf_counter()
     out = llm.generate([sample.prompt], max_new_tokens=sample.max_new_tokens, chat=True)[0]
     stats = out.stats
+    # offloaded methods: the runtime's own slot hits; on-device ones: step-to-step overlap
+    hit_rate = runtime_hit_rate(stats["offload"]) if "offload" in stats else tracker.take() if tracker else None
     return dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topk_blocks=topk,
                 task=sample.task, length=length, sample=index, depth=sample.depth, seed=seed,
                 score=score(sample, out.text), exact=exact_match(sample.answers, out.text),
@@ -206,8 +225,8 @@ def _task_record(models: _Models, spec: MethodSpec, sample, length: int, index: 
                 prefill_ms=stats["prefill_ms"], decode_tok_s=stats["decode_tok_s"],
                 kv_read_fraction=stats["kv_read_fraction"],
                 kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
-                hit_rate=tracker.take(), seconds=round(time.perf_counter() - start, 2),
-                prefill="dense" if models.plan.dense_prefill or spec.method == "dense" else "block-sparse",
+                hit_rate=hit_rate, seconds=round(time.perf_counter() - start, 2),
+                prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense",
                 offload=bool(llm.config.offload))
 
 
@@ -226,7 +245,7 @@ def _ppl_records(models: _Models, specs: list[MethodSpec], todo: list[MethodSpec
     targets = torch.tensor(ids[first + 1:], device=models.base.device)
     reference = models.base.logits(ids[:-1])[first:]
     for spec in todo:
-        llm, _, topk = models.get(spec, length)
+        llm, _, topk = models.get(spec, length, sparse_prefill=True)  # ppl scores block-sparse prefill
         start = time.perf_counter()
         logits = reference if spec.method == "dense" else llm.logits(ids[:-1])[first:]
         m = compare_logits(logits, reference, targets)
@@ -235,7 +254,8 @@ def _ppl_records(models: _Models, specs: list[MethodSpec], todo: list[MethodSpec
                             task=PPL, length=length, sample=index, depth=None, seed=seed, positions=n,
                             ppl=perplexity(m["nll_sum"], n), dense_ppl=perplexity(m["ref_nll_sum"], n),
                             top1_agreement=m["agree_sum"] / n, kl=m["kl_sum"] / n,
-                            score=m["agree_sum"] / n, seconds=round(time.perf_counter() - start, 2)))
+                            score=m["agree_sum"] / n, seconds=round(time.perf_counter() - start, 2),
+                            prefill="dense" if spec.method == "dense" else "block-sparse"))
         del logits
 
 
@@ -296,7 +316,7 @@ def _check_plan_file(out: Path, plan: EvalPlan) -> None:
         old = None
     if old != plan.fingerprint():
         raise SpardaError(f"{out} holds results of a different plan (seed, depths, model, preset, text "
-                          "or --dense-prefill differ); use a new --out directory")
+                          "or the prefill mode differ); use a new --out directory")
 
 
 def _write_plan_file(out: Path, plan: EvalPlan) -> None:
@@ -334,9 +354,9 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     bad = [b for b in plan.budgets if not 0 < b <= 100]
     if bad:
         raise SpardaError(f"--budgets are percentages in (0, 100], got {bad[0]:g}")
-    if plan.dense_prefill and PPL in plan.tasks:
-        raise SpardaError("ppl scores prefill logits, which --dense-prefill makes equal to dense; "
-                          "run ppl without --dense-prefill")
+    from sparda.config import resolve_sparse_prefill
+
+    resolve_sparse_prefill(plan.preset, plan.sparse_prefill)  # a bad preset or value fails before any write
     haystack = _haystack(plan)  # an unreadable --text fails here, before anything is written
     _check_device_and_lengths(plan)
     out = check_output_dir(plan.out, "--out")
@@ -381,14 +401,12 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
 
 def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budgets=None, depths=None,
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
-                      device="cpu", dtype=None, seed=0, dense_prefill=False) -> EvalPlan:
+                      device="cpu", dtype=None, seed=0, sparse_prefill=None) -> EvalPlan:
     """An :class:`EvalPlan` from CLI options: unset ones come from the ``--quick`` or full
     defaults; methods default to every registered one. Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
 
     base = QUICK if quick else FULL
-    if dense_prefill and not tasks:  # ppl scores prefill logits, which dense prefill makes equal to dense
-        tasks = tuple(t for t in base["tasks"] if t != PPL)
     if methods is None:
         methods = tuple(m for m in base.get("methods", METHOD_CLASSES) if m in METHOD_CLASSES)
     if depths and any(not 0 <= d <= 1 for d in depths):
@@ -397,4 +415,4 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     lengths=tuple(lengths or base["lengths"]), samples=base["samples"] if samples is None else samples, out=out,
                     budgets=tuple(budgets or ()), depths=tuple(depths or DEPTHS),
                     ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
-                    dtype=dtype, text=text, seed=seed, dense_prefill=dense_prefill)
+                    dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill)

@@ -12,8 +12,11 @@ layer's block selection by each method is compared with
 
 Methods: ``sparse``, ``oracle``, ``sparda`` (shipped or ``--forecast`` weights),
 ``sparda-random`` (a seeded random-init Forecast), ``sparda-qinit`` (the untrained
-query-weight initialisation), ``infinigen``. Numbers are pooled over lengths and query
-tokens per layer, then averaged over layers (``mean_*``).
+query-weight initialisation), ``infinigen``. The lookahead selectors (the Forecasts and
+``infinigen``) score layer ``l >= 1``'s compressed keys as decode does, as they stood before
+the query's token (:func:`sparda.kernels.reference.lookahead_pos`); ``sparse`` and the
+oracle use the layer's own query on every key up to it. Numbers are pooled over lengths and
+query tokens per layer, then averaged over layers (``mean_*``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
         def score(layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos, fc=fc):
             src = h if layer == 0 else h_prev
             f = fc.project(layer, src[:, q_idx].float(), cos[:, :, q_idx].float(), sin[:, :, q_idx].float())
-            return ref.forecast_scores(f, ck, q_pos, cfg.kernel_size, cfg.kernel_stride)
+            return ref.forecast_scores(f, ck, ref.lookahead_pos(q_pos, layer), cfg.kernel_size, cfg.kernel_stride)
         out[name] = score
     if "infinigen" in methods:
         ig = InfiniGenAttention(SpardaConfig(method="infinigen", selection=cfg), shape, model=model)

@@ -1,7 +1,10 @@
 """Pure-PyTorch reference of SparDA's block-sparse attention (design §3, §4).
 
 Every Triton kernel in ``sparda.kernels`` has its twin here, and the CPU runtime uses
-these functions directly. They favour clarity over speed and compute in fp32.
+these functions directly. They favour clarity over speed. Scores, pooling, compressed-key
+means and attention mass are computed in fp32 (float64 inputs are rounded to fp32); the
+attention itself (:func:`block_sparse_attention`) runs
+``torch.nn.functional.scaled_dot_product_attention`` in the inputs' dtype.
 
 Shape conventions (``B`` batch, ``H`` KV heads, ``G`` query heads per KV head,
 ``Tq`` query tokens, ``T`` key tokens, ``C`` compressed keys, ``N`` KV blocks,
@@ -72,6 +75,30 @@ def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: in
     """
     ends = torch.arange(num_ck, device=q_pos.device) * stride + kernel - 1
     return ends.view(1, 1, -1) <= q_pos.unsqueeze(-1)
+
+
+def lookahead_pos(q_pos: torch.Tensor, target_layer: int) -> torch.Tensor:
+    """The lookahead rule (design §4): up to which position a selector may see the
+    compressed keys of ``target_layer`` when it picks blocks for a query at ``q_pos``.
+
+    A selector of layer ``l+1 >= 1`` (the Forecast ``F_l``, ``infinigen``'s partial query)
+    runs during layer ``l``, before this step's token is appended to layer ``l+1``; it
+    scores layer ``l+1``'s compressed keys *as they stood before that token*, i.e. the
+    windows complete at ``q_pos - 1``. The window that the token at ``q_pos`` completes is
+    not scored; it lies in the forced local window (``SelectionConfig`` refuses budgets
+    where it would not), so the selection loses nothing. Layer 0 is scored by its own
+    current-layer projection after the append: it sees the windows complete at ``q_pos``.
+
+    Decode implements it by cutting the keys (``predict_next``, offloaded ``ck_len``);
+    prefill, Forecast training, the selection report and ``infinigen`` call this function.
+
+    Args:
+        q_pos: ``[B, Tq]`` int64 query positions (tokens). target_layer: the scored layer.
+    Returns:
+        ``[B, Tq]`` int64 positions to pass as ``q_pos`` to :func:`compressed_visible`
+        (and the score functions built on it).
+    """
+    return q_pos - 1 if target_layer > 0 else q_pos
 
 
 def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,

@@ -50,14 +50,18 @@ def restricted(dist: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
 
 
 def student_distribution(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
-                         cfg: SelectionConfig) -> torch.Tensor:
-    """Student ``softmax(F . K~ / sqrt(d))`` over visible compressed keys, fp32 (design §5).
+                         cfg: SelectionConfig, layer: int) -> torch.Tensor:
+    """Student ``softmax(F . K~ / sqrt(d))`` over the compressed keys the Forecast sees at
+    inference, fp32 (design §5).
 
-    Args: ``f [B, H, Tq, d]`` Forecast queries (RoPE applied); ``ck [B, H, C, d]``;
-    ``q_pos [B, Tq]`` int64 (causality).
+    Args: ``f [B, H, Tq, d]`` Forecast queries (RoPE applied); ``ck [B, H, C, d]`` of the
+    scored ``layer``; ``q_pos [B, Tq]`` int64 query positions. Visibility follows the
+    lookahead rule (:func:`sparda.kernels.reference.lookahead_pos`): for ``layer >= 1`` the
+    windows complete before the query's token, for layer 0 those complete at it.
     Returns: ``[B, H, Tq, C]`` fp32 (0 at invisible keys; all-0 rows where none is visible).
     """
-    logits = ref.forecast_scores(f, ck, q_pos, cfg.kernel_size, cfg.kernel_stride) / f.shape[-1] ** 0.5
+    pos = ref.lookahead_pos(q_pos, layer)
+    logits = ref.forecast_scores(f, ck, pos, cfg.kernel_size, cfg.kernel_stride) / f.shape[-1] ** 0.5
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 

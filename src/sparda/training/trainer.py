@@ -48,7 +48,7 @@ def layer_loss(forecast: Forecast, layer: int, h_prev, q, k, cos, sin, q_idx, cf
     teacher = teacher_distribution(q[..., q_idx, :], k, q_pos, cfg)
     entries = restriction(teacher, q_pos, k.shape[-2], cfg)
     f = forecast.project(layer, h_prev[:, q_idx].float(), cos[:, :, q_idx].float(), sin[:, :, q_idx].float())
-    student = student_distribution(f, ck, q_pos, cfg)
+    student = student_distribution(f, ck, q_pos, cfg, layer)
     loss = restricted_kl(teacher, student, entries)
     with torch.no_grad():
         num_blocks = -(-k.shape[-2] // cfg.block_size)
