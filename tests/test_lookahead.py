@@ -175,8 +175,8 @@ def _near_tie(scores: torch.Tensor, t: int, cfg: SelectionConfig) -> bool:
 
 
 def _sequence():
-    n = int(torch.randint(150, 190, ()).item())
-    split = int(torch.randint(90, 110, ()).item())  # past the 80-token budget: every step selects
+    n = int(torch.randint(145, 165, ()).item())
+    split = int(torch.randint(88, 96, ()).item())  # past the 80-token budget: every step selects
     return torch.randint(0, 1000, (n,)).tolist(), split
 
 
@@ -228,9 +228,11 @@ def _brute_masks(llm, forecast: Forecast, hidden, cfg: SelectionConfig, position
 
 
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
-@pytest.mark.parametrize("name", ["sparda", "sparda-offloaded", "sparda-no-prefetch"])
+@pytest.mark.parametrize("name", ["sparda", "sparda-offloaded"])
 def test_decode_matches_float64_brute_force_at_every_position(tiny, name, cfg_name):
-    """Every decode step from the prefill's end, windows completing at the new token included."""
+    """Every decode step from the prefill's end, windows completing at the new token included
+    (``sparda-no-prefetch`` selects with the offloaded code; its masks are checked against
+    prefill below)."""
     cfg = CONFIGS[cfg_name]()
     forecast = Forecast.for_shape(tiny.shape)
     ids, split = _sequence()
