@@ -2,19 +2,43 @@
 
 from __future__ import annotations
 
+import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
+#: environment variable that replays a failed test's inputs: SPARDA_TEST_SEED=N pytest ...
+SEED_ENV = "SPARDA_TEST_SEED"
+
 
 @pytest.fixture(autouse=True)
-def fresh_seed():
-    """Each test draws fresh random inputs; the seed is printed on failure."""
-    seed = random.SystemRandom().randrange(2**31)
+def fresh_seed(request):
+    """Seed torch, numpy and ``random`` with a fresh seed for each test (or ``$SPARDA_TEST_SEED``).
+
+    The seed is stored on the test item; :func:`pytest_runtest_makereport` adds a
+    ``sparda seed`` section (``seed=N`` and the replay command) to a failed test's report.
+    Tests that need their own generators derive them from this seed (``torch.initial_seed()``).
+    """
+    env = os.environ.get(SEED_ENV)
+    seed = int(env) if env else random.SystemRandom().randrange(2**31)
+    request.node.sparda_seed = seed
     torch.manual_seed(seed)
+    np.random.seed(seed)
     random.seed(seed)
     yield seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Print the seed of a failed (or erroring) test, so its inputs can be replayed."""
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "sparda_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("sparda seed", f"seed={seed}  (replay: {SEED_ENV}={seed} python3 -m pytest "
+                                               f"'{item.nodeid}')"))
 
 
 @pytest.fixture(scope="session")

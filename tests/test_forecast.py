@@ -12,7 +12,7 @@ from sparda.attention.forecast import Forecast, ForecastAttention, model_identit
 from sparda.config import SelectionConfig, SpardaConfig
 from sparda.errors import SpardaError
 
-SMALL = dict(block_size=32, topk_blocks=2, local_blocks=1, init_blocks=1, dense_len=64)
+SMALL = dict(block_size=32, topk_blocks=2, local_blocks=2, init_blocks=1, dense_len=64)
 
 
 def _llm(make_tiny, **extra):
@@ -51,9 +51,11 @@ def _rope_tables(pos, inv):
 
 def test_decode_selection_matches_prefill_and_uses_previous_layer(make_tiny):
     """Decode masks (predicted in layer l from pre-append keys) equal prefill masks for the
-    same token, and the logits match; the mask of layer l+1 depends on layer l's input."""
+    same token, and the logits match; the mask of layer l+1 comes from layer l's Forecast
+    ``F_l`` applied to layer l's input."""
     llm = _llm(make_tiny)
-    method = _sparda(llm, Forecast.for_shape(llm.shape))
+    forecast = Forecast.for_shape(llm.shape)
+    method = _sparda(llm, forecast)
     llm.method = method
     n = 208 + int(torch.randint(1, 16, ()).item())  # n % 16 != 0: no window completes at the last token
     ids = torch.randint(0, 1000, (n,)).tolist()
@@ -66,10 +68,29 @@ def test_decode_selection_matches_prefill_and_uses_previous_layer(make_tiny):
         masks[(step.phase, layer)] = mask[..., -1, :].clone()
         return mask
     method.select = spy
-    method.reset()
-    cache = llm.new_cache(1, n)
-    llm.prefill(cache, 0, ids[:-1])
-    last = llm.decode(cache, torch.tensor([ids[-1]]), torch.tensor([n - 1]))[0]
+    predicted = {}
+    original_predict = method.predict_next
+
+    def spy_predict(layer, h, cache, step):
+        predicted[layer + 1] = h.clone()
+        return original_predict(layer, h, cache, step)
+    method.predict_next = spy_predict
+    inputs = {}
+    original_attend = method.attend
+
+    def spy_attend(layer, q, h, cache, step):
+        inputs[(step.phase, layer)] = h.clone()
+        return original_attend(layer, q, h, cache, step)
+    method.attend = spy_attend
+
+    def decode_last():
+        method.reset()
+        cache = llm.new_cache(1, n)
+        llm.prefill(cache, 0, ids[:-1])
+        return llm.decode(cache, torch.tensor([ids[-1]]), torch.tensor([n - 1]))[0]
+
+    last = decode_last()
+    decoded = {layer: masks[("decode", layer)] for layer in range(llm.shape.num_layers)}
     method.reset()
     llm.prefill(llm.new_cache(1, n), 0, ids)
     for layer in range(llm.shape.num_layers):
@@ -77,6 +98,23 @@ def test_decode_selection_matches_prefill_and_uses_previous_layer(make_tiny):
     assert torch.allclose(last, full, atol=1e-3)
     dense = llm_dense_logits(llm, ids)
     assert not torch.allclose(full, dense, atol=1e-3)  # selection really dropped blocks
+    # layer l+1's mask is predicted during layer l, from layer l's attention input ...
+    for target in range(1, llm.shape.num_layers):
+        assert torch.equal(predicted[target], inputs[("decode", target - 1)])
+    # ... through F_l: a constant F_l (all scores tie: the lowest free blocks win) changes
+    # the last layer's mask and no earlier one
+    last_layer = llm.shape.num_layers - 1
+    with torch.no_grad():
+        method.forecast.forecast[last_layer - 1].weight.zero_()
+    decode_last()
+    for layer in range(last_layer):
+        assert torch.equal(masks[("decode", layer)], decoded[layer])
+    cur = (n - 1) // llm.config.selection.block_size
+    free = [b for b in range(cur + 1) if b >= SMALL["init_blocks"] and b <= cur - SMALL["local_blocks"]]
+    heads = masks[("decode", last_layer)][0, :, :cur + 1]
+    for row in heads:
+        assert row.nonzero().flatten().tolist() == sorted({0, cur - 1, cur, *free[:SMALL["topk_blocks"]]})
+    assert not torch.equal(masks[("decode", last_layer)], decoded[last_layer])
 
 
 def llm_dense_logits(llm, ids):
@@ -183,7 +221,8 @@ def test_sparda_random_is_seeded_and_selects_differently_from_sparse(make_tiny):
 
     from sparda import LLM
 
-    small = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=0, topk_blocks=2, local_blocks=2)
+    small = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=0, topk_blocks=2, local_blocks=2,
+                 sparse_prefill=True)  # logits() scores prefill
     path = make_tiny("llama")
     ids = torch.randint(0, 49152, (int(torch.randint(180, 240, ())),)).tolist()
     first = LLM(path, method="sparda-random", device="cpu", **small).logits(ids)

@@ -6,7 +6,7 @@ import torch
 from sparda import LLM
 
 SMALL_BLOCKS = dict(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
-                    topk_blocks=2, dense_len=0)
+                    topk_blocks=2, dense_len=0, sparse_prefill=True)  # logits() scores prefill
 
 
 def test_sparse_with_covering_budget_equals_dense(make_tiny):

@@ -13,16 +13,37 @@ from sparda.kernels.prefill_attention import prefill_attention_triton  # noqa: E
 
 
 def _inputs(groups, dtype=torch.float32, d=32, num_keys=150, num_q=45, block_size=16, seed=0):
+    """Random inputs; ``seed`` offsets the test's recorded seed (tests/conftest.py), so each
+    call site draws its own inputs and a failure replays with SPARDA_TEST_SEED."""
     bsz, heads = 2, 2
-    q = torch.randn(bsz, heads, groups, num_q, d).to(dtype)
-    k = torch.randn(bsz, heads, num_keys, d).to(dtype)
-    v = torch.randn(bsz, heads, num_keys, d).to(dtype)
+    gen = torch.Generator().manual_seed(torch.initial_seed() + seed)
+    q = torch.randn(bsz, heads, groups, num_q, d, generator=gen).to(dtype)
+    k = torch.randn(bsz, heads, num_keys, d, generator=gen).to(dtype)
+    v = torch.randn(bsz, heads, num_keys, d, generator=gen).to(dtype)
     # sequence 0: the last num_q tokens of a full cache; sequence 1: a chunk ending at 97
     kv_len = torch.tensor([num_keys, 97])
     q_pos = torch.stack([torch.arange(num_keys - num_q, num_keys), torch.arange(97 - num_q, 97)])
     num_blocks = -(-num_keys // block_size)
-    mask = torch.rand(bsz, heads, num_q, num_blocks) < 0.35
+    mask = torch.rand(bsz, heads, num_q, num_blocks, generator=gen) < 0.35
     return q, k, v, mask, q_pos, kv_len
+
+
+def _brute_attention(q, k, v, mask, q_pos, kv_len, block_size):
+    """float64 loops: softmax over keys ``i <= q_pos``, ``i < kv_len`` in selected blocks; 0 if none."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    b, h, g, tq, d = q.shape
+    for bb in range(b):
+        for hh in range(h):
+            for t in range(tq):
+                keys = [i for i in range(k.shape[2]) if i <= q_pos[bb, t] and i < kv_len[bb]
+                        and (mask is None or mask[bb, hh, t, i // block_size])]
+                if not keys:
+                    continue
+                kk, vv = k[bb, hh, keys].double(), v[bb, hh, keys].double()
+                for gg in range(g):
+                    p = torch.softmax(kk @ q[bb, hh, gg, t].double() / d ** 0.5, 0)
+                    out[bb, hh, gg, t] = p @ vv
+    return out
 
 
 @pytest.mark.parametrize("groups", [1, 3, 4])
@@ -57,10 +78,14 @@ def test_half_precision(dtype, rel_err):
     assert rel_err(out, ref.float()) < 1e-2
 
 
-def test_cpu_dispatch_and_errors():
-    q, k, v, mask, q_pos, kv_len = _inputs(1, num_keys=40, num_q=8, seed=2)
-    assert torch.equal(prefill_attention(q, k, v, mask, q_pos, kv_len, 16),
-                       reference.block_sparse_attention(q, k, v, mask, q_pos, kv_len, 16))
+def test_cpu_dispatch_and_errors(rel_err):
+    q, k, v, mask, q_pos, kv_len = _inputs(2, num_keys=40, num_q=8, seed=2)
+    mask[0, 0, 3] = False  # a query that sees no key gets 0
+    for m in (mask, None):
+        want = _brute_attention(q, k, v, m, q_pos, kv_len, 16)
+        got = prefill_attention(q, k, v, m, q_pos, kv_len, 16)  # CPU tensors: the PyTorch path
+        assert got.dtype == q.dtype and rel_err(got, want) < 1e-5
+    assert (got[0, 0, :, 3] != 0).all() and (prefill_attention(q, k, v, mask, q_pos, kv_len, 16)[0, 0, :, 3] == 0).all()
     with pytest.raises(SpardaError):
         prefill_attention_triton(q, k, v, mask.float(), q_pos, kv_len, 16)
     with pytest.raises(SpardaError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,9 +18,9 @@ from sparda.kernels.selection import (  # noqa: E402
 # Small geometry with the paper's ratios (k = 2s, B_s = 4s) and a tight budget.
 CFG = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1,
                       local_blocks=2, topk_blocks=3, dense_len=40)
-# Kernel 12 / stride 4 / block 8: a compressed key spans up to three blocks.
-CFG_WIDE = SelectionConfig(block_size=8, kernel_size=12, kernel_stride=4, init_blocks=2,
-                           local_blocks=1, topk_blocks=4, dense_len=0)
+# Kernel 12 / stride 2 / block 8: a compressed key spans up to three blocks.
+CFG_WIDE = SelectionConfig(block_size=8, kernel_size=12, kernel_stride=2, init_blocks=2,
+                           local_blocks=3, topk_blocks=4, dense_len=0)
 
 
 def _check_scores(out, ref):
@@ -103,10 +105,59 @@ def test_bf16_inputs():
                   twins.decode_block_scores_reference(query, ck, q_pos, 9, CFG))
 
 
-def test_cpu_dispatch_and_errors():
-    query, ck, q_pos = torch.randn(1, 2, 16), torch.randn(1, 2, 10, 16), torch.tensor([60])
-    assert torch.equal(select_decode_blocks(query, ck, q_pos, 4, CFG),
-                       twins.select_decode_reference(query, ck, q_pos, 4, CFG))
+def _brute_decode_selection(query, ck, t, cfg, num_ck):
+    """design §3.2-3.4 for one head and one decode token, float64 Python loops.
+
+    ``query [d]`` (Forecast: raw dot products) or ``[G, d]`` (softmax per query head over
+    the visible keys of ``q . ck / sqrt(d)``, summed); ``ck [C, d]``, only the first ``num_ck`` exist. Returns the
+    sorted selected block ids and whether the top-k was decided by a near tie."""
+    k, s, bs = cfg.kernel_size, cfg.kernel_stride, cfg.block_size
+    visible = [j for j in range(num_ck) if j * s + k - 1 <= t]
+    q = query.double().view(-1, query.shape[-1])
+    per_key = {j: 0.0 for j in visible}
+    for g in range(q.shape[0]):
+        logits = [float(q[g] @ ck[j].double()) for j in visible]
+        if query.dim() == 1:
+            per_key = dict(zip(visible, logits))
+            break
+        logits = [x / math.sqrt(q.shape[1]) for x in logits]
+        top = max(logits, default=0.0)
+        z = sum(math.exp(x - top) for x in logits)
+        for j, x in zip(visible, logits):
+            per_key[j] += math.exp(x - top) / z
+    cur = t // bs
+    if t + 1 < cfg.dense_len or cur + 1 <= cfg.budget_blocks:
+        return list(range(cur + 1)), False
+    block = {}
+    for b in range(cur + 1):
+        over = [per_key[j] for j in visible if j * s < (b + 1) * bs and j * s + k > b * bs]
+        block[b] = max(over) if over else -1e30
+    forced = {b for b in range(cur + 1) if b < cfg.init_blocks or b > cur - cfg.local_blocks}
+    rest = sorted((b for b in block if b not in forced), key=lambda b: (-block[b], b))
+    kk = cfg.topk_blocks
+    near = len(rest) > kk and 0 < abs(block[rest[kk - 1]] - block[rest[kk]]) < 1e-5
+    return sorted(forced | set(rest[:kk])), near
+
+
+def test_cpu_dispatch_matches_brute_force_and_errors():
+    """CPU tensors: selection of the decode token against an independent float64 loop."""
+    d, num_blocks = 16, 12
+    q_pos = torch.tensor([int(torch.randint(150, 16 * num_blocks, ())), 97])
+    ck = torch.randn(2, 2, reference.num_compressed(16 * num_blocks, CFG.kernel_size, CFG.kernel_stride), d)
+    ck_len = torch.tensor([30, 20])
+    for query in (torch.randn(2, 2, d) * 2, torch.randn(2, 2, 3, d) * 2):
+        for cut in (None, ck_len):
+            ids, mask = select_decode_blocks(query, ck, q_pos, num_blocks, CFG, ck_len=cut, return_mask=True)
+            for b in range(2):
+                for h in range(2):
+                    num_ck = ck.shape[2] if cut is None else int(cut[b])
+                    want, near = _brute_decode_selection(query[b, h], ck[b, h], int(q_pos[b]), CFG, num_ck)
+                    if near:
+                        continue
+                    assert mask[b, h].nonzero().flatten().tolist() == want
+                    assert ids[b, h][ids[b, h] >= 0].tolist() == want
+    query = torch.randn(1, 2, 16)
+    ck, q_pos = torch.randn(1, 2, 10, 16), torch.tensor([60])
     with pytest.raises(SpardaError):
         select_decode_blocks_triton(query, ck, q_pos.view(1, 1), 4, CFG)
     with pytest.raises(SpardaError):
