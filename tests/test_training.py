@@ -139,3 +139,24 @@ def test_mismatched_weights_are_refused(tmp_path):
             load_forecast(path, other, ModelShape.from_config(other), name)
         message = str(err.value)
         assert "model-A" in message and name in message and "\n" not in message
+
+
+def test_student_follows_the_lookahead_rule():
+    """The student of layer l >= 1 sees the windows complete before the query's token, as the
+    Forecast in decode (design §4); W^C_0's student sees those complete at it. float64 loop."""
+    h, d, t_len = 2, 16, 300
+    t = CFG.kernel_size - 1 + CFG.kernel_stride * int(torch.randint(8, 16, ()).item())  # completes a window
+    f = torch.randn(1, h, 1, d) * 2
+    ck = torch.randn(1, h, (t_len - CFG.kernel_size) // CFG.kernel_stride + 1, d)
+    pos = torch.tensor([[t]])
+    for layer in (0, 1, 3):
+        got = student_distribution(f, ck, pos, CFG, layer)[0, :, 0]
+        last = t if layer == 0 else t - 1
+        for hh in range(h):
+            visible = [j for j in range(ck.shape[2]) if j * CFG.kernel_stride + CFG.kernel_size - 1 <= last]
+            logits = torch.stack([f[0, hh, 0].double() @ ck[0, hh, j].double() for j in visible]) / math.sqrt(d)
+            want = torch.zeros(ck.shape[2], dtype=torch.float64)
+            want[visible] = torch.softmax(logits, 0)
+            assert torch.allclose(got[hh].double(), want, atol=1e-6), layer
+        completed = (t + 1 - CFG.kernel_size) // CFG.kernel_stride
+        assert (got[:, completed] > 0).all() == (layer == 0)
