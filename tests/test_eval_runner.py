@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from sparda.cli import main
@@ -23,7 +25,7 @@ def _plan(model_dir, out):
     text.write_text(TEXT)
     return EvalPlan(text=str(text), tasks=("passkey", "niah-single", "ppl"), methods=("dense", "sparse"), lengths=(400,),
                     samples=2, ppl_windows=1, out=str(out), model=str(model_dir), device="cpu",
-                    depths=(0.3, 0.8), overrides=dict(dense_len=0, topk_blocks=1, local_blocks=1,
+                    depths=(0.3, 0.8), overrides=dict(dense_len=0, topk_blocks=1, local_blocks=2,
                                                       block_size=32))
 
 
@@ -56,10 +58,7 @@ def test_interrupted_run_resumes_without_recomputing(make_tiny, tmp_path, monkey
     assert calls == {"generate": 8, "logits": 2}
     assert set(full) == {"dense", "sparse"} and set(full["dense"]) == {"passkey", "niah-single"}
     ppl = {r["label"]: r for r in load_results(tmp_path / "full" / "results.jsonl") if r["task"] == "ppl"}
-    assert ppl["dense"]["kl"] == pytest.approx(0, abs=1e-9) and ppl["dense"]["top1_agreement"] == 1.0
-    assert ppl["dense"]["ppl"] == pytest.approx(ppl["sparse"]["dense_ppl"])
-    assert ppl["sparse"]["kl"] > 0  # a 3-of-13-block budget really changes the logits
-    assert ppl["sparse"]["positions"] == 200
+    _check_ppl_against_transformers(model_dir, tmp_path / "full", ppl)
 
     calls.update(generate=0, logits=0)
     out = tmp_path / "resumed"
@@ -87,6 +86,39 @@ def test_interrupted_run_resumes_without_recomputing(make_tiny, tmp_path, monkey
     assert calls == {"generate": 0, "logits": 0}
 
 
+def _check_ppl_against_transformers(model_dir, out, ppl):
+    """The ppl records against an independent reference: transformers' own model (float64)
+    for dense, and KL / top-1 agreement / perplexity recomputed in float64 from it and the
+    `sparse` method's block-sparse prefill logits, on the window the runner scores."""
+    import math
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    plan = _plan(model_dir, out)
+    llm = LLM(str(model_dir), method="sparse", device="cpu", sparse_prefill=True, **plan.overrides)
+    text_ids = llm.tokenizer.encode((out.parent / "haystack.txt").read_text(), add_special_tokens=False)
+    length = plan.lengths[0]
+    offset = random.Random(f"ppl-{plan.seed * 1_000_003}-{length}").randint(0, len(text_ids) - length - 1)
+    ids = text_ids[offset:offset + length + 1]
+    first = length // 2
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        dense = torch.log_softmax(hf(torch.tensor([ids[:-1]])).logits[0, first:].double(), -1)
+    sparse = torch.log_softmax(llm.logits(ids[:-1])[first:].double(), -1)
+    targets = torch.tensor(ids[first + 1:])
+    n = len(targets)
+    nll = lambda lp: -float(lp.gather(-1, targets.view(-1, 1)).sum())
+    for label in ("dense", "sparse"):
+        assert ppl[label]["positions"] == n == length - first
+        assert ppl[label]["dense_ppl"] == pytest.approx(math.exp(nll(dense) / n), rel=1e-4)
+    assert ppl["sparse"]["ppl"] == pytest.approx(math.exp(nll(sparse) / n), rel=1e-4)
+    assert ppl["sparse"]["kl"] == pytest.approx(float((dense.exp() * (dense - sparse)).sum()) / n, rel=1e-3, abs=1e-6)
+    agree = float((dense.argmax(-1) == sparse.argmax(-1)).double().mean())
+    assert ppl["sparse"]["top1_agreement"] == pytest.approx(agree, abs=1.5 / n)
+    assert ppl["sparse"]["kl"] > 1e-3 and ppl["sparse"]["prefill"] == "block-sparse"  # 4 of 13 blocks
+
+
 def test_changed_plan_in_same_dir_is_refused(make_tiny, tmp_path):
     plan = _plan(make_tiny("llama"), tmp_path)
     run_eval(plan, max_new_items=1, progress=False)
@@ -104,21 +136,30 @@ def test_cli_errors_are_one_line(tmp_path):
 
 
 def test_selection_task_reports_recall(make_tiny, tmp_path):
+    """The selection records are the report's numbers for the same model, text and length
+    (the report itself is checked against a float64 brute force in test_selection_report)."""
+    from sparda.eval.selection import selection_report
+
     plan = _plan(make_tiny("llama"), tmp_path / "sel")
     plan.tasks, plan.methods = ("selection",), ("dense", "sparse", "oracle")
     run_eval(plan, progress=False)
     sel = {r["label"]: r for r in load_results(tmp_path / "sel" / "results.jsonl")}
     assert sel["dense"]["score"] is None
-    assert sel["sparse"]["recall_vs_sparse"] == pytest.approx(1.0)
-    assert sel["oracle"]["recall_vs_oracle"] == pytest.approx(1.0)
-    assert 0 < sel["sparse"]["mass"] <= 1 + 1e-6
+    llm = LLM(plan.model, method="dense", device="cpu", **plan.overrides)
+    direct = selection_report(llm=llm, text=plan.text, methods=["oracle", "sparse"], lengths=plan.lengths,
+                              queries=16)
+    for name in ("sparse", "oracle"):
+        for key in ("recall_vs_sparse", "recall_vs_oracle", "mass"):
+            assert sel[name][key] == direct[name][f"mean_{key}"]
+        assert sel[name]["score"] == direct[name]["mean_recall_vs_oracle"]
+    assert sel["sparse"]["recall_vs_oracle"] < 1  # the two top-k differ on this model
     assert "Selection quality" in (tmp_path / "sel" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [
     (["--budgets", "150"], "--budgets are percentages in (0, 100], got 150"),
     (["--text", "/no/such/text.txt"], "cannot read --text /no/such/text.txt: no such file or directory"),
-    (["--dense-prefill", "--tasks", "passkey,ppl"], "run ppl without --dense-prefill"),
+    (["--samples", "0"], "--samples >= 1"),
 ])
 def test_late_errors_write_nothing(tmp_path, args, message):
     out = tmp_path / "never"
@@ -127,25 +168,106 @@ def test_late_errors_write_nothing(tmp_path, args, message):
     assert not out.exists()
 
 
-def test_dense_prefill_plan_prefills_densely(make_tiny, tmp_path):
-    """With dense_prefill, a block-sparse method's prefill logits are dense's; without, they differ."""
-    import torch
-
+def test_prefill_mode_of_the_plan(make_tiny, tmp_path):
+    """Generation tasks prefill as the plan says (default at the small preset: dense);
+    ppl always scores block-sparse prefill logits."""
     from sparda.eval.runner import MethodSpec, _Models
 
     plan = _plan(make_tiny("llama"), tmp_path / "dp")
     ids = torch.randint(0, 1000, (300,)).tolist()
-    for dense_prefill in (True, False):
-        plan.dense_prefill = dense_prefill
+    for sparse_prefill in (None, False, True):
+        plan.sparse_prefill = sparse_prefill
         models = _Models(plan)
         sparse, _, _ = models.get(MethodSpec("sparse"), 300)
         got, want = sparse.logits(ids), models.base.logits(ids)
-        assert torch.allclose(got, want, atol=1e-5) == dense_prefill
+        assert torch.allclose(got, want, atol=1e-5) == (sparse_prefill is not True)
+        ppl_llm, _, _ = models.get(MethodSpec("sparse"), 300, sparse_prefill=True)
+        assert not torch.allclose(ppl_llm.logits(ids), want, atol=1e-5)
 
 
-def test_dense_prefill_default_tasks_leave_out_ppl(tmp_path):
+def test_prefill_options_and_fingerprints(tmp_path):
     from sparda.eval.runner import PPL, plan_from_options
 
-    plan = plan_from_options(quick=True, dense_prefill=True, out=str(tmp_path / "q"))
-    assert plan.tasks and PPL not in plan.tasks and plan.dense_prefill
-    assert PPL in plan_from_options(quick=True, out=str(tmp_path / "q")).tasks
+    default = plan_from_options(quick=True, out=str(tmp_path / "q"))
+    dense = plan_from_options(quick=True, sparse_prefill=False, out=str(tmp_path / "q"))
+    sparse = plan_from_options(quick=True, sparse_prefill=True, out=str(tmp_path / "q"))
+    assert PPL in default.tasks and PPL in dense.tasks
+    assert not default.prefill_is_sparse and sparse.prefill_is_sparse
+    assert default.fingerprint() == dense.fingerprint() != sparse.fingerprint()
+    assert plan_from_options(quick=True, preset="paper", out=str(tmp_path / "q")).prefill_is_sparse
+    result = CliRunner().invoke(main, ["eval", "--quick", "--dense-prefill", "--sparse-prefill", "--methods",
+                                       "bogus", "--out", str(tmp_path / "never")])
+    assert result.exit_code == 2 and "bogus" in result.output  # both flags parse (the last one wins)
+
+
+def _brute_slot_hits(fetches):
+    """Hits and misses of the offload slot cache (design §6), replayed with Python sets and
+    lists from the block masks each decode fetch received: a selected block other than the
+    current one is a hit iff a slot holds it; the k-th miss (ascending id) takes the k-th
+    free slot, then the k-th slot whose block is no longer selected (slot order). Also the
+    step-to-step overlap (blocks selected at t and at t-1), a lower bound of the hits."""
+    slots, last, hits, misses, overlap = {}, {}, 0, 0, 0
+    for layer, num_slots, block_size, mask, pos in fetches:
+        for row in range(mask.shape[0]):
+            cur = int(pos[row]) // block_size
+            for head in range(mask.shape[1]):
+                key = (layer, row, head)
+                held = slots.setdefault(key, [-1] * num_slots)
+                want = {b for b in mask[row, head].nonzero().flatten().tolist() if b != cur}
+                hits += len(want & set(held))
+                overlap += len(want & last.get(key, set()))
+                miss = sorted(want - set(held))
+                misses += len(miss)
+                free = [i for i, b in enumerate(held) if b < 0] + [i for i, b in enumerate(held) if b >= 0 and b not in want]
+                for block, i in zip(miss, free):
+                    held[i] = block
+                last[key] = want
+    return hits, misses, overlap
+
+
+def _recording_fetches(monkeypatch):
+    from sparda.cache.offload import OffloadKVCache
+
+    fetches, fetch = [], OffloadKVCache.fetch
+
+    def spy(self, layer, mask, pos, prefetch=False):
+        if layer not in self.resident:
+            fetches.append((layer, self.slots, self.block_size, mask.clone(), pos.clone()))
+        return fetch(self, layer, mask, pos, prefetch)
+
+    monkeypatch.setattr(OffloadKVCache, "fetch", spy)
+    return fetches
+
+
+def test_offloaded_hit_rate_is_the_runtime_count(make_tiny, tmp_path, monkeypatch):
+    """sparse-offload through `sparda eval` and sparda offloaded through the API: the hit rate
+    is measured (not None) and equals a replay of the slot cache from the fetched masks."""
+    from sparda.attention.forecast import Forecast, model_identity, save_forecast
+    from sparda.eval.metrics import runtime_hit_rate
+    from sparda.eval.runner import MethodSpec, _Models, _task_record
+    from sparda.eval.tasks import make_sample
+
+    plan = _plan(make_tiny("llama"), tmp_path / "hit")
+    plan.overrides = dict(dense_len=0, topk_blocks=2, local_blocks=2, block_size=16, kernel_size=8, kernel_stride=4)
+    models = _Models(plan)
+    sample = make_sample("passkey", models.base.tokenizer, TEXT, 400, 0.5, 0)
+    sample = dataclasses.replace(sample, max_new_tokens=12)
+    fetches = _recording_fetches(monkeypatch)
+    record = _task_record(models, MethodSpec("sparse-offload"), sample, 400, 0, 0)
+    hits, misses, overlap = _brute_slot_hits(fetches)
+    assert fetches and record["offload"] and record["hit_rate"] is not None
+    assert record["hit_rate"] == pytest.approx(hits / (hits + misses), abs=1e-12)
+    assert hits >= overlap > 0 and misses > 0
+    assert models.get(MethodSpec("sparse-offload"), 400)[1] is None  # no select() wrapper: decode bypasses it
+
+    llm = LLM(plan.model, method="dense", device="cpu", **plan.overrides)
+    path = tmp_path / "f.safetensors"
+    save_forecast(Forecast.for_shape(llm.shape), path, model_identity(llm.model.config, llm.shape),
+                  dtype=torch.float32)
+    llm = LLM(plan.model, method="sparda", forecast=str(path), offload=True, device="cpu", **plan.overrides)
+    fetches.clear()
+    out = llm.generate([sample.prompt], max_new_tokens=12, ignore_eos=True)[0]
+    hits, misses, overlap = _brute_slot_hits(fetches)
+    assert out.stats["offload"]["hits"] == hits and out.stats["offload"]["misses"] == misses
+    assert runtime_hit_rate(out.stats["offload"]) == pytest.approx(hits / (hits + misses), abs=1e-12)
+    assert hits >= overlap > 0

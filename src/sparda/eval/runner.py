@@ -227,7 +227,7 @@ def _task_record(models: _Models, spec: MethodSpec, sample, length: int, index: 
                 kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
                 hit_rate=hit_rate, seconds=round(time.perf_counter() - start, 2),
                 prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense",
-                offload=bool(llm.config.offload))
+                offload=bool(llm.config.offload) or getattr(llm.method, "offloaded", False))
 
 
 def _ppl_records(models: _Models, specs: list[MethodSpec], todo: list[MethodSpec], text_ids: list[int],
