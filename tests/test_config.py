@@ -36,3 +36,50 @@ def test_unknown_preset_method_and_field():
         SpardaConfig(method="magic")
     with pytest.raises(SpardaError, match="field"):
         SelectionConfig.from_preset("small", topk=3)
+
+
+def test_prefill_mode_per_preset_and_flags():
+    from sparda.config import resolve_sparse_prefill
+
+    assert resolve_sparse_prefill("small") is False and resolve_sparse_prefill("paper") is True
+    for preset in ("small", "paper"):
+        assert resolve_sparse_prefill(preset, True) is True and resolve_sparse_prefill(preset, False) is False
+        assert resolve_sparse_prefill(preset, dense_prefill=True) is False
+        assert resolve_sparse_prefill(preset, dense_prefill=False) is True
+        assert resolve_sparse_prefill(preset, True, False) is True
+    for bad, word in (((True, True), "contradict"), ((1, None), "True or False"), ((None, "yes"), "True or False")):
+        with pytest.raises(SpardaError, match=word):
+            resolve_sparse_prefill("small", *bad)
+    with pytest.raises(SpardaError, match="preset"):
+        resolve_sparse_prefill("huge")
+
+
+def test_llm_and_cli_prefill_defaults(make_tiny, monkeypatch):
+    from click.testing import CliRunner
+
+    from sparda import LLM
+    from sparda.cli import main
+
+    path = str(make_tiny("llama"))
+    assert LLM(path, method="sparse", device="cpu").config.sparse_prefill is False
+    assert LLM(path, method="sparse", device="cpu", preset="paper").config.sparse_prefill is True
+    assert LLM(path, method="sparse", device="cpu", sparse_prefill=True).config.sparse_prefill is True
+    assert LLM(path, method="sparse", device="cpu", preset="paper", dense_prefill=True).config.sparse_prefill is False
+    with pytest.raises(SpardaError, match="contradict"):
+        LLM(path, method="sparse", device="cpu", sparse_prefill=True, dense_prefill=True)
+    seen = {}
+    real = LLM.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        seen["sparse_prefill"] = self.config.sparse_prefill
+
+    runner = CliRunner()
+    for flags, want in (([], False), (["--sparse-prefill"], True), (["--dense-prefill"], False),
+                        (["--preset", "paper", "--dense-len", "64"], True), (["--preset", "paper", "--dense-prefill"], False)):
+        monkeypatch.setattr(LLM, "__init__", spy)
+        result = runner.invoke(main, ["generate", "--model", path, "--method", "sparse", "--device", "cpu",
+                                      "--max-new-tokens", "1", "-p", "hi", *flags])
+        monkeypatch.undo()
+        assert result.exit_code == 0, result.output
+        assert seen["sparse_prefill"] is want, flags
