@@ -281,7 +281,7 @@ def test_dense_fallback_is_said_once(make_tiny, caplog, override, cause):
 def test_selection_is_not_reported_as_dense(make_tiny, caplog):
     from sparda import LLM
 
-    llm = LLM(str(make_tiny("llama")), method="sparse", device="cpu", topk_blocks=1, local_blocks=1,
+    llm = LLM(str(make_tiny("llama")), method="sparse", device="cpu", topk_blocks=1, local_blocks=2,
               block_size=32, kernel_size=32, kernel_stride=16, dense_len=0)
     ids = torch.randint(100, 20000, (int(torch.randint(200, 300, ())),)).tolist()
     with caplog.at_level("WARNING", logger="sparda"):

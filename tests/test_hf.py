@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM
 import sparda.hf
 from sparda import LLM, SpardaError
 
-# A budget that selects at a few hundred tokens: 16-token blocks, 3 + 1 + 1 of them.
-BUDGET = dict(block_size=16, kernel_size=16, kernel_stride=8, topk_blocks=3, local_blocks=1, init_blocks=1,
+# A budget that selects at a few hundred tokens: 16-token blocks, 3 + 2 + 1 of them.
+BUDGET = dict(block_size=16, kernel_size=16, kernel_stride=8, topk_blocks=3, local_blocks=2, init_blocks=1,
               dense_len=64)
 
 

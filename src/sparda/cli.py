@@ -219,7 +219,9 @@ def _print_stream(deltas, count: int) -> None:
 @click.option("--offload/--no-offload", default=None,
               help="KV cache in host memory, selected blocks on the device (design §6) [default: as generate].")
 @click.option("--forecast", default=None, help="Forecast weights (.safetensors) for method sparda.")
-@click.option("--dense-prefill", is_flag=True, default=False, help="Block-sparse methods: dense prefill.")
+@click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
+              help="Block-sparse methods: select in prefill too, or prefill densely [default: dense at "
+                   "--preset small, block-sparse at paper].")
 @click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU].")
 @click.option("--eager", is_flag=True, default=False,
@@ -237,7 +239,7 @@ def _print_stream(deltas, count: int) -> None:
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def serve(model, method, preset, offload, forecast, dense_prefill, device, dtype, eager, host, port, max_batch,
+def serve(model, method, preset, offload, forecast, sparse_prefill, device, dtype, eager, host, port, max_batch,
           max_model_len, max_waiting, served_model_name, drain_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.attention.forecast import model_name
@@ -246,7 +248,7 @@ def serve(model, method, preset, offload, forecast, dense_prefill, device, dtype
 
     sock = bind_socket(host, port)  # a busy port fails before the model loads
     llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype, eager=eager,
-                    offload=offload, forecast=forecast, dense_prefill=dense_prefill)
+                    offload=offload, forecast=forecast, sparse_prefill=sparse_prefill)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
     name = served_model_name or model_name(llm.model_dir) or model or "sparda"
     bound_host, bound_port = sock.getsockname()[:2]

@@ -204,7 +204,7 @@ def _register() -> None:
 
 
 def enable(model, method: str = "sparse", *, preset: str = "small", forecast=None,
-           dense_prefill: bool = False, **overrides):
+           sparse_prefill: bool | None = None, dense_prefill: bool | None = None, **overrides):
     """Make a transformers causal LM attend with a sparda method, in place.
 
     Afterwards ``model.generate(...)`` and ``model(input_ids)`` run sparda's ``method``
@@ -221,7 +221,9 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
             ``kernel_size``, ``kernel_stride``, ``dense_len``).
         forecast: Forecast weights file for ``sparda`` (default: shipped weights for the
             bundled model, found from ``model.name_or_path``).
-        dense_prefill: prefill densely, select in decode only.
+        sparse_prefill: select blocks in prefill too (default: the preset's,
+            :func:`sparda.config.resolve_sparse_prefill`: dense prefill at ``small``,
+            block-sparse at ``paper``); ``dense_prefill`` is its inverse.
     Returns:
         ``model``.
     Raises:
@@ -229,7 +231,7 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
             method, bad budget, missing Forecast weights.
     """
     from sparda.attention.registry import ALWAYS_OFFLOADED, build_method
-    from sparda.config import SelectionConfig, SpardaConfig
+    from sparda.config import SelectionConfig, SpardaConfig, resolve_sparse_prefill
     from sparda.model.llama import ModelShape
     from sparda.model.loader import SUPPORTED_ARCHITECTURES
     from sparda.model.attention_config import check_supported
@@ -247,7 +249,8 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
     shape = ModelShape.from_config(config)
     selection = SelectionConfig.from_preset(preset, **overrides)
     sconfig = SpardaConfig(method=method, selection=selection, forecast_path=forecast,
-                           sparse_prefill=not dense_prefill, offload=False)
+                           sparse_prefill=resolve_sparse_prefill(preset, sparse_prefill, dense_prefill),
+                           offload=False)
     built = build_method(sconfig, shape, model=model, model_dir=getattr(model, "name_or_path", None) or None)
     session = Session(model, sconfig, built, shape)
     _register()
