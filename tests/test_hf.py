@@ -9,7 +9,7 @@ from sparda import LLM, SpardaError
 
 # A budget that selects at a few hundred tokens: 16-token blocks, 3 + 2 + 1 of them.
 BUDGET = dict(block_size=16, kernel_size=16, kernel_stride=8, topk_blocks=3, local_blocks=2, init_blocks=1,
-              dense_len=64)
+              dense_len=64, sparse_prefill=True)  # prefill logits selected too
 
 
 def _hf(path):
