@@ -101,3 +101,14 @@ def make_tiny(tmp_path_factory, bundled_tokenizer):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: tiny decode steps are dominated by thread hand-offs
+    on a busy 2-core machine (about 10x faster on one thread). Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -35,13 +35,7 @@ def _run_staggered(engine, prompts, max_tokens, params=None, every=2):
     return [outputs[s.request_id] for s in seqs]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models decode fastest on one thread (and the 2-core CI machine is shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_dense_requests_joining_a_busy_batch_equal_each_alone_exactly(make_tiny, fresh_seed):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparda.engine.llm import LLM
+from test_offload import forecast_file  # noqa: F401 - fixture
 
 # small blocks so that selection drops blocks at short lengths; dense_len 160 lies inside
 # the generation, so the host-side branch (and the graph key) flips mid-run
@@ -23,32 +24,12 @@ METHODS = [("dense", {}), ("sparse", {}), ("oracle", {}), ("infinigen", {}), ("s
            ("sparda", {"offload": True}), ("sparse-offload", {}), ("sparda-no-prefetch", {})]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny(make_tiny):
     return make_tiny("llama")
-
-
-@pytest.fixture(scope="module")
-def forecast_file(tiny, tmp_path_factory):
-    from sparda.attention.forecast import Forecast, model_identity, save_forecast
-
-    llm = LLM(str(tiny), method="dense", device="cpu")
-    gen = torch.Generator().manual_seed(1)
-    forecast = Forecast.for_shape(llm.shape)
-    with torch.no_grad():
-        for p in forecast.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    path = tmp_path_factory.mktemp("forecast") / "f.safetensors"
-    save_forecast(forecast, path, model_identity(llm.model.config, llm.shape), dtype=torch.float32)
-    return str(path)
 
 
 def _llm(tiny, forecast_file, method, extra):

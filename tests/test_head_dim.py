@@ -11,8 +11,10 @@ import torch
 from sparda import kernels
 from sparda.config import SelectionConfig
 from sparda.kernels import reference as ref
-from test_offload import SMALL, _llm, _run_lockstep, forecast_file, one_thread  # noqa: F401 - fixtures
+from test_offload import SMALL, _llm, _run_lockstep, forecast_file  # noqa: F401 - fixtures
 from test_reference import brute_select
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CFG = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
                       topk_blocks=3, dense_len=0)

@@ -30,14 +30,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny decode steps are dominated by thread hand-offs on a busy 2-core box: one thread
-    is ~10x faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

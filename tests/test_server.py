@@ -22,13 +22,7 @@ from sparda.server import bind_socket, create_app
 MODEL = "tiny-test"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Server, engine and clients share 2 cores: one torch thread decodes tiny models fastest."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Running:
