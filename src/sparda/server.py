@@ -202,6 +202,14 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             return _error(500, "the engine failed while running this request (see the server log)", "server_error")
         return None
 
+    async def reply(stream: _Stream, request: Request, build):
+        """The non-streamed answer: ``build(outputs)`` once every output is in, or the
+        error for a client that went away or a failed engine."""
+        outputs = await collect(stream, request)
+        if outputs is None:
+            return _error(499, "client closed the request", "client_disconnected")
+        return failed(outputs) or JSONResponse(build(outputs))
+
     @app.get("/health")
     async def health():
         if not engine.accepting or not engine.alive:
@@ -234,10 +242,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             return stream
         rid = new_id("cmpl")
         if not body.stream:
-            outputs = await collect(stream, request)
-            if outputs is None:
-                return _error(499, "client closed the request", "client_disconnected")
-            return failed(outputs) or JSONResponse(completion_response(rid, model_name, outputs, tokenizer))
+            return await reply(stream, request, lambda outs: completion_response(rid, model_name, outs, tokenizer))
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -281,10 +286,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             return stream
         rid = new_id("chatcmpl")
         if not body.stream:
-            outputs = await collect(stream, request)
-            if outputs is None:
-                return _error(499, "client closed the request", "client_disconnected")
-            return failed(outputs) or JSONResponse(chat_response(rid, model_name, outputs[0], tokenizer))
+            return await reply(stream, request, lambda outs: chat_response(rid, model_name, outs[0], tokenizer))
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

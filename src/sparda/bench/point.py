@@ -322,8 +322,7 @@ def copy_timing(llm: LLM, cache, step, steps: int) -> dict:
     device timestamps on (:mod:`sparda.cache.timestamps`): a runner of its own, so the
     throughput graphs stay free of the timestamp kernels."""
     pref = cache.prefetcher
-    pref.timing = True
-    pref.reset()
+    pref.set_timing(True)
     timed = DecodeRunner(llm, cache, cuda_graphs=llm.cuda_graphs)
     timed.load(llm.runner(cache).tokens, llm.runner(cache).positions)
     try:
@@ -337,8 +336,6 @@ def copy_timing(llm: LLM, cache, step, steps: int) -> dict:
         pref.resolve()
         copy, exposed = pref.copy_ms / steps, pref.exposed_ms / steps
     finally:
-        pref.timing = False
-        pref._clock = None  # the timed graph goes with its runner
-        pref.reset()
+        pref.set_timing(False)  # the timed graph goes with its runner
     return {"copy_ms": round(copy, 4), "exposed_wait_ms": round(exposed, 4),
             "hidden_fraction": round(1 - exposed / copy, 4) if copy > 0 else None}

@@ -114,6 +114,13 @@ class Prefetcher:
 
             self._clock = DeviceClock(self.num_layers, self.device)
 
+    def set_timing(self, enabled: bool) -> None:
+        """Turn copy timing on or off and zero the counters. Graphs captured before keep
+        the timestamp kernels they were captured with (a runner per setting)."""
+        self.timing = bool(enabled)
+        self._clock = None
+        self.reset()
+
     def fetch(self, layer: int, copy_fn, hits: torch.Tensor, misses: torch.Tensor,
               keep: tuple, prefetch: bool) -> None:
         """Run ``copy_fn()`` (the gather of one layer's misses) and count.
