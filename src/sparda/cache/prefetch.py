@@ -25,42 +25,7 @@ import time
 
 import torch
 
-
-def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
-    """Diff a selection against the resident slots (device-side, static shapes).
-
-    Args:
-        slot_map: ``[B, H, S]`` int64 logical block per slot, ``-1`` empty.
-        want: ``[B, H, N]`` bool, the blocks to make resident (at most ``S`` per row).
-    Returns:
-        ``(load, new_map, hits, misses)``: ``load [B, H, S]`` int64 block to copy into
-        each slot (``-1`` none); ``new_map [B, H, S]`` the block map afterwards;
-        ``hits, misses`` ``[B, H]`` int64 counts.
-    """
-    b, h, s = slot_map.shape
-    n = want.shape[-1]
-    dev = slot_map.device
-    ext = torch.cat([want, want.new_zeros(b, h, 1)], -1)  # index n = "empty"
-    held = torch.where(slot_map < 0, n, slot_map)
-    hit_slot = torch.gather(ext, -1, held)  # [B,H,S] slot's block is wanted
-    resident = torch.zeros(b, h, n + 1, dtype=torch.bool, device=dev).scatter_(-1, held, True)[..., :n]
-    miss = want & ~resident
-    hits = hit_slot.sum(-1)
-    misses = miss.sum(-1)
-    # k-th miss (ascending block id) -> k-th replaceable slot (empty first, then stale)
-    blocks = torch.arange(n, device=dev)
-    miss_ids = torch.sort(torch.where(miss, blocks, n), dim=-1).values
-    if n < s:
-        miss_ids = torch.cat([miss_ids, miss_ids.new_full((b, h, s - n), n)], -1)
-    miss_ids = miss_ids[..., :s]
-    slots = torch.arange(s, device=dev)
-    priority = torch.where(hit_slot, 2, torch.where(slot_map < 0, 0, 1)) * s + slots
-    order = torch.sort(priority, dim=-1).indices  # replaceable slots first
-    load_sorted = torch.where(torch.gather(hit_slot, -1, order), n, miss_ids)
-    load = torch.full_like(slot_map, n).scatter_(-1, order, load_sorted)
-    load = torch.where(load >= n, -1, load)
-    new_map = torch.where(load >= 0, load, slot_map)
-    return load, new_map, hits, misses
+from sparda.kernels.twins import diff_slots  # noqa: F401  (the slot diff's PyTorch twin)
 
 
 class Prefetcher:

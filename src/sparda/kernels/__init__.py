@@ -24,7 +24,9 @@ try:  # Triton is optional: without it every call takes the PyTorch twin.
     from sparda.kernels import compress as _compress
     from sparda.kernels import decode_attention as _decode
     from sparda.kernels import prefill_attention as _prefill
+    from sparda.kernels import rope_append as _rope_append
     from sparda.kernels import selection as _selection
+    from sparda.kernels import slot_diff as _slot_diff
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
@@ -35,7 +37,9 @@ __all__ = [
     "decode_attention",
     "decode_attention_slots",
     "prefill_attention",
+    "rope_append",
     "select_decode_blocks",
+    "slot_diff",
     "update_compressed_keys",
 ]
 
@@ -205,3 +209,71 @@ def update_compressed_keys(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tens
         _compress.update_compressed_keys_triton(k, ck, kv_len, kernel, stride)
     else:
         twins.update_compressed_keys_reference(k, ck, kv_len, kernel, stride)
+
+
+def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
+              num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None) -> None:
+    """Diff one layer's selection against its GPU slots, in place (design §6; no host sync).
+
+    Selected blocks already in a slot are hits and stay; the ``k``-th missed block
+    (ascending id) goes to the ``k``-th replaceable slot: empty slots first, then slots
+    whose block is no longer selected, each in slot order. The current block (``pos //
+    block_size``) is never loaded: it lives in the partial slot.
+
+    Args:
+        ids: ``[B, H, W]`` int32/int64 selected block ids, ``-1`` padded, each at most once
+            per row (``W <= S + 1``; e.g. :func:`select_decode_blocks` with ``width = S``).
+        slot_map: ``[B, H, S]`` int64 block held by each slot (``-1`` empty); updated.
+        pos: ``[B]`` int64 position of this step's token.
+        block_size: tokens per block. num_blocks: ``N``, an upper bound of the block ids.
+        load: ``[B, H, S]`` int64 output: block to copy into each slot, ``-1`` none.
+        attn_ids: ``[B, H, S + 1]`` int32/int64 output: logical block of each slot for this
+            step's attention (``-1`` not selected), the current block last (the partial slot).
+        counters: optional ``(hits, misses, blocks_read, blocks_valid)``, each ``[B]`` int64,
+            incremented: hits and misses summed over heads, blocks read = selected ids
+            (the current block included), blocks valid = ``pos // block_size + 1`` per head.
+    Raises:
+        SpardaError: mismatched shapes or dtypes (Triton path).
+    """
+    if _on_triton(ids, slot_map, pos, load, attn_ids):
+        _slot_diff.slot_diff_triton(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters)
+    else:
+        twins.slot_diff_reference(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters)
+
+
+def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst: torch.Tensor, v_dst: torch.Tensor,
+                ck: torch.Tensor, *, num_kv_heads: int, group: int, num_f: int, block_size: int,
+                kernel: int, stride: int, slot: int | None = None, ring: torch.Tensor | None = None,
+                host: tuple[torch.Tensor, torch.Tensor] | None = None,
+                lengths: torch.Tensor | None = None) -> None:
+    """RoPE + KV append + compressed-key update of one decode token per row, in place (design §3.1, §6).
+
+    Args:
+        qkv: ``[B, (H_q + (2 + num_f) * H_kv) * d]`` one layer's stacked projection output:
+            queries, keys, values, then ``num_f`` Forecast heads per KV head.
+        cos, sin: ``[B, 1, 1, d]`` RoPE tables of this step's positions (storage dtype).
+        pos: ``[B]`` int64 token positions.
+        q_out: ``[B, H_q, d]`` output, rotated queries. f_out: ``[B, num_f, H_kv, d]``
+            output, rotated Forecast heads (``None`` if ``num_f == 0``).
+        k_dst, v_dst: the full cache ``[B, H_kv, T, d]`` (``slot is None``) or an offload
+            slot buffer ``[B, H_kv, S + 1, block_size, d]`` whose slot ``slot`` is the
+            partial block (the token goes to ``pos % block_size`` there).
+        ck: ``[B, H_kv, C_cap, d]`` compressed keys, updated when the token completes a window.
+        num_kv_heads, group: ``H_kv`` and ``G``. num_f: Forecast heads per KV head.
+        block_size, kernel, stride: tokens (selection config).
+        ring: ``[B, H_kv, kernel, d]`` the last ``kernel`` keys (offload cache), updated;
+            ``None``: the window is read from ``k_dst`` (full cache only).
+        host: optional ``(k, v)`` host store ``[B, H_kv, N, block_size, d]`` (pinned) that
+            also receives the token.
+        lengths: optional ``[B]`` int64, set to ``pos + 1`` (the model's last layer).
+    The Triton kernel runs on CUDA tensors with a power-of-two head dim >= 16; otherwise
+    the twin (:func:`sparda.kernels.twins.rope_append_reference`).
+    """
+    args = (qkv, cos, sin, pos, q_out, f_out, k_dst, v_dst, ck)
+    kw = dict(num_kv_heads=num_kv_heads, group=group, num_f=num_f, block_size=block_size, kernel=kernel,
+              stride=stride, slot=slot, ring=ring, host=host, lengths=lengths)
+    if _on_triton(qkv, k_dst, ck) and supported_head_dim(q_out.shape[-1]):
+        _rope_append.rope_append_triton(*args, **kw)
+    else:
+        twins.rope_append_reference(*args, **kw)

@@ -183,3 +183,108 @@ def update_compressed_keys_reference(k: torch.Tensor, ck: torch.Tensor, kv_len: 
     old = torch.gather(ck, 2, jc)[:, :, 0]
     new = torch.where(do.view(-1, 1, 1), win, old)
     ck.scatter_(2, jc, new[:, :, None])
+
+
+def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
+    """Diff a selection against the resident slots (device-side, static shapes).
+
+    Args:
+        slot_map: ``[B, H, S]`` int64 logical block per slot, ``-1`` empty.
+        want: ``[B, H, N]`` bool, the blocks to make resident (at most ``S`` per row).
+    Returns:
+        ``(load, new_map, hits, misses)``: ``load [B, H, S]`` int64 block to copy into
+        each slot (``-1`` none); ``new_map [B, H, S]`` the block map afterwards;
+        ``hits, misses`` ``[B, H]`` int64 counts.
+    """
+    b, h, s = slot_map.shape
+    n = want.shape[-1]
+    dev = slot_map.device
+    ext = torch.cat([want, want.new_zeros(b, h, 1)], -1)  # index n = "empty"
+    held = torch.where(slot_map < 0, n, slot_map)
+    hit_slot = torch.gather(ext, -1, held)  # [B,H,S] slot's block is wanted
+    resident = torch.zeros(b, h, n + 1, dtype=torch.bool, device=dev).scatter_(-1, held, True)[..., :n]
+    miss = want & ~resident
+    hits = hit_slot.sum(-1)
+    misses = miss.sum(-1)
+    # k-th miss (ascending block id) -> k-th replaceable slot (empty first, then stale)
+    blocks = torch.arange(n, device=dev)
+    miss_ids = torch.sort(torch.where(miss, blocks, n), dim=-1).values
+    if n < s:
+        miss_ids = torch.cat([miss_ids, miss_ids.new_full((b, h, s - n), n)], -1)
+    miss_ids = miss_ids[..., :s]
+    slots = torch.arange(s, device=dev)
+    priority = torch.where(hit_slot, 2, torch.where(slot_map < 0, 0, 1)) * s + slots
+    order = torch.sort(priority, dim=-1).indices  # replaceable slots first
+    load_sorted = torch.where(torch.gather(hit_slot, -1, order), n, miss_ids)
+    load = torch.full_like(slot_map, n).scatter_(-1, order, load_sorted)
+    load = torch.where(load >= n, -1, load)
+    new_map = torch.where(load >= 0, load, slot_map)
+    return load, new_map, hits, misses
+
+
+def slot_diff_reference(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
+                        num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None) -> None:
+    """PyTorch twin of :func:`sparda.kernels.slot_diff` (in place; :func:`diff_slots` on the
+    mask of ``ids`` minus the current block; ``num_blocks`` bounds the block ids). No shape checks."""
+    cur = (pos // block_size).view(-1, 1, 1)
+    want = ids_to_block_mask(ids, num_blocks)
+    want &= torch.arange(num_blocks, device=ids.device).view(1, 1, -1) != cur
+    new_load, new_map, hits, misses = diff_slots(slot_map, want)
+    ext = torch.cat([want, want.new_zeros(*want.shape[:2], 1)], -1)
+    selected = torch.gather(ext, -1, torch.where(new_map < 0, num_blocks, new_map))
+    load.copy_(new_load)
+    slot_map.copy_(new_map)
+    attn_ids[..., :-1] = torch.where(selected, new_map, -1).to(attn_ids.dtype)
+    attn_ids[..., -1] = cur.view(-1, 1).to(attn_ids.dtype)
+    if counters is not None:
+        c_hits, c_misses, c_read, c_valid = counters
+        c_hits.add_(hits.sum(-1))
+        c_misses.add_(misses.sum(-1))
+        c_read.add_((ids >= 0).sum((-1, -2)))
+        c_valid.add_((cur.view(-1) + 1) * ids.shape[1])
+
+
+def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                          q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst: torch.Tensor,
+                          v_dst: torch.Tensor, ck: torch.Tensor, *, num_kv_heads: int, group: int, num_f: int,
+                          block_size: int, kernel: int, stride: int, slot: int | None = None,
+                          ring: torch.Tensor | None = None, host=None, lengths: torch.Tensor | None = None) -> None:
+    """PyTorch twin of :func:`sparda.kernels.rope_append` (in place; the arguments' meaning
+    is documented there). Built from ``reference.apply_rope`` and advanced indexing, the
+    way the caches' own decode ``append`` writes (design §3.1, §6). No shape checks."""
+    bsz = qkv.shape[0]
+    d = q_out.shape[-1]
+    hq, hk = num_kv_heads * group, num_kv_heads
+    parts = qkv.view(bsz, hq + (2 + num_f) * hk, 1, d)  # [B, heads, 1, d]
+    c, s = cos.view(bsz, 1, 1, d), sin.view(bsz, 1, 1, d)
+    q_out.copy_(reference.apply_rope(parts[:, :hq], c, s)[:, :, 0])
+    k = reference.apply_rope(parts[:, hq:hq + hk], c, s)[:, :, 0]  # [B, H, d]
+    v = parts[:, hq + hk:hq + 2 * hk, 0]
+    if num_f:
+        f = reference.apply_rope(parts[:, hq + 2 * hk:], c, s)[:, :, 0]
+        f_out.copy_(f.view(bsz, num_f, hk, d))
+    rows = torch.arange(bsz, device=qkv.device)
+    if slot is None:
+        k_dst[rows, :, pos] = k.to(k_dst.dtype)
+        v_dst[rows, :, pos] = v.to(v_dst.dtype)
+    else:
+        k_dst[rows, :, slot, pos % block_size] = k.to(k_dst.dtype)
+        v_dst[rows, :, slot, pos % block_size] = v.to(v_dst.dtype)
+    if host is not None:
+        host[0][rows, :, pos // block_size, pos % block_size] = k.to(host[0].dtype)
+        host[1][rows, :, pos // block_size, pos % block_size] = v.to(host[1].dtype)
+    done = pos + 1 - kernel
+    j = done.clamp(min=0) // stride
+    ready = (done >= 0) & (done % stride == 0) & (j < ck.shape[2])
+    if ring is not None:
+        ring[rows, :, pos % kernel] = k.to(ring.dtype)
+        window = ring.float()  # [B, H, kernel, d]: the last `kernel` keys
+    else:
+        start = (j * stride).view(-1, 1) + torch.arange(kernel, device=pos.device)
+        start = start.clamp(max=k_dst.shape[2] - 1)
+        window = k_dst[rows.view(-1, 1), :, start].float().transpose(1, 2)  # [B, H, kernel, d]
+    new = window.mean(2).to(ck.dtype)
+    jc = j.clamp(max=ck.shape[2] - 1)
+    ck[rows, :, jc] = torch.where(ready.view(-1, 1, 1), new, ck[rows, :, jc])
+    if lengths is not None:
+        lengths.copy_(pos + 1)

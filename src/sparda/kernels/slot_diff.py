@@ -1,0 +1,111 @@
+"""The offload runtime's slot diff in one Triton kernel (design §6): no sort, no host read.
+
+One program per (row, KV head) compares the selected block ids with the layer's block
+map and, in registers, produces everything the rest of the step needs:
+
+* ``load [B, H, S]``: the block each slot must receive (``-1``: none), the gather's input;
+* the block map ``slot_map [B, H, S]`` updated in place;
+* ``attn_ids [B, H, S + 1]``: the logical block each slot contributes to this step's
+  attention (``-1``: not selected), plus the current (partial) block in the last entry;
+* per-row counters, added atomically: hits, misses, blocks read, blocks valid.
+
+The assignment is that of :func:`sparda.cache.prefetch.diff_slots` (its PyTorch twin):
+selected blocks already held stay in their slot (hits); the ``k``-th missed block in
+ascending id order goes to the ``k``-th replaceable slot, empty slots first, then slots
+whose block is no longer selected, each in slot order. Membership is an ``[S, W]``
+comparison matrix (``S, W <= 128`` at the presets), so nothing is sorted.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparda.errors import SpardaError
+from sparda.kernels._common import next_pow2
+
+
+@triton.jit
+def _slot_diff_kernel(
+    IDS, SLOT_MAP, POS, LOAD, ATTN, HITS, MISSES, READ, VALID,
+    H, W, S,
+    BS: tl.constexpr, W_P: tl.constexpr, S_P: tl.constexpr, COUNT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // H
+    row = pid.to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int64)
+    cur = pos // BS
+    offs_w = tl.arange(0, W_P)
+    offs_s = tl.arange(0, S_P)
+    s_ok = offs_s < S
+    ids = tl.load(IDS + row * W + offs_w, mask=offs_w < W, other=-1).to(tl.int64)
+    wanted = (ids >= 0) & (ids != cur)
+    held = tl.load(SLOT_MAP + row * S + offs_s, mask=s_ok, other=-1)
+    same = (held[:, None] == ids[None, :]) & wanted[None, :] & (held[:, None] >= 0)  # [S_P, W_P]
+    hit_slot = tl.max(same.to(tl.int32), 1) > 0
+    resident = tl.max(same.to(tl.int32), 0) > 0
+    miss = wanted & (~resident)
+    miss_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
+    empty = s_ok & (held < 0)
+    stale = s_ok & (held >= 0) & (~hit_slot)
+    n_empty = tl.sum(empty.to(tl.int32), 0)
+    slot_rank = tl.where(empty, tl.cumsum(empty.to(tl.int32), 0) - 1,
+                         tl.where(stale, n_empty + tl.cumsum(stale.to(tl.int32), 0) - 1, -1))
+    take = (slot_rank[:, None] == miss_rank[None, :]) & miss[None, :] & (slot_rank[:, None] >= 0)
+    load = tl.max(tl.where(take, ids[None, :], -1), 1)
+    new_map = tl.where(load >= 0, load, held)
+    selected = hit_slot | (load >= 0)
+    tl.store(LOAD + row * S + offs_s, load, mask=s_ok)
+    tl.store(SLOT_MAP + row * S + offs_s, new_map, mask=s_ok)
+    tl.store(ATTN + row * (S + 1) + offs_s, tl.where(selected, new_map, -1).to(ATTN.dtype.element_ty), mask=s_ok)
+    tl.store(ATTN + row * (S + 1) + S, cur.to(ATTN.dtype.element_ty))
+    if COUNT:
+        tl.atomic_add(HITS + b, tl.sum(hit_slot.to(tl.int64), 0))
+        tl.atomic_add(MISSES + b, tl.sum(miss.to(tl.int64), 0))
+        tl.atomic_add(READ + b, tl.sum((ids >= 0).to(tl.int64), 0))
+        tl.atomic_add(VALID + b, cur + 1)
+
+
+def slot_diff_triton(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
+                     num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None) -> None:
+    """Triton slot diff (see :func:`sparda.kernels.slot_diff`); writes its outputs in place.
+
+    Raises:
+        SpardaError: shapes, dtypes or devices that do not match.
+    """
+    check_slot_diff(ids, slot_map, pos, load, attn_ids, counters)
+    bsz, heads, width = ids.shape
+    slots = slot_map.shape[-1]
+    count = counters is not None
+    hits, misses, read, valid = counters if count else (pos, pos, pos, pos)
+    _slot_diff_kernel[(bsz * heads,)](
+        ids, slot_map, pos, load, attn_ids, hits, misses, read, valid, heads, width, slots,
+        BS=block_size, W_P=next_pow2(max(width, 2)), S_P=next_pow2(max(slots, 2)), COUNT=count,
+        num_warps=4 if slots * width <= 4096 else 8)
+
+
+def check_slot_diff(ids, slot_map, pos, load, attn_ids, counters) -> None:
+    """Validate :func:`sparda.kernels.slot_diff` operands (shapes, dtypes, contiguity).
+
+    Raises:
+        SpardaError: naming the operand that does not match.
+    """
+    if ids.dim() != 3 or slot_map.dim() != 3 or ids.shape[:2] != slot_map.shape[:2]:
+        raise SpardaError(f"ids [B, H, W] and slot_map [B, H, S] must share B and H, got "
+                          f"{tuple(ids.shape)} and {tuple(slot_map.shape)}")
+    bsz, heads, slots = slot_map.shape
+    if ids.shape[-1] > slots + 1:
+        raise SpardaError(f"{ids.shape[-1]} selected ids cannot fit {slots} slots plus the partial one")
+    if slot_map.dtype != torch.int64 or load.dtype != torch.int64 or load.shape != slot_map.shape:
+        raise SpardaError("slot_map and load must be int64 [B, H, S]")
+    if attn_ids.shape != (bsz, heads, slots + 1) or attn_ids.dtype not in (torch.int32, torch.int64):
+        raise SpardaError(f"attn_ids must be int32/int64 [B, H, S + 1], got {tuple(attn_ids.shape)}")
+    if pos.shape != (bsz,):
+        raise SpardaError(f"pos must be [B]={bsz}, got {tuple(pos.shape)}")
+    tensors = [ids, slot_map, load, attn_ids, pos] + list(counters or ())
+    if any(not t.is_contiguous() for t in tensors):
+        raise SpardaError("slot diff operands must be contiguous")
+    if counters is not None and any(c.shape != (bsz,) or c.dtype != torch.int64 for c in counters):
+        raise SpardaError("slot diff counters must be int64 [B]")
