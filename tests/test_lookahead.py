@@ -20,6 +20,8 @@ import math
 import pytest
 import torch
 
+from sparda.kernels import twins
+
 from sparda.attention.forecast import Forecast, ForecastAttention
 from sparda.attention.infinigen import InfiniGenAttention
 from sparda.attention.offload import OffloadedForecastAttention, SpardaNoPrefetchAttention
@@ -123,6 +125,16 @@ def _run(llm, method, ids: list[int], split: int):
             masks[(int(step.q_pos[0, -1]), layer_of["now"])] = read_mask[0].clone()
         return count(step, read_mask)
 
+    offloaded = hasattr(method, "_attend_decode")
+    if offloaded:  # offloaded decode counts in the slot diff: read what attention reads instead
+        attend_decode = method._attend_decode
+
+        def spy_decode(layer, q, ids, cache, step):
+            read = cache.attn_ids[layer] if cache.is_offloaded(layer) else ids
+            masks[(int(step.q_pos[0, -1]), layer)] = twins.ids_to_block_mask(read[0], cache.num_blocks)
+            return attend_decode(layer, q, ids, cache, step)
+
+        method._attend_decode = spy_decode
     method.attend, method._count = spy_attend, spy_count
     try:
         method.reset()
@@ -132,6 +144,8 @@ def _run(llm, method, ids: list[int], split: int):
             llm.decode(cache, torch.tensor([ids[t]]), torch.tensor([t]))
     finally:
         del method.attend, method._count
+        if offloaded:
+            del method._attend_decode
     return masks, {layer: torch.cat(rows) for layer, rows in hidden.items()}
 
 

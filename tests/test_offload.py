@@ -174,7 +174,7 @@ def test_diff_counters_against_brute_force():
         for bef, wnt, aft in zip(before, wanted, after):
             assert wnt <= aft and len(aft) <= s
             evictions += len(bef - aft)
-        assert torch.equal(cache._selected[layer], torch.stack(
+        assert torch.equal(cache.attn_ids[layer][..., :-1] >= 0, torch.stack(
             [torch.tensor([blk in wanted[i * h + j] for blk in cache.slot_map[layer][i, j].tolist()])
              for i in range(b) for j in range(h)]).view(b, h, s))
         for i in range(b):

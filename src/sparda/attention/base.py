@@ -91,6 +91,24 @@ class AttentionMethod:
         else:
             self.stats[key] = value.to(torch.long) + int(cur)
 
+    def _counters(self, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(blocks_read, blocks_valid)``: ``[B]`` int64 device counters of this decode step's
+        rows, allocated on first use, for kernels that count in place (the slot diff)."""
+        b, dev = step.q_pos.shape[0], step.q_pos.device
+        for key in ("blocks_read", "blocks_valid"):
+            cur = self.stats[key]
+            if not (torch.is_tensor(cur) and cur.shape == (b,) and cur.device == dev):
+                self.stats[key] = torch.zeros(b, dtype=torch.long, device=dev)
+        return self.stats["blocks_read"], self.stats["blocks_valid"]
+
+    def _count_ids(self, step, ids: torch.Tensor) -> None:
+        """:meth:`_count` from selected block ids ``[B, H, W]`` (``-1`` padded) instead of a mask."""
+        if step.phase != "decode":
+            return
+        valid = (step.q_pos[:, -1] // self.selection.block_size + 1) * self.shape.num_kv_heads
+        self._accumulate("blocks_read", (ids >= 0).sum((-1, -2)))
+        self._accumulate("blocks_valid", valid)
+
     def _count_dense(self, step) -> None:
         self._count(step, None)
 

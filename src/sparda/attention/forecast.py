@@ -290,6 +290,24 @@ class ForecastAttention(BlockSparseMethod):
         self._queries.clear()
         self._masks.clear()
 
+    def forecast_query(self, target_layer: int, h: torch.Tensor, step) -> torch.Tensor:
+        """Forecast queries ``[B, H_kv, d]`` of one decode token for ``target_layer``: the
+        fused decode step's precomputed ones (``step.projections``, from the stacked QKV(+F)
+        GEMM, design §6) if present, else :meth:`Forecast.project` of ``h [B, 1, d_model]``."""
+        pre = getattr(step, "projections", None)
+        if pre and target_layer in pre:
+            return pre[target_layer]
+        return self.forecast.project(target_layer, h, step.cos, step.sin)[:, :, -1]
+
+    def stacked_heads(self, layer: int) -> list[tuple[int, torch.nn.Linear]]:
+        """Extra heads the fused decode step stacks into layer ``layer``'s QKV GEMM
+        (:class:`sparda.model.fused.FusedDecoder`): ``[(target_layer, projection), ...]``,
+        ``W^C_0`` at layer 0 and ``F_layer`` (scoring layer ``layer+1``) below the last layer."""
+        heads = [(0, self.forecast.current)] if layer == 0 else []
+        if layer + 1 < self.shape.num_layers:
+            heads.append((layer + 1, self.forecast.forecast[layer]))
+        return heads
+
     def predict_next(self, layer: int, h: torch.Tensor, cache, step) -> torch.Tensor:
         """Layer ``layer+1``'s block mask, computed during layer ``layer`` (decode).
 
@@ -303,16 +321,18 @@ class ForecastAttention(BlockSparseMethod):
         cfg = self.selection
         num_tokens = step.max_kv_len
         _, _, ck = cache.view(layer + 1, step.rows, max(num_tokens - 1, 0))
-        f = self.forecast.project(layer + 1, h, step.cos, step.sin)
         num_blocks = -(-num_tokens // cfg.block_size)
-        if f.is_cuda and f.shape[-2] == 1:
+        if h.is_cuda and h.shape[-2] == 1:
             # Triton: fused scoring + pooling + rule; ck_len cuts each row to the keys
             # complete before this step's token (no host sync).
+            f = self.forecast_query(layer + 1, h, step)
             pos = step.q_pos[:, -1]
             ck_len = torch.where(pos >= cfg.kernel_size, (pos - cfg.kernel_size) // cfg.kernel_stride + 1, 0)
-            _, mask = kernels.select_decode_blocks(f[:, :, -1, :], ck, pos, num_blocks, cfg,
+            _, mask = kernels.select_decode_blocks(f, ck, pos, num_blocks, cfg,
                                                    ck_len=ck_len, return_mask=True)
             return mask.unsqueeze(2)
+        f = self.forecast_query(layer + 1, h, step).unsqueeze(2) if h.shape[-2] == 1 else \
+            self.forecast.project(layer + 1, h, step.cos, step.sin)
         scores = ref.forecast_scores(f, ck, step.q_pos - 1, cfg.kernel_size, cfg.kernel_stride)
         blocks = ref.pool_to_blocks(scores, num_blocks, cfg)
         return ref.select_blocks(blocks, step.q_pos, cfg)
@@ -337,7 +357,7 @@ class ForecastAttention(BlockSparseMethod):
                 self._queries[layer + 1] = self.forecast.project(layer + 1, h, step.cos, step.sin)
             return
         if layer == 0:
-            self._queries[0] = self.forecast.project(0, h, step.cos, step.sin)
+            self._queries[0] = self.forecast_query(0, h, step).unsqueeze(2)
         if layer + 1 < self.shape.num_layers:
             self._masks[layer + 1] = self.predict_next(layer, h, cache, step)
 

@@ -40,7 +40,8 @@ class OffloadDecodeMixin:
 
     def _select(self, query: torch.Tensor, ck: torch.Tensor, pos: torch.Tensor, cache,
                 ck_len: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode selection ``[B, H, N]`` bool from ``query`` ([B,H,G,d] or [B,H,d]).
+        """Decode selection: block ids ``[B, H, S]`` int32, ascending, ``-1`` padded (``S`` =
+        the cache's slots), from ``query`` ([B,H,G,d] or Forecast [B,H,d]).
 
         On CUDA ``N = N_cap`` and the whole compressed-key buffer is scored (static shapes,
         no host sync). On the CPU, where reading the length costs nothing, ``N`` and the
@@ -52,21 +53,25 @@ class OffloadDecodeMixin:
             live = int(pos.max()) + 1
             num_blocks = -(-live // self.selection.block_size)
             ck = ck[:, :, :cache.num_compressed(live if ck_len is None else live - 1)]
-        _, mask = kernels.select_decode_blocks(query, ck, pos, num_blocks, self.selection,
-                                               ck_len=ck_len, width=cache.slots, return_mask=True)
-        return mask
+        return kernels.select_decode_blocks(query, ck, pos, num_blocks, self.selection, ck_len=ck_len,
+                                            width=cache.slots)
 
-    def _attend_decode(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None, cache, step,
-                       ) -> torch.Tensor:
-        """Attention ``[B, H, G, 1, d]``; ``mask`` given: fetch it now (synchronously)."""
+    def _fetch_or_count(self, layer: int, ids: torch.Tensor, cache, step, prefetch: bool = False) -> None:
+        """Fetch ``ids`` into an offloaded layer's slots (counting in the slot diff), or only
+        count them for a resident layer."""
+        if cache.is_offloaded(layer):
+            cache.fetch(layer, ids, step.q_pos[:, 0], prefetch=prefetch, counters=self._counters(step))
+        else:
+            self._count_ids(step, ids)
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, ids: torch.Tensor, cache, step) -> torch.Tensor:
+        """Attention ``[B, H, G, 1, d]``: over the slots of an offloaded layer (its fetch
+        already ran), over ``ids [B, H, S]`` of the full buffer of a resident one."""
         pos = step.q_pos[:, 0]
         q0 = q[:, :, :, 0]
         if cache.is_offloaded(layer):
-            if mask is not None:
-                cache.fetch(layer, mask, pos, prefetch=False)
             out = cache.attend(layer, q0, step.kv_len, pos)
         else:
-            ids = kernels.reference.block_mask_to_indices(mask, cache.slots)
             out = kernels.decode_attention(q0, cache.k_full[layer], cache.v_full[layer], ids,
                                            step.kv_len, self.selection.block_size)
         return out.unsqueeze(3)
@@ -84,9 +89,9 @@ class SparseOffloadAttention(OffloadDecodeMixin, SparseAttention):
         shape/dtype mismatch."""
         if step.phase != "decode":
             return super().attend(layer, q, h, cache, step)
-        mask = self._select(q[:, :, :, 0], cache.compressed(layer), step.q_pos[:, 0], cache)
-        self._count(step, mask)  # base: device tensors, no sync
-        return self._attend_decode(layer, q, mask, cache, step)
+        ids = self._select(q[:, :, :, 0], cache.compressed(layer), step.q_pos[:, 0], cache)
+        self._fetch_or_count(layer, ids, cache, step)
+        return self._attend_decode(layer, q, ids, cache, step)
 
 
 class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
@@ -115,27 +120,31 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
             return super().attend(layer, q, h, cache, step)
         if not hasattr(self, "_next"):
             self._next = {}
-        cfg = self.selection
         pos = step.q_pos[:, 0]
         if layer == 0:  # W^C_0 scores layer 0's own compressed keys
-            f0 = self.forecast.project(0, h, step.cos, step.sin)[:, :, 0]
-            mask = self._select(f0, cache.compressed(0), pos, cache)
-            sync_mask = mask
+            ids = self._select(self.forecast_query(0, h, step), cache.compressed(0), pos, cache)
+            self._fetch_or_count(0, ids, cache, step)
         else:
-            mask = self._next.pop(layer)
-            sync_mask = None if self.prefetch else mask
-        if sync_mask is not None and cache.is_offloaded(layer):
-            cache.fetch(layer, sync_mask, pos, prefetch=False)
+            ids = self._next.pop(layer)
+            if not self.prefetch:
+                self._fetch_or_count(layer, ids, cache, step)
         if layer + 1 < self.shape.num_layers:
-            f = self.forecast.project(layer + 1, h, step.cos, step.sin)[:, :, 0]
             # layer l+1's compressed keys before this step's token: the windows in [0, pos)
-            ck_len = torch.where(pos >= cfg.kernel_size, (pos - cfg.kernel_size) // cfg.kernel_stride + 1, 0)
-            nxt = self._select(f, cache.compressed(layer + 1), pos, cache, ck_len=ck_len)
+            nxt = self._select(self.forecast_query(layer + 1, h, step), cache.compressed(layer + 1), pos, cache,
+                               ck_len=self._ck_len_before(step))
             if self.prefetch:
-                cache.fetch(layer + 1, nxt, pos, prefetch=True)
+                self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
             self._next[layer + 1] = nxt
-        self._count(step, mask)  # base: device tensors, no sync
-        return self._attend_decode(layer, q, mask if not cache.is_offloaded(layer) else None, cache, step)
+        return self._attend_decode(layer, q, ids, cache, step)
+
+    def _ck_len_before(self, step) -> torch.Tensor:
+        """``[B]`` compressed keys complete before this step's token (design §4), once per step."""
+        cached = getattr(step, "_ck_len_before", None)
+        if cached is None:
+            cfg, pos = self.selection, step.q_pos[:, 0]
+            cached = torch.where(pos >= cfg.kernel_size, (pos - cfg.kernel_size) // cfg.kernel_stride + 1, 0)
+            step._ck_len_before = cached
+        return cached
 
 
 class SpardaNoPrefetchAttention(OffloadedForecastAttention):

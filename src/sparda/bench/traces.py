@@ -187,18 +187,20 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
 
 
 class Replayer:
-    """Replaces the block masks an offloaded cache fetches by replayed ones.
+    """Replaces the blocks an offloaded cache fetches by replayed ones.
 
     :meth:`install` wraps ``cache.fetch`` of an :class:`~sparda.cache.offload.OffloadKVCache`
     (the one place where a selection turns into copies and into the slots attention
     reads); the benchmark sets :attr:`step` before each decode step. The method still
     computes its own selection (its cost is measured); only the blocks used change.
 
-    Args: ``masks`` ``[steps, L, B, H, N]`` bool on the cache's device (:func:`replay_masks`).
+    Args: ``masks`` ``[steps, L, B, H, N]`` bool on the cache's device (:func:`replay_masks`);
+    :meth:`install` turns them into block ids of the cache's slot width once (and drops them).
     """
 
     def __init__(self, masks: torch.Tensor) -> None:
         self.masks = masks
+        self.ids: torch.Tensor | None = None
         #: ``[1]`` int64 on the masks' device: the replayed step (device-side, so that a
         #: captured CUDA graph of the decode step reads the current one on every replay)
         self.index = torch.zeros(1, dtype=torch.long, device=masks.device)
@@ -214,12 +216,16 @@ class Replayer:
 
     def install(self, cache) -> None:
         """Wrap ``cache.fetch`` (instance attribute; the class is untouched)."""
+        from sparda.kernels.reference import block_mask_to_indices
+
+        width = min(cache.slots, self.masks.shape[-1])
+        self.ids = torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in self.masks])
+        self.masks = None
         original = cache.fetch
 
-        def fetch(layer, mask, pos, prefetch=False):
-            n = mask.shape[-1]
-            chosen = self.masks.index_select(0, self.index)[0, layer, :, :, :n]
-            return original(layer, chosen, pos, prefetch)
+        def fetch(layer, selection, pos, prefetch=False, counters=None):
+            chosen = self.ids.index_select(0, self.index)[0, layer]
+            return original(layer, chosen, pos, prefetch, counters)
 
         cache.fetch = fetch
 

@@ -99,6 +99,26 @@ class DeviceKVCache:
         if layer == len(self.k) - 1:
             self.lengths[rows] = pos + 1
 
+    def rope_append(self, layer: int, qkv: torch.Tensor, step, group: int, num_f: int):
+        """Fused decode append (design §6): RoPE of this step's queries, keys and ``num_f``
+        Forecast heads from the stacked projection ``qkv [B, (H_q + (2 + num_f) H_kv) d]``,
+        the K/V write at ``step.q_pos`` and the compressed-key update, in one kernel
+        (:func:`sparda.kernels.rope_append`). Every cache row, in order.
+
+        Returns ``(q [B, H_q, d], f [B, num_f, H_kv, d] or None)`` in the cache dtype.
+        """
+        from sparda import kernels
+
+        cfg = self.selection
+        bsz, heads, _, d = self.k[layer].shape
+        q = qkv.new_empty(bsz, heads * group, d)
+        f = qkv.new_empty(bsz, num_f, heads, d) if num_f else None
+        kernels.rope_append(qkv, step.cos, step.sin, step.q_pos[:, 0], q, f, self.k[layer], self.v[layer],
+                            self.ck[layer], num_kv_heads=heads, group=group, num_f=num_f,
+                            block_size=cfg.block_size, kernel=cfg.kernel_size, stride=cfg.kernel_stride,
+                            lengths=self.lengths if layer == len(self.k) - 1 else None)
+        return q, f
+
     def num_compressed(self, num_tokens: int) -> int:
         """Compressed keys complete after ``num_tokens`` tokens."""
         return ref.num_compressed(num_tokens, self.selection.kernel_size, self.selection.kernel_stride)

@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from sparda.cache.host import DEFAULT_CHUNK_BYTES, HostKVStore
-from sparda.cache.prefetch import Prefetcher, diff_slots
+from sparda.cache.prefetch import Prefetcher
 from sparda.cache.transfer import make_engine
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
+from sparda import kernels
 from sparda.kernels import reference as ref
 
 
@@ -83,10 +84,14 @@ class OffloadKVCache:
             self.ring = [torch.zeros(batch, num_kv_heads, cfg.kernel_size, head_dim, dtype=dtype,
                                      device=self.device) for _ in range(num_layers)]
             self.k_slots, self.v_slots, self.slot_map, self.k_full, self.v_full = {}, {}, {}, {}, {}
+            self.load, self.attn_ids = {}, {}  # per layer: the slot diff's outputs (static buffers)
             for layer in self.offloaded:
                 self.k_slots[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
                 self.v_slots[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
                 self.slot_map[layer] = torch.full((batch, num_kv_heads, self.slots), -1, dtype=torch.long,
+                                                  device=self.device)
+                self.load[layer] = torch.full_like(self.slot_map[layer], -1)
+                self.attn_ids[layer] = torch.full((batch, num_kv_heads, self.slots + 1), -1, dtype=torch.int32,
                                                   device=self.device)
             for layer in self.resident:
                 self.k_full[layer] = torch.zeros(full, dtype=dtype, device=self.device)
@@ -102,7 +107,8 @@ class OffloadKVCache:
         #: ``[B]`` int64 tokens stored per row.
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._stash: tuple | None = None  # prefill: (layer, k, v) of the prompt being run
-        self._selected: dict[int, torch.Tensor] = {}  # layer -> [B, H, S] slot is selected
+        self._slot_ids = torch.arange(self.slots + 1, device=self.device).view(1, 1, -1)
+        self._scratch_count = torch.zeros(batch, dtype=torch.long, device=self.device)  # uncounted fetches
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -132,7 +138,8 @@ class OffloadKVCache:
 
         Prefill writes one row from position 0 (host, ring, compressed keys; the prompt's
         K/V stay reachable through :meth:`view` while the layer runs). Decode writes one
-        token per row (every row of the cache) after waiting for the layer's prefetch.
+        token per row (every row of the cache) into the partial slot, without waiting for the
+        layer's prefetch (the gather writes only the other slots; :meth:`attend` waits).
         ``step`` is the :class:`~sparda.model.llama.StepInfo` (``rows [B]``,
         ``q_pos [B, Tq]`` int64); ``k, v`` post-RoPE, cast to the cache dtype on write.
 
@@ -168,8 +175,7 @@ class OffloadKVCache:
         if layer in self.resident:
             self.k_full[layer][rows, :, pos] = k[:, :, 0]
             self.v_full[layer][rows, :, pos] = v[:, :, 0]
-        else:
-            self.prefetcher.wait(layer)
+        else:  # no prefetch wait: the gather writes slots < S only (wait in attend, design §6)
             off = pos % cfg.block_size
             self.k_slots[layer][rows, :, self.slots, off] = k[:, :, 0]
             self.v_slots[layer][rows, :, self.slots, off] = v[:, :, 0]
@@ -189,6 +195,50 @@ class OffloadKVCache:
         self.ck[layer][rows, :, j] = torch.where(ready.view(-1, 1, 1), new_ck, old)
         if layer == self.num_layers - 1:
             self.lengths[rows] = pos + 1
+
+    def rope_append(self, layer: int, qkv: torch.Tensor, step, group: int, num_f: int):
+        """Fused decode append (design §6): RoPE of this step's queries, keys and ``num_f``
+        Forecast heads from the stacked projection ``qkv [B, (H_q + (2 + num_f) H_kv) d]``,
+        the K/V write (resident layer: full buffer; offloaded layer: the partial slot and
+        the host store), the ring and the compressed-key update, in one kernel
+        (:func:`sparda.kernels.rope_append`; a host store of several chunks takes one UVA
+        store per chunk after it). Does not wait for the layer's prefetch: the gather
+        writes only slots ``< S`` and this only slot ``S`` (the wait is just before
+        attention, design §6 step order). Every cache row, in order.
+
+        Returns ``(q [B, H_q, d], f [B, num_f, H_kv, d] or None)`` in the cache dtype.
+        Raises:
+            SpardaError: a step that does not cover every cache row.
+        """
+        from sparda import kernels
+
+        if step.rows.numel() != self.batch:
+            raise SpardaError("offloaded decode steps must cover every cache row")
+        self._stash = None
+        cfg = self.selection
+        heads, d = self.ring[layer].shape[1], self.ring[layer].shape[3]
+        pos = step.q_pos[:, 0]
+        q = qkv.new_empty(self.batch, heads * group, d)
+        f = qkv.new_empty(self.batch, num_f, heads, d) if num_f else None
+        common = dict(num_kv_heads=heads, group=group, num_f=num_f, block_size=cfg.block_size,
+                      kernel=cfg.kernel_size, stride=cfg.kernel_stride, ring=self.ring[layer],
+                      lengths=self.lengths if layer == self.num_layers - 1 else None)
+        if layer in self.resident:
+            kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, self.k_full[layer], self.v_full[layer],
+                                self.ck[layer], **common)
+            return q, f
+        chunks = self.host.chunks[layer]
+        host = (chunks[0].k, chunks[0].v) if len(chunks) == 1 and self.engine.name != "sync" else None
+        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
+        kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, k_slots, v_slots, self.ck[layer],
+                            slot=self.slots, host=host, **common)
+        if host is None:
+            rows = torch.arange(self.batch, device=pos.device)
+            off = pos % cfg.block_size
+            k_tok, v_tok = k_slots[rows, :, self.slots, off], v_slots[rows, :, self.slots, off]
+            for chunk in chunks:
+                self.engine.store_tokens(chunk, k_tok, v_tok, pos)
+        return q, f
 
     # ----------------------------------------------------------------- view
     def compressed(self, layer: int) -> torch.Tensor:
@@ -226,27 +276,36 @@ class OffloadKVCache:
         return k, v, ck
 
     # ---------------------------------------------------------- fetch/attend
-    def fetch(self, layer: int, mask: torch.Tensor, pos: torch.Tensor, prefetch: bool = False) -> None:
+    def fetch(self, layer: int, selection: torch.Tensor, pos: torch.Tensor, prefetch: bool = False,
+              counters: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Make ``layer``'s selected blocks resident in its slots (decode).
 
-        Diffs ``mask`` (minus the current block, which lives in the partial slot) against
-        the block map and copies only the misses: on a side stream with an event if
-        ``prefetch`` (the layer's :meth:`append` / :meth:`attend` wait on it), else on the
-        compute stream.
+        Diffs the selection (minus the current block, which lives in the partial slot)
+        against the block map in one kernel (:func:`sparda.kernels.slot_diff`: no sort, no
+        host read), which also writes the ids :meth:`attend` reads and the hit/miss
+        counters, then copies only the misses: on a side stream with an event if
+        ``prefetch`` (:meth:`attend` waits on it), else on the compute stream.
 
         Args:
-            mask: ``[B, H, N']`` bool block selection (any ``N' <= N_cap``), device.
+            selection: ``[B, H, W]`` int32/int64 selected block ids, ascending, ``-1``
+                padded (``W <= S``; as from :func:`sparda.kernels.select_decode_blocks` with
+                ``width = slots``), or a ``[B, H, N']`` bool block mask (converted).
             pos: ``[B]`` int64 position of this step's token (its block is the current one).
+            counters: optional ``(blocks_read, blocks_valid)`` ``[B]`` int64 device counters
+                of the method, incremented by the same kernel.
         """
         if layer in self.resident:
             return
-        n = mask.shape[-1]
-        cur = (pos // self.block_size).view(-1, 1, 1)
-        want = mask & (torch.arange(n, device=mask.device).view(1, 1, -1) != cur)
-        load, new_map, hits, misses = diff_slots(self.slot_map[layer], want)
-        self.slot_map[layer].copy_(new_map)
-        ext = torch.cat([want, want.new_zeros(*want.shape[:2], 1)], -1)
-        self._selected[layer] = torch.gather(ext, -1, torch.where(new_map < 0, n, new_map))
+        ids = selection
+        if selection.dtype == torch.bool:
+            ids = ref.block_mask_to_indices(selection, min(self.slots, selection.shape[-1]))
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        pref = self.prefetcher
+        read, valid = counters if counters is not None else (self._scratch_count, self._scratch_count)
+        load = self.load[layer]
+        kernels.slot_diff(ids, self.slot_map[layer], pos, self.block_size, self.num_blocks, load,
+                          self.attn_ids[layer], (pref.hits, pref.misses, read, valid))
         k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
         chunks = self.host.chunks[layer]
 
@@ -254,7 +313,7 @@ class OffloadKVCache:
             for chunk in chunks:
                 self.engine.gather(chunk, k_slots, v_slots, load)
 
-        self.prefetcher.fetch(layer, copy, hits, misses, keep=(load,), prefetch=prefetch)
+        pref.fetch(layer, copy, None, None, keep=(), prefetch=prefetch)
 
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s pending prefetch (no host sync)."""
@@ -263,26 +322,18 @@ class OffloadKVCache:
     def attend(self, layer: int, q: torch.Tensor, kv_len: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Decode attention of ``q [B, H, G, d]`` over the fetched blocks plus the current one.
 
-        Uses the selection of the last :meth:`fetch` of ``layer``; exact softmax over
-        those tokens with ``key < kv_len``. ``kv_len, pos``: ``[B]`` int64 (tokens; ``pos``
-        is this step's position, its block the current one). Returns ``[B, H, G, d]`` in
-        ``q``'s dtype.
+        Waits for the layer's prefetch, then reads the slots the last :meth:`fetch` of
+        ``layer`` selected (its ids, written by the slot diff) plus the partial slot; exact
+        softmax over those tokens with ``key < kv_len``. ``kv_len, pos``: ``[B]`` int64
+        (tokens). Returns ``[B, H, G, d]`` in ``q``'s dtype.
 
         Raises:
             SpardaError: shape/dtype mismatch (Triton path of
                 :func:`sparda.kernels.decode_attention_slots`).
-            KeyError: no :meth:`fetch` of ``layer`` in this step.
         """
-        from sparda import kernels
-
         self.wait(layer)
-        slot_map = self.slot_map[layer]
-        ids = torch.where(self._selected[layer], slot_map, -1)
-        cur = (pos // self.block_size).view(-1, 1, 1).expand(*ids.shape[:2], 1)
-        ids = torch.cat([ids, cur], -1)
-        slot_ids = torch.arange(self.slots + 1, device=ids.device).view(1, 1, -1)
-        return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer], ids, slot_ids,
-                                              kv_len)
+        return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer], self.attn_ids[layer],
+                                              self._slot_ids, kv_len)
 
     def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
         """Prefetch counters of cache row ``row`` (or the whole batch) over ``tokens`` decoded

@@ -94,11 +94,13 @@ class Prefetcher:
         event :meth:`wait` blocks on; else on the compute stream (synchronous fetch, all
         of its time exposed). ``keep``: tensors that must live until the copy is done.
         ``hits, misses``: ``[B, H]`` int64 device counts (from :func:`diff_slots`), summed
-        over heads into the per-row counters in place (no host sync). With ``timing``,
+        over heads into the per-row counters in place (no host sync); ``None`` when the
+        slot diff kernel already added them (:func:`sparda.kernels.slot_diff`). With ``timing``,
         copy time comes from device timestamps (CUDA) or the wall clock (CPU).
         """
-        self.hits.add_(hits.sum(-1))
-        self.misses.add_(misses.sum(-1))
+        if hits is not None:  # else the slot diff kernel counted them
+            self.hits.add_(hits.sum(-1))
+            self.misses.add_(misses.sum(-1))
         if not self.cuda:
             start = time.perf_counter()
             copy_fn()

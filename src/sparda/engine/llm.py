@@ -101,7 +101,9 @@ class LLM:
             ``cuda_graphs`` (default True: on CUDA every decode step replays a captured CUDA
             graph; False runs the same static-shape step eagerly; docs/cuda_graphs.md) /
             ``offload_timing`` (default False: also time the offload copies, adding
-            ``copy_ms``, ``exposed_wait_ms``, ``hidden_fraction`` to ``stats["offload"]``).
+            ``copy_ms``, ``exposed_wait_ms``, ``hidden_fraction`` to ``stats["offload"]``) /
+            ``fused_decode`` (default True: on CUDA a decode step runs the fused kernels of
+            :mod:`sparda.model.fused`; False runs the model's plain modules).
     Raises:
         SpardaError: bad method, preset, budget, path or architecture.
     """
@@ -114,6 +116,8 @@ class LLM:
         self.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         #: time offload copies (copy_ms, exposed_wait_ms in stats["offload"]); off by default
         self.offload_timing = bool(overrides.pop("offload_timing", False))
+        #: on CUDA, decode through the fused kernels (sparda.model.fused); False: the plain modules
+        self.fused_decode = bool(overrides.pop("fused_decode", True))
         prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
         offload = overrides.pop("offload", None)
         #: offload transfer engine: auto, uva, copy or sync (design §6)
@@ -156,6 +160,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         llm.offload_timing = bool(overrides.pop("offload_timing", False))
+        llm.fused_decode = bool(overrides.pop("fused_decode", True))
         offload = overrides.pop("offload", None)
         llm.transfer = overrides.pop("transfer", None) or "auto"
         prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
@@ -231,7 +236,26 @@ class LLM:
         capacity, per-row lengths mask the rest; ``live_len`` (host int) only steers
         host-side branches. ``tokens, positions, rows [B]`` int64 -> logits ``[B, V]`` fp32."""
         step = self._step("decode", rows, positions.view(-1, 1), cache.capacity, live_len)
+        fused = self._fused_decoder()
+        if fused is not None:
+            return fused.forward(tokens.view(-1, 1), step, cache, self.method)[:, -1]
         return self.model(tokens.view(-1, 1), step, cache, self.method)[:, -1]
+
+    def _fused_decoder(self):
+        """The :class:`~sparda.model.fused.FusedDecoder` of this model and method on CUDA
+        (built once, stacking the weights outside inference mode), or ``None``: CPU, no
+        Triton, ``fused_decode=False`` or a model the fused step does not cover."""
+        fused = self.__dict__.get("_fused")
+        if fused is None and self.__dict__.get("_fused_checked") is None:
+            self._fused_checked = True
+            from sparda import kernels
+            from sparda.model.fused import FusedDecoder
+
+            if (getattr(self, "fused_decode", True) and self.device.type == "cuda" and kernels.HAS_TRITON
+                    and FusedDecoder.supports(self.model)):
+                with torch.inference_mode(False), torch.no_grad():
+                    fused = self._fused = FusedDecoder(self.model, self.method)
+        return fused
 
     def runner(self, cache) -> DecodeRunner:
         """The :class:`~sparda.engine.graph_runner.DecodeRunner` of ``cache`` (made once per cache)."""

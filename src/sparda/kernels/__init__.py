@@ -24,6 +24,7 @@ try:  # Triton is optional: without it every call takes the PyTorch twin.
     from sparda.kernels import compress as _compress
     from sparda.kernels import decode_attention as _decode
     from sparda.kernels import prefill_attention as _prefill
+    from sparda.kernels import norm as _norm
     from sparda.kernels import rope_append as _rope_append
     from sparda.kernels import selection as _selection
     from sparda.kernels import slot_diff as _slot_diff
@@ -33,12 +34,14 @@ except ImportError:  # pragma: no cover - depends on the install
 
 __all__ = [
     "HAS_TRITON",
+    "add_rmsnorm",
     "compress_keys",
     "decode_attention",
     "decode_attention_slots",
     "prefill_attention",
     "rope_append",
     "select_decode_blocks",
+    "silu_mul",
     "slot_diff",
     "update_compressed_keys",
 ]
@@ -277,3 +280,33 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: to
         _rope_append.rope_append_triton(*args, **kw)
     else:
         twins.rope_append_reference(*args, **kw)
+
+
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Residual add + RMSNorm of decode rows (a decoder layer's norm, fused).
+
+    Args:
+        x: ``[R, N]`` contiguous residual stream (bf16/fp16/fp32); ``x += delta`` in place.
+        delta: ``[R, N]`` same dtype, or ``None`` (norm only).
+        weight: ``[N]`` norm weight. eps: the config's ``rms_norm_eps``.
+        out: optional ``[R, N]`` output buffer (dtype of ``weight * x``).
+    Returns:
+        ``out = weight * (x / sqrt(mean(x^2) + eps))``, normalised in fp32 and cast to ``x``'s
+        dtype before the weight (:class:`sparda.model.llama.RMSNorm`; Zhang & Sennrich 2019).
+    """
+    if out is None:
+        out = torch.empty_like(x, dtype=torch.promote_types(weight.dtype, x.dtype))
+    if _on_triton(x, weight) and x.is_contiguous() and (delta is None or delta.is_contiguous()):
+        return _norm.add_rmsnorm_triton(x, delta, weight, eps, out)
+    return twins.add_rmsnorm_reference(x, delta, weight, eps, out)
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` from a stacked gate/up output ``gate_up [R, 2 * inner]``
+    (contiguous, gate first) -> ``[R, inner]`` in its dtype (Shazeer 2020)."""
+    if out is None:
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    if _on_triton(gate_up) and gate_up.is_contiguous():
+        return _norm.silu_mul_triton(gate_up, out)
+    return twins.silu_mul_reference(gate_up, out)

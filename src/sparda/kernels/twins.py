@@ -288,3 +288,20 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     ck[rows, :, jc] = torch.where(ready.view(-1, 1, 1), new, ck[rows, :, jc])
     if lengths is not None:
         lengths.copy_(pos + 1)
+
+
+def add_rmsnorm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                          out: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of :func:`sparda.kernels.add_rmsnorm`: ``x += delta`` in place, then
+    ``out = weight * rmsnorm(x)`` exactly as :class:`sparda.model.llama.RMSNorm`."""
+    if delta is not None:
+        x.add_(delta)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return out.copy_(weight * xf.to(x.dtype))
+
+
+def silu_mul_reference(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of :func:`sparda.kernels.silu_mul`: ``silu(gate) * up``, ``gate_up = [gate | up]``."""
+    n = out.shape[-1]
+    return out.copy_(torch.nn.functional.silu(gate_up[..., :n]) * gate_up[..., n:])

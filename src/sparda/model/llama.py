@@ -12,7 +12,7 @@ K/V to the cache and hands the rest to ``method.attend``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -218,6 +218,9 @@ class StepInfo:
     sin: torch.Tensor
     max_kv_len: int | None = None
     live_len: int | None = None
+    #: fused decode (:mod:`sparda.model.fused`): target layer -> Forecast queries ``[B, H_kv, d]``
+    #: of this step, rotated, from the stacked QKV(+F) GEMM; empty otherwise
+    projections: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_kv_len is None:  # one device sync; the engine passes it to avoid that
