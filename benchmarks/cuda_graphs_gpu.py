@@ -139,10 +139,11 @@ def bundled(out_dir: Path, gguf: str) -> list[dict]:
     return rows
 
 
-#: (name, methods, batches, parity steps): the B16 pair first, then every method at B4
-SWEEPS = [("b16", ["sparda", "sparse-offload"], [16], 16),
-          ("b4", ["sparse-offload", "dense", "sparse", "sparda-no-prefetch", "infinigen", "sparda"], [4], 64),
-          ("b8-24", ["sparda", "sparse-offload", "dense", "sparse"], [8, 24], 16)]
+#: (name, methods, batches, parity steps): every method at B4 and B8, the offloaded pair at B16
+#: and at B24 (host memory: 24 rows x 4.2 GB of offloaded KV at 128K)
+ALL = ["sparse-offload", "dense", "sparse", "sparda-no-prefetch", "infinigen", "sparda"]
+SWEEPS = [("b4", ALL, [4], 64), ("b16", ["sparda", "sparse-offload"], [16], 64),
+          ("b8", ALL, [8], 64), ("b24", ["sparda", "sparse-offload"], [24], 16)]
 
 
 def sweep(out_dir: Path, budget_s: float, names=None) -> list[dict]:

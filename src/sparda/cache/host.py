@@ -109,8 +109,11 @@ class HostKVStore:
                 t = k.shape[-2]
                 nb = -(-t // self.block_size)
                 for dst, src in ((chunk.k, k), (chunk.v, v)):
-                    flat = dst[row - chunk.row0, :, :nb].flatten(1, 2)  # [H, nb*bs, d], contiguous view
-                    flat[:, :t].copy_(src)
+                    flat = dst[row - chunk.row0, :, :nb].flatten(1, 2)  # [H, nb*bs, d]
+                    for head in range(flat.shape[0]):  # contiguous per head: one direct DMA each
+                        flat[head, :t].copy_(src[head], non_blocking=src.is_cuda and dst.is_pinned())
+                if k.is_cuda:
+                    torch.cuda.current_stream(k.device).synchronize()  # the source may be freed next
                 return
         raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
 

@@ -270,9 +270,11 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     else:
         k_dst[rows, :, slot, pos % block_size] = k.to(k_dst.dtype)
         v_dst[rows, :, slot, pos % block_size] = v.to(v_dst.dtype)
-    if host is not None:
-        host[0][rows, :, pos // block_size, pos % block_size] = k.to(host[0].dtype)
-        host[1][rows, :, pos // block_size, pos % block_size] = v.to(host[1].dtype)
+    if host is not None:  # the host store may live in (pinned) host memory
+        hd = host[0].device
+        r, blk, off = rows.to(hd), (pos // block_size).to(hd), (pos % block_size).to(hd)
+        host[0][r, :, blk, off] = k.to(hd, host[0].dtype)
+        host[1][r, :, blk, off] = v.to(hd, host[1].dtype)
     done = pos + 1 - kernel
     j = done.clamp(min=0) // stride
     ready = (done >= 0) & (done % stride == 0) & (j < ck.shape[2])
