@@ -143,7 +143,7 @@ def bundled(out_dir: Path, gguf: str) -> list[dict]:
 #: and at B24 (host memory: 24 rows x 4.2 GB of offloaded KV at 128K)
 ALL = ["sparse-offload", "dense", "sparse", "sparda-no-prefetch", "infinigen", "sparda"]
 SWEEPS = [("b4", ALL, [4], 64), ("b16", ["sparda", "sparse-offload"], [16], 64),
-          ("b8", ALL, [8], 64), ("b24", ["sparda", "sparse-offload"], [24], 16)]
+          ("b24", ["sparda", "sparse-offload"], [24], 16), ("b8", ALL, [8], 64)]
 
 
 def sweep(out_dir: Path, budget_s: float, names=None) -> list[dict]:

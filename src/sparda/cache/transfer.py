@@ -12,8 +12,9 @@ Engines:
 
 * ``uva``: Triton kernels that read (and write) pinned host memory directly through
   unified virtual addressing. A small fixed grid (``num_ctas`` CTAs x ``num_warps``
-  warps; 16 x 8 by default, as the reference) grid-strides over the ``B*H*S`` block
-  tasks; tasks whose ``load`` is ``-1`` (hits, free slots) move no bytes. No host
+  warps; 32 x 8 by default, each moving a whole block per masked load: measured inside
+  the replayed B16 step on the H200, docs/benchmarks/fused-decode-2026-12-01-h200.md)
+  grid-strides over the ``B*H*S`` block tasks; tasks whose ``load`` is ``-1`` (hits, free slots) move no bytes. No host
   synchronisation: the block ids never leave the device.
 * ``copy``: the miss list is read on the host (one synchronisation), the blocks are
   gathered by the CPU into a pinned staging buffer and sent with one
@@ -194,7 +195,7 @@ class UvaEngine(TransferEngine):
     name = "uva"
     syncs_host = False
 
-    def __init__(self, num_ctas: int = 16, num_warps: int = 8, tile: int = 2048) -> None:
+    def __init__(self, num_ctas: int = 32, num_warps: int = 8, tile: int = 8192) -> None:
         if not HAS_TRITON:
             raise SpardaError("the uva transfer engine needs Triton; use --transfer copy or sync")
         if num_ctas < 1 or num_warps < 1 or tile < 16 or tile & (tile - 1):
