@@ -227,13 +227,15 @@ def _brute_slot_hits(fetches):
 
 def _recording_fetches(monkeypatch):
     from sparda.cache.offload import OffloadKVCache
+    from sparda.kernels import twins
 
     fetches, fetch = [], OffloadKVCache.fetch
 
-    def spy(self, layer, mask, pos, prefetch=False):
-        if layer not in self.resident:
+    def spy(self, layer, selection, pos, prefetch=False, counters=None):
+        if layer not in self.resident:  # block ids (or a mask) -> the mask of the selected blocks
+            mask = selection if selection.dtype == torch.bool else twins.ids_to_block_mask(selection, self.num_blocks)
             fetches.append((layer, self.slots, self.block_size, mask.clone(), pos.clone()))
-        return fetch(self, layer, mask, pos, prefetch)
+        return fetch(self, layer, selection, pos, prefetch, counters)
 
     monkeypatch.setattr(OffloadKVCache, "fetch", spy)
     return fetches
