@@ -70,7 +70,7 @@ def test_quick_sweep_writes_valid_records(tmp_path):
 def test_injected_oom_is_recorded_and_sweep_continues(tmp_path, monkeypatch):
     calls = []
 
-    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None, deadline=None):
+    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None, deadline=None, hit_rate=None):
         calls.append((llm.config.method, batch))
         if llm.config.method == "sparse" and batch == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -251,3 +251,43 @@ def test_bench_output_paths_are_checked_first(tmp_path, monkeypatch, args, messa
     result = CliRunner().invoke(main, ["bench", "--quick", *args])
     assert result.exit_code == 2, result.output
     assert result.output.strip() == f"error: {message}"
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.5, 0.7, 1.0])
+def test_synthetic_masks_keep_the_chosen_fraction(rate, fresh_seed):
+    """Each step keeps round(rate * k) of the previous step's top-k blocks (counted by brute
+    force over the non-forced blocks), selects exactly k of them, and forces sinks + window."""
+    from sparda.bench.traces import synthetic_masks
+    from sparda.config import SelectionConfig
+
+    cfg = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
+                          topk_blocks=10, dense_len=64)
+    start = [4000, 3000 + 7, 2500]
+    masks = synthetic_masks(3, 2, cfg, start, 12, 300, rate, seed=fresh_seed)
+    keep = round(rate * cfg.topk_blocks)
+    for i in range(masks.shape[0]):
+        for b, p in enumerate(start):
+            cur = (p + i) // cfg.block_size
+            forced = {0, cur - 1, cur}
+            for layer in range(3):
+                for h in range(2):
+                    got = set(torch.nonzero(masks[i, layer, b, h]).flatten().tolist())
+                    assert forced <= got and max(got) == cur
+                    top = got - forced
+                    assert len(top) == cfg.topk_blocks
+                    if i:
+                        pcur = (p + i - 1) // cfg.block_size
+                        prev = set(torch.nonzero(masks[i - 1, layer, b, h]).flatten().tolist()) - {0, pcur - 1, pcur}
+                        assert len(top & prev) >= keep
+                        if rate == 1.0:
+                            assert top == prev
+
+
+def test_quick_sweep_with_hit_rates_records_the_target(tmp_path):
+    cfg = sweep.quick_config(str(tmp_path / "out"), methods=["sparda", "dense"], contexts=[1024], batches=[1],
+                             decode_steps=2, repeats=1, warmup_steps=1, breakdown_steps=0, hit_rates=[0.2, 1.0])
+    records = sweep.run_sweep(cfg, log=lambda _: None)
+    offl = [r for r in records if r["method"] == "sparda"]
+    assert [r["target_hit_rate"] for r in offl] == [0.2, 1.0] and all(r["status"] == "ok" for r in offl)
+    assert offl[1]["hit_rate"] > offl[0]["hit_rate"]
+    assert [r.get("target_hit_rate") for r in records if r["method"] == "dense"] == [None]

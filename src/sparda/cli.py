@@ -399,6 +399,7 @@ def selection_report_cmd(model, text, methods, lengths, queries, preset, forecas
 @click.option("--host-mem-gb", type=float, default=None, help="Cap the host KV cache (GiB) [default: 90% of free memory].")
 @click.option("--trace", default=None, help="Selection trace (.npz) replayed by offloaded methods; 'none': native selection [default: shipped].")
 @click.option("--time-budget-s", type=float, default=None, help="Points after this many seconds are recorded as skipped.")
+@click.option("--hit-rate", "hit_rates", default=None, help="Comma list in [0,1]: offloaded methods also run a synthetic selection keeping this fraction of the previous step's top-k blocks (records carry target_hit_rate).")
 @click.option("--eager", is_flag=True, default=None, help="CUDA: eager decode steps instead of CUDA-graph replay.")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
 @click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")

@@ -39,6 +39,7 @@ class AttentionMethod:
     def reset(self) -> None:
         """Clear per-request state and counters (called before each prefill); device
         counters are zeroed in place, so a captured CUDA graph keeps counting into them."""
+        self.__dict__.pop("_decode_ids", None)
         for key, value in self.stats.items():
             if torch.is_tensor(value):
                 with torch.inference_mode():  # counters are made in inference mode
@@ -172,7 +173,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, wi
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     step, first: int, cfg) -> torch.Tensor:
+                     step, first: int, cfg, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over the selected blocks (design §3.5) for queries ``first..``.
 
     CPU tensors use :func:`sparda.kernels.reference.block_sparse_attention`; CUDA tensors
@@ -180,6 +181,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     Args:
         q: ``[B, H_kv, G, Tq', d]``; k, v: ``[B, H_kv, T, d]``; mask: ``[B, H_kv, Tq', N]``.
+        ids: optional decode block ids ``[B, H_kv, W]`` of the same selection (from the
+            selection kernel): used as is instead of sorting ``mask`` into ids.
     Returns:
         ``[B, H_kv, G, Tq', d]``.
     """
@@ -189,8 +192,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if step.phase == "prefill":
         return kernels.prefill_attention(q, k, v, mask, q_pos, step.kv_len, cfg.block_size)
     # Decode rows select at most max(budget, dense fallback) blocks: a fixed width, no sync.
-    width = min(mask.shape[-1], max(cfg.budget_blocks, -(-cfg.dense_len // cfg.block_size)))
-    ids = ref.block_mask_to_indices(mask[..., -1, :], width)
+    if ids is None:
+        width = min(mask.shape[-1], max(cfg.budget_blocks, -(-cfg.dense_len // cfg.block_size)))
+        ids = ref.block_mask_to_indices(mask[..., -1, :], width)
     return kernels.decode_attention(q[..., -1, :], k, v, ids, step.kv_len, cfg.block_size).unsqueeze(-2)
 
 
@@ -226,6 +230,12 @@ class BlockSparseMethod(AttentionMethod):
         """The host-side branch a decode step of ``live_len`` tokens takes (see
         :meth:`AttentionMethod.graph_key`): whether it selects."""
         return self.selects_at(live_len)
+
+    @property
+    def decode_ids(self) -> dict:
+        """Layer -> decode block ids ``[B, H_kv, W]`` int32 that a selection kernel produced
+        alongside its mask this step (attention reads them directly: no sort)."""
+        return self.__dict__.setdefault("_decode_ids", {})
 
     def before_layer(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> None:
         """Hook run at the start of every layer's attention (Forecast methods use it).
@@ -277,7 +287,8 @@ class BlockSparseMethod(AttentionMethod):
         first = self.dense_prefix(step)
         mask = self.select(layer, q, h, cache, step, first)
         self._count(step, mask[..., -1, :])
-        out = sparse_attention(q[..., first:, :], k, v, mask, step, first, self.selection)
+        ids = self.decode_ids.pop(layer, None) if step.phase == "decode" else None
+        out = sparse_attention(q[..., first:, :], k, v, mask, step, first, self.selection, ids)
         if first == 0:
             return out
         # The dense-fallback prefix attends causally to its own prefix only.

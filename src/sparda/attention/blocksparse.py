@@ -31,8 +31,9 @@ class SparseAttention(BlockSparseMethod):
         # CUDA decode: fused scoring + pooling + selection rule (Triton), no host sync.
         _, _, ck = cache.view(layer, step.rows, step.max_kv_len)
         num_blocks = -(-step.max_kv_len // self.selection.block_size)
-        _, mask = kernels.select_decode_blocks(q[..., -1, :], ck, step.q_pos[:, -1], num_blocks,
-                                               self.selection, return_mask=True)
+        ids, mask = kernels.select_decode_blocks(q[..., -1, :], ck, step.q_pos[:, -1], num_blocks,
+                                                 self.selection, return_mask=True)
+        self.decode_ids[layer] = ids
         return mask.unsqueeze(2)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):

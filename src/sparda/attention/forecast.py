@@ -283,12 +283,14 @@ class ForecastAttention(BlockSparseMethod):
         self.forecast = forecast.eval().requires_grad_(False)
         self._queries: dict[int, torch.Tensor] = {}  # prefill: target layer -> [B, H, T, d]
         self._masks: dict[int, torch.Tensor] = {}    # decode: target layer -> [B, H, 1, N]
+        self._next_ids: dict[int, torch.Tensor] = {}  # decode, CUDA: target layer -> [B, H, W] ids
 
     def reset(self) -> None:
         """Clear counters and the stored Forecast queries and masks (before each prefill)."""
         super().reset()
         self._queries.clear()
         self._masks.clear()
+        self._next_ids.clear()
 
     def forecast_query(self, target_layer: int, h: torch.Tensor, step) -> torch.Tensor:
         """Forecast queries ``[B, H_kv, d]`` of one decode token for ``target_layer``: the
@@ -328,8 +330,9 @@ class ForecastAttention(BlockSparseMethod):
             f = self.forecast_query(layer + 1, h, step)
             pos = step.q_pos[:, -1]
             ck_len = torch.where(pos >= cfg.kernel_size, (pos - cfg.kernel_size) // cfg.kernel_stride + 1, 0)
-            _, mask = kernels.select_decode_blocks(f, ck, pos, num_blocks, cfg,
-                                                   ck_len=ck_len, return_mask=True)
+            ids, mask = kernels.select_decode_blocks(f, ck, pos, num_blocks, cfg,
+                                                     ck_len=ck_len, return_mask=True)
+            self._next_ids[layer + 1] = ids
             return mask.unsqueeze(2)
         f = self.forecast_query(layer + 1, h, step).unsqueeze(2) if h.shape[-2] == 1 else \
             self.forecast.project(layer + 1, h, step.cos, step.sin)
@@ -382,6 +385,8 @@ class ForecastAttention(BlockSparseMethod):
         previous layer (popped, not repaired: design §4); otherwise scored from the stored
         Forecast queries, which are then dropped."""
         if step.phase == "decode" and layer in self._masks:
+            if layer in self._next_ids:
+                self.decode_ids[layer] = self._next_ids.pop(layer)
             return self._masks.pop(layer)
         mask = super().select(layer, q, h, cache, step, first)
         self._queries.pop(layer, None)

@@ -18,7 +18,7 @@ import torch
 from sparda.bench.models import method_extra_bytes, weight_bytes
 from sparda.bench.roofline import kv_read_bytes, roofline_ms
 from sparda.bench.timing import ComponentTimer
-from sparda.bench.traces import Replayer, replay_masks, trace_for
+from sparda.bench.traces import Replayer, replay_masks, synthetic_masks, trace_for
 from sparda.cache.host import available_host_bytes
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.llm import LLM
@@ -164,11 +164,12 @@ def measure_prefill(llm: LLM, tokens: int, seed: int = 0) -> dict:
 
 
 def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, bandwidth: dict,
-                 traces=None, deadline: float | None = None) -> dict:
+                 traces=None, deadline: float | None = None, hit_rate: float | None = None) -> dict:
     """Measure one decode point (module doc); returns the measured fields of a record.
 
     ``opts``: ``warmup_steps``, ``decode_steps``, ``repeats``, ``breakdown_steps``,
-    ``host_limit_bytes``. ``deadline``: a ``time.perf_counter()`` value checked before
+    ``host_limit_bytes``. ``hit_rate``: offloaded methods replay :func:`synthetic_masks` of
+    that step-to-step reuse instead of ``traces`` (recorded as ``target_hit_rate``). ``deadline``: a ``time.perf_counter()`` value checked before
     every decode step. Raises :class:`OutOfMemory` (or the allocator's error) if the
     cache does not fit, :class:`TimeBudgetExceeded` once ``deadline`` has passed.
     """
@@ -186,7 +187,13 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     offloaded = hasattr(cache, "fetch")
     source = "native (random K/V)"
     replayer = None
-    if offloaded and traces:
+    if offloaded and hit_rate is not None:  # synthetic selection with a chosen reuse
+        masks = synthetic_masks(s.num_layers, s.num_kv_heads, cfg, [context] * batch, total_steps,
+                                cache.num_blocks, hit_rate).to(dev)
+        replayer = Replayer(masks)
+        replayer.install(cache)
+        source = f"synthetic:hit_rate={hit_rate}"
+    elif offloaded and traces:
         trace = trace_for(traces, llm.config.method)
         masks = replay_masks(trace, s.num_layers, s.num_kv_heads, cfg, [context] * batch, total_steps,
                              cache.num_blocks).to(dev)
@@ -285,6 +292,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "peak_host_bytes": host_peak, "host_kv_bytes": cache.host.nbytes if offloaded else 0,
         "kv": "host" if offloaded else "device", "selection_source": source if offloaded else "native",
+        "target_hit_rate": hit_rate if offloaded else None,
         "read_fraction": round(llm.method.read_fraction(), 4),
     }
     del cache, replayer, runner

@@ -52,6 +52,9 @@ class SweepConfig:
             of offloaded methods (device timestamps, ``copy_ms`` / ``exposed_wait_ms``).
         parity_steps: CUDA graphs: greedy tokens of this many replayed steps are compared
             with an eager run from the same filled cache (``graph_tokens_equal``); 0 = off.
+        hit_rates: offloaded methods run once per value with a synthetic selection of that
+            step-to-step reuse (:func:`sparda.bench.traces.synthetic_masks`) instead of the
+            trace; records carry ``target_hit_rate``. Empty: the trace only.
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -75,6 +78,7 @@ class SweepConfig:
     profile_steps: int = 3
     timing_steps: int = 4
     parity_steps: int = 0
+    hit_rates: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -84,6 +88,8 @@ class SweepConfig:
             raise SpardaError(f"unknown bench method(s) {', '.join(bad)}; choose from {', '.join(SWEEP_METHODS)}")
         if min(self.contexts, default=0) < 1 or min(self.batches, default=0) < 1:
             raise SpardaError("contexts and batches must be positive integers")
+        if any(not 0.0 <= h <= 1.0 for h in self.hit_rates):
+            raise SpardaError(f"--hit-rate values must lie in [0, 1], got {self.hit_rates}")
         if self.decode_steps < 1 or self.repeats < 1 or self.warmup_steps < 0 or self.breakdown_steps < 0:
             raise SpardaError("decode-steps and repeats must be >= 1, warm-up and breakdown steps >= 0")
 
@@ -184,7 +190,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                 llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager)
                 prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
                 failed = None
-                for batch in sorted(cfg.batches):
+                rates = cfg.hit_rates if cfg.hit_rates and method in pt.HOST_KV else [None]
+                for batch, rate in [(b, r) for b in sorted(cfg.batches) for r in rates]:
                     base = {**_blank(model_name, method, context, batch, "ok"), **prefill,
                             "device": env["device"], "dtype": str(dtype).replace("torch.", ""),
                             "decode_steps": cfg.decode_steps, "repeats": cfg.repeats,
@@ -196,7 +203,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                     else:
                         try:
                             base.update(pt.decode_point(llm, model_name, batch, context, cfg, env, traces,
-                                                        deadline=_deadline(cfg, t0)))
+                                                        deadline=_deadline(cfg, t0), hit_rate=rate))
                         except pt.TimeBudgetExceeded:
                             _cleanup(device)
                             base.update(status="skipped", error="time budget (ran out inside the point)")
@@ -266,6 +273,11 @@ def config_from_options(quick: bool = False, **opts) -> SweepConfig:
     for key in ("contexts", "batches"):
         if key in given:
             given[key] = _ints(given[key], key)
+    if "hit_rates" in given:
+        try:
+            given["hit_rates"] = [float(x) for x in str(given["hit_rates"]).split(",") if x.strip()]
+        except ValueError as exc:
+            raise SpardaError(f"--hit-rate must be comma-separated numbers in [0, 1], got {given['hit_rates']!r}") from exc
     if quick:
         return quick_config(given.pop("out", "bench-quick"), **given)
     return SweepConfig(**given)

@@ -186,6 +186,75 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
     return torch.from_numpy(out[..., :num_blocks])
 
 
+def synthetic_masks(num_layers: int, num_kv_heads: int, selection, start_pos: list[int], steps: int,
+                    num_blocks: int, hit_rate: float, seed: int = 0) -> torch.Tensor:
+    """Block masks with a chosen step-to-step reuse, for the bench's ``--hit-rate`` sweep.
+
+    Per (layer, row, KV head) the forced blocks (sinks and the local window, design §3.4)
+    plus ``topk_blocks`` others: at the first step drawn uniformly from the valid
+    non-forced blocks, then at each step a fraction ``hit_rate`` of the previous step's
+    top-k blocks is kept (``round(hit_rate * k)``, a random subset) and the rest is
+    redrawn uniformly among the non-forced blocks not kept (seeded). Kept blocks are hits
+    of the slot cache; the forced blocks hit too (except the block entering the local
+    window), so the measured hit rate lies above ``hit_rate``. Contexts whose blocks fit
+    the budget select every block (the dense fallback).
+
+    Args:
+        start_pos: per row, the position of the first step's token. num_blocks: mask width.
+        hit_rate: in ``[0, 1]``.
+    Returns:
+        ``[steps, L, B, H, N]`` bool (CPU).
+    Raises:
+        SpardaError: ``hit_rate`` outside ``[0, 1]``.
+    """
+    from sparda.errors import SpardaError
+
+    if not 0.0 <= hit_rate <= 1.0:
+        raise SpardaError(f"--hit-rate must lie in [0, 1], got {hit_rate}")
+    cfg = selection
+    rng = np.random.default_rng(seed)
+    b = len(start_pos)
+    rows = num_layers * b * num_kv_heads
+    k = cfg.topk_blocks
+    keep = int(round(hit_rate * k))
+    out = np.zeros((steps, num_layers, b, num_kv_heads, num_blocks + 1), dtype=bool)
+    lo = cfg.init_blocks
+    prev = None
+    for i in range(steps):
+        cur = (np.asarray(start_pos) + i) // cfg.block_size  # [B]
+        hi = np.repeat(np.maximum(cur - cfg.local_blocks + 1, lo + 1), num_kv_heads)  # exclusive, per (B, H)
+        hi = np.tile(hi, num_layers)  # [rows], layer-major like the reshape below
+        fresh = lo + (rng.random((rows, k)) * (hi - lo)[:, None]).astype(np.int64)
+        if prev is None:
+            chosen = fresh
+        else:
+            order = np.argsort(rng.random((rows, k)), axis=1)
+            kept = np.take_along_axis(prev, order, 1)[:, :keep]
+            chosen = np.concatenate([kept, fresh[:, keep:]], 1)
+        for _ in range(64):  # redraw the later of two equal blocks (kept ones come first)
+            srt = np.sort(chosen, 1)
+            dup = np.zeros_like(chosen, dtype=bool)
+            for r_idx in np.nonzero((srt[:, 1:] == srt[:, :-1]).any(1))[0]:
+                _, first = np.unique(chosen[r_idx], return_index=True)
+                dup[r_idx] = True
+                dup[r_idx, first] = False
+            if not dup.any():
+                break
+            redraw = lo + (rng.random(chosen.shape) * (hi - lo)[:, None]).astype(np.int64)
+            chosen = np.where(dup, redraw, chosen)
+        prev = chosen
+        view = out[i].reshape(rows, num_blocks + 1)
+        np.put_along_axis(view, np.clip(prev, 0, num_blocks), True, 1)
+        for r in range(b):
+            c = int(cur[r])
+            if c + 1 <= cfg.budget_blocks:
+                out[i, :, r, :, :c + 1] = True
+                continue
+            out[i, :, r, :, :cfg.init_blocks] = True
+            out[i, :, r, :, max(0, c - cfg.local_blocks + 1):c + 1] = True
+    return torch.from_numpy(out[..., :num_blocks])
+
+
 class Replayer:
     """Replaces the blocks an offloaded cache fetches by replayed ones.
 
