@@ -342,21 +342,30 @@ def eval_cmd(**opts):
 
 @main.command("train-forecast")
 @click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled SmolLM2-135M-Instruct].")
-@click.option("--data", multiple=True, help="Text file, directory or jsonl with a 'text' field (repeatable) [default: bundled training split].")
+@click.option("--data", multiple=True, help="Text, jsonl or parquet file, directory of them, or a Hugging Face "
+              "datasets directory (save_to_disk) (repeatable) [default: bundled training split].")
+@click.option("--text-column", default="text", show_default=True,
+              help="Text field of jsonl, parquet and datasets inputs.")
 @click.option("--seq-len", default=4096, show_default=True, type=int, help="Tokens per training sequence.")
 @click.option("--steps", default=200, show_default=True, type=int)
-@click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per step.")
+@click.option("--batch-size", default=1, show_default=True, type=int,
+              help="Sequences per step (one at a time, gradients accumulated).")
 @click.option("--lr", default=5e-4, show_default=True, type=float, help="AdamW learning rate (constant).")
-@click.option("--queries", default=256, show_default=True, type=int, help="Loss query tokens per step (random, past dense_len).")
+@click.option("--queries", default=256, show_default=True, type=int,
+              help="Loss query tokens per sequence (seeded, past max(dense_len, budget)).")
+@click.option("--frozen-attention", default="dense", show_default=True, type=click.Choice(["dense", "sparse"]),
+              help="Attention of the frozen model: dense, or block-sparse over the blocks each layer's own "
+                   "queries select (design §5).")
 @click.option("--init", default="q", show_default=True, type=click.Choice(["q", "random"]), help="Initial weights.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", required=True, help="Output .safetensors file.")
-@click.option("--resume", is_flag=True, help="Continue from OUT.state.pt.")
+@click.option("--resume", is_flag=True, help="Continue from OUT.state.pt (same settings; bit-exact).")
 @click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
-@click.option("--save-every", default=50, show_default=True, type=int, help="Checkpoint period in steps.")
+@click.option("--save-every", default=50, show_default=True, type=int,
+              help="Checkpoint period in steps (also at the end and on Ctrl-C).")
 def train_forecast_cmd(model, data, out, **opts):
-    """Train Forecast weights with the base model frozen (design §5)."""
+    """Train Forecast weights with the base model frozen (design §5; recipe: docs/forecast.md)."""
     from sparda.training.trainer import train_forecast
 
     result = train_forecast(model, list(data) or None, out=out, **opts)
