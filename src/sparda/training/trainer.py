@@ -92,6 +92,22 @@ def check_arguments(seq_len: int, steps: int, batch_size: int, queries: int, sav
         raise SpardaError(f"unknown --frozen-attention {frozen!r}; choose dense or sparse")
 
 
+def _check_model(model, seq_len: int, frozen: str) -> None:
+    """Refuse, from the model's config alone, a ``seq_len`` over its context and sparse
+    frozen attention on sliding-window layers (SpardaError)."""
+    from sparda.model.llama import ModelShape
+    from sparda.model.loader import load_config, resolve_model_dir
+
+    config = load_config(resolve_model_dir(model))
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and seq_len > context:
+        raise SpardaError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens; lower --seq-len")
+    windowed = ModelShape.from_config(config).windowed_layers()
+    if frozen == "sparse" and windowed:
+        raise SpardaError("--frozen-attention sparse does not apply to sliding-window layers "
+                          f"(layers {windowed}); use --frozen-attention dense")
+
+
 def _tail_means(history: list) -> tuple[float, float]:
     tail = history[-TAIL_STEPS:] or [(float("nan"), float("nan"))]
     return sum(x for x, _ in tail) / len(tail), sum(y for _, y in tail) / len(tail)
@@ -133,7 +149,7 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
     from tqdm import tqdm
 
     from sparda.engine.llm import resolve_device
-    from sparda.model.loader import context_length, load_model
+    from sparda.model.loader import load_model
 
     cfg = selection or SelectionConfig.from_preset(preset)
     check_arguments(seq_len, steps, batch_size, queries, save_every, lr, init, frozen_attention, cfg)
@@ -146,9 +162,7 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
         raise SpardaError(f"--resume: no checkpoint state at {state_file}")
     check_output_file(state_file, "--out (checkpoint state)")
     dev = dist.device if dist is not None else resolve_device(device)
-    context = context_length(model)
-    if context is not None and seq_len > context:
-        raise SpardaError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens; lower --seq-len")
+    _check_model(model, seq_len, frozen_attention)
     texts, description = load_texts(data, text_column)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(seed)
