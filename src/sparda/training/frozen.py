@@ -24,8 +24,9 @@ from sparda.kernels import reference as ref
 
 FROZEN_ATTENTION = ("dense", "sparse")
 
-#: fp32 elements of the ``[B, H_q, chunk, C]`` score matrix per query chunk (512 MiB)
-SCORE_ELEMENTS = 1 << 27
+#: fp32 elements of the ``[B, H_q, chunk, keys]`` score matrix per query chunk (1 GiB; a few
+#: such temporaries live at once: softmax, mask)
+SCORE_ELEMENTS = 1 << 28
 
 
 def query_chunk(batch: int, heads: int, keys: int, elements: int = SCORE_ELEMENTS) -> int:

@@ -10,7 +10,7 @@ Memory is flat in the number of layers and bounded at long context:
 * the teacher's fine keys are computed once per layer, and the teacher, the restriction,
   the student and its backward run a chunk of query tokens at a time
   (:func:`sparda.training.frozen.query_chunk`: the ``[H_q, chunk, T]`` fp32 scores stay
-  under 512 MiB), each chunk's loss backpropagated before the next.
+  under 1 GiB), each chunk's loss backpropagated before the next.
 
 The loss query tokens of sequence ``j`` of step ``s`` are drawn from a generator seeded
 by ``(seed, s, j)`` alone (:func:`query_positions`), so a resumed run and a run split over
