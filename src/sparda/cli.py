@@ -364,12 +364,52 @@ def eval_cmd(**opts):
 @click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
 @click.option("--save-every", default=50, show_default=True, type=int,
               help="Checkpoint period in steps (also at the end and on Ctrl-C).")
-def train_forecast_cmd(model, data, out, **opts):
+@click.option("--nproc", default=1, show_default=True, type=click.IntRange(1),
+              help="Data-parallel processes (GPUs): starts torchrun; --batch-size is the global batch.")
+def train_forecast_cmd(model, data, out, nproc, **opts):
     """Train Forecast weights with the base model frozen (design §5; recipe: docs/forecast.md)."""
+    from sparda.training.distributed import Distributed
     from sparda.training.trainer import train_forecast
 
-    result = train_forecast(model, list(data) or None, out=out, **opts)
-    click.echo(json.dumps({"out": out, **result}))
+    if nproc > 1:
+        sys.exit(_launch_torchrun(click.get_current_context(), nproc, opts["batch_size"], out))
+    dist = Distributed.from_env(opts.get("device"))
+    try:
+        result = train_forecast(model, list(data) or None, out=out, dist=dist, **opts)
+    finally:
+        if dist is not None:
+            dist.close()
+    if dist is None or dist.rank == 0:
+        click.echo(json.dumps({"out": out, **result, **({"ranks": dist.world_size} if dist else {})}))
+
+
+def _launch_torchrun(ctx, nproc: int, batch_size: int, out: str) -> int:
+    """Rerun this train-forecast command under ``torchrun --standalone --nproc-per-node N``
+    (issue #17); bad options are refused here first. Returns the exit code."""
+    import subprocess
+
+    from sparda.io import check_output_file
+
+    if batch_size % nproc:
+        raise SpardaError(f"--batch-size {batch_size} must be a multiple of --nproc {nproc} (it is the global batch)")
+    check_output_file(out, "--out", "forecast.safetensors")
+    args = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name == "nproc" or value is None or value == () or not isinstance(param, click.Option):
+            continue
+        flag = param.opts[0]
+        if param.is_flag:
+            args += [flag] if value else []
+        else:
+            args += [item for v in (value if param.multiple else (value,)) for item in (flag, str(v))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "sparda.cli", "train-forecast", *args]
+    code = subprocess.call(cmd)
+    if code:
+        click.echo(f"error: a training process failed (exit code {code}); its error is printed above", err=True)
+        return 2 if code != 130 else 130
+    return 0
 
 
 @main.command("selection-report")
