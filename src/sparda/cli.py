@@ -347,7 +347,8 @@ def eval_cmd(**opts):
 @click.option("--text-column", default="text", show_default=True,
               help="Text field of jsonl, parquet and datasets inputs.")
 @click.option("--seq-len", default=4096, show_default=True, type=int, help="Tokens per training sequence.")
-@click.option("--steps", default=200, show_default=True, type=int)
+@click.option("--steps", default=200, show_default=True, type=int,
+              help="Total optimiser steps (--resume continues up to it).")
 @click.option("--batch-size", default=1, show_default=True, type=int,
               help="Sequences per step (one at a time, gradients accumulated).")
 @click.option("--lr", default=5e-4, show_default=True, type=float, help="AdamW learning rate (constant).")
@@ -372,7 +373,7 @@ def train_forecast_cmd(model, data, out, nproc, **opts):
     from sparda.training.trainer import train_forecast
 
     if nproc > 1:
-        sys.exit(_launch_torchrun(click.get_current_context(), nproc, opts["batch_size"], out))
+        sys.exit(_launch_torchrun(click.get_current_context(), nproc, model, data, out, opts))
     dist = Distributed.from_env(opts.get("device"))
     try:
         result = train_forecast(model, list(data) or None, out=out, dist=dist, **opts)
@@ -383,16 +384,16 @@ def train_forecast_cmd(model, data, out, nproc, **opts):
         click.echo(json.dumps({"out": out, **result, **({"ranks": dist.world_size} if dist else {})}))
 
 
-def _launch_torchrun(ctx, nproc: int, batch_size: int, out: str) -> int:
+def _launch_torchrun(ctx, nproc: int, model, data, out: str, opts: dict) -> int:
     """Rerun this train-forecast command under ``torchrun --standalone --nproc-per-node N``
-    (issue #17); bad options are refused here first. Returns the exit code."""
+    (issue #17) once every model-free check passed here. Returns the exit code."""
     import subprocess
 
-    from sparda.io import check_output_file
+    from sparda.training.trainer import preflight
 
-    if batch_size % nproc:
-        raise SpardaError(f"--batch-size {batch_size} must be a multiple of --nproc {nproc} (it is the global batch)")
-    check_output_file(out, "--out", "forecast.safetensors")
+    keys = ("seq_len", "steps", "batch_size", "queries", "save_every", "lr", "init", "frozen_attention",
+            "preset", "resume", "text_column")
+    preflight(model, list(data) or None, out=out, selection=None, ranks=nproc, **{k: opts[k] for k in keys})
     args = []
     for param in ctx.command.params:
         value = ctx.params.get(param.name)

@@ -92,6 +92,30 @@ def check_arguments(seq_len: int, steps: int, batch_size: int, queries: int, sav
         raise SpardaError(f"unknown --frozen-attention {frozen!r}; choose dense or sparse")
 
 
+def preflight(model, data, *, seq_len: int, steps: int, batch_size: int, queries: int, save_every: int,
+              lr: float, init: str, frozen_attention: str, preset: str, selection: SelectionConfig | None,
+              out, resume: bool, text_column: str, ranks: int = 1):
+    """Every check :func:`train_forecast` makes before it loads the model, in that order:
+    arguments, ``out`` and its checkpoint state, the model's config, the data.
+
+    Returns ``(cfg, out, state_file, texts, description)``. Raises SpardaError (one line).
+    ``sparda train-forecast --nproc N`` runs it once before starting the ranks.
+    """
+    cfg = selection or SelectionConfig.from_preset(preset)
+    check_arguments(seq_len, steps, batch_size, queries, save_every, lr, init, frozen_attention, cfg)
+    if batch_size % ranks:
+        raise SpardaError(f"--batch-size {batch_size} must be a multiple of the {ranks} processes "
+                          "(it is the global batch)")
+    out = check_output_file(out, "--out", "forecast.safetensors")
+    state_file = checkpoint.state_path(out)
+    if resume and not state_file.is_file():
+        raise SpardaError(f"--resume: no checkpoint state at {state_file}")
+    check_output_file(state_file, "--out (checkpoint state)")
+    _check_model(model, seq_len, frozen_attention)
+    texts, description = load_texts(data, text_column)
+    return cfg, out, state_file, texts, description
+
+
 def _check_model(model, seq_len: int, frozen: str) -> None:
     """Refuse, from the model's config alone, a ``seq_len`` over its context and sparse
     frozen attention on sliding-window layers (SpardaError)."""
@@ -151,19 +175,12 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
     from sparda.engine.llm import resolve_device
     from sparda.model.loader import load_model
 
-    cfg = selection or SelectionConfig.from_preset(preset)
-    check_arguments(seq_len, steps, batch_size, queries, save_every, lr, init, frozen_attention, cfg)
+    cfg, out, state_file, texts, description = preflight(
+        model, data, seq_len=seq_len, steps=steps, batch_size=batch_size, queries=queries, save_every=save_every,
+        lr=lr, init=init, frozen_attention=frozen_attention, preset=preset, selection=selection, out=out,
+        resume=resume, text_column=text_column, ranks=dist.world_size if dist is not None else 1)
     rank0 = dist is None or dist.rank == 0
-    if dist is not None and batch_size % dist.world_size:
-        raise SpardaError(f"--batch-size {batch_size} must be a multiple of the {dist.world_size} ranks")
-    out = check_output_file(out, "--out", "forecast.safetensors")
-    state_file = checkpoint.state_path(out)
-    if resume and not state_file.is_file():
-        raise SpardaError(f"--resume: no checkpoint state at {state_file}")
-    check_output_file(state_file, "--out (checkpoint state)")
     dev = dist.device if dist is not None else resolve_device(device)
-    _check_model(model, seq_len, frozen_attention)
-    texts, description = load_texts(data, text_column)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(seed)
     net, tokenizer, model_dir = load_model(model, dev, dtype)
