@@ -97,8 +97,8 @@ def test_thirty_steps_reduce_the_loss(make_tiny, tmp_path):
     assert result["step"] == 30 and out.is_file()
     assert result["loss"] < 0.8 * result["first_loss"], result
     # resume continues from the checkpoint
-    again = train_forecast(str(make_tiny("llama")), [str(text)], seq_len=384, steps=32, out=out, device="cpu",
-                           resume=True, queries=32, progress=False, selection=CFG)
+    again = train_forecast(str(make_tiny("llama")), [str(text)], seq_len=384, steps=32, batch_size=2, out=out,
+                           device="cpu", resume=True, queries=96, init="random", progress=False, selection=CFG)
     assert again["step"] == 32
 
 

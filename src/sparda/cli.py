@@ -342,25 +342,75 @@ def eval_cmd(**opts):
 
 @main.command("train-forecast")
 @click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled SmolLM2-135M-Instruct].")
-@click.option("--data", multiple=True, help="Text file, directory or jsonl with a 'text' field (repeatable) [default: bundled training split].")
+@click.option("--data", multiple=True, help="Text, jsonl or parquet file, directory of them, or a Hugging Face "
+              "datasets directory (save_to_disk) (repeatable) [default: bundled training split].")
+@click.option("--text-column", default="text", show_default=True,
+              help="Text field of jsonl, parquet and datasets inputs.")
 @click.option("--seq-len", default=4096, show_default=True, type=int, help="Tokens per training sequence.")
-@click.option("--steps", default=200, show_default=True, type=int)
-@click.option("--batch-size", default=1, show_default=True, type=int, help="Sequences per step.")
+@click.option("--steps", default=200, show_default=True, type=int,
+              help="Total optimiser steps (--resume continues up to it).")
+@click.option("--batch-size", default=1, show_default=True, type=int,
+              help="Sequences per step (one at a time, gradients accumulated).")
 @click.option("--lr", default=5e-4, show_default=True, type=float, help="AdamW learning rate (constant).")
-@click.option("--queries", default=256, show_default=True, type=int, help="Loss query tokens per step (random, past dense_len).")
+@click.option("--queries", default=256, show_default=True, type=int,
+              help="Loss query tokens per sequence (seeded, past max(dense_len, budget)).")
+@click.option("--frozen-attention", default="dense", show_default=True, type=click.Choice(["dense", "sparse"]),
+              help="Attention of the frozen model: dense, or block-sparse over the blocks each layer's own "
+                   "queries select (design §5).")
 @click.option("--init", default="q", show_default=True, type=click.Choice(["q", "random"]), help="Initial weights.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", required=True, help="Output .safetensors file.")
-@click.option("--resume", is_flag=True, help="Continue from OUT.state.pt.")
+@click.option("--resume", is_flag=True, help="Continue from OUT.state.pt (same settings; bit-exact).")
 @click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
-@click.option("--save-every", default=50, show_default=True, type=int, help="Checkpoint period in steps.")
-def train_forecast_cmd(model, data, out, **opts):
-    """Train Forecast weights with the base model frozen (design §5)."""
+@click.option("--save-every", default=50, show_default=True, type=int,
+              help="Checkpoint period in steps (also at the end and on Ctrl-C).")
+@click.option("--nproc", default=1, show_default=True, type=click.IntRange(1),
+              help="Data-parallel processes (GPUs): starts torchrun; --batch-size is the global batch.")
+def train_forecast_cmd(model, data, out, nproc, **opts):
+    """Train Forecast weights with the base model frozen (design §5; recipe: docs/forecast.md)."""
+    from sparda.training.distributed import Distributed
     from sparda.training.trainer import train_forecast
 
-    result = train_forecast(model, list(data) or None, out=out, **opts)
-    click.echo(json.dumps({"out": out, **result}))
+    if nproc > 1:
+        sys.exit(_launch_torchrun(click.get_current_context(), nproc, model, data, out, opts))
+    dist = Distributed.from_env(opts.get("device"))
+    try:
+        result = train_forecast(model, list(data) or None, out=out, dist=dist, **opts)
+    finally:
+        if dist is not None:
+            dist.close()
+    if dist is None or dist.rank == 0:
+        click.echo(json.dumps({"out": out, **result, **({"ranks": dist.world_size} if dist else {})}))
+
+
+def _launch_torchrun(ctx, nproc: int, model, data, out: str, opts: dict) -> int:
+    """Rerun this train-forecast command under ``torchrun --standalone --nproc-per-node N``
+    (issue #17) once every model-free check passed here. Returns the exit code."""
+    import subprocess
+
+    from sparda.training.trainer import preflight
+
+    keys = ("seq_len", "steps", "batch_size", "queries", "save_every", "lr", "init", "frozen_attention",
+            "preset", "resume", "text_column")
+    preflight(model, list(data) or None, out=out, selection=None, ranks=nproc, **{k: opts[k] for k in keys})
+    args = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name == "nproc" or value is None or value == () or not isinstance(param, click.Option):
+            continue
+        flag = param.opts[0]
+        if param.is_flag:
+            args += [flag] if value else []
+        else:
+            args += [item for v in (value if param.multiple else (value,)) for item in (flag, str(v))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "sparda.cli", "train-forecast", *args]
+    code = subprocess.call(cmd)
+    if code:
+        click.echo(f"error: a training process failed (exit code {code}); its error is printed above", err=True)
+        return 2 if code != 130 else 130
+    return 0
 
 
 @main.command("selection-report")

@@ -274,12 +274,14 @@ class CausalLM(nn.Module):
         model.rotary = Rotary(config, model.shape.head_dim)
         return model.eval()
 
-    def dense_layers(self, ids: torch.Tensor):
+    def dense_layers(self, ids: torch.Tensor, attention=None):
         """Run the model densely (no cache, no method) over ``ids [B, T]`` from position 0.
 
         Yields ``(layer, h, q, k, cos, sin)`` per layer before its attention: ``h [B, T, d_model]``
         the attention input, ``q [B, H_kv, G, T, d]``, ``k [B, H_kv, T, d]`` (RoPE applied),
         ``cos, sin [B, 1, T, d]``. Used by Forecast training and the selection report.
+        ``attention(layer, q, k, v) -> [B, H_kv, G, T, d]`` replaces dense causal attention
+        when given (Forecast training's block-sparse frozen model, design §5).
         """
         b, t = ids.shape
         s = self.shape
@@ -290,17 +292,26 @@ class CausalLM(nn.Module):
             h = layer.input_layernorm(x)
             q, k, v = layer.self_attn.project(h, cos, sin)
             yield index, h, q, k, cos, sin
-            window = s.window(index)
-            if window is not None and window < t:  # key i visible to query p iff p - W < i <= p
-                p = torch.arange(t, device=ids.device)
-                mask = (p.view(1, -1) <= p.view(-1, 1)) & (p.view(1, -1) > p.view(-1, 1) - window)
-                extra = {"attn_mask": mask}
+            if attention is not None:
+                out = attention(index, q, k, v).reshape(b, s.num_q_heads, t, s.head_dim)
             else:
-                extra = {"is_causal": True}
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.reshape(b, s.num_q_heads, t, s.head_dim), k, v, enable_gqa=True, **extra)
+                out = self._dense_attention(index, q, k, v)
             x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _dense_attention(self, index: int, q, k, v) -> torch.Tensor:
+        """Causal (or sliding-window) SDPA of layer ``index``: ``[B, H_q, T, d]``."""
+        b, _, _, t, _ = q.shape
+        s = self.shape
+        window = s.window(index)
+        if window is not None and window < t:  # key i visible to query p iff p - W < i <= p
+            p = torch.arange(t, device=q.device)
+            mask = (p.view(1, -1) <= p.view(-1, 1)) & (p.view(1, -1) > p.view(-1, 1) - window)
+            extra = {"attn_mask": mask}
+        else:
+            extra = {"is_causal": True}
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(b, s.num_q_heads, t, s.head_dim), k, v, enable_gqa=True, **extra)
 
     def forward(self, input_ids: torch.Tensor, step: StepInfo, cache, method,
                 all_logits: bool = False) -> torch.Tensor:

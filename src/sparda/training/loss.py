@@ -65,14 +65,18 @@ def student_distribution(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
-def restricted_kl(teacher: torch.Tensor, student: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-    """``KL(teacher || student)`` on the restricted entries + rest bucket, averaged over
-    KV heads and query tokens (design §5). Inputs ``[B, H, Tq, C]``; returns a fp32 scalar.
+def restricted_kl(teacher: torch.Tensor, student: torch.Tensor, entries: torch.Tensor,
+                  reduction: str = "mean") -> torch.Tensor:
+    """``KL(teacher || student)`` on the restricted entries + rest bucket (design §5).
+
+    Inputs ``[B, H, Tq, C]``; returns a fp32 scalar: averaged over rows (batch, KV heads,
+    query tokens) for ``reduction="mean"``, summed for ``"sum"`` (callers that score query
+    tokens in chunks divide the sum by the total row count themselves).
     """
     t = restricted(teacher.float(), entries)
     s = restricted(student.float(), entries)
     kl = torch.xlogy(t, t) - torch.xlogy(t, s.clamp_min(1e-30))
-    return kl.sum(-1).mean()
+    return kl.sum(-1).sum() if reduction == "sum" else kl.sum(-1).mean()
 
 
 def recall(selected: torch.Tensor, target: torch.Tensor) -> float:

@@ -36,19 +36,27 @@ def pool_fine_to_grid(fine: torch.Tensor, num_ck: int, cfg: SelectionConfig) -> 
     return padded.unfold(-1, width, cfg.kernel_stride)[..., :num_ck, :].amax(-1)
 
 
+def fine_keys(k: torch.Tensor) -> torch.Tensor:
+    """The teacher's fine compressed keys: ``k [B, H, T, d]`` -> ``[B, H, T-1, d]`` (kernel 2,
+    stride 1: key ``j`` is the mean of tokens ``j, j+1``), in ``k``'s dtype (design §5)."""
+    return ref.compress_keys(k, FINE_KERNEL, FINE_STRIDE)
+
+
 @torch.no_grad()
 def teacher_distribution(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
-                         cfg: SelectionConfig) -> torch.Tensor:
+                         cfg: SelectionConfig, fine_keys: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher distribution over inference-grid compressed keys (design §5).
 
     Args:
         q: ``[B, H, G, Tq, d]`` layer queries (post-RoPE). k: ``[B, H, T, d]`` post-RoPE keys.
         q_pos: ``[B, Tq]`` int64 query positions (``< T``).
+        fine_keys: ``fine_keys(k)`` when the caller scores several query chunks of one
+            layer (computed here otherwise).
     Returns:
         ``[B, H, Tq, C]`` fp32, ``C = num_compressed(T, k, s)``; each row sums to 1 over the
         visible compressed keys (0 elsewhere); rows with no visible key are all 0.
     """
-    fine_keys = ref.compress_keys(k, FINE_KERNEL, FINE_STRIDE)
+    fine_keys = fine_keys if fine_keys is not None else ref.compress_keys(k, FINE_KERNEL, FINE_STRIDE)
     fine = ref.query_group_scores(q, fine_keys, q_pos, FINE_KERNEL, FINE_STRIDE)  # [B,H,Tq,T-1]
     num_ck = ref.num_compressed(k.shape[-2], cfg.kernel_size, cfg.kernel_stride)
     grid = pool_fine_to_grid(fine, num_ck, cfg)

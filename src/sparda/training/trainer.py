@@ -1,13 +1,14 @@
-"""Train the Forecast with the base model frozen (design §5).
+"""Train the Forecast with the base model frozen (design §5): ``sparda train-forecast``.
 
-Each step packs ``batch_size`` sequences of ``seq_len`` tokens, runs the frozen model
-layer by layer with *dense* attention (a documented simplification of design §5's
-teacher-selected sparse attention: the bundled model's contexts are short enough), and
-for every layer ``l`` computes the restricted KL between the fine-grained teacher of
-layer ``l`` and the student ``F_{l-1}`` (``W^C_0`` for layer 0), with an immediate
-backward per layer so memory stays flat in the number of layers. Query tokens for the
-loss are a seeded random subset (``queries`` per step) of the positions past
-``dense_len`` (where selection happens).
+Each step draws ``batch_size`` packed sequences of ``seq_len`` tokens and, one sequence at
+a time, runs the frozen model layer by layer (:mod:`sparda.training.step`) with dense or
+teacher-selected block-sparse attention (:mod:`sparda.training.frozen`), backpropagating
+each layer's restricted KL between the fine-grained teacher of layer ``l`` and the student
+``F_{l-1}`` (``W^C_0`` for layer 0) at once: memory stays flat in the number of layers and
+in the batch (gradients accumulate over sequences). Then one clipped AdamW step. A
+progress bar shows the loss, the recall of ``sparse``'s free top-k, tokens/s and the ETA;
+checkpoints (:mod:`sparda.training.checkpoint`) are written every ``save_every`` steps, at
+the end and on SIGINT, and ``resume`` continues bit for bit.
 """
 
 from __future__ import annotations
@@ -21,42 +22,119 @@ import torch
 from sparda.attention.forecast import Forecast, model_identity, model_name, q_init, save_forecast
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
-from sparda.io import atomic_output, check_output_file
-from sparda.kernels import reference as ref
+from sparda.io import check_output_file
+from sparda.training import checkpoint
 from sparda.training.data import Batches, load_texts, pack
-from sparda.training.loss import free_selection, restricted_kl, restriction, student_distribution
-from sparda.training.teacher import teacher_distribution
+from sparda.training.frozen import FROZEN_ATTENTION, frozen_attention
+from sparda.training.step import StepTotals, first_query_position, query_positions, sequence_loss
+
+#: steps averaged in the reported loss and recall
+TAIL_STEPS = 20
 
 
-def layer_loss(forecast: Forecast, layer: int, h_prev, q, k, cos, sin, q_idx, cfg: SelectionConfig):
-    """Loss and selection recall (vs the query-based ``sparse`` free top-k) of one layer.
+class ForecastTrainer:
+    """The optimisation of one Forecast against one frozen model (design §5).
 
     Args:
-        forecast: the Forecast being trained; ``layer``: the scored layer (its Forecast
-            is ``F_{layer-1}``, or ``W^C_0`` for layer 0).
-        h_prev: ``[B, T, d_model]`` attention input of layer ``layer - 1`` (of layer 0 for 0).
-        q: ``[B, H_kv, G, T, d]`` and k: ``[B, H_kv, T, d]`` post-RoPE, of ``layer``.
-        cos, sin: ``[B, 1, T, d]`` query RoPE tables.
-        q_idx: ``[Tq]`` int64 query positions (same for every row).
-    Returns:
-        ``(loss, hits, total)``: restricted KL (fp32 scalar with grad, design §5) and the
-        free-top-k block counts (host ints) behind recall (design §8).
+        net: the frozen :class:`~sparda.model.llama.CausalLM` (any device and dtype).
+        forecast: the :class:`~sparda.attention.forecast.Forecast` (fp32, on ``net``'s device).
+        cfg: the selection budget. seed, queries: loss query tokens per sequence
+            (:func:`sparda.training.step.query_positions`). frozen: ``dense`` or ``sparse``.
+        lr, betas, eps, weight_decay, clip: AdamW (constant lr) and the grad-norm clip.
+        chunk: query tokens per loss chunk (default: sized to the sequence).
+        reduce: for data parallelism, ``reduce(forecast, totals) -> totals`` sums gradients and
+            totals over ranks (:mod:`sparda.training.distributed`); ``None`` on one process.
     """
-    b = q.shape[0]
-    q_pos = q_idx.view(1, -1).expand(b, -1)
-    ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()
-    teacher = teacher_distribution(q[..., q_idx, :], k, q_pos, cfg)
-    entries = restriction(teacher, q_pos, k.shape[-2], cfg)
-    f = forecast.project(layer, h_prev[:, q_idx].float(), cos[:, :, q_idx].float(), sin[:, :, q_idx].float())
-    student = student_distribution(f, ck, q_pos, cfg, layer)
-    loss = restricted_kl(teacher, student, entries)
-    with torch.no_grad():
-        num_blocks = -(-k.shape[-2] // cfg.block_size)
-        sparse = ref.query_group_scores(q[..., q_idx, :], ck, q_pos, cfg.kernel_size, cfg.kernel_stride)
-        target = free_selection(ref.pool_to_blocks(sparse, num_blocks, cfg), q_pos, cfg)
-        chosen = free_selection(ref.pool_to_blocks(student, num_blocks, cfg), q_pos, cfg)
-        hits, total = (chosen & target).sum().item(), target.sum().item()
-    return loss, hits, total
+
+    def __init__(self, net, forecast: Forecast, cfg: SelectionConfig, *, seed: int = 0, queries: int = 256,
+                 frozen: str = "dense", lr: float = 5e-4, betas=(0.9, 0.95), eps: float = 1e-6,
+                 weight_decay: float = 0.01, clip: float = 0.5, chunk: int | None = None, reduce=None) -> None:
+        self.net, self.forecast, self.cfg = net, forecast, cfg
+        self.seed, self.queries, self.chunk, self.clip, self.reduce = seed, queries, chunk, clip, reduce
+        self.attention = frozen_attention(frozen, cfg, net.shape)
+        self.optimizer = torch.optim.AdamW(forecast.parameters(), lr=lr, betas=tuple(betas), eps=eps,
+                                           weight_decay=weight_decay)
+
+    def step(self, step: int, sequences: list[torch.Tensor], positions: list[int], global_batch: int) -> StepTotals:
+        """One optimiser step over this rank's ``sequences`` (each ``[T]`` int64 on the device).
+
+        ``positions[i]`` is sequence ``i``'s index within the global batch of ``global_batch``
+        sequences (it seeds its query tokens); each sequence's loss enters the gradient with
+        weight ``1 / global_batch``. Returns the step's :class:`StepTotals` (summed over ranks).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = StepTotals()
+        for ids, position in zip(sequences, positions):
+            q_idx = query_positions(self.seed, step, position, ids.numel(), self.queries, self.cfg).to(ids.device)
+            totals.add(sequence_loss(self.net, self.forecast, ids, q_idx, self.cfg, self.attention,
+                                     scale=1.0 / global_batch, chunk=self.chunk))
+        if self.reduce is not None:
+            totals = self.reduce(self.forecast, totals)
+        torch.nn.utils.clip_grad_norm_(self.forecast.parameters(), self.clip)
+        self.optimizer.step()
+        return totals
+
+
+def check_arguments(seq_len: int, steps: int, batch_size: int, queries: int, save_every: int, lr: float,
+                    init: str, frozen: str, cfg: SelectionConfig) -> None:
+    """Refuse bad training arguments with one line naming the option (before any work)."""
+    low = first_query_position(cfg)
+    if seq_len <= low:
+        raise SpardaError(f"--seq-len {seq_len} must exceed {low} tokens (the preset's dense_len "
+                          f"{cfg.dense_len} and budget {cfg.budget_blocks * cfg.block_size}), where selection starts")
+    if steps < 1 or batch_size < 1 or queries < 1 or save_every < 1:
+        raise SpardaError("--steps, --batch-size, --queries and --save-every must be >= 1")
+    if not lr > 0:
+        raise SpardaError(f"--lr must be > 0, got {lr}")
+    if init not in ("q", "random"):
+        raise SpardaError(f"unknown init {init!r}; choose q or random")
+    if frozen not in FROZEN_ATTENTION:
+        raise SpardaError(f"unknown --frozen-attention {frozen!r}; choose dense or sparse")
+
+
+def preflight(model, data, *, seq_len: int, steps: int, batch_size: int, queries: int, save_every: int,
+              lr: float, init: str, frozen_attention: str, preset: str, selection: SelectionConfig | None,
+              out, resume: bool, text_column: str, ranks: int = 1):
+    """Every check :func:`train_forecast` makes before it loads the model, in that order:
+    arguments, ``out`` and its checkpoint state, the model's config, the data.
+
+    Returns ``(cfg, out, state_file, texts, description)``. Raises SpardaError (one line).
+    ``sparda train-forecast --nproc N`` runs it once before starting the ranks.
+    """
+    cfg = selection or SelectionConfig.from_preset(preset)
+    check_arguments(seq_len, steps, batch_size, queries, save_every, lr, init, frozen_attention, cfg)
+    if batch_size % ranks:
+        raise SpardaError(f"--batch-size {batch_size} must be a multiple of the {ranks} processes "
+                          "(it is the global batch)")
+    out = check_output_file(out, "--out", "forecast.safetensors")
+    state_file = checkpoint.state_path(out)
+    if resume and not state_file.is_file():
+        raise SpardaError(f"--resume: no checkpoint state at {state_file}")
+    check_output_file(state_file, "--out (checkpoint state)")
+    _check_model(model, seq_len, frozen_attention)
+    texts, description = load_texts(data, text_column)
+    return cfg, out, state_file, texts, description
+
+
+def _check_model(model, seq_len: int, frozen: str) -> None:
+    """Refuse, from the model's config alone, a ``seq_len`` over its context and sparse
+    frozen attention on sliding-window layers (SpardaError)."""
+    from sparda.model.llama import ModelShape
+    from sparda.model.loader import load_config, resolve_model_dir
+
+    config = load_config(resolve_model_dir(model))
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and seq_len > context:
+        raise SpardaError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens; lower --seq-len")
+    windowed = ModelShape.from_config(config).windowed_layers()
+    if frozen == "sparse" and windowed:
+        raise SpardaError("--frozen-attention sparse does not apply to sliding-window layers "
+                          f"(layers {windowed}); use --frozen-attention dense")
+
+
+def _tail_means(history: list) -> tuple[float, float]:
+    tail = history[-TAIL_STEPS:] or [(float("nan"), float("nan"))]
+    return sum(x for x, _ in tail) / len(tail), sum(y for _, y in tail) / len(tail)
 
 
 def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 200, batch_size: int = 1,
@@ -64,113 +142,114 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
                    device=None, save_every: int = 50, queries: int = 256, seed: int = 0,
                    preset: str = "small", init: str = "q", betas=(0.9, 0.95), eps: float = 1e-6,
                    weight_decay: float = 0.01, clip: float = 0.5, progress: bool = True,
-                   selection: SelectionConfig | None = None) -> dict:
+                   selection: SelectionConfig | None = None, frozen_attention: str = "dense",
+                   text_column: str = "text", chunk: int | None = None, dist=None) -> dict:
     """Train Forecast weights for ``model`` and save them to ``out`` (design §5).
 
     Args:
-        model: model directory / .gguf / ``None`` (bundled). data: paths or ``None`` (bundled split).
-        seq_len: tokens per sequence; must exceed the preset's ``dense_len``.
-        steps, batch_size, lr, betas, eps, weight_decay, clip: AdamW (constant lr) + grad clip.
-        out: safetensors path; ``out.state.pt`` holds optimizer state for ``resume``.
-        save_every: checkpoint period in steps. queries: loss query tokens per step.
-        init: ``q`` (from the scored layer's query weights, :func:`q_init`) or ``random``.
+        model: model directory / .gguf / ``None`` (bundled). data: paths (text, jsonl, parquet,
+            directories, ``datasets`` directories: :mod:`sparda.training.sources`) or ``None``
+            (the bundled split). text_column: the text field of jsonl/parquet/datasets inputs.
+        seq_len: tokens per training sequence; must exceed ``max(dense_len, budget tokens)``.
+        steps: total optimiser steps (a resumed run continues up to it). batch_size: sequences
+            per step (gradients accumulated over them). queries: loss query tokens per sequence.
+        lr, betas, eps, weight_decay, clip: AdamW (constant lr) + grad-norm clip.
+        out: safetensors path; ``OUT.state.pt`` holds the checkpoint state for ``resume``.
+        save_every: checkpoint period in steps. init: ``q`` (:func:`q_init`) or ``random``.
+        frozen_attention: ``dense``, or ``sparse`` (teacher-selected block-sparse attention,
+            :mod:`sparda.training.frozen`).
         device: ``cpu`` (fp32) or ``cuda`` (frozen model in bf16, Forecast and loss in fp32).
         selection: a :class:`SelectionConfig` replacing ``preset`` (tests use tiny budgets).
-    Returns: ``{"step", "first_loss", "loss", "recall", "seconds"}`` (``first_loss``: the loss of
-        this run's first step, as the progress bar showed it; ``loss``, ``recall``: means of the
-        last 20 steps).
-    Raises: SpardaError for bad arguments, an ``out`` that cannot be written (checked before the
-        model loads), data shorter than ``seq_len``, unreadable files. The weights and the
-        checkpoint state are written atomically (:mod:`sparda.io`): no half-written file stays.
+        chunk: loss query tokens per chunk (default: sized to the sequence length).
+        dist: a :class:`sparda.training.distributed.Distributed` for data-parallel training
+            (each rank its slice of every global batch; rank 0 writes), ``None`` on one process.
+    Returns: ``{"step", "first_loss", "loss", "recall", "seconds", "tokens_per_s"}``
+        (``first_loss``: this run's first step; ``loss``, ``recall``: means of the last 20 steps).
+    Raises: SpardaError for bad arguments, an ``out`` that cannot be written (all checked
+        before the model loads), data shorter than ``seq_len``, unreadable files, a checkpoint
+        from other settings; :class:`~sparda.training.checkpoint.Interrupted` (exit 130) after
+        a SIGINT, once the checkpoint is written. Files are written atomically.
     """
     from tqdm import tqdm
 
     from sparda.engine.llm import resolve_device
-    from sparda.model.loader import context_length, load_model
+    from sparda.model.loader import load_model
 
-    cfg = selection or SelectionConfig.from_preset(preset)
-    if seq_len <= cfg.dense_len:
-        raise SpardaError(f"--seq-len {seq_len} must exceed the preset's dense_len {cfg.dense_len}")
-    if steps < 1 or batch_size < 1 or queries < 1 or save_every < 1:
-        raise SpardaError("--steps, --batch-size, --queries and --save-every must be >= 1")
-    if not lr > 0:
-        raise SpardaError(f"--lr must be > 0, got {lr}")
-    if init not in ("q", "random"):
-        raise SpardaError(f"unknown init {init!r}; choose q or random")
-    out = check_output_file(out, "--out", "forecast.safetensors")
-    state_path = out.with_name(out.name + ".state.pt")
-    if resume and not state_path.is_file():
-        raise SpardaError(f"--resume: no checkpoint state at {state_path}")
-    check_output_file(state_path, "--out (checkpoint state)")
-    dev = resolve_device(device)
-    context = context_length(model)
-    if context is not None and seq_len > context:
-        raise SpardaError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens; lower --seq-len")
-    texts, description = load_texts(data)
+    cfg, out, state_file, texts, description = preflight(
+        model, data, seq_len=seq_len, steps=steps, batch_size=batch_size, queries=queries, save_every=save_every,
+        lr=lr, init=init, frozen_attention=frozen_attention, preset=preset, selection=selection, out=out,
+        resume=resume, text_column=text_column, ranks=dist.world_size if dist is not None else 1)
+    rank0 = dist is None or dist.rank == 0
+    dev = dist.device if dist is not None else resolve_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(seed)
     net, tokenizer, model_dir = load_model(model, dev, dtype)
     net.requires_grad_(False)
-    batches = Batches(pack(texts, tokenizer, seq_len), batch_size, seed)
+    packed = pack(texts, tokenizer, seq_len)
+    batches = Batches(len(packed), batch_size, seed)
     forecast = Forecast.for_shape(net.shape)
     if init == "q":
         q_init(forecast, net)
     forecast = forecast.to(dev)
-    opt = torch.optim.AdamW(forecast.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-    step = 0
+    if dist is not None:
+        dist.broadcast_module(forecast)
+    trainer = ForecastTrainer(net, forecast, cfg, seed=seed, queries=queries, frozen=frozen_attention, lr=lr,
+                              betas=betas, eps=eps, weight_decay=weight_decay, clip=clip, chunk=chunk,
+                              reduce=dist.reduce if dist is not None else None)
+    run = {"seq_len": seq_len, "batch_size": batch_size, "seed": seed, "queries": queries, "preset": preset,
+           "frozen_attention": frozen_attention, "data": description, "init": init}
+    step, history = 0, []
     if resume:
-        state = torch.load(state_path, map_location=dev, weights_only=False)
+        state = checkpoint.load_state(state_file, dev)
+        checkpoint.check_resumable(run, state["run"])
         forecast.load_state_dict(state["forecast"])
-        opt.load_state_dict(state["optimizer"])
-        step, batches.gen, batches.order = state["step"], state["data_gen"], state["data_order"]
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        batches.load_state_dict(state["data"])
+        step, history = state["step"], [tuple(x) for x in state["history"]]
     identity = {**model_identity(net.config, net.shape), "model_name": model_name(model_dir) or str(model)}
-    gen = torch.Generator().manual_seed(seed + step)
-    history: list[tuple[float, float]] = []
-    start = time.time()
+    start_step, first_loss, tokens, start = step, None, 0, time.time()
 
     def save() -> None:
-        loss_avg = sum(x for x, _ in history[-20:]) / max(len(history[-20:]), 1)
-        rec_avg = sum(y for _, y in history[-20:]) / max(len(history[-20:]), 1)
+        if not rank0:
+            return
+        loss_avg, rec_avg = _tail_means(history)
         save_forecast(forecast, out, identity, preset=preset, step=step, data=description,
                       seq_len=seq_len, batch_size=batch_size, lr=lr, queries=queries, init=init,
+                      frozen_attention=frozen_attention,
                       train_loss=f"{loss_avg:.4f}", train_recall_vs_sparse=f"{rec_avg:.4f}")
-        with atomic_output(state_path) as tmp:
-            torch.save({"forecast": forecast.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "data_gen": batches.gen, "data_order": batches.order}, tmp)
+        checkpoint.save_state(state_file, forecast, trainer.optimizer, batches, step, history, run)
 
-    bar = tqdm(total=steps, initial=step, disable=not progress, desc="train-forecast", dynamic_ncols=True)
+    bar = tqdm(total=steps, initial=step, disable=not (progress and rank0), desc="train-forecast",
+               dynamic_ncols=True, unit="step")
     try:  # the bar ends its line before any error message is printed
-        while step < steps:
-            ids = batches.next().to(dev)
-            low = max(cfg.dense_len, cfg.budget_blocks * cfg.block_size)
-            q_idx = torch.randperm(seq_len - low, generator=gen)[:queries].sort().values.add(low).to(dev)
-            opt.zero_grad(set_to_none=True)
-            total_loss, hits, total = 0.0, 0, 0
-            h_prev = None
-            with torch.no_grad():
-                layers = net.dense_layers(ids)
-                for layer, h, q, k, cos, sin in layers:
-                    with torch.enable_grad():
-                        loss, hit, tot = layer_loss(forecast, layer, h if layer == 0 else h_prev, q, k, cos, sin,
-                                                    q_idx, cfg)
-                        loss.backward()
-                    total_loss += loss.item()
-                    hits, total = hits + hit, total + tot
-                    h_prev = h
-            torch.nn.utils.clip_grad_norm_(forecast.parameters(), clip)
-            opt.step()
-            step += 1
-            history.append((total_loss, hits / max(total, 1)))
-            run_recall = sum(y for _, y in history[-20:]) / len(history[-20:])
-            bar.set_postfix(loss=f"{total_loss:.3f}", recall=f"{run_recall:.3f}")
-            bar.update(1)
-            if not math.isfinite(total_loss):
-                raise SpardaError(f"training diverged at step {step} (loss {total_loss}); lower --lr")
-            if step % save_every == 0 or step == steps:
-                save()
+        with checkpoint.stop_on_sigint() as stop:
+            while step < steps:
+                picked = batches.next()
+                mine = range(len(picked)) if dist is None else dist.my_slice(len(picked))
+                sequences = [packed[picked[i]].to(dev) for i in mine]
+                totals = trainer.step(step, sequences, list(mine), len(picked))
+                step += 1
+                loss = totals.loss / max(totals.sequences, 1)
+                first_loss = loss if first_loss is None else first_loss
+                tokens += totals.tokens
+                history.append((loss, totals.hits / max(totals.total, 1)))
+                _, run_recall = _tail_means(history)
+                bar.set_postfix(loss=f"{loss:.3f}", recall=f"{run_recall:.3f}",
+                                tok_s=f"{tokens / max(time.time() - start, 1e-9):,.0f}")
+                bar.update(1)
+                if not math.isfinite(loss):
+                    raise SpardaError(f"training diverged at step {step} (loss {loss}); lower --lr")
+                stopping = stop.is_set() if dist is None else dist.any_flag(stop.is_set())
+                if step % save_every == 0 or step == steps or stopping:
+                    save()
+                if stopping:
+                    raise checkpoint.Interrupted(
+                        f"interrupted at step {step}: checkpoint written to {out} and {state_file.name}; "
+                        "rerun the same command with --resume to continue")
     finally:
         bar.close()
-    tail = history[-20:] or [(float("nan"), float("nan"))]
-    return {"step": step, "first_loss": (history or tail)[0][0],
-            "loss": sum(x for x, _ in tail) / len(tail),
-            "recall": sum(y for _, y in tail) / len(tail), "seconds": round(time.time() - start, 1)}
+    loss_avg, rec_avg = _tail_means(history)
+    seconds = time.time() - start
+    return {"step": step, "first_loss": first_loss if first_loss is not None else loss_avg,
+            "loss": loss_avg, "recall": rec_avg, "seconds": round(seconds, 1),
+            "tokens_per_s": round(tokens / seconds, 1) if step > start_step and seconds > 0 else 0.0}
