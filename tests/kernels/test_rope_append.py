@@ -23,7 +23,7 @@ def _inputs(gen, b, hk, g, nf, d, cap):
     qkv = torch.randn(b, (hk * g + (2 + nf) * hk) * d, generator=gen)
     # positions: some complete a window (pos + 1 - kernel divisible by stride), some do not
     pos = torch.randint(CFG.kernel_size, cap - 2, (b,), generator=gen)
-    pos[0] = 4 * int(torch.randint(2, (cap - 2) // 4, (1,), generator=gen)) + CFG.kernel_size - 1
+    pos[0] = 4 * int(torch.randint(2, (cap - CFG.kernel_size - 2) // 4, (1,), generator=gen)) + CFG.kernel_size - 1
     theta = pos.view(-1, 1).float() * (1.0 / 100.0 ** (torch.arange(0, d, 2).float() / d))
     emb = torch.cat([theta, theta], -1)
     return qkv, emb.cos().view(b, 1, 1, d), emb.sin().view(b, 1, 1, d), pos
