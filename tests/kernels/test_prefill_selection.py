@@ -185,3 +185,35 @@ def test_cpu_dispatch_matches_brute_force_and_errors():
         select_prefill_blocks_triton(torch.randn(1, 3, num_q, 16), ck, q_pos, 8, CFG)
     with pytest.raises(SpardaError, match="head dim"):
         select_prefill_blocks_triton(torch.randn(1, 2, num_q, 24), torch.randn(1, 2, 5, 24), q_pos, 8, CFG)
+
+
+def test_methods_prefill_through_the_kernel(make_tiny, monkeypatch):
+    """The CUDA branch of ``sparse`` and ``sparda`` prefill (``fused_prefill_selection``),
+    run here through the Triton kernel under the interpreter, chunked (64 tokens), gives
+    the logits of the CPU path (the chunked reference of ``BlockSparseMethod.select``)."""
+    import sparda.attention.blocksparse as blocksparse
+    import sparda.attention.forecast as forecast
+    import sparda.kernels as kernels
+    from sparda.engine.llm import LLM
+
+    small = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=40, init_blocks=1, local_blocks=2,
+                 topk_blocks=3)
+    tiny = make_tiny("llama")
+    ids = torch.randint(100, 20000, (int(torch.randint(130, 145, ())),)).tolist()
+    calls = []
+
+    def through_kernel(*args, **kwargs):
+        calls.append(args[0].dim())
+        return select_prefill_blocks_triton(*args, **kwargs)
+
+    for method in ("sparse", "sparda-random"):
+        llm = LLM(str(tiny), method=method, device="cpu", sparse_prefill=True, prefill_chunk_tokens=64, **small)
+        want = llm.logits(ids)
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "select_prefill_blocks", through_kernel)
+            for module in (blocksparse, forecast):
+                patch.setattr(module, "fused_prefill_selection", lambda t: True)
+            got = llm.logits(ids)
+        assert ((got - want).norm() / want.norm()).item() < 2e-5, method
+    layers = llm.shape.num_layers
+    assert calls == [5] * (2 * layers) + [4] * (2 * layers)  # chunks 2 and 3 select (chunk 1 is dense)
