@@ -153,12 +153,19 @@ def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
 @click.option("--stream/--no-stream", default=True, show_default=True,
               help="Text output: print tokens as they come (prompts still decode together).")
+@click.option("--prefill-chunk", type=int, default=None,
+              help="Prompt tokens per prefill chunk (bounds prefill memory; same output) [default: 8192; "
+                   "0: the whole prompt at once].")
 def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, seed, as_json, stream,
-             **opts):
+             prefill_chunk, **opts):
     """Generate completions for one or more prompts."""
     from sparda.engine.validate import check_prompts, check_sampling
 
     check_sampling(max_new_tokens, temperature, top_p, seed)  # model-free checks first
+    if prefill_chunk is not None:
+        if prefill_chunk < 0:
+            raise SpardaError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt at once), got {prefill_chunk}")
+        opts["prefill_chunk_tokens"] = prefill_chunk
     prompts = check_prompts(_read_prompts(prompt, prompt_file))
     if stream and not as_json:
         params = _cli_sampling_params(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

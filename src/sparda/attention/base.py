@@ -130,12 +130,40 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,
     b, hk, g, t, d = q.shape
     qf = q.reshape(b, hk * g, t, d)
     if step.phase == "prefill":
+        if t != k.shape[-2]:  # a later prefill chunk: its queries are the last t of the keys
+            return prefill_chunk_attention(q, k, v)
         out = torch.nn.functional.scaled_dot_product_attention(qf, k, v, is_causal=True, enable_gqa=True)
     else:
         keys = torch.arange(k.shape[-2], device=q.device)
         allowed = (keys.view(1, 1, -1) <= step.q_pos.unsqueeze(-1)) & (keys.view(1, 1, -1) < step.kv_len.view(-1, 1, 1))
         out = torch.nn.functional.scaled_dot_product_attention(
             qf, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=True)
+    return out.view(b, hk, g, t, d)
+
+
+def prefill_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense causal attention of a prefill chunk: the ``Tq`` queries sit at the last
+    ``Tq`` of the ``T`` key positions (query ``i`` sees keys ``<= T - Tq + i``; chunked prefill).
+
+    CUDA: the Triton prefill kernel without a block mask (``kernels.prefill_attention``,
+    exact causal masking by position, no ``[Tq, T]`` mask in memory); elsewhere SDPA with
+    a lower-right causal bias (``torch.nn.attention.bias.causal_lower_right``).
+
+    Args:
+        q: ``[B, H_kv, G, Tq, d]``; k, v: ``[B, H_kv, T, d]`` with ``T >= Tq``, same dtype.
+    Returns:
+        ``[B, H_kv, G, Tq, d]`` in ``q``'s dtype.
+    """
+    b, hk, g, t, d = q.shape
+    num_keys = k.shape[-2]
+    if q.is_cuda:
+        q_pos = torch.arange(num_keys - t, num_keys, device=q.device).expand(b, t)
+        kv_len = torch.full((b,), num_keys, device=q.device, dtype=torch.long)
+        return kernels.prefill_attention(q, k, v, None, q_pos, kv_len, 64)
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(b, hk * g, t, d), k, v, attn_mask=causal_lower_right(t, num_keys), enable_gqa=True)
     return out.view(b, hk, g, t, d)
 
 
@@ -158,8 +186,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, wi
     """
     b, hk, g, t, d = q.shape
     keys = torch.arange(k.shape[-2], device=q.device)
+    off = k.shape[-2] - t  # prefill: the queries are the last t key positions (a later chunk: off > 0)
     spans = [(0, t, 0, k.shape[-2])] if step.phase != "prefill" else [
-        (start, min(start + WINDOW_CHUNK_TOKENS, t), max(0, start - window + 1), min(start + WINDOW_CHUNK_TOKENS, t))
+        (start, min(start + WINDOW_CHUNK_TOKENS, t), max(0, off + start - window + 1),
+         off + min(start + WINDOW_CHUNK_TOKENS, t))
         for start in range(0, t, WINDOW_CHUNK_TOKENS)]
     out = []
     for start, end, lo, hi in spans:
@@ -247,11 +277,13 @@ class BlockSparseMethod(AttentionMethod):
     def dense_prefix(self, step) -> int:
         """How many leading prefill queries fall under the dense fallback (design §3.6):
         query ``t`` does iff ``t + 1 < dense_len`` or its ``t // B_s + 1`` valid blocks fit
-        the budget. Prefill starts at position 0, so these form a prefix. 0 in decode."""
+        the budget. Prefill positions grow from the chunk's start ``step.max_kv_len - Tq``
+        (0 unless chunked), so these form a prefix. 0 in decode."""
         if step.phase != "prefill":
             return 0
         cfg = self.selection
-        return min(step.q_pos.shape[1], max(cfg.dense_len - 1, cfg.budget_blocks * cfg.block_size))
+        start = step.max_kv_len - step.q_pos.shape[1]
+        return min(step.q_pos.shape[1], max(0, max(cfg.dense_len - 1, cfg.budget_blocks * cfg.block_size) - start))
 
     def select(self, layer: int, q, h, cache, step, first: int = 0) -> torch.Tensor:
         """Block mask ``[B, H_kv, Tq - first, N]`` bool for this layer's queries ``first..Tq-1``.
@@ -291,6 +323,7 @@ class BlockSparseMethod(AttentionMethod):
         out = sparse_attention(q[..., first:, :], k, v, mask, step, first, self.selection, ids)
         if first == 0:
             return out
-        # The dense-fallback prefix attends causally to its own prefix only.
-        head = dense_attention(q[..., :first, :], k[:, :, :first], v[:, :, :first], step)
+        # The dense-fallback prefix attends causally to the keys up to its last position.
+        end = num_tokens - q.shape[-2] + first
+        head = dense_attention(q[..., :first, :], k[:, :, :end], v[:, :, :end], step)
         return torch.cat([head, out], dim=-2)

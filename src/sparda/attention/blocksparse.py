@@ -13,6 +13,13 @@ from sparda.attention.base import BlockSparseMethod
 from sparda.kernels import reference as ref
 
 
+def fused_prefill_selection(t) -> bool:
+    """Whether prefill selection runs the fused kernel, :func:`sparda.kernels.select_prefill_blocks`
+    (CUDA tensors; the CPU runtime keeps the chunked reference path of
+    :meth:`BlockSparseMethod.select`, which gives the same masks)."""
+    return t.is_cuda
+
+
 class SparseAttention(BlockSparseMethod):
     """Query-based block-sparse attention (design §3.2–3.5)."""
 
@@ -22,10 +29,16 @@ class SparseAttention(BlockSparseMethod):
         """Block mask ``[B, H_kv, Tq - first, N]`` bool (design §3.2-3.4).
 
         CUDA decode: the fused Triton scoring + pooling + selection
-        (:func:`sparda.kernels.select_decode_blocks`, ``Tq - first = 1``); otherwise
+        (:func:`sparda.kernels.select_decode_blocks`, ``Tq - first = 1``); CUDA prefill: the
+        fused per-token kernel (:func:`sparda.kernels.select_prefill_blocks`); otherwise
         :meth:`BlockSparseMethod.select`. ``N = ceil(step.max_kv_len / block_size)``.
         Raises SpardaError (Triton path) on an unsupported dtype or head dim.
         """
+        if step.phase == "prefill" and fused_prefill_selection(q):
+            _, _, ck = cache.view(layer, step.rows, step.max_kv_len)
+            num_blocks = -(-step.max_kv_len // self.selection.block_size)
+            return kernels.select_prefill_blocks(q[..., first:, :], ck, step.q_pos[:, first:], num_blocks,
+                                                 self.selection)
         if step.phase != "decode" or not q.is_cuda:
             return super().select(layer, q, h, cache, step, first)
         # CUDA decode: fused scoring + pooling + selection rule (Triton), no host sync.

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from sparda.attention.base import BlockSparseMethod, dense_attention
+from sparda.attention.blocksparse import fused_prefill_selection
 from sparda.errors import SpardaError
 from sparda.io import atomic_output
 from sparda import kernels
@@ -383,11 +384,19 @@ class ForecastAttention(BlockSparseMethod):
     def select(self, layer, q, h, cache, step, first=0):
         """Block mask ``[B, H_kv, Tq - first, N]`` bool: in decode, the mask predicted by the
         previous layer (popped, not repaired: design §4); otherwise scored from the stored
-        Forecast queries, which are then dropped."""
+        Forecast queries, which are then dropped (they live for one prefill chunk). CUDA
+        prefill: the fused per-token kernel (:func:`sparda.kernels.select_prefill_blocks`)
+        under the lookahead rule (layers >= 1 score the windows complete before the token)."""
         if step.phase == "decode" and layer in self._masks:
             if layer in self._next_ids:
                 self.decode_ids[layer] = self._next_ids.pop(layer)
             return self._masks.pop(layer)
+        if step.phase == "prefill" and fused_prefill_selection(q):
+            f = self._queries.pop(layer)[..., first:, :]
+            _, _, ck = cache.view(layer, step.rows, step.max_kv_len)
+            num_blocks = -(-step.max_kv_len // self.selection.block_size)
+            return kernels.select_prefill_blocks(f, ck, step.q_pos[:, first:], num_blocks, self.selection,
+                                                 lookahead=layer > 0)
         mask = super().select(layer, q, h, cache, step, first)
         self._queries.pop(layer, None)
         return mask

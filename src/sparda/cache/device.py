@@ -64,8 +64,10 @@ class DeviceKVCache:
         Args:
             layer: layer index.
             k, v: ``[B, H_kv, Tq, d]`` post-RoPE, cast to the cache dtype on write, for rows
-                ``step.rows`` at positions ``step.q_pos``. Prefill writes one row from
-                position 0 (``Tq`` tokens); decode writes one token per row (``Tq = 1``).
+                ``step.rows`` at positions ``step.q_pos``. Prefill writes one row, positions
+                ``step.max_kv_len - Tq .. step.max_kv_len - 1`` (a chunk; from 0 unless the
+                prefill is chunked), and the compressed keys those tokens complete; decode
+                writes one token per row (``Tq = 1``).
             step: the :class:`~sparda.model.llama.StepInfo` (``phase``, ``rows [B]``,
                 ``q_pos [B, Tq]`` int64).
         No bounds checks: positions must be ``< capacity`` (torch raises IndexError otherwise).
@@ -73,13 +75,14 @@ class DeviceKVCache:
         cfg = self.selection
         if step.phase == "prefill":
             row = int(step.rows[0])
-            t = k.shape[-2]
-            self.k[layer][row, :, :t] = k[0]
-            self.v[layer][row, :, :t] = v[0]
-            ck = ref.compress_keys(k[0], cfg.kernel_size, cfg.kernel_stride)
-            self.ck[layer][row, :, :ck.shape[-2]] = ck
+            end = step.max_kv_len
+            start = end - k.shape[-2]
+            self.k[layer][row, :, start:end] = k[0]
+            self.v[layer][row, :, start:end] = v[0]
+            j0, ck = ref.completed_compressed_keys(self.k[layer][row], start, end, cfg.kernel_size, cfg.kernel_stride)
+            self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
             if layer == len(self.k) - 1:
-                self.lengths[row] = t
+                self.lengths[row] = end
             return
         rows = step.rows
         pos = step.q_pos[:, 0]

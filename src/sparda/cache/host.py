@@ -98,23 +98,31 @@ class HostKVStore:
                 "use a smaller batch or context (fewer --max-new-tokens or a shorter prompt), "
                 "or --no-offload (offload=False) to keep the KV cache on the GPU")
 
-    def write_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v [H_kv, T, d]`` (any device) as tokens ``0 .. T-1`` of ``row`` (prefill).
+    def write_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Write ``k, v [H_kv, T, d]`` (any device) as tokens ``start .. start+T-1`` of ``row``
+        (prefill, synchronously; a chunked prefill passes the chunk's ``start``).
+
+        Raises:
+            SpardaError: ``row`` is outside the cache (internal error).
+        """
+        t = k.shape[-2]
+        for dst, src in zip(self.token_views(layer, row), (k, v)):
+            for head in range(dst.shape[0]):  # contiguous per head: one direct DMA each
+                dst[head, start:start + t].copy_(src[head], non_blocking=src.is_cuda and dst.is_pinned())
+        if k.is_cuda:
+            torch.cuda.current_stream(k.device).synchronize()  # the source may be freed next
+
+    def token_views(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of one row as ``[H_kv, num_blocks * block_size, d]`` views into host memory
+        (token-major per head: each head's tokens are one contiguous run).
 
         Raises:
             SpardaError: ``row`` is outside the cache (internal error).
         """
         for chunk in self.chunks[layer]:
             if chunk.row0 <= row < chunk.row1:
-                t = k.shape[-2]
-                nb = -(-t // self.block_size)
-                for dst, src in ((chunk.k, k), (chunk.v, v)):
-                    flat = dst[row - chunk.row0, :, :nb].flatten(1, 2)  # [H, nb*bs, d]
-                    for head in range(flat.shape[0]):  # contiguous per head: one direct DMA each
-                        flat[head, :t].copy_(src[head], non_blocking=src.is_cuda and dst.is_pinned())
-                if k.is_cuda:
-                    torch.cuda.current_stream(k.device).synchronize()  # the source may be freed next
-                return
+                r = row - chunk.row0
+                return chunk.k[r].flatten(1, 2), chunk.v[r].flatten(1, 2)
         raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
 
     def block(self, layer: int, row: int, head: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,8 @@ chooses them (:meth:`OffloadKVCache.fetch` takes a block mask).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from sparda.cache.host import DEFAULT_CHUNK_BYTES, HostKVStore
@@ -109,6 +111,7 @@ class OffloadKVCache:
         self._stash: tuple | None = None  # prefill: (layer, k, v) of the prompt being run
         self._slot_ids = torch.arange(self.slots + 1, device=self.device).view(1, 1, -1)
         self._scratch_count = torch.zeros(batch, dtype=torch.long, device=self.device)  # uncounted fetches
+        self._staging = None  # chunked prefill: sparda.cache.chunked_prefill.PrefillStaging
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -136,8 +139,9 @@ class OffloadKVCache:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
         """Write this step's keys/values (``[B, H, Tq, d]``) and update compressed keys.
 
-        Prefill writes one row from position 0 (host, ring, compressed keys; the prompt's
-        K/V stay reachable through :meth:`view` while the layer runs). Decode writes one
+        Prefill writes one row, one chunk of positions ``step.max_kv_len - Tq ..`` (from 0
+        unless chunked; :meth:`_append_prefill`: host, ring, compressed keys; the layer's
+        K/V so far stay reachable through :meth:`view` while the layer runs). Decode writes one
         token per row (every row of the cache) into the partial slot, without waiting for the
         layer's prefetch (the gather writes only the other slots; :meth:`attend` waits).
         ``step`` is the :class:`~sparda.model.llama.StepInfo` (``rows [B]``,
@@ -148,24 +152,7 @@ class OffloadKVCache:
         """
         cfg = self.selection
         if step.phase == "prefill":
-            row = int(step.rows[0])
-            t = k.shape[-2]
-            if layer in self.resident:
-                self.k_full[layer][row, :, :t] = k[0]
-                self.v_full[layer][row, :, :t] = v[0]
-            else:
-                self.host.write_tokens(layer, row, k[0], v[0])
-                self.slot_map[layer][row] = -1
-                start = (t - 1) // cfg.block_size * cfg.block_size
-                self.k_slots[layer][row, :, self.slots, :t - start] = k[0, :, start:]
-                self.v_slots[layer][row, :, self.slots, :t - start] = v[0, :, start:]
-                self._stash = (layer, k, v)
-            ck = ref.compress_keys(k[0], cfg.kernel_size, cfg.kernel_stride)
-            self.ck[layer][row, :, :ck.shape[-2]] = ck
-            pos = torch.arange(max(0, t - cfg.kernel_size), t, device=k.device)
-            self.ring[layer][row, :, pos % cfg.kernel_size] = k[0, :, pos]
-            if layer == self.num_layers - 1:
-                self.lengths[row] = t
+            self._append_prefill(layer, k, v, step)
             return
         if step.rows.numel() != self.batch:
             raise SpardaError("offloaded decode steps must cover every cache row")
@@ -239,6 +226,70 @@ class OffloadKVCache:
             for chunk in chunks:
                 self.engine.store_tokens(chunk, k_tok, v_tok, pos)
         return q, f
+
+    def _append_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
+        """Prefill append of one row: tokens ``start .. end-1`` with ``end = step.max_kv_len``
+        (a chunk, :mod:`sparda.cache.chunked_prefill`; ``start = 0`` unless chunked).
+
+        Offloaded layers: the chunk's K/V go to the host store; the layer's tokens ``< end``
+        are exposed to :meth:`view` while the layer runs (the chunk itself, or after
+        ``start > 0`` a device buffer holding the earlier chunks read back from the host).
+        Then the compressed keys the chunk completes, the ring of the last ``kernel_size``
+        keys and the partial block slot."""
+        cfg = self.selection
+        row = int(step.rows[0])
+        end = step.max_kv_len
+        start = end - k.shape[-2]
+        staging = self._staging
+        if staging is None and start > 0:  # chunks outside chunked_prefill(): synchronous copies
+            staging = self._staging = self._new_staging(asynchronous=False)
+        if layer in self.resident:
+            self.k_full[layer][row, :, start:end] = k[0]
+            self.v_full[layer][row, :, start:end] = v[0]
+            keys = self.k_full[layer][row]
+        else:
+            if staging is None:
+                self.host.write_tokens(layer, row, k[0], v[0], start)
+            else:
+                staging.write(layer, row, k[0], v[0], start)
+            self.slot_map[layer][row] = -1
+            if start == 0:
+                keys, values = k[0], v[0]
+            else:
+                keys, values = staging.history(layer, row, start)
+                keys[:, start:end] = k[0]
+                values[:, start:end] = v[0]
+            self._stash = (layer, keys[None, :, :end], values[None, :, :end])
+            first = (end - 1) // cfg.block_size * cfg.block_size
+            self.k_slots[layer][row, :, self.slots, :end - first] = keys[:, first:end]
+            self.v_slots[layer][row, :, self.slots, :end - first] = values[:, first:end]
+        if staging is not None and layer + 1 < self.num_layers:
+            staging.prefetch(layer + 1, row, start)  # the next layer's earlier chunks, while this one runs
+        j0, ck = ref.completed_compressed_keys(keys, start, end, cfg.kernel_size, cfg.kernel_stride)
+        self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
+        pos = torch.arange(max(0, end - cfg.kernel_size), end, device=k.device)
+        self.ring[layer][row, :, pos % cfg.kernel_size] = keys[:, pos]
+        if layer == self.num_layers - 1:
+            self.lengths[row] = end
+
+    def _new_staging(self, asynchronous: bool):
+        from sparda.cache.chunked_prefill import PrefillStaging
+
+        _, heads, _, dim = self.ck[0].shape
+        return PrefillStaging(self.host, self.offloaded, heads, dim, self.capacity, self.ck[0].dtype,
+                              self.device, asynchronous)
+
+    @contextlib.contextmanager
+    def chunked_prefill(self):
+        """Context of one prompt's prefill (:meth:`sparda.LLM.prefill`): on CUDA its host
+        writes and read-backs run on a side stream (:mod:`sparda.cache.chunked_prefill`);
+        on exit the compute stream waits for them and the staging buffers are freed."""
+        self._staging = self._new_staging(asynchronous=True)
+        try:
+            yield self
+        finally:
+            self._staging.finish()
+            self._staging = None
 
     # ----------------------------------------------------------------- view
     def compressed(self, layer: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -21,6 +22,9 @@ from sparda.engine.validate import check_request
 from sparda.errors import SpardaError
 from sparda.model.llama import StepInfo
 from sparda.model.loader import load_model
+
+#: prompt tokens per prefill chunk by default (``LLM(prefill_chunk_tokens=...)``, ``--prefill-chunk``)
+DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -68,6 +72,20 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+def check_prefill_chunk(value) -> int:
+    """``prefill_chunk_tokens`` as an int >= 0 (0 or ``None``: the whole prompt in one chunk).
+
+    Raises:
+        SpardaError: not an integer, or negative.
+    """
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpardaError(f"prefill_chunk_tokens must be an integer >= 0 (0: no chunking), got {value!r}; "
+                          "use e.g. --prefill-chunk 8192")
+    return value
+
+
 def default_offload(method: str, device: torch.device) -> bool:
     """Whether ``method`` offloads its KV cache when ``--offload`` is not given.
 
@@ -103,7 +121,10 @@ class LLM:
             ``offload_timing`` (default False: also time the offload copies, adding
             ``copy_ms``, ``exposed_wait_ms``, ``hidden_fraction`` to ``stats["offload"]``) /
             ``fused_decode`` (default True: on CUDA a decode step runs the fused kernels of
-            :mod:`sparda.model.fused`; False runs the model's plain modules).
+            :mod:`sparda.model.fused`; False runs the model's plain modules) /
+            ``prefill_chunk_tokens`` (default :data:`DEFAULT_PREFILL_CHUNK_TOKENS`: prompts are
+            prefilled that many tokens at a time, so activations are one chunk's; ``0`` or
+            ``None`` = the whole prompt at once; same logits either way).
     Raises:
         SpardaError: bad method, preset, budget, path or architecture.
     """
@@ -118,6 +139,9 @@ class LLM:
         self.offload_timing = bool(overrides.pop("offload_timing", False))
         #: on CUDA, decode through the fused kernels (sparda.model.fused); False: the plain modules
         self.fused_decode = bool(overrides.pop("fused_decode", True))
+        #: prompt tokens per prefill chunk (0: the whole prompt at once)
+        self.prefill_chunk_tokens = check_prefill_chunk(overrides.pop("prefill_chunk_tokens",
+                                                                      DEFAULT_PREFILL_CHUNK_TOKENS))
         prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
         offload = overrides.pop("offload", None)
         #: offload transfer engine: auto, uva, copy or sync (design §6)
@@ -152,7 +176,7 @@ class LLM:
 
         Device and dtype are the model's. ``forecast`` (a :class:`Forecast`) is handed to the
         ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``/
-        ``sparse_prefill``/``dense_prefill`` as in :class:`LLM`, except that ``offload``
+        ``sparse_prefill``/``dense_prefill``/``prefill_chunk_tokens`` as in :class:`LLM`, except that ``offload``
         defaults to off on every device (the caller builds the model and decides where its
         cache lives) and ``sparse_prefill`` to on at every preset (benchmarks time the
         block-sparse prefill). Raises SpardaError for a bad method, preset or budget.
@@ -161,6 +185,8 @@ class LLM:
         llm.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         llm.offload_timing = bool(overrides.pop("offload_timing", False))
         llm.fused_decode = bool(overrides.pop("fused_decode", True))
+        llm.prefill_chunk_tokens = check_prefill_chunk(overrides.pop("prefill_chunk_tokens",
+                                                                     DEFAULT_PREFILL_CHUNK_TOKENS))
         offload = overrides.pop("offload", None)
         llm.transfer = overrides.pop("transfer", None) or "auto"
         prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
@@ -223,12 +249,27 @@ class LLM:
 
     @torch.inference_mode()
     def prefill(self, cache, row: int, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run one prompt into cache row ``row``; returns logits ``[T or 1, V]`` fp32."""
-        x = torch.tensor([ids], device=self.device)
+        """Run one prompt into cache row ``row``; returns logits ``[T or 1, V]`` fp32.
+
+        The prompt runs :attr:`prefill_chunk_tokens` tokens at a time (chunked prefill):
+        chunk ``[start, end)`` appends its K/V and attends to every key ``< end`` of its
+        layer, so the logits equal an unchunked prefill's while activations stay one
+        chunk's; offloaded caches write each chunk to host memory (on CUDA on a side
+        stream, :meth:`~sparda.cache.offload.OffloadKVCache.chunked_prefill`)."""
         rows = torch.tensor([row], device=self.device)
-        q_pos = torch.arange(len(ids), device=self.device).unsqueeze(0)
-        step = self._step("prefill", rows, q_pos, len(ids))
-        return self.model(x, step, cache, self.method, all_logits=all_logits)[0]
+        chunk = getattr(self, "prefill_chunk_tokens", 0) or len(ids)
+        session = getattr(cache, "chunked_prefill", None)
+        outs = []
+        with session() if session is not None else contextlib.nullcontext():
+            for start in range(0, len(ids), chunk):
+                end = min(len(ids), start + chunk)
+                x = torch.tensor([ids[start:end]], device=self.device)
+                q_pos = torch.arange(start, end, device=self.device).unsqueeze(0)
+                step = self._step("prefill", rows, q_pos, end)
+                outs.append(self.model(x, step, cache, self.method, all_logits=all_logits)[0])
+                if not all_logits:
+                    outs = outs[-1:]
+        return torch.cat(outs) if all_logits else outs[-1]
 
     def _decode_step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                      live_len: int) -> torch.Tensor:

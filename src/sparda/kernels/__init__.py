@@ -25,6 +25,7 @@ try:  # Triton is optional: without it every call takes the PyTorch twin.
     from sparda.kernels import decode_attention as _decode
     from sparda.kernels import prefill_attention as _prefill
     from sparda.kernels import norm as _norm
+    from sparda.kernels import prefill_selection as _prefill_selection
     from sparda.kernels import rope_append as _rope_append
     from sparda.kernels import selection as _selection
     from sparda.kernels import slot_diff as _slot_diff
@@ -41,6 +42,7 @@ __all__ = [
     "prefill_attention",
     "rope_append",
     "select_decode_blocks",
+    "select_prefill_blocks",
     "silu_mul",
     "slot_diff",
     "update_compressed_keys",
@@ -173,6 +175,41 @@ def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Ten
                                                       width=width, return_mask=return_mask)
     return twins.select_decode_reference(query, ck, q_pos, num_blocks, cfg, ck_len=ck_len,
                                          width=width, return_mask=return_mask)
+
+
+def select_prefill_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, num_blocks: int,
+                          cfg: SelectionConfig, *, lookahead: bool = False) -> torch.Tensor:
+    """Prefill block selection per query token: score, pool, forced blocks + top-k
+    (design §3.2-3.4, §3.6, §4), strictly causal.
+
+    The rule is ``reference.select_blocks`` per query token: sinks, the local window
+    (current block included), the dense fallback, then the ``topk_blocks`` best other valid
+    blocks, ties to the lower block id. On CUDA one fused Triton kernel
+    (:mod:`sparda.kernels.prefill_selection`; the query-based softmax reads the compressed
+    keys twice: statistics, then probabilities); elsewhere the PyTorch twin
+    ``twins.select_prefill_reference``.
+
+    Args:
+        query: ``[B, H, G, Tq, d]`` queries -> query-based scores (per-head softmax over the
+            visible compressed keys, summed over the group); or ``[B, H, Tq, d]`` Forecast
+            queries (RoPE applied) -> raw dot products.
+        ck: ``[B, H, C, d]`` compressed keys of the scored layer (a view is fine); key
+            ``j`` exists iff ``j < C``.
+        q_pos: ``[B, Tq]`` integer positions of the query tokens (tokens).
+        num_blocks: ``N``, blocks of the mask (cover ``max(q_pos) // block_size``).
+        cfg: the selection config (block size, compression geometry, budget, dense_len).
+        lookahead: score the compressed keys complete at ``q_pos - 1`` (a Forecast of
+            layer >= 1, ``reference.lookahead_pos``); selection still at ``q_pos``.
+    Returns:
+        ``[B, H, Tq, N]`` bool block mask (feed it to :func:`prefill_attention`).
+    Raises:
+        SpardaError: mismatched shapes or dtypes. Any head dim works: those the kernel
+            does not tile take the PyTorch twin.
+    """
+    if _on_triton(query, ck, q_pos) and supported_head_dim(query.shape[-1]):
+        return _prefill_selection.select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg,
+                                                                lookahead=lookahead)
+    return twins.select_prefill_reference(query, ck, q_pos, num_blocks, cfg, lookahead=lookahead)
 
 
 def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:

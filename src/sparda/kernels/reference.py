@@ -67,6 +67,22 @@ def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     return windows.mean(-1).to(k.dtype)
 
 
+def completed_compressed_keys(keys: torch.Tensor, start: int, end: int, kernel: int,
+                              stride: int) -> tuple[int, torch.Tensor]:
+    """The compressed keys that tokens ``start .. end - 1`` complete (design §3.1): windows
+    ``j0 .. j1 - 1`` with ``j0 = num_compressed(start)``, ``j1 = num_compressed(end)``
+    (a prefill chunk; ``start = 0``: every window of the prompt).
+
+    Args:
+        keys: ``[..., T, d]`` post-RoPE keys of positions ``0 .. T-1``, ``T >= end`` (only
+            ``keys[..., j0*stride:end, :]`` is read).
+    Returns:
+        ``(j0, ck)`` with ``ck [..., j1 - j0, d]`` in ``keys``' dtype (:func:`compress_keys`).
+    """
+    j0 = num_compressed(start, kernel, stride)
+    return j0, compress_keys(keys[..., j0 * stride:end, :], kernel, stride)
+
+
 def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: int) -> torch.Tensor:
     """Causal visibility of compressed keys (design §3.1-3.2): ``[B, Tq, C]`` bool.
 

@@ -307,3 +307,69 @@ def silu_mul_reference(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     """PyTorch twin of :func:`sparda.kernels.silu_mul`: ``silu(gate) * up``, ``gate_up = [gate | up]``."""
     n = out.shape[-1]
     return out.copy_(torch.nn.functional.silu(gate_up[..., :n]) * gate_up[..., n:])
+
+
+def check_prefill_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                                   need_pow2_head_dim: bool = False) -> None:
+    """Check the prefill-selection inputs (design §3.2, §4): many query tokens per row.
+
+    Args:
+        query: ``[B, H, G, Tq, d]`` (query-based) or ``[B, H, Tq, d]`` (Forecast), fp16/bf16/fp32.
+        ck: ``[B, H, C, d]`` compressed keys, fp16/bf16/fp32.
+        q_pos: ``[B, Tq]`` integer token positions.
+        need_pow2_head_dim: also require the head dim the Triton kernel tiles.
+    Raises:
+        SpardaError: a bad dtype, rank or shape mismatch (or head dim, see above).
+    """
+    tl_float_dtype_ok(query, "query")
+    tl_float_dtype_ok(ck, "ck")
+    if query.dim() not in (4, 5):
+        raise SpardaError(f"prefill query must be [B, H, G, Tq, d] (query-based) or [B, H, Tq, d] "
+                          f"(Forecast), got {tuple(query.shape)}")
+    if ck.dim() != 4 or ck.shape[:2] != query.shape[:2] or ck.shape[-1] != query.shape[-1]:
+        raise SpardaError(f"ck must be [B, H, C, d] matching query {tuple(query.shape)}, got {tuple(ck.shape)}")
+    if q_pos.shape != (query.shape[0], query.shape[-2]) or q_pos.is_floating_point():
+        raise SpardaError(f"q_pos must be integer [B, Tq] = [{query.shape[0]}, {query.shape[-2]}], "
+                          f"got {tuple(q_pos.shape)} {q_pos.dtype}")
+    if need_pow2_head_dim:
+        check_head_dim(query.shape[-1])
+
+
+def select_prefill_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                             num_blocks: int, cfg: SelectionConfig, *, lookahead: bool = False,
+                             chunk: int = 1024, return_scores: bool = False):
+    """Prefill selection from the reference functions, per query token (design §3.2-3.4, §4).
+
+    Scores (``reference.query_group_scores`` for ``query [B, H, G, Tq, d]``,
+    ``reference.forecast_scores`` for ``[B, H, Tq, d]``) over the compressed keys visible
+    at ``q_pos`` (at ``q_pos - 1`` with ``lookahead``: ``reference.lookahead_pos`` of a
+    layer >= 1), ``reference.pool_to_blocks`` onto ``num_blocks`` blocks, then
+    ``reference.select_blocks`` at ``q_pos``; ``chunk`` query tokens at a time (memory).
+
+    Returns:
+        ``mask [B, H, Tq, N]`` bool; with ``return_scores``, ``(mask, scores)`` with the
+        ``[B, H, Tq, N]`` fp32 block scores.
+    Raises:
+        SpardaError: via :func:`check_prefill_selection_inputs` (any head dim).
+    """
+    check_prefill_selection_inputs(query, ck, q_pos)
+    masks, all_scores = [], []
+    q_pos = q_pos.long()
+    for start in range(0, q_pos.shape[1], chunk):
+        pos = q_pos[:, start:start + chunk]
+        seen = pos - 1 if lookahead else pos
+        if query.dim() == 5:
+            scores = reference.query_group_scores(query[..., start:start + chunk, :], ck, seen,
+                                                  cfg.kernel_size, cfg.kernel_stride)
+        else:
+            scores = reference.forecast_scores(query[..., start:start + chunk, :], ck, seen,
+                                               cfg.kernel_size, cfg.kernel_stride)
+        blocks = reference.pool_to_blocks(scores, num_blocks, cfg)
+        masks.append(reference.select_blocks(blocks, pos, cfg))
+        if return_scores:
+            all_scores.append(blocks)
+    shape = (*ck.shape[:2], 0, num_blocks)
+    mask = torch.cat(masks, 2) if masks else torch.zeros(shape, dtype=torch.bool, device=ck.device)
+    if return_scores:
+        return mask, (torch.cat(all_scores, 2) if all_scores else torch.zeros(shape, device=ck.device))
+    return mask

@@ -1,0 +1,312 @@
+"""Long prefill on the GPU (issue #11): TTFT, tok/s, selection and attention ms per layer, peak memory.
+
+Usage (one CUDA GPU, from the repository root; under 8 minutes on an H200: points stop at
+``budget - 120 s``, the parity run's two parts start before ``budget``):
+
+    PYTHONPATH=src python3 benchmarks/prefill_gpu.py OUT [--budget-s 420] [--lengths 32768,65536,131072]
+        [--models minicpm-8b,llama-8b] [--methods dense,sparse,...] [--chunk 8192] [--skip-parity]
+
+Random bf16 weights at the 8B shapes of :mod:`sparda.bench.models`, the ``paper`` preset,
+block-sparse prefill. Three parts, each failing soft (an error is recorded and the
+script goes on) and all bounded by ``--budget-s``:
+
+1. ``kernel_check``: the prefill selection kernel (``kernels.prefill_selection``, the bf16
+   ``tl.dot`` path) against its PyTorch twin on the GPU, query-based G = 16 and 4 and the
+   Forecast: agreement of the selected blocks and the score error.
+2. ``points``: per model, length and method (``dense`` = unchunked flash SDPA; the others
+   chunked by ``--chunk``): TTFT (prefill plus the first token's logits), prefill tok/s,
+   selection and attention ms of the middle layer summed over the prompt's chunks (CUDA
+   events around ``method.select`` and the attention call), peak GPU memory and peak
+   minus weights. A point runs twice when the budget allows (the first compiles the
+   kernels); ``warm`` says which was kept.
+3. ``parity``: 128K MiniCPM-8B shape, ``sparda`` offloaded with chunked prefill then 64
+   greedy tokens, against ``sparda`` on the device with unchunked prefill: equal tokens,
+   the first mismatch, the first token's logits difference, peak memory of both.
+
+Writes ``OUT/prefill_gpu.json`` (atomically) and prints a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from sparda.attention import base, dense as dense_mod  # noqa: E402
+from sparda.bench.models import build_model, random_forecast, weight_bytes  # noqa: E402
+from sparda.engine.llm import LLM  # noqa: E402
+
+#: label -> (method, offload)
+METHODS = {"dense": ("dense", False), "sparse": ("sparse", False), "sparse-offload": ("sparse-offload", None),
+           "sparda": ("sparda", False), "sparda-offload": ("sparda", True),
+           "sparda-no-prefetch": ("sparda-no-prefetch", None)}
+GIB = 2 ** 30
+
+
+class _NoText:
+    """Stands in for a tokenizer: token ids only."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+class LayerTimer:
+    """CUDA events around ``method.select`` and the attention call of one layer (prefill).
+
+    Wraps the method instance's ``attend``/``select`` and the module-level attention
+    functions that ``attend`` calls; ``totals()`` syncs and sums the elapsed ms."""
+
+    def __init__(self, method, layer: int) -> None:
+        self.method, self.layer, self.active = method, layer, False
+        self.events = {"select": [], "attention": []}
+        self._saved = []
+        attend, select = method.attend, getattr(method, "select", None)
+
+        def timed_attend(lay, *args, **kwargs):
+            self.active = lay == layer
+            try:
+                return attend(lay, *args, **kwargs)
+            finally:
+                self.active = False
+
+        method.attend = timed_attend
+        if select is not None:
+            method.select = self._wrap(select, "select")
+        for module, name in ((base, "sparse_attention"), (base, "dense_attention"), (dense_mod, "dense_attention")):
+            fn = getattr(module, name)
+            self._saved.append((module, name, fn))
+            setattr(module, name, self._wrap(fn, "attention"))
+
+    def _wrap(self, fn, kind):
+        def timed(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end.record()
+                self.events[kind].append((start, end))
+        return timed
+
+    def reset(self) -> None:
+        self.events = {"select": [], "attention": []}
+
+    def totals(self) -> dict:
+        torch.cuda.synchronize()
+        return {f"{k}_ms_per_layer": round(sum(s.elapsed_time(e) for s, e in v), 3) if v else None
+                for k, v in self.events.items()}
+
+    def close(self) -> None:
+        for module, name, fn in self._saved:
+            setattr(module, name, fn)
+        self.method.__dict__.pop("attend", None)
+        self.method.__dict__.pop("select", None)
+
+
+def _prefill_once(llm, ids, timer):
+    cache = llm.new_cache(1, len(ids) + 64)
+    llm.method.reset()
+    timer.reset()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    logits = llm.prefill(cache, 0, ids)
+    first = int(logits[-1].argmax())  # the first token: TTFT includes its logits
+    torch.cuda.synchronize()
+    ttft = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated()
+    del cache, logits
+    return ttft, peak, first
+
+
+def run_point(model, forecast, weights, label, length, chunk, deadline):
+    method, offload = METHODS[label]
+    llm = LLM.from_model(model, _NoText(), method=method, preset="paper", forecast=forecast, offload=offload,
+                         prefill_chunk_tokens=0 if label == "dense" else chunk)
+    ids = torch.randint(0, model.config.vocab_size, (length,)).tolist()
+    timer = LayerTimer(llm.method, model.shape.num_layers // 2)
+    try:
+        ttft, peak, _ = _prefill_once(llm, ids, timer)
+        warm = False
+        if time.perf_counter() + 1.5 * ttft < deadline:  # the first run compiled the kernels
+            ttft, peak, _ = _prefill_once(llm, ids, timer)
+            warm = True
+        layer = timer.totals()
+    finally:
+        timer.close()
+    return {"ttft_s": round(ttft, 3), "prefill_tok_s": round(length / ttft, 1), **layer,
+            "peak_gpu_gib": round(peak / GIB, 3), "peak_minus_weights_gib": round((peak - weights) / GIB, 3),
+            "warm": warm, "chunk_tokens": 0 if label == "dense" else chunk,
+            "offloaded": bool(getattr(llm.method, "offloaded", False) or llm.config.offload)}
+
+
+def kernel_check() -> list[dict]:
+    """bf16 prefill selection kernel vs its twin on the GPU (32K context, 512 query tokens)."""
+    from sparda.config import SelectionConfig
+    from sparda.kernels import reference, twins
+    from sparda.kernels.prefill_selection import select_prefill_blocks_triton
+
+    cfg = SelectionConfig.from_preset("paper")
+    rows = []
+    num_tokens, num_q, heads, d = 32768, 512, 2, 128
+    num_ck = reference.num_compressed(num_tokens, cfg.kernel_size, cfg.kernel_stride)
+    num_blocks = num_tokens // cfg.block_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ck = torch.randn(1, heads, num_ck, d, device="cuda", generator=gen).bfloat16()
+    q_pos = torch.arange(num_tokens - num_q, num_tokens, device="cuda").view(1, -1)
+    for groups in (16, 4, None):
+        shape = (1, heads, num_q, d) if groups is None else (1, heads, groups, num_q, d)
+        query = (torch.randn(shape, device="cuda", generator=gen) * 0.3).bfloat16()
+        for lookahead in ((False, True) if groups is None else (False,)):
+            mask, scores = select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg, lookahead=lookahead,
+                                                        return_scores=True)
+            ref_mask, ref_scores = twins.select_prefill_reference(query, ck, q_pos, num_blocks, cfg,
+                                                                  lookahead=lookahead, return_scores=True)
+            valid = torch.arange(num_blocks, device="cuda").view(1, 1, 1, -1) <= (q_pos // cfg.block_size)[:, None, :, None]
+            fin = torch.isfinite(ref_scores) & valid
+            err = ((scores[fin] - ref_scores[fin]).abs().max() / ref_scores[fin].abs().max()).item()
+            rule_exact = torch.equal(mask, reference.select_blocks(scores.nan_to_num(0.0), q_pos, cfg))
+            rows.append({"groups": groups or "forecast", "lookahead": lookahead,
+                         "rows_equal": float((mask == ref_mask).all(-1).float().mean()),
+                         "selected_recall": round(float((mask & ref_mask).sum() / ref_mask.sum()), 6),
+                         "score_max_rel_err": err, "rule_exact_on_kernel_scores": rule_exact})
+            print("kernel_check", rows[-1], flush=True)
+    return rows
+
+
+def parity(deadline, chunk) -> dict:
+    """128K, MiniCPM-8B shape: offloaded sparda, chunked prefill vs on-device sparda, unchunked."""
+    model = build_model("minicpm-8b", "cuda", torch.bfloat16, max_positions=131072 + 256)
+    forecast = random_forecast(model)
+    ids = torch.randint(0, model.config.vocab_size, (131072,)).tolist()
+    out = {}
+    for label, offload, chunking in (("device_unchunked", False, 0), ("offload_chunked", True, chunk)):
+        if time.perf_counter() > deadline:
+            out[label] = {"status": "skipped (time budget)"}
+            continue
+        llm = LLM.from_model(model, _NoText(), method="sparda", preset="paper", forecast=forecast, offload=offload,
+                             prefill_chunk_tokens=chunking)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        res = llm.generate(None, prompt_token_ids=[ids], max_new_tokens=64, ignore_eos=True)[0]
+        torch.cuda.synchronize()
+        out[label] = {"tokens": res.token_ids, "seconds": round(time.perf_counter() - start, 2),
+                      "prefill_ms": res.stats["prefill_ms"],
+                      "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / GIB, 3)}
+        cache = llm.new_cache(1, len(ids) + 1)
+        llm.method.reset()
+        out[label]["first_logits"] = llm.prefill(cache, 0, ids)[-1].float().cpu()
+        del cache
+    if all("tokens" in v for v in out.values()):
+        a, b = out["device_unchunked"]["tokens"], out["offload_chunked"]["tokens"]
+        la, lb = out["device_unchunked"]["first_logits"], out["offload_chunked"]["first_logits"]
+        out["tokens_equal"] = a == b
+        out["first_mismatch"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        out["first_logits_rel_diff"] = float((la - lb).norm() / la.norm())
+    out["weights_gib"] = round(weight_bytes(model) / GIB, 3)
+    for v in out.values():
+        if isinstance(v, dict):
+            v.pop("first_logits", None)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--lengths", default="32768,65536,131072")
+    ap.add_argument("--models", default="minicpm-8b,llama-8b")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--skip-parity", action="store_true")
+    args = ap.parse_args()
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}")  # exit 2
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (the CPU runtime's prefill is covered by tests/test_chunked_prefill.py)")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    deadline = t0 + args.budget_s
+    lengths = [int(x) for x in args.lengths.split(",")]
+    report = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__, "budget_s": args.budget_s, "chunk_tokens": args.chunk, "points": []}
+
+    def save():
+        tmp = out_dir / "prefill_gpu.json.tmp"
+        tmp.write_text(json.dumps(report, indent=1, default=str))
+        os.replace(tmp, out_dir / "prefill_gpu.json")
+
+    try:
+        report["kernel_check"] = kernel_check()
+    except Exception as exc:  # fail soft: record and go on
+        report["kernel_check"] = {"status": "error", "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+    save()
+    parity_s = 0 if args.skip_parity else 120  # kept for the parity run at the end
+    for name in args.models.split(","):
+        if time.perf_counter() > deadline - parity_s - 30:
+            report["points"].append({"model": name, "status": "skipped (time budget)"})
+            continue
+        try:
+            model = build_model(name, "cuda", torch.bfloat16, max_positions=max(lengths) + 256)
+            forecast, weights = random_forecast(model), weight_bytes(model)
+        except Exception as exc:
+            report["points"].append({"model": name, "status": "error", "error": repr(exc)})
+            continue
+        for length in lengths:
+            for label in args.methods.split(","):
+                rec = {"model": name, "length": length, "method": label}
+                if time.perf_counter() > deadline - parity_s:
+                    rec["status"] = "skipped (time budget)"
+                else:
+                    try:
+                        rec.update(run_point(model, forecast, weights, label, length, args.chunk,
+                                             deadline - parity_s))
+                        rec["status"] = "ok"
+                    except Exception as exc:  # OOM or a bug: record, free, go on
+                        rec.update(status="error", error=repr(exc)[:500], trace=traceback.format_exc()[-1500:])
+                    torch.cuda.empty_cache()
+                report["points"].append(rec)
+                print(f"[{time.perf_counter() - t0:5.0f} s]", {k: v for k, v in rec.items() if k != "trace"},
+                      flush=True)
+                save()
+        del model, forecast
+        torch.cuda.empty_cache()
+    if not args.skip_parity:
+        try:
+            report["parity"] = parity(deadline, args.chunk)
+        except Exception as exc:
+            report["parity"] = {"status": "error", "error": repr(exc), "trace": traceback.format_exc()[-2000:]}
+        print("parity", {k: v for k, v in report["parity"].items() if k not in ("trace",)}, flush=True)
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    save()
+    print(f"\n{'model':11} {'len':>7} {'method':19} {'TTFT s':>7} {'tok/s':>9} {'sel ms/L':>9} {'attn ms/L':>9} "
+          f"{'peak GiB':>8} {'-weights':>8}")
+    for r in report["points"]:
+        if r.get("status") != "ok":
+            print(f"{r.get('model', ''):11} {r.get('length', ''):>7} {r.get('method', ''):19} {r['status']}")
+            continue
+        print(f"{r['model']:11} {r['length']:>7} {r['method']:19} {r['ttft_s']:>7.2f} {r['prefill_tok_s']:>9.0f} "
+              f"{r['select_ms_per_layer'] or 0:>9.2f} {r['attention_ms_per_layer'] or 0:>9.2f} "
+              f"{r['peak_gpu_gib']:>8.2f} {r['peak_minus_weights_gib']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Prefill block selection in Triton: per query token, scoring fused with the block
+max-pool, the forced blocks, the dense fallback and the top-k (design §3.2-3.4, §3.6, §4).
+
+One kernel, two selectors (``SOFTMAX`` constexpr):
+
+* query-based (``sparse``): the ``G`` query heads of a KV head, ``p_h = softmax(q_h . K~ /
+  sqrt(d))`` over the causally visible compressed keys, summed over the group;
+* Forecast (``sparda``): one head per KV head, raw dot products ``f . K~`` (``-inf`` where
+  invisible).
+
+Grid ``(query tiles of BLOCK_M tokens, B*H)``. A program:
+
+1. (query-based only) **pass 1**: the per-head row maximum and sum of the softmax over
+   every visible compressed key, with an online rescale across key tiles (as
+   FlashAttention's statistics). The softmax needs them before any probability is
+   known; they cannot be folded into the pooled scores afterwards, because the
+   max-pool is taken over a *sum over heads* whose per-head normalisers differ (the
+   argmax of ``sum_h a_h e_hj`` moves when the ``a_h`` change by different factors).
+   So the query-based selector reads the compressed keys twice ("two passes"); the
+   Forecast needs no softmax and reads them once.
+2. **pass 2**: for each tile of ``NB`` blocks, block ``b`` pools compressed keys
+   ``b*r - p + o`` for ``o < r + p`` (:func:`sparda.kernels.reference.pool_window`); the
+   kernel computes one ``[rows, NB]`` dot product per offset ``o`` and keeps the running
+   max, so pooling is an elementwise max and no ``[rows, NB, keys]`` tensor exists (the
+   ``p`` halo keys are computed twice: ``(r + p) / r = 1.25x`` the dot products at the
+   paper geometry). Query-based scores are normalised, then summed over the group.
+   Only blocks up to the tile's last query block are scored (causal).
+3. **select**: the row of block scores goes through a scratch buffer (written and read
+   back by the same program), then the rule of ``reference.select_blocks``: sinks, the
+   local window, the dense fallback, and an exact top-k by binary search on
+   order-preserving int keys (ties to the lower block index), writing the
+   ``[B, H, Tq, N]`` block mask that ``kernels.prefill_attention`` reads.
+
+The PyTorch twin is :func:`sparda.kernels.twins.select_prefill_reference` (built from
+``reference.query_group_scores`` / ``forecast_scores``, ``pool_to_blocks`` and
+``select_blocks``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from sparda.config import SelectionConfig
+from sparda.kernels._common import next_pow2
+from sparda.kernels.twins import check_prefill_selection_inputs
+
+_LOG2E = 1.4426950408889634
+#: scratch (block scores) per launch at most, in fp32 elements (256 MiB); longer query
+#: ranges are cut into sub-launches
+_SCRATCH_ELEMS = 1 << 26
+
+
+@triton.jit
+def _prefill_select_kernel(
+    Q, CK, QPOS, SCR, MASK,
+    stride_qb, stride_qh, stride_qg, stride_qt,
+    stride_cb, stride_ch, stride_cc, stride_pb,
+    stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_mt,
+    H, Tq, C, N, qk_scale, shift,
+    G: tl.constexpr, G_P: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+    KER: tl.constexpr, STR: tl.constexpr, BS: tl.constexpr, R: tl.constexpr, PAD: tl.constexpr,
+    NB: tl.constexpr, CK_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+    TOPK: tl.constexpr, BUDGET: tl.constexpr, DENSE_LEN: tl.constexpr, N_P: tl.constexpr,
+    RS: tl.constexpr, SOFTMAX: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    M: tl.constexpr = BM * G_P
+    offs_m = tl.arange(0, M)
+    t_loc = offs_m // G_P
+    g = offs_m % G_P
+    rows = pid_m * BM + t_loc
+    row_ok = rows < Tq
+    g_ok = g < G
+    offs_d = tl.arange(0, D)
+    qpos = tl.load(QPOS + b * stride_pb + rows, mask=row_ok, other=-1).to(tl.int64)
+    vis_pos = qpos - shift  # the lookahead rule: layers >= 1 see windows complete before the token
+    n_vis = tl.where(vis_pos >= KER - 1, tl.maximum(vis_pos - KER + 1, 0) // STR + 1, 0)
+    n_vis = tl.minimum(n_vis, C)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + g[:, None].to(tl.int64) * stride_qg
+                + rows[:, None].to(tl.int64) * stride_qt + offs_d[None, :],
+                mask=(row_ok & g_ok)[:, None], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    ck_base = CK + b * stride_cb + h * stride_ch + offs_d[None, :]
+
+    # ---- pass 1 (query-based): per-head softmax statistics, online rescale over key tiles
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    if SOFTMAX:
+        max_vis = tl.max(n_vis, 0)
+        for c0 in range(0, max_vis, CK_T):
+            offs_c = c0 + tl.arange(0, CK_T)
+            ck = tl.load(ck_base + offs_c[:, None].to(tl.int64) * stride_cc, mask=(offs_c < C)[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(ck.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(ck))
+            s = tl.where(offs_c[None, :] < n_vis[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m_i = m_new
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
+
+    # ---- pass 2: pooled block scores of the blocks up to the tile's last query block
+    t_rows = pid_m * BM + tl.arange(0, BM)
+    t_ok = t_rows < Tq
+    last = tl.max(tl.load(QPOS + b * stride_pb + t_rows, mask=t_ok, other=-1), 0)
+    num_need = tl.where(last >= 0, last // BS + 1, 0)
+    scr_rows = SCR + b * stride_sb + h * stride_sh + t_rows[:, None].to(tl.int64) * stride_st
+    for b0 in range(0, num_need, NB):
+        blocks = b0 + tl.arange(0, NB)
+        acc = tl.full([BM, NB], float("-inf"), tl.float32)
+        for o in tl.static_range(R + PAD):
+            j = blocks * R - PAD + o
+            j_ok = (j >= 0) & (j < C)
+            ck = tl.load(ck_base + tl.maximum(j, 0)[:, None].to(tl.int64) * stride_cc, mask=j_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(ck.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(ck))
+            vis = j[None, :] < n_vis[:, None]
+            if SOFTMAX:
+                p = tl.where(vis & g_ok[:, None], tl.exp2(s * qk_scale - m_safe[:, None]) * inv_l[:, None], 0.0)
+                val = tl.sum(tl.reshape(p, (BM, G_P, NB)), 1)  # group sum: rows are (token, head)
+                val = tl.where(j_ok[None, :], val, float("-inf"))  # existing, invisible keys score 0
+            else:
+                val = tl.where(vis & j_ok[None, :], s, float("-inf"))
+            acc = tl.maximum(acc, val)
+        tl.store(scr_rows + blocks[None, :], acc, mask=t_ok[:, None] & (blocks < N)[None, :])
+    tl.debug_barrier()  # the select phase reads rows other threads wrote
+
+    # ---- select: forced blocks + dense fallback + exact top-k (reference.select_blocks)
+    cols = tl.arange(0, N_P)
+    in_row = cols < N
+    for r0 in tl.static_range(0, BM, RS):
+        sr = pid_m * BM + r0 + tl.arange(0, RS)
+        s_ok = sr < Tq
+        t = tl.load(QPOS + b * stride_pb + sr, mask=s_ok, other=-1).to(tl.int64)
+        cur = tl.where(t >= 0, t // BS, -1)
+        valid = in_row[None, :] & (cols[None, :] <= cur[:, None]) & s_ok[:, None]
+        sc = tl.load(SCR + b * stride_sb + h * stride_sh + sr[:, None].to(tl.int64) * stride_st + cols[None, :],
+                     mask=valid, other=float("-inf"))
+        forced = (cols[None, :] < INIT) | (cols[None, :] > cur[:, None] - LOCAL)
+        dense = (t + 1 < DENSE_LEN) | (cur + 1 <= BUDGET)
+        base = valid & (forced | dense[:, None])
+        cand = valid & (~base)
+        # reference: nan_to_num(nan=-1e30, neginf=-1e30), +inf -> largest finite float
+        x = tl.where(sc != sc, -1e30, sc)
+        x = tl.where(x == float("-inf"), -1e30, x)
+        x = tl.where(x == float("inf"), 3.4028234663852886e38, x)
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # order-preserving (_rank_key)
+        key = tl.where(cand, key, -2147483648)
+        n_cand = tl.sum(cand.to(tl.int32), 1)
+        kk = tl.minimum(n_cand, TOPK)
+        # per row: the largest tau with count(key >= tau) >= kk is the kk-th largest key
+        lo = tl.full([RS], -2147483647, tl.int64)
+        hi = tl.full([RS], 2147483648, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            cnt = tl.sum((key >= mid[:, None]).to(tl.int32), 1)
+            ok = cnt >= kk
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        gt = cand & (key > lo[:, None])
+        eq = cand & (key == lo[:, None])
+        n_gt = tl.sum(gt.to(tl.int32), 1)
+        rank = tl.cumsum(eq.to(tl.int32), 1) - 1  # ties: the lower block index first
+        sel = base | gt | (eq & (rank < (kk - n_gt)[:, None]))
+        tl.store(MASK + b * stride_mb + h * stride_mh + sr[:, None].to(tl.int64) * stride_mt + cols[None, :],
+                 sel.to(tl.uint8), mask=s_ok[:, None] & in_row[None, :])
+
+
+def _default_block_m(rows_per_token: int, on_gpu: bool) -> int:
+    """Query tokens per program: ``BLOCK_M * G_P`` dot-product rows, 128 on the GPU
+    (tensor-core tiles; each compressed-key load serves 128 rows), 64 elsewhere (fewer
+    programs under the interpreter)."""
+    target = 128 if on_gpu else 64
+    return max(1, target // rows_per_token)
+
+
+def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
+                                 num_blocks: int, cfg: SelectionConfig, *, lookahead: bool = False,
+                                 block_m: int | None = None, return_scores: bool = False):
+    """Triton twin of :func:`sparda.kernels.twins.select_prefill_reference` (see
+    :func:`sparda.kernels.select_prefill_blocks` for the arguments).
+
+    ``block_m``: query tokens per program (a power of two; default 128 / ``G_P`` on the
+    GPU, 64 / ``G_P`` elsewhere, at least 1, with ``G_P`` the group padded to a power of two).
+    ``return_scores``: also return the ``[B, H, Tq, N]`` fp32 block scores; entries past a
+    query's own block are unspecified (the rule never reads them).
+
+    Returns:
+        ``mask [B, H, Tq, N]`` bool, or ``(mask, scores)``.
+    Raises:
+        SpardaError: via :func:`~sparda.kernels.twins.check_prefill_selection_inputs`.
+    """
+    check_prefill_selection_inputs(query, ck, q_pos, need_pow2_head_dim=True)
+    softmax = query.dim() == 5
+    bsz, heads, num_ck, d = ck.shape
+    num_q = q_pos.shape[1]
+    groups = query.shape[2] if softmax else 1
+    g_p = next_pow2(groups)
+    if block_m is None:
+        block_m = _default_block_m(g_p, query.is_cuda)
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if block_m * g_p < 16:  # tl.dot needs at least 16 rows
+        block_m = 16 // g_p
+    mask = torch.zeros(bsz, heads, num_q, num_blocks, dtype=torch.uint8, device=ck.device)
+    scores = None
+    if num_q == 0 or num_blocks == 0:
+        return (mask.view(torch.bool), torch.zeros(mask.shape, device=ck.device)) if return_scores \
+            else mask.view(torch.bool)
+    if ck.stride(-1) != 1:
+        ck = ck.contiguous()
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    q_pos = q_pos.contiguous()
+    r = cfg.block_size // cfg.kernel_stride
+    pad = -(-cfg.kernel_size // cfg.kernel_stride) - 1
+    n_p = next_pow2(max(num_blocks, 2))
+    rs = max(1, min(block_m, 8192 // n_p))
+    rs = 1 << (rs.bit_length() - 1)  # power of two dividing block_m
+    nb = 64 if query.is_cuda else 16
+    sub = num_q if return_scores else max(block_m, _SCRATCH_ELEMS // max(1, bsz * heads * num_blocks)
+                                          // block_m * block_m)
+    scratch = torch.empty(bsz, heads, min(sub, num_q), num_blocks, device=ck.device, dtype=torch.float32)
+    ieee = query.dtype == torch.float32 or not query.is_cuda  # interpreter: no bf16 dot
+    if softmax:
+        sq = query.stride()
+        q_strides = (sq[0], sq[1], sq[2], sq[3])
+    else:
+        sq = query.stride()
+        q_strides = (sq[0], sq[1], 0, sq[2])
+    for s0 in range(0, num_q, sub):
+        s1 = min(num_q, s0 + sub)
+        q_sub = query[..., s0:s1, :]
+        pos_sub = q_pos[:, s0:s1]
+        m_sub = mask[:, :, s0:s1]
+        _prefill_select_kernel[(-(-(s1 - s0) // block_m), bsz * heads)](
+            q_sub, ck, pos_sub, scratch, m_sub,
+            *q_strides, ck.stride(0), ck.stride(1), ck.stride(2), pos_sub.stride(0),
+            scratch.stride(0), scratch.stride(1), scratch.stride(2),
+            m_sub.stride(0), m_sub.stride(1), m_sub.stride(2),
+            heads, s1 - s0, num_ck, num_blocks, _LOG2E / math.sqrt(d), 1 if lookahead else 0,
+            G=groups, G_P=g_p, BM=block_m, D=d, KER=cfg.kernel_size, STR=cfg.kernel_stride,
+            BS=cfg.block_size, R=r, PAD=pad, NB=nb, CK_T=64 if query.is_cuda else 16,
+            INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks,
+            DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee,
+            num_warps=8 if query.is_cuda and block_m * g_p >= 128 else 4)
+    if return_scores:
+        scores = scratch
+        return mask.view(torch.bool), scores
+    return mask.view(torch.bool)

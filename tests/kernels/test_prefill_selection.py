@@ -1,0 +1,219 @@
+"""Triton prefill selection (scoring + pooling + rule per query token) against the reference.
+
+The reference is ``twins.select_prefill_reference``: ``reference.query_group_scores`` /
+``forecast_scores`` + ``pool_to_blocks`` + ``select_blocks``, the functions the CPU runtime
+runs (``BlockSparseMethod.select``). Scores are compared with a tolerance; the masks
+exactly, except on rows whose top-k boundary is a near tie in the reference's own scores
+(another fp32 summation order may flip those); the kernel's rule is also checked
+exactly against ``reference.select_blocks`` applied to the kernel's own scores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sparda.config import SelectionConfig  # noqa: E402
+from sparda.errors import SpardaError  # noqa: E402
+from sparda.kernels import reference, select_prefill_blocks, twins  # noqa: E402
+from sparda.kernels.prefill_selection import select_prefill_blocks_triton  # noqa: E402
+
+# The paper's ratios (k = 2s, B_s = 4s) at block 16, a tight budget and a dense fallback.
+CFG = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1,
+                      local_blocks=2, topk_blocks=3, dense_len=40)
+# Kernel 12 / stride 2 / block 8: a compressed key spans up to three blocks (pool halo 5 > r 4).
+CFG_WIDE = SelectionConfig(block_size=8, kernel_size=12, kernel_stride=2, init_blocks=2,
+                           local_blocks=3, topk_blocks=4, dense_len=0)
+NEAR = 1e-4  # relative gap at the top-k boundary below which a row may flip
+
+
+def _near_tie_rows(scores, q_pos, cfg):
+    """``[B, H, Tq]`` bool: rows whose k-th and (k+1)-th candidate block scores (design §3.4)
+    differ, by less than ``NEAR`` of the row's largest score. Exact ties stay in: they come
+    from a compressed key that two adjacent blocks share, the same value in both pools,
+    so both implementations see the tie and give it to the lower block."""
+    num_blocks = scores.shape[-1]
+    blocks = torch.arange(num_blocks).view(1, 1, 1, -1)
+    cur = (q_pos // cfg.block_size)[:, None, :, None]
+    forced = reference.forced_blocks(q_pos, num_blocks, cfg)
+    cand = (blocks <= cur) & ~forced
+    ranked = scores.nan_to_num(nan=-1e30, neginf=-1e30).masked_fill(~cand, float("-inf"))
+    top = ranked.sort(-1, descending=True).values
+    k = cfg.topk_blocks
+    if top.shape[-1] <= k:
+        return torch.zeros(scores.shape[:3], dtype=torch.bool)
+    scale = top[..., :1].abs().clamp_min(1e-6)
+    gap = (top[..., k - 1] - top[..., k]).abs() / scale[..., 0]
+    return torch.isfinite(top[..., k]) & (gap > 0) & (gap < NEAR)
+
+
+def _check(query, ck, q_pos, num_blocks, cfg, lookahead, block_m=None):
+    mask, scores = select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg, lookahead=lookahead,
+                                                block_m=block_m, return_scores=True)
+    ref_mask, ref_scores = twins.select_prefill_reference(query, ck, q_pos, num_blocks, cfg,
+                                                          lookahead=lookahead, return_scores=True)
+    assert mask.dtype == torch.bool and mask.shape == ref_mask.shape
+    valid = (torch.arange(num_blocks).view(1, 1, 1, -1) <= (q_pos // cfg.block_size)[:, None, :, None])
+    valid = valid.expand(ref_scores.shape)
+    finite = torch.isfinite(ref_scores) & valid
+    assert torch.equal(torch.isfinite(scores) & valid, finite)
+    assert torch.equal(scores[valid & ~finite], ref_scores[valid & ~finite])
+    torch.testing.assert_close(scores[finite], ref_scores[finite], rtol=1e-5, atol=5e-5)
+    # the rule, exactly, on the kernel's own scores (blocks past the query's are never read)
+    assert torch.equal(mask, reference.select_blocks(scores.nan_to_num(0.0), q_pos, cfg))
+    # against the reference end to end, except near ties of the reference's scores
+    near = _near_tie_rows(ref_scores, q_pos, cfg)
+    assert near.float().mean() < 0.05
+    assert torch.equal(mask[~near], ref_mask[~near])
+    return mask
+
+
+@pytest.mark.parametrize("groups,lookahead", [(None, False), (None, True), (1, False), (3, False),
+                                              (4, True), (16, False)])  # None: Forecast [B, H, Tq, d]
+@pytest.mark.parametrize("cfg", [CFG, CFG_WIDE], ids=["paper-ratio", "wide-kernel"])
+def test_prefill_selection_matches_reference(groups, lookahead, cfg):
+    bsz, heads, d = 2, 2, 32
+    num_tokens = int(torch.randint(130, 160, ()))  # not a multiple of the block size (mostly)
+    num_q = 24 if groups == 16 else 50  # G = 16 is 16 rows per token under the interpreter
+    num_ck = reference.num_compressed(num_tokens, cfg.kernel_size, cfg.kernel_stride)
+    ck = torch.randn(bsz, heads, num_ck, d)
+    shape = (bsz, heads, num_q, d) if groups is None else (bsz, heads, groups, num_q, d)
+    query = torch.randn(shape) * 2
+    # row 0: the prompt's last tokens; row 1: a chunk from position 5 (dense-fallback prefix,
+    # tokens before the first complete window)
+    start = int(torch.randint(0, 8, ()))
+    q_pos = torch.stack([torch.arange(num_tokens - num_q, num_tokens), torch.arange(start, start + num_q)])
+    num_blocks = -(-num_tokens // cfg.block_size)
+    mask = _check(query, ck, q_pos, num_blocks, cfg, lookahead)
+    assert (mask.sum(-1) < (q_pos // cfg.block_size + 1)[:, None]).any()  # selection dropped blocks
+
+
+def test_ties_go_to_the_lower_block():
+    """Integer queries and keys: raw dot products are exact and tie often (Forecast), so
+    the kernel and the reference must agree bit for bit, ties to the lower block index."""
+    cfg = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
+                          topk_blocks=4, dense_len=0)
+    bsz, heads, d, num_tokens, num_q = 2, 3, 16, 200, 40
+    ck = torch.randint(-1, 2, (bsz, heads, reference.num_compressed(num_tokens, 8, 4), d)).float()
+    f = torch.randint(-1, 2, (bsz, heads, num_q, d)).float()
+    q_pos = torch.stack([torch.arange(num_tokens - num_q, num_tokens), torch.arange(100, 100 + num_q)])
+    mask = select_prefill_blocks_triton(f, ck, q_pos, 13, cfg, lookahead=True)
+    assert torch.equal(mask, twins.select_prefill_reference(f, ck, q_pos, 13, cfg, lookahead=True))
+
+
+def test_sub_launches_and_block_m():
+    """Query ranges cut into several launches (scratch bound) and other tile heights give
+    the same masks as one launch."""
+    import sparda.kernels.prefill_selection as ps
+
+    bsz, heads, d, num_tokens, num_q = 1, 2, 16, 140, 45
+    ck = torch.randn(bsz, heads, reference.num_compressed(num_tokens, 8, 4), d)
+    q = torch.randn(bsz, heads, 2, num_q, d) * 2
+    q_pos = torch.arange(num_tokens - num_q, num_tokens).view(1, -1)
+    whole = select_prefill_blocks_triton(q, ck, q_pos, 9, CFG)
+    old = ps._SCRATCH_ELEMS
+    try:
+        ps._SCRATCH_ELEMS = bsz * heads * 9 * 16  # 16 query rows per launch
+        cut = select_prefill_blocks_triton(q, ck, q_pos, 9, CFG, block_m=8)
+    finally:
+        ps._SCRATCH_ELEMS = old
+    assert torch.equal(cut, whole)
+    _check(q, ck, q_pos, 9, CFG, False, block_m=2)
+
+
+def test_bf16_inputs():
+    ck = torch.randn(1, 2, 30, 32).bfloat16()
+    f = torch.randn(1, 2, 20, 32).bfloat16()
+    q_pos = torch.arange(110, 130).view(1, -1)
+    mask, scores = select_prefill_blocks_triton(f, ck, q_pos, 9, CFG, return_scores=True)
+    _, ref = twins.select_prefill_reference(f, ck, q_pos, 9, CFG, return_scores=True)
+    valid = (torch.arange(9).view(1, 1, 1, -1) <= (q_pos // 16)[:, None, :, None]) & torch.isfinite(ref)
+    torch.testing.assert_close(scores[valid], ref[valid], rtol=1e-5, atol=5e-5)
+    assert torch.equal(mask, reference.select_blocks(scores.nan_to_num(0.0), q_pos, CFG))
+
+
+def _brute_prefill_row(query, ck, t, cfg, lookahead):
+    """design §3.2-3.4 for one head and one prefill token in float64 loops: sorted block ids."""
+    import math
+
+    k, s, bs = cfg.kernel_size, cfg.kernel_stride, cfg.block_size
+    seen = t - 1 if lookahead else t
+    visible = [j for j in range(ck.shape[0]) if j * s + k - 1 <= seen]
+    q = query.double().view(-1, query.shape[-1])
+    per_key = {j: 0.0 for j in range(ck.shape[0])}
+    if query.dim() == 1:
+        per_key = {j: (float(q[0] @ ck[j].double()) if j in visible else -math.inf) for j in range(ck.shape[0])}
+    else:
+        for g in range(q.shape[0]):
+            logits = {j: float(q[g] @ ck[j].double()) / math.sqrt(q.shape[1]) for j in visible}
+            top = max(logits.values(), default=0.0)
+            z = sum(math.exp(x - top) for x in logits.values())
+            for j, x in logits.items():
+                per_key[j] += math.exp(x - top) / z
+    cur = t // bs
+    if t + 1 < cfg.dense_len or cur + 1 <= cfg.budget_blocks:
+        return list(range(cur + 1)), False
+    block = {}
+    for b in range(cur + 1):
+        over = [per_key[j] for j in per_key if j * s < (b + 1) * bs and j * s + k > b * bs]
+        block[b] = max(over) if over and max(over) > -math.inf else -1e30
+    forced = {b for b in range(cur + 1) if b < cfg.init_blocks or b > cur - cfg.local_blocks}
+    rest = sorted((b for b in block if b not in forced), key=lambda b: (-block[b], b))
+    kk = cfg.topk_blocks
+    near = len(rest) > kk and abs(block[rest[kk - 1]] - block[rest[kk]]) < 1e-5
+    return sorted(forced | set(rest[:kk])), near
+
+
+def test_cpu_dispatch_matches_brute_force_and_errors():
+    """CPU tensors take the PyTorch twin: checked against independent float64 loops."""
+    d, num_tokens, num_q = 16, 120, 30
+    ck = torch.randn(1, 2, reference.num_compressed(num_tokens, 8, 4), d)
+    q_pos = torch.arange(num_tokens - num_q, num_tokens).view(1, -1)
+    for query, lookahead in ((torch.randn(1, 2, num_q, d) * 2, True), (torch.randn(1, 2, 3, num_q, d) * 2, False)):
+        mask = select_prefill_blocks(query, ck, q_pos, 8, CFG, lookahead=lookahead)
+        for h in range(2):
+            for i in range(num_q):
+                qi = query[0, h, i] if query.dim() == 4 else query[0, h, :, i]
+                want, near = _brute_prefill_row(qi, ck[0, h], int(q_pos[0, i]), CFG, lookahead)
+                if not near:
+                    assert mask[0, h, i].nonzero().flatten().tolist() == want
+    with pytest.raises(SpardaError, match="q_pos"):
+        select_prefill_blocks_triton(torch.randn(1, 2, 5, 16), ck, q_pos, 8, CFG)
+    with pytest.raises(SpardaError, match="ck must be"):
+        select_prefill_blocks_triton(torch.randn(1, 3, num_q, 16), ck, q_pos, 8, CFG)
+    with pytest.raises(SpardaError, match="head dim"):
+        select_prefill_blocks_triton(torch.randn(1, 2, num_q, 24), torch.randn(1, 2, 5, 24), q_pos, 8, CFG)
+
+
+def test_methods_prefill_through_the_kernel(make_tiny, monkeypatch):
+    """The CUDA branch of ``sparse`` and ``sparda`` prefill (``fused_prefill_selection``),
+    run here through the Triton kernel under the interpreter, chunked (64 tokens), gives
+    the logits of the CPU path (the chunked reference of ``BlockSparseMethod.select``)."""
+    import sparda.attention.blocksparse as blocksparse
+    import sparda.attention.forecast as forecast
+    import sparda.kernels as kernels
+    from sparda.engine.llm import LLM
+
+    small = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=40, init_blocks=1, local_blocks=2,
+                 topk_blocks=3)
+    tiny = make_tiny("llama")
+    ids = torch.randint(100, 20000, (int(torch.randint(130, 145, ())),)).tolist()
+    calls = []
+
+    def through_kernel(*args, **kwargs):
+        calls.append(args[0].dim())
+        return select_prefill_blocks_triton(*args, **kwargs)
+
+    for method in ("sparse", "sparda-random"):
+        llm = LLM(str(tiny), method=method, device="cpu", sparse_prefill=True, prefill_chunk_tokens=64, **small)
+        want = llm.logits(ids)
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "select_prefill_blocks", through_kernel)
+            for module in (blocksparse, forecast):
+                patch.setattr(module, "fused_prefill_selection", lambda t: True)
+            got = llm.logits(ids)
+        assert ((got - want).norm() / want.norm()).item() < 2e-5, method
+    layers = llm.shape.num_layers
+    assert calls == [5] * (2 * layers) + [4] * (2 * layers)  # chunks 2 and 3 select (chunk 1 is dense)
