@@ -192,7 +192,7 @@ class SpardaConfig:
             (:func:`resolve_sparse_prefill`: dense at ``small``, block-sparse at ``paper``).
         offload: keep the full KV cache in host memory (``None``: ``LLM`` decides, see
             :func:`sparda.engine.llm.default_offload`).
-        quest_page_size: ``quest`` page in tokens (divides ``block_size``; default 16).
+        quest_page_size: ``quest`` page in tokens (must divide ``block_size`` for ``quest``; default 16).
         snapkv_window: ``snapkv`` observation window in prompt tokens (default 32).
         shallow_layers: ``shallow``'s dense layers ``N`` (``None``: the calibration stored
             for the model, else :data:`sparda.attention.shallow.DEFAULT_LAYERS`).
@@ -215,7 +215,7 @@ class SpardaConfig:
         if self.method not in METHODS:
             raise SpardaError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         page = self.quest_page_size
-        if not isinstance(page, int) or page < 1 or self.selection.block_size % page:
+        if self.method == "quest" and (not isinstance(page, int) or page < 1 or self.selection.block_size % page):
             raise SpardaError(f"quest_page_size {page!r} must be a positive divisor of block_size "
                               f"{self.selection.block_size}; e.g. 16")
         if not isinstance(self.snapkv_window, int) or self.snapkv_window < 1:

@@ -7,10 +7,13 @@ head and block: ``acc[b]`` sums the attention mass the block received (softmax
 probabilities summed over the block's tokens and the ``G`` query heads of the group) from
 every prompt query (the prompt is prefilled densely) and from every decoded query (over
 the blocks it read). Each decode step keeps the sinks, the local window and the
-``topk_blocks`` non-evicted blocks of highest ``acc`` (design §3.4 with ``acc`` as the
-score); every other valid block is *evicted*: it is never read again, whatever mass it
-would later earn. So at most one block (the one leaving the local window) competes with
-the kept ones per new block, as in H2O's one-in-one-out cache.
+``topk_blocks`` blocks of highest ``acc`` (design §3.4 with ``acc`` as the score); every
+other valid block is *evicted*. Eviction is permanent without a separate flag: only read
+blocks gain mass and ``acc`` never decreases, so every kept block stays above a block at
+the moment it was dropped, and every block that later enters (leaving the local window)
+has beaten a kept one; a dropped block can never rank in the top-k again. So each new
+block leaving the local window competes with the kept ones, one in, one out, as in
+H2O's cache (the test checks that no dropped block returns).
 
 What eviction means here: the cache still holds the evicted blocks (sparda's caches are
 preallocated and shared by all methods), but no query reads them; the read set, and so
@@ -25,7 +28,7 @@ import math
 import torch
 
 from sparda.attention.base import BlockSparseMethod, dense_attention, sparse_attention
-from sparda.attention.row_state import RowState, block_ids
+from sparda.attention.row_state import RowState
 from sparda.kernels import reference as ref
 
 #: bytes of fp32 logits per prefill chunk of the accumulated-mass computation
@@ -68,8 +71,7 @@ class H2OAttention(BlockSparseMethod):
 
         def make(rows, capacity, device):
             dims = (rows, shape.num_kv_heads, -(-capacity // config.selection.block_size))
-            return {"acc": [torch.zeros(dims, device=device) for _ in range(shape.num_layers)],
-                    "evicted": [torch.zeros(dims, dtype=torch.bool, device=device) for _ in range(shape.num_layers)]}
+            return {"acc": [torch.zeros(dims, device=device) for _ in range(shape.num_layers)]}
         self.state = RowState(make)
 
     def prefill_mass(self, q: torch.Tensor, k: torch.Tensor, step) -> torch.Tensor:
@@ -80,14 +82,9 @@ class H2OAttention(BlockSparseMethod):
         return mass.sum(2)
 
     def decode_mask(self, layer: int, cache, step) -> torch.Tensor:
-        """This step's read mask ``[B, H, 1, N]`` bool; marks the valid blocks it drops as evicted."""
-        st = self.state.of(cache)
-        acc, evicted = st["acc"][layer][step.rows], st["evicted"][layer][step.rows]
-        scores = acc.masked_fill(evicted, float("-inf")).unsqueeze(2)
-        mask = ref.select_blocks(scores, step.q_pos, self.selection) & ~evicted.unsqueeze(2)
-        valid = block_ids(acc.shape[-1], acc.device) <= (step.q_pos[:, -1] // self.selection.block_size).view(-1, 1, 1, 1)
-        st["evicted"][layer][step.rows] = evicted | (valid & ~mask).squeeze(2)
-        return mask
+        """This step's read mask ``[B, H, 1, N]`` bool: design §3.4 with ``acc`` as the scores."""
+        acc = self.state.of(cache)["acc"][layer][step.rows]
+        return ref.select_blocks(acc.unsqueeze(2), step.q_pos, self.selection)
 
     def attend(self, layer, q, h, cache, step):
         """``q [B, H_kv, G, Tq, d]`` -> same shape. Prefill: dense, and the block masses of the
@@ -100,7 +97,6 @@ class H2OAttention(BlockSparseMethod):
             mass = self.prefill_mass(q, k, step)
             st["acc"][layer][row] = 0.0
             st["acc"][layer][row, :, :mass.shape[-1]] = mass
-            st["evicted"][layer][row] = False
             return dense_attention(q, k, v, step)
         mask = self.decode_mask(layer, cache, step)
         self._count(step, mask[..., -1, :])
