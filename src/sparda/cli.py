@@ -419,7 +419,8 @@ def calibrate_shallow_cmd(model, text, length, queries, candidates, preset, out,
 
 @main.command("bench")
 @click.option("--models", default=None, help="Comma list of llama-8b, minicpm-8b, bundled, tiny [default: llama-8b].")
-@click.option("--methods", default=None, help="Comma list [default: dense,sparse,sparse-offload,infinigen,sparda-no-prefetch,sparda].")
+@click.option("--methods", default=None, help="Comma list [default: dense,sparse,sparse-offload,infinigen,sparda-no-prefetch,sparda; "
+              "also streaming,h2o,quest,snapkv,shallow].")
 @click.option("--contexts", default=None, help="Comma list of context lengths in tokens [default: 32768].")
 @click.option("--batches", default=None, help="Comma list of batch sizes [default: 1,4,8,16,32,64].")
 @click.option("--decode-steps", type=int, default=None, help="Timed decode steps per repeat [default: 16].")

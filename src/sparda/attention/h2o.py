@@ -86,6 +86,11 @@ class H2OAttention(BlockSparseMethod):
         acc = self.state.of(cache)["acc"][layer][step.rows]
         return ref.select_blocks(acc.unsqueeze(2), step.q_pos, self.selection)
 
+    def state_from_cache(self, cache, context: int) -> None:
+        """Benchmarks: a cache filled without a prefill starts with no accumulated mass."""
+        for acc in self.state.of(cache)["acc"]:
+            acc.zero_()
+
     def attend(self, layer, q, h, cache, step):
         """``q [B, H_kv, G, Tq, d]`` -> same shape. Prefill: dense, and the block masses of the
         prompt start ``acc``. Decode: :meth:`decode_mask`, exact attention over it, then the

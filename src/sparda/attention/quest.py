@@ -103,6 +103,17 @@ class QuestAttention(BlockSparseMethod):
         lo[step.rows, :, index] = torch.where(fresh, new, torch.minimum(lo[step.rows, :, index], new))
         hi[step.rows, :, index] = torch.where(fresh, new, torch.maximum(hi[step.rows, :, index], new))
 
+    def state_from_cache(self, cache, context: int) -> None:
+        """Benchmarks: page bounds of every row from a cache filled without a prefill
+        (``context`` tokens per row)."""
+        st = self.state.of(cache)
+        rows = torch.arange(cache.lengths.shape[0], device=cache.lengths.device)
+        for layer, (lo, hi) in enumerate(zip(st["lo"], st["hi"])):
+            k, _, _ = cache.view(layer, rows, context)
+            mn, mx = page_bounds(k, self.page)
+            lo[:, :, :mn.shape[-2]] = mn.to(lo.dtype)
+            hi[:, :, :mx.shape[-2]] = mx.to(hi.dtype)
+
     def before_layer(self, layer, q, h, cache, step):
         """Keep the page bounds current (also under the dense fallback)."""
         self.update_bounds(layer, cache, step)

@@ -81,3 +81,12 @@ def decode_attention_any(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
         return ref.block_sparse_attention(q, k, v, mask, step.q_pos, step.kv_len, block_size)
     ids = ref.block_mask_to_indices(mask[..., -1, :], mask.shape[-1])
     return kernels.decode_attention(q[..., -1, :], k, v, ids, step.kv_len, block_size).unsqueeze(-2)
+
+
+def prime_fixed_set(fixed: torch.Tensor, start: torch.Tensor, context: int, cfg) -> None:
+    """Benchmarks (a cache filled without a prefill): a budget-sized fixed set in place --
+    the sinks and the ``topk_blocks`` blocks after them, then the local window from
+    ``(context - 1) // block_size - local_blocks + 1`` on. ``fixed [B, H, N]`` bool, ``start [B]``."""
+    fixed.zero_()
+    fixed[..., :cfg.init_blocks + cfg.topk_blocks] = True
+    start.fill_(max((context - 1) // cfg.block_size - cfg.local_blocks + 1, 0))

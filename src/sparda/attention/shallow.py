@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from sparda.attention.base import BlockSparseMethod, dense_attention
-from sparda.attention.row_state import RowState, block_ids, decode_attention_any, fixed_set_mask
+from sparda.attention.row_state import RowState, block_ids, decode_attention_any, fixed_set_mask, prime_fixed_set
 from sparda.kernels import reference as ref
 
 #: dense layers when no calibration is stored for the model
@@ -96,6 +96,13 @@ class ShallowAttention(BlockSparseMethod):
         """Clear counters and this step's partial sums (before each prefill)."""
         super().reset()
         self._sum = self._mask = None
+
+    def state_from_cache(self, cache, context: int) -> None:
+        """Benchmarks: a cache filled without a prefill starts from a zero EMA and, for
+        ``shallow_select_once``, a budget-sized fixed set (:func:`prime_fixed_set`)."""
+        st = self.state.of(cache)
+        st["ema"].zero_()
+        prime_fixed_set(st["fixed"], st["start"], context, self.selection)
 
     def _shallow(self, layer, q, k, cache, step) -> None:
         """Add layer ``layer``'s block mass; after the last shallow layer, make the deep mask."""

@@ -21,7 +21,7 @@ import math
 import torch
 
 from sparda.attention.base import BlockSparseMethod, dense_attention
-from sparda.attention.row_state import RowState, block_ids, decode_attention_any, fixed_set_mask
+from sparda.attention.row_state import RowState, block_ids, decode_attention_any, fixed_set_mask, prime_fixed_set
 from sparda.kernels import reference as ref
 
 #: SnapKV's pooling kernel over token positions
@@ -80,6 +80,13 @@ class SnapKVAttention(BlockSparseMethod):
         st["fixed"][layer][row] = False
         st["fixed"][layer][row, :, :fixed.shape[-1]] = fixed
         st["start"][row] = start
+
+    def state_from_cache(self, cache, context: int) -> None:
+        """Benchmarks: a cache filled without a prefill gets a budget-sized fixed set per row
+        (:func:`~sparda.attention.row_state.prime_fixed_set`; no queries exist to vote)."""
+        st = self.state.of(cache)
+        for fixed in st["fixed"]:
+            prime_fixed_set(fixed, st["start"], context, self.selection)
 
     def attend(self, layer, q, h, cache, step):
         """``q [B, H_kv, G, Tq, d]`` -> same shape: dense prefill (then :meth:`prefill_select`),
