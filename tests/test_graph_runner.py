@@ -21,7 +21,9 @@ from test_offload import forecast_file  # noqa: F401 - fixture
 SMALL = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=160, init_blocks=1, local_blocks=2,
              topk_blocks=3)
 METHODS = [("dense", {}), ("sparse", {}), ("oracle", {}), ("infinigen", {}), ("sparda", {"offload": False}),
-           ("sparda", {"offload": True}), ("sparse-offload", {}), ("sparda-no-prefetch", {})]
+           ("sparda", {"offload": True}), ("sparse-offload", {}), ("sparda-no-prefetch", {}),
+           ("streaming", {}), ("h2o", {}), ("quest", {"quest_page_size": 4}), ("snapkv", {}),
+           ("shallow", {"shallow_layers": 1}), ("shallow", {"shallow_layers": 2, "shallow_select_once": True})]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,6 +55,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("method,extra", METHODS, ids=[m + ("-offload" if e.get("offload") else "")
+                                                       + ("-once" if e.get("shallow_select_once") else "")
                                                        for m, e in METHODS])
 def test_static_step_equals_dynamic_step(tiny, forecast_file, method, extra, fresh_seed):
     """Every method: static-shape logits == dynamic-view logits over 40 steps of a batch of

@@ -150,3 +150,55 @@ def test_cli_json(make_tiny, tmp_path):
     bad = CliRunner().invoke(main, ["selection-report", "--model", str(model), "--methods", "nope",
                                     "--lengths", "2200", "--device", "cpu"])
     assert bad.exit_code == 2 and "unknown selector" in bad.output
+
+
+def test_baselines_in_the_report_against_transformers_attention(make_tiny, tmp_path):
+    """streaming's and shallow's mass covered (and recall vs the oracle) equal a float64 brute
+    force over transformers' own attention weights (eager, ``output_attentions``)."""
+    from transformers import AutoModelForCausalLM
+
+    from sparda.engine.llm import LLM
+
+    model, _, text = _setup(make_tiny, tmp_path)
+    budget = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=64, init_blocks=1, local_blocks=2,
+                  topk_blocks=3)
+    llm = LLM(str(model), method="dense", device="cpu", shallow_layers=1, **budget)
+    length, queries = 300, 6
+    rep = selection_report(llm=llm, text=str(text), methods=["streaming", "shallow"], lengths=(length,),
+                           queries=queries)
+    cfg = llm.config.selection
+    ids_all = llm.tokenizer.encode(text.read_text(), add_special_tokens=False)
+    start = (len(ids_all) - length) // 3
+    ids = torch.tensor([ids_all[start:start + length]])
+    q_idx = torch.linspace(length // 2, length - 1, queries).long().unique().tolist()
+    hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=torch.float64)
+    with torch.no_grad():
+        attn = hf(ids, output_attentions=True).attentions
+    s = llm.shape
+    nb = -(-length // 16)
+
+    def block_mass(layer, hq, t):
+        return [float(attn[layer][0, hq, t, b * 16:(b + 1) * 16].sum()) for b in range(nb)]
+
+    def covered(layer, chooser):
+        total = 0.0
+        for t in q_idx:
+            for hk in range(s.num_kv_heads):
+                blocks = chooser(hk, t)
+                for g in range(s.group_size):
+                    m = block_mass(layer, hk * s.group_size + g, t)
+                    total += sum(m[b] for b in blocks)
+        return total / (len(q_idx) * s.num_kv_heads * s.group_size)
+
+    def streaming(hk, t):
+        c = t // 16
+        return {b for b in range(c + 1) if b < 1 or b > c - 2 - 3}
+
+    def shallow(hk, t):  # layer 0's mass averaged over the group, top-k by hand
+        m = [sum(block_mass(0, hk * s.group_size + g, t)[b] for g in range(s.group_size)) for b in range(nb)]
+        return _select_loop({b: m[b] for b in range(nb)}, t, cfg)[0]
+
+    for layer in range(s.num_layers):
+        assert rep["streaming"]["per_layer"][layer]["mass"] == pytest.approx(covered(layer, streaming), abs=2e-4)
+        want = 1.0 if layer == 0 else covered(layer, shallow)  # the shallow layer reads every block
+        assert rep["shallow"]["per_layer"][layer]["mass"] == pytest.approx(want, abs=2e-4)

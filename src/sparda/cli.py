@@ -95,6 +95,15 @@ def model_options(func):
                           "select in decode only [default: dense at --preset small, block-sparse at paper]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
+        click.option("--shallow-layers", type=int, default=None,
+                     help="Method shallow: dense layers N whose attention picks the deeper layers' blocks "
+                          "[default: the model's calibration, `sparda calibrate-shallow`, else 3]."),
+        click.option("--shallow-select-once", is_flag=True, default=False,
+                     help="Method shallow: select once at the end of prefill instead of every step (EMA)."),
+        click.option("--quest-page-size", type=int, default=None,
+                     help="Method quest: tokens per page of key bounds (divides --block-size) [default: 16]."),
+        click.option("--snapkv-window", type=int, default=None,
+                     help="Method snapkv: prompt queries in the observation window [default: 32]."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -108,6 +117,9 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
     from sparda.engine.llm import LLM
 
     check_offload(method or "sparda", extra.get("offload"))
+    for key in ("shallow_layers", "quest_page_size", "snapkv_window"):
+        if extra.get(key, 0) is None:  # not given: the method's default
+            extra.pop(key)
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
     llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype,
               topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
@@ -442,9 +454,30 @@ def selection_report_cmd(model, text, methods, lengths, queries, preset, forecas
     click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
 
 
+@main.command("calibrate-shallow")
+@click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled].")
+@click.option("--text", default=None, help="UTF-8 text file [default: the held-out Emma].")
+@click.option("--length", default=4096, show_default=True, type=int, help="Context tokens of the window.")
+@click.option("--queries", default=64, show_default=True, type=int, help="Query tokens scored.")
+@click.option("--candidates", default="2,3,4", show_default=True, callback=_csv(int),
+              help="Numbers of dense shallow layers to choose from.")
+@click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
+@click.option("--out", default=None, help="Output JSON [default: sparda_shallow.json in the model directory, used by --method shallow].")
+@click.option("--device", default=None, help="cpu or cuda[:N].")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def calibrate_shallow_cmd(model, text, length, queries, candidates, preset, out, device, as_json):
+    """Pick method shallow's dense layers N by the IoU of their top-k with the deep layers' (design §7)."""
+    from sparda.eval.shallow_calibration import calibrate_shallow, format_calibration
+
+    result = calibrate_shallow(model, text, length=length, queries=queries, candidates=list(candidates),
+                               preset=preset, device=device, out=out)
+    click.echo(json.dumps(result, indent=1) if as_json else format_calibration(result))
+
+
 @main.command("bench")
 @click.option("--models", default=None, help="Comma list of llama-8b, minicpm-8b, bundled, tiny [default: llama-8b].")
-@click.option("--methods", default=None, help="Comma list [default: dense,sparse,sparse-offload,infinigen,sparda-no-prefetch,sparda].")
+@click.option("--methods", default=None, help="Comma list [default: dense,sparse,sparse-offload,infinigen,sparda-no-prefetch,sparda; "
+              "also streaming,h2o,quest,snapkv,shallow].")
 @click.option("--contexts", default=None, help="Comma list of context lengths in tokens [default: 32768].")
 @click.option("--batches", default=None, help="Comma list of batch sizes [default: 1,4,8,16,32,64].")
 @click.option("--decode-steps", type=int, default=None, help="Timed decode steps per repeat [default: 16].")

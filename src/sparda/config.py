@@ -23,6 +23,11 @@ METHODS = (
     "infinigen",
     "sparse-offload",
     "sparda-no-prefetch",
+    "streaming",
+    "h2o",
+    "quest",
+    "snapkv",
+    "shallow",
 )
 
 #: Named selection presets, design §3.
@@ -187,6 +192,13 @@ class SpardaConfig:
             (:func:`resolve_sparse_prefill`: dense at ``small``, block-sparse at ``paper``).
         offload: keep the full KV cache in host memory (``None``: ``LLM`` decides, see
             :func:`sparda.engine.llm.default_offload`).
+        quest_page_size: ``quest`` page in tokens (must divide ``block_size`` for ``quest``; default 16).
+        snapkv_window: ``snapkv`` observation window in prompt tokens (default 32).
+        shallow_layers: ``shallow``'s dense layers ``N`` (``None``: the calibration stored
+            for the model, else :data:`sparda.attention.shallow.DEFAULT_LAYERS`).
+        shallow_select_once: ``shallow`` selects once at the end of prefill.
+    Raises:
+        SpardaError: an unknown method or an invalid method option.
     """
 
     method: str = "dense"
@@ -194,7 +206,23 @@ class SpardaConfig:
     forecast_path: str | None = None
     sparse_prefill: bool = True
     offload: bool | None = None
+    quest_page_size: int = 16
+    snapkv_window: int = 32
+    shallow_layers: int | None = None
+    shallow_select_once: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise SpardaError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        page = self.quest_page_size
+        if self.method == "quest" and (not isinstance(page, int) or page < 1 or self.selection.block_size % page):
+            raise SpardaError(f"quest_page_size {page!r} must be a positive divisor of block_size "
+                              f"{self.selection.block_size}; e.g. 16")
+        if not isinstance(self.snapkv_window, int) or self.snapkv_window < 1:
+            raise SpardaError(f"snapkv_window must be an integer >= 1, got {self.snapkv_window!r}")
+        if self.shallow_layers is not None and (not isinstance(self.shallow_layers, int) or self.shallow_layers < 1):
+            raise SpardaError(f"shallow_layers must be an integer >= 1, got {self.shallow_layers!r}")
+
+
+#: :class:`SpardaConfig` fields that tune one method (``LLM(..., shallow_layers=3)``)
+METHOD_OPTIONS = ("quest_page_size", "snapkv_window", "shallow_layers", "shallow_select_once")

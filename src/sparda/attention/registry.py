@@ -7,6 +7,11 @@ from sparda.attention.blocksparse import OracleAttention, SparseAttention
 from sparda.attention.dense import DenseAttention
 from sparda.attention.forecast import ForecastAttention, RandomForecastAttention
 from sparda.attention.infinigen import InfiniGenAttention
+from sparda.attention.h2o import H2OAttention
+from sparda.attention.quest import QuestAttention
+from sparda.attention.shallow import ShallowAttention
+from sparda.attention.snapkv import SnapKVAttention
+from sparda.attention.streaming import StreamingAttention
 from sparda.attention.offload import OFFLOADED, SparseOffloadAttention, SpardaNoPrefetchAttention
 from sparda.config import SpardaConfig
 from sparda.errors import SpardaError
@@ -20,6 +25,11 @@ METHOD_CLASSES: dict[str, type[AttentionMethod]] = {
     "infinigen": InfiniGenAttention,
     "sparse-offload": SparseOffloadAttention,
     "sparda-no-prefetch": SpardaNoPrefetchAttention,
+    "streaming": StreamingAttention,
+    "h2o": H2OAttention,
+    "quest": QuestAttention,
+    "snapkv": SnapKVAttention,
+    "shallow": ShallowAttention,
 }
 
 

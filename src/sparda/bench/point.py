@@ -127,6 +127,14 @@ def fill_cache(cache, shape, batch: int, context: int, device, dtype, seed: int 
         cache._stash = None
 
 
+def prime_method(method, cache, context: int) -> None:
+    """Give a stateful selector (``quest``, ``h2o``, ``snapkv``, ``shallow``) its per-row state
+    for a cache that :func:`fill_cache` wrote without a prefill (``state_from_cache``)."""
+    if hasattr(method, "state_from_cache"):
+        with torch.inference_mode():  # the state tensors are inference tensors
+            method.state_from_cache(cache, context)
+
+
 def host_rss_bytes() -> int:
     """Resident memory of this process (bytes; pinned host memory included once touched)."""
     try:
@@ -184,6 +192,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     llm.method.reset()
     cache = llm.new_cache(batch, capacity)
     fill_cache(cache, s, batch, context, dev, llm.dtype)
+    prime_method(llm.method, cache, context)
     offloaded = hasattr(cache, "fetch")
     source = "native (random K/V)"
     replayer = None
@@ -225,6 +234,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         state["i"] = 0
         llm.method.reset()
         fill_cache(cache, s, batch, context, dev, llm.dtype)
+        prime_method(llm.method, cache, context)
         if offloaded:
             for layer in cache.offloaded:
                 cache.slot_map[layer].fill_(-1)

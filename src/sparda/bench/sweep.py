@@ -29,6 +29,8 @@ from sparda.errors import SpardaError
 from sparda.io import atomic_write, check_output_dir
 
 SWEEP_METHODS = ("dense", "sparse", "sparse-offload", "infinigen", "sparda-no-prefetch", "sparda")
+#: the seeds' selectors (issue #13): accepted by ``--methods``, not in the default sweep
+BASELINE_METHODS = ("streaming", "h2o", "quest", "snapkv", "shallow")
 REQUIRED_KEYS = ("model", "method", "context", "batch", "status", "prefill_tok_s", "decode_tok_s", "tpot_ms",
                  "roofline_tpot_ms", "selection_ms", "exposed_wait_ms", "hit_rate", "pcie_bytes_per_token")
 
@@ -83,9 +85,10 @@ class SweepConfig:
     def __post_init__(self) -> None:
         for m in self.models:
             model_spec(m)
-        bad = [m for m in self.methods if m not in SWEEP_METHODS]
+        bad = [m for m in self.methods if m not in SWEEP_METHODS + BASELINE_METHODS]
         if bad:
-            raise SpardaError(f"unknown bench method(s) {', '.join(bad)}; choose from {', '.join(SWEEP_METHODS)}")
+            raise SpardaError(f"unknown bench method(s) {', '.join(bad)}; choose from "
+                              f"{', '.join(SWEEP_METHODS + BASELINE_METHODS)}")
         if min(self.contexts, default=0) < 1 or min(self.batches, default=0) < 1:
             raise SpardaError("contexts and batches must be positive integers")
         if any(not 0.0 <= h <= 1.0 for h in self.hit_rates):

@@ -15,7 +15,7 @@ from sparda.attention.forecast import default_forecast_available
 from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_method, check_offload
 from sparda.cache.device import DeviceKVCache
 from sparda.cache.offload import OffloadKVCache
-from sparda.config import SelectionConfig, SpardaConfig, resolve_sparse_prefill
+from sparda.config import METHOD_OPTIONS, SelectionConfig, SpardaConfig, resolve_sparse_prefill
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.sampler import sample
 from sparda.engine.validate import check_request
@@ -124,7 +124,9 @@ class LLM:
             :mod:`sparda.model.fused`; False runs the model's plain modules) /
             ``prefill_chunk_tokens`` (default :data:`DEFAULT_PREFILL_CHUNK_TOKENS`: prompts are
             prefilled that many tokens at a time, so activations are one chunk's; ``0`` or
-            ``None`` = the whole prompt at once; same logits either way).
+            ``None`` = the whole prompt at once; same logits either way) /
+            the method options of :class:`~sparda.config.SpardaConfig` (``quest_page_size``,
+            ``snapkv_window``, ``shallow_layers``, ``shallow_select_once``).
     Raises:
         SpardaError: bad method, preset, budget, path or architecture.
     """
@@ -146,10 +148,11 @@ class LLM:
         offload = overrides.pop("offload", None)
         #: offload transfer engine: auto, uva, copy or sync (design §6)
         self.transfer = overrides.pop("transfer", None) or "auto"
+        options = {key: overrides.pop(key) for key in METHOD_OPTIONS if key in overrides}
         selection = SelectionConfig.from_preset(preset, **overrides)
         self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,
                                    sparse_prefill=resolve_sparse_prefill(preset, *prefill),
-                                   offload=offload)
+                                   offload=offload, **options)
         if offload is False and self.config.method in ALWAYS_OFFLOADED:
             raise SpardaError(f"{self.config.method} always offloads its KV cache; drop --no-offload, or use "
                               f"--method {self.config.method.split('-')[0]} for a cache on the device")
@@ -191,8 +194,10 @@ class LLM:
         llm.transfer = overrides.pop("transfer", None) or "auto"
         prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
         sparse_prefill = True if prefill == (None, None) else resolve_sparse_prefill(preset, *prefill)
+        options = {key: overrides.pop(key) for key in METHOD_OPTIONS if key in overrides}
         selection = SelectionConfig.from_preset(preset, **overrides)
-        llm.config = SpardaConfig(method=method, selection=selection, offload=offload, sparse_prefill=sparse_prefill)
+        llm.config = SpardaConfig(method=method, selection=selection, offload=offload, sparse_prefill=sparse_prefill,
+                                  **options)
         param = next(model.parameters())
         llm.device, llm.dtype = param.device, param.dtype
         llm.model, llm.tokenizer, llm.model_dir, llm.shape = model.eval(), tokenizer, None, model.shape

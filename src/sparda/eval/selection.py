@@ -17,9 +17,20 @@ query-weight initialisation), ``infinigen``. The lookahead selectors (the Foreca
 the query's token (:func:`sparda.kernels.reference.lookahead_pos`); ``sparse`` and the
 oracle use the layer's own query on every key up to it. Numbers are pooled over lengths and
 query tokens per layer, then averaged over layers (``mean_*``).
+
+The seeds' selectors at each query position ``t`` (preset budget): ``streaming`` sinks +
+most recent blocks; ``quest`` the page bounds of the keys up to ``t``; ``snapkv`` the
+selection it would make for a prompt ending just before ``t`` (observation window
+``t-32 .. t-1``) plus the blocks from that prompt's local window on; ``shallow`` the mean
+block mass of layers ``0..N-1`` at ``t`` (no EMA: the report's queries are not consecutive
+steps; the shallow layers themselves read every block); ``h2o`` the blocks ranked by the
+attention mass accumulated under dense attention from every ``length // 256``-th earlier
+query (an approximation: no eviction feedback).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -29,7 +40,12 @@ from sparda.errors import SpardaError
 from sparda.io import read_text
 from sparda.kernels import reference as ref
 
-KNOWN = ("sparse", "oracle", "sparda", "sparda-random", "sparda-qinit", "infinigen")
+KNOWN = ("sparse", "oracle", "sparda", "sparda-random", "sparda-qinit", "infinigen",
+         "streaming", "quest", "snapkv", "shallow", "h2o")
+#: the seeds' selectors, whose masks the report builds itself (:func:`_baseline_mask`)
+BASELINES = ("streaming", "quest", "snapkv", "shallow", "h2o")
+#: h2o in the report: accumulate the mass of about this many earlier queries per layer
+H2O_QUERIES = 256
 
 
 def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
@@ -127,6 +143,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
         num_blocks = -(-length // cfg.block_size)
         forced = ref.forced_blocks(q_pos, num_blocks, cfg)
         h_prev = None
+        baseline_state: dict = {}
         for layer, h, q, k, cos, sin in net.dense_layers(ids):
             ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()
             qs = q[..., q_idx, :]
@@ -136,7 +153,9 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
             oracle_free = ref.select_blocks(mass, q_pos, cfg) & ~forced
             counts[layer] += 1
             for name in methods:
-                if name == "oracle":
+                if name in BASELINES:
+                    sel = _baseline_mask(name, layer, q, k, q_idx, q_pos, mass, baseline_state, llm, cfg)
+                elif name == "oracle":
                     sel = ref.select_blocks(mass, q_pos, cfg)
                 else:
                     sc = selectors[name](layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos)
@@ -162,6 +181,53 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
     for name in methods:
         report[name]["setup"] = setup
     return report
+
+
+def _baseline_mask(name, layer, q, k, q_idx, q_pos, mass, state, llm, cfg) -> torch.Tensor:
+    """Block mask ``[1, H, Q, N]`` of one of :data:`BASELINES` at the report's queries (module
+    docstring); ``q [1, H, G, T, d]``, ``k [1, H, T, d]`` of ``layer``, ``mass`` the oracle's."""
+    from sparda.attention.quest import page_bounds, page_scores, pages_to_blocks
+    from sparda.attention.shallow import ShallowAttention
+    from sparda.attention.snapkv import window_votes
+
+    length, num_blocks = k.shape[-2], mass.shape[-1]
+    blocks = torch.arange(num_blocks, device=k.device)
+    qs = q[..., q_idx, :]
+    if name == "streaming":
+        return ref.select_blocks(blocks.float().expand_as(mass), q_pos, cfg)
+    if name == "quest":
+        page = llm.config.quest_page_size
+        lo, hi = page_bounds(k, page)
+        return ref.select_blocks(pages_to_blocks(page_scores(qs, lo, hi, q_pos, page), num_blocks,
+                                                 cfg.block_size // page), q_pos, cfg)
+    if name == "snapkv":
+        window, rows = llm.config.snapkv_window, []
+        for t in q_idx.tolist():
+            votes = window_votes(q[..., :t, :], k[:, :, :t], window, cfg.block_size)
+            chosen = ref.select_blocks(votes.unsqueeze(2), q_pos.new_tensor([[t - 1]]), cfg)[:, :, 0]
+            start = max(min((t - 1) // cfg.block_size - cfg.local_blocks + 1,
+                            (t - min(window, t)) // cfg.block_size), 0)
+            fixed = torch.zeros(*chosen.shape[:2], num_blocks, dtype=torch.bool, device=k.device)
+            fixed[..., :chosen.shape[-1]] = chosen & (blocks[:chosen.shape[-1]] < start)
+            rows.append((fixed | (blocks >= start)) & (blocks <= t // cfg.block_size))
+        return torch.stack(rows, dim=2)
+    if name == "shallow":
+        if "shallow_layers" not in state:
+            method = ShallowAttention(dataclasses.replace(llm.config, method="shallow"), llm.shape,
+                                      model_dir=llm.model_dir)
+            state["shallow_layers"], state["shallow_sum"] = method.num_shallow, 0
+        if layer < state["shallow_layers"]:
+            state["shallow_sum"] = state["shallow_sum"] + mass / q.shape[2]
+            return ref.select_blocks(mass, q_pos, dataclasses.replace(cfg, dense_len=1 << 40))
+        return ref.select_blocks(state["shallow_sum"] / state["shallow_layers"], q_pos, cfg)
+    if name == "h2o":
+        stride = max(1, length // H2O_QUERIES)
+        seen = torch.arange(0, length, stride, device=k.device)
+        kv_len = torch.tensor([length], device=k.device)
+        acc = ref.block_attention_mass(q[..., seen, :], k, seen.view(1, -1), kv_len, cfg.block_size).cumsum(2)
+        last = torch.searchsorted(seen, q_idx, right=True) - 1  # the sampled queries at or before t
+        return ref.select_blocks(acc[:, :, last], q_pos, cfg)
+    raise SpardaError(f"unknown baseline {name!r}")
 
 
 def format_report(report: dict) -> str:
