@@ -299,3 +299,30 @@ def test_kv_cache_bytes_is_the_sequence_kv_wherever_it_lives(tiny):
         assert stats["kv_cache_bytes"] == 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4 * (len(prompt) + 4)  # 5 new tokens, the last never cached
         got.append(stats)
     assert "offload" in got[1] and got[1]["offload"]["host_bytes"] > 0
+
+
+def test_pinned_chunks_account_for_power_of_two_rounding(fresh_seed):
+    """Host chunk spans: contiguous cover of the rows, at most chunk_bytes each; pinned spans
+    switch from the even split to the least-waste split only when the even split's rounded
+    size exceeds the budget, and then take less rounded memory (brute-force sums)."""
+    import random
+
+    from sparda.cache.host import chunk_rows, pinned_bytes
+
+    rnd = random.Random(fresh_seed)
+    assert pinned_bytes(1) == 1 and pinned_bytes(1000) == 1024 and pinned_bytes(1024) == 1024
+    for _ in range(50):
+        batch, row = rnd.randint(1, 40), rnd.randint(1_000, 70_000_000)
+        chunk = rnd.choice([1 << 30, 1 << 28, row * rnd.randint(1, 5)])
+        even = chunk_rows(batch, row, chunk, pinned=False)
+        for spans in (even, chunk_rows(batch, row, chunk, True, budget_bytes=0, copies=1)):
+            assert spans[0][0] == 0 and spans[-1][1] == batch
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert all(r1 > r0 and ((r1 - r0) * row <= chunk or r1 - r0 == 1) for r0, r1 in spans)
+        rounded = lambda spans: sum(pinned_bytes((r1 - r0) * row) for r0, r1 in spans)  # noqa: E731
+        assert chunk_rows(batch, row, chunk, True, budget_bytes=rounded(even), copies=1) == even
+        tight = chunk_rows(batch, row, chunk, True, budget_bytes=rounded(even) - 1, copies=1)
+        assert rounded(tight) <= rounded(even)
+    # the 128K MiniCPM-8B rows of the H200 sweep: 24 rows no longer take 124 GiB of pinned memory
+    spans = chunk_rows(24, 67_207_168, 1 << 30, True, budget_bytes=0.95 * 124 * 2**30, copies=62)
+    assert 62 * sum(pinned_bytes((r1 - r0) * 67_207_168) for r0, r1 in spans) < 110 * 2**30

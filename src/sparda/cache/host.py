@@ -44,6 +44,40 @@ def available_host_bytes() -> int | None:
         return None
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """Bytes PyTorch's caching host allocator takes for a pinned request of ``nbytes``: it
+    rounds every request up to a power of two (``PowerOf2Ceil`` in ATen's
+    CachingHostAllocator, at its default round threshold)."""
+    return 1 << max(0, int(nbytes) - 1).bit_length()
+
+
+def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int, pinned: bool,
+               budget_bytes: float | None = None, copies: int = 1) -> list[tuple[int, int]]:
+    """Row spans ``[(row0, row1), ...]`` of the host chunks of one layer's K (or V).
+
+    Even spans of at most ``chunk_bytes`` (at least one row each) -- the fewest chunks,
+    so the fewest transfer launches per layer. Pinned chunks are rounded up to a power of
+    two by the caching host allocator (:func:`pinned_bytes`: 9 rows of 67 MB take 1 GiB),
+    so when ``copies`` such layers of even spans would take more than ``budget_bytes``,
+    the spans are cut greedily instead: each the number of rows whose size fills its
+    rounded allocation best (15 rows of 67 MB fill 1 GiB to 98 %).
+    """
+    row_bytes = max(row_bytes, 1)
+    per = max(1, min(batch, chunk_bytes // row_bytes))
+    even = [(r, min(batch, r + per)) for r in range(0, batch, per)]
+    if not pinned or budget_bytes is None:
+        return even
+    if copies * sum(pinned_bytes((r1 - r0) * row_bytes) for r0, r1 in even) <= budget_bytes:
+        return even
+    spans, row0 = [], 0
+    while row0 < batch:  # the chunk that wastes the least of its rounded size; ties: more rows
+        left = min(batch - row0, per)
+        n = max(range(1, left + 1), key=lambda m: (round(m * row_bytes / pinned_bytes(m * row_bytes), 3), m))
+        spans.append((row0, row0 + n))
+        row0 += n
+    return spans
+
+
 class HostKVStore:
     """Full K/V of the offloaded layers in (pinned) host memory, block-major, chunked.
 
@@ -73,14 +107,18 @@ class HostKVStore:
         free = available_host_bytes()
         if free is not None and need > free:
             raise SpardaError(self._message(need, free))
-        rows_per_chunk = max(1, min(batch, chunk_bytes // max(row_bytes, 1)))
+        spans = chunk_rows(batch, row_bytes, chunk_bytes, pin, None if free is None else 0.95 * free,
+                           copies=2 * len(self.layers))
+        taken = 2 * len(self.layers) * sum(pinned_bytes((r1 - r0) * row_bytes) if pin else (r1 - r0) * row_bytes
+                                           for r0, r1 in spans)
+        if free is not None and taken > 0.95 * free:  # refuse rather than be killed by the OS
+            raise SpardaError(self._message(taken, free) + " (pinned chunks are rounded up to powers of two)")
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.chunks: dict[int, list[HostChunk]] = {}
         try:
             for layer in self.layers:
                 chunks = []
-                for row0 in range(0, batch, rows_per_chunk):
-                    row1 = min(batch, row0 + rows_per_chunk)
+                for row0, row1 in spans:
                     k = torch.zeros((row1 - row0, *shape), dtype=dtype, pin_memory=pin)
                     v = torch.zeros((row1 - row0, *shape), dtype=dtype, pin_memory=pin)
                     chunks.append(HostChunk(row0, row1, k, v))
