@@ -13,20 +13,20 @@ from sparda.cli import main
 from sparda.engine.llm import LLM
 from sparda.eval.runner import EvalPlan, load_results, run_eval
 
-VOLATILE = {"prefill_ms", "decode_tok_s", "seconds"}
+VOLATILE = {"prefill_ms", "decode_tok_s", "seconds", "batch"}  # timings; the batch a record ran in
 
 
 TEXT = ("It was a fine morning in Highbury. Emma walked to the village and met Harriet.\n" * 30 +
         "Mr. Knightley called upon them, and they spoke of the weather and of Frank Churchill.\n" * 30)
 
 
-def _plan(model_dir, out):
+def _plan(model_dir, out, batch_size=2):
     text = out.parent / "haystack.txt"
     text.write_text(TEXT)
     return EvalPlan(text=str(text), tasks=("passkey", "niah-single", "ppl"), methods=("dense", "sparse"), lengths=(400,),
                     samples=2, ppl_windows=1, out=str(out), model=str(model_dir), device="cpu",
                     depths=(0.3, 0.8), overrides=dict(dense_len=0, topk_blocks=1, local_blocks=2,
-                                                      block_size=32))
+                                                      block_size=32), batch_size=batch_size)
 
 
 def _counting(monkeypatch):
@@ -53,9 +53,9 @@ def _stable(records):
 def test_interrupted_run_resumes_without_recomputing(make_tiny, tmp_path, monkeypatch):
     model_dir = make_tiny("llama")
     calls = _counting(monkeypatch)
-    # 2 tasks x 2 samples x 2 methods = 8 generations, + ppl: 2 records from 2 prefills (dense ref + sparse)
+    # 2 tasks x 2 methods = 4 generate calls of 2 samples each, + ppl: 2 records from 2 prefills (dense ref + sparse)
     full = run_eval(_plan(model_dir, tmp_path / "full"), progress=False)
-    assert calls == {"generate": 8, "logits": 2}
+    assert calls == {"generate": 4, "logits": 2}
     assert set(full) == {"dense", "sparse"} and set(full["dense"]) == {"passkey", "niah-single"}
     ppl = {r["label"]: r for r in load_results(tmp_path / "full" / "results.jsonl") if r["task"] == "ppl"}
     _check_ppl_against_transformers(model_dir, tmp_path / "full", ppl)
@@ -63,15 +63,16 @@ def test_interrupted_run_resumes_without_recomputing(make_tiny, tmp_path, monkey
     calls.update(generate=0, logits=0)
     out = tmp_path / "resumed"
     run_eval(_plan(model_dir, out), max_new_items=3, progress=False)  # "killed" after 3 samples
-    assert calls == {"generate": 3, "logits": 0}
+    assert calls == {"generate": 2, "logits": 0}  # dense's batch of 2 passkeys, then sparse's
     first = load_results(out / "results.jsonl")
     assert len(first) == 3
     with open(out / "results.jsonl", "a") as handle:  # a torn line, as if killed mid-write
         handle.write('{"key": "dense|passk')
 
     calls.update(generate=0, logits=0)
-    resumed = run_eval(_plan(model_dir, out), progress=False)
-    assert calls == {"generate": 5, "logits": 2}  # nothing finished was recomputed
+    assert json.loads((out / "progress.json").read_text())["complete"] is False
+    resumed = run_eval(_plan(model_dir, out, batch_size=3), progress=False)  # another batch size resumes too
+    assert calls == {"generate": 3, "logits": 2}  # nothing finished was recomputed: sparse's 2nd passkey, 2 niah batches
     records = load_results(out / "results.jsonl")
     assert len(records) == 10 and len({r["key"] for r in records}) == 10
     assert _stable(records) == _stable(load_results(tmp_path / "full" / "results.jsonl"))
@@ -246,7 +247,8 @@ def test_offloaded_hit_rate_is_the_runtime_count(make_tiny, tmp_path, monkeypatc
     is measured (not None) and equals a replay of the slot cache from the fetched masks."""
     from sparda.attention.forecast import Forecast, model_identity, save_forecast
     from sparda.eval.metrics import runtime_hit_rate
-    from sparda.eval.runner import MethodSpec, _Models, _task_record
+    from sparda.eval.records import task_records
+    from sparda.eval.runner import MethodSpec, _Models
     from sparda.eval.tasks import make_sample
 
     plan = _plan(make_tiny("llama"), tmp_path / "hit")
@@ -255,9 +257,9 @@ def test_offloaded_hit_rate_is_the_runtime_count(make_tiny, tmp_path, monkeypatc
     sample = make_sample("passkey", models.base.tokenizer, TEXT, 400, 0.5, 0)
     sample = dataclasses.replace(sample, max_new_tokens=12)
     fetches = _recording_fetches(monkeypatch)
-    record = _task_record(models, MethodSpec("sparse-offload"), sample, 400, 0, 0)
+    record, = task_records(models, MethodSpec("sparse-offload"), [(0, 0, sample)], 400)
     hits, misses, overlap = _brute_slot_hits(fetches)
-    assert fetches and record["offload"] and record["hit_rate"] is not None
+    assert fetches and record["offload"] and record["hit_rate"] is not None and record["hit_rate_source"] == "runtime"
     assert record["hit_rate"] == pytest.approx(hits / (hits + misses), abs=1e-12)
     assert hits >= overlap > 0 and misses > 0
     assert models.get(MethodSpec("sparse-offload"), 400)[1] is None  # no select() wrapper: decode bypasses it
@@ -273,3 +275,49 @@ def test_offloaded_hit_rate_is_the_runtime_count(make_tiny, tmp_path, monkeypatc
     assert out.stats["offload"]["hits"] == hits and out.stats["offload"]["misses"] == misses
     assert runtime_hit_rate(out.stats["offload"]) == pytest.approx(hits / (hits + misses), abs=1e-12)
     assert hits >= overlap > 0
+
+
+def test_batched_eval_equals_unbatched(make_tiny, tmp_path):
+    """Batches of prompts of different lengths (and of tasks with different answer budgets)
+    give each sample the record it gets alone: same completion and score, same step-to-step
+    hit rate over its own decode steps; ppl within 1e-5 (greedy, fp32)."""
+    plan = _plan(make_tiny("llama"), tmp_path / "one", batch_size=1)
+    plan.tasks = ("passkey", "niah-multikey", "ppl")
+    plan.methods = ("dense", "sparse", "sparda-random")
+    plan.samples, plan.depths = 4, (0.0, 0.3, 0.6, 1.0)
+    single = {r["key"]: r for r in (run_eval(plan, progress=False), load_results(tmp_path / "one" / "results.jsonl"))[1]}
+    plan.out, plan.batch_size = str(tmp_path / "three"), 3  # batches of 3, then 1
+    batched = {r["key"]: r for r in (run_eval(plan, progress=False), load_results(tmp_path / "three" / "results.jsonl"))[1]}
+    assert single.keys() == batched.keys() and len(single) == 2 * 4 * 3 + 3
+    assert {r["batch"] for r in batched.values() if r["task"] != "ppl"} == {3, 1}
+    lengths = {r["prompt_tokens"] for r in batched.values() if r["task"] == "passkey"}
+    assert len(lengths) > 1  # the batch really mixes prompt lengths
+    hit_rates = 0
+    for key, one in single.items():
+        many = batched[key]
+        if one["task"] == "ppl":
+            for field in ("ppl", "dense_ppl", "kl", "top1_agreement"):
+                assert many[field] == pytest.approx(one[field], rel=1e-5, abs=1e-12), (key, field)
+            continue
+        assert many["completion"] == one["completion"] and many["score"] == one["score"], key
+        assert many["new_tokens"] == one["new_tokens"], key
+        if one["method"] == "dense":
+            assert one["hit_rate"] is None and many["hit_rate"] is None
+        else:
+            assert one["hit_rate_source"] == many["hit_rate_source"] == "overlap"
+            assert many["hit_rate"] == pytest.approx(one["hit_rate"], abs=1e-12), key
+            hit_rates += 0 < one["hit_rate"] < 1
+    assert hit_rates > 0  # a hit rate that means something was compared
+
+
+def test_time_budget_stops_between_batches_and_resumes(make_tiny, tmp_path):
+    model_dir = make_tiny("llama")
+    full = run_eval(_plan(model_dir, tmp_path / "full"), progress=False)
+    out = tmp_path / "budget"
+    run_eval(_plan(model_dir, out), time_budget_s=1e-6, progress=False)  # one batch, then no time left
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress == {**progress, "planned": 10, "done": 2, "complete": False, "stopped": "time budget"}
+    assert len(load_results(out / "results.jsonl")) == 2
+    assert run_eval(_plan(model_dir, out), progress=False) == full
+    assert json.loads((out / "progress.json").read_text())["complete"] is True
+    assert _stable(load_results(out / "results.jsonl")) == _stable(load_results(tmp_path / "full" / "results.jsonl"))

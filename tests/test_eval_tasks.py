@@ -123,26 +123,108 @@ def test_budget_topk():
         metrics.budget_topk(0, 4096, sel)
 
 
-def test_hit_rate_tracker():
+def _tracker_steps(rng, batch=3, layers=2, heads=2, blocks=9, block_size=4, steps=7):
+    """Random decode masks of a batch whose rows sit at different positions; layer 1 skips
+    one step of row 0 (a step the dense fallback would not select in)."""
+    start = torch.tensor([int(v) for v in rng.integers(0, 10, size=batch)])
+    out = []
+    for t in range(steps):
+        for layer in range(layers):
+            if layer == 1 and t == 3:
+                continue
+            mask = torch.from_numpy(rng.random((batch, heads, 1, blocks)) > 0.5)
+            out.append((layer, start + t, mask))
+    return out, start
+
+
+def _brute_hits(steps, row, first, last):
+    """Blocks selected at position p also selected by the same row and layer at p - 1, over
+    positions first..last, with Python sets."""
+    seen, hits, sel = {}, 0, 0
+    for layer, pos, mask in steps:
+        p = int(pos[row])
+        now = {tuple(x) for x in mask[row, :, 0].nonzero().tolist()}
+        before = seen.get((layer, p - 1))
+        if before is not None and first <= p <= last:
+            hits += len(now & before)
+            sel += len(now)
+        seen[(layer, p)] = now
+    return hits / sel if sel else None
+
+
+def test_hit_rate_tracker_per_row_against_sets():
+    import numpy as np
+
+    rng = np.random.default_rng(torch.initial_seed())
+
     class Step:
         phase = "decode"
 
-    masks = [torch.rand(1, 2, 1, 9) > 0.5 for _ in range(4)]
+        def __init__(self, pos):
+            self.q_pos = pos.view(-1, 1)
+
+    steps, start = _tracker_steps(rng)
 
     class Fake:
+        class selection:
+            block_size = 4
+
         def __init__(self):
-            self.calls = iter(masks)
+            self.calls = iter(steps)
 
         def select(self, layer, q, h, cache, step):
-            return next(self.calls)
+            return next(self.calls)[2]
 
     method = Fake()
     tracker = metrics.HitRateTracker(method)
-    for _ in masks:
-        method.select(0, None, None, None, Step())
-    hits = sum((a & b).sum().item() for a, b in zip(masks, masks[1:]))
-    sel = sum(m.sum().item() for m in masks[1:])
-    expected = hits / sel if sel else None
-    got = tracker.take()
-    assert got == pytest.approx(expected) if expected is not None else got is None
-    assert tracker.take() is None
+    for layer, pos, _ in steps:
+        method.select(layer, None, None, None, Step(pos))
+    spans = [(int(start[0]) + 1, int(start[0]) + 5), (int(start[1]), int(start[1]) + 6), (0, -1)]
+    got = tracker.take_rows(spans)
+    for row, (first, last) in enumerate(spans):
+        want = _brute_hits(steps, row, first, last)
+        assert got[row] == (pytest.approx(want, abs=1e-12) if want is not None else None), row
+    assert tracker.take_rows(spans) == [None, None, None]  # taken: reset
+
+
+def test_hit_rate_tracker_records_without_host_syncs(monkeypatch):
+    """What a captured CUDA graph needs: after the first (eager warm-up) step no buffer is
+    reallocated and no step reads a device value on the host."""
+    import numpy as np
+
+    class Step:
+        phase = "decode"
+
+        def __init__(self, pos):
+            self.q_pos = pos.view(-1, 1)
+
+    steps, _ = _tracker_steps(np.random.default_rng(torch.initial_seed()))
+
+    class Fake:
+        class selection:
+            block_size = 4
+
+        def __init__(self):
+            self.calls = iter(steps)
+
+        def select(self, layer, q, h, cache, step):
+            return next(self.calls)[2]
+
+    method = Fake()
+    tracker = metrics.HitRateTracker(method)
+    for layer, pos, _ in steps[:2]:  # warm-up: allocates
+        method.select(layer, None, None, None, Step(pos))
+    pointers = (tracker._hits.data_ptr(), tracker._selected.data_ptr(),
+                *(t.data_ptr() for t in tracker._prev.values()), *(t.data_ptr() for t in tracker._last_pos.values()))
+
+    def sync(*a, **k):
+        raise AssertionError("host sync while recording")
+
+    for name in ("item", "tolist", "cpu", "__bool__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    for layer, pos, _ in steps[2:]:
+        method.select(layer, None, None, None, Step(pos))
+    monkeypatch.undo()
+    assert pointers == (tracker._hits.data_ptr(), tracker._selected.data_ptr(),
+                        *(t.data_ptr() for t in tracker._prev.values()),
+                        *(t.data_ptr() for t in tracker._last_pos.values()))

@@ -349,14 +349,32 @@ def _csv(kind):
               help="Block-sparse methods in the generation tasks: select in prefill too, or prefill densely "
                    "and select in decode only [default: dense at --preset small, block-sparse at paper]; "
                    "ppl always scores block-sparse prefill logits.")
-def eval_cmd(**opts):
+@click.option("--batch-size", type=int, default=None,
+              help="Samples of one task and length per generate call [default: 16 on CUDA, 4 on the CPU]; "
+                   "changes no result.")
+@click.option("--time-budget-s", type=float, default=None,
+              help="Start no new batch after this many seconds (model load included); rerun to resume.")
+def eval_cmd(time_budget_s=None, **opts):
     """Accuracy, perplexity/agreement and KV reads of every method (resumable; design §8)."""
     from sparda.eval.runner import plan_from_options, run_eval
 
     plan = plan_from_options(**opts)
-    summary = run_eval(plan)
+    summary = run_eval(plan, time_budget_s=time_budget_s)
     click.echo(json.dumps(summary, indent=1))
+    progress = _read_json(f"{plan.out}/progress.json")
+    if progress and not progress.get("complete"):
+        click.echo(f"stopped ({progress.get('stopped')}) after {progress['done']} of {progress['planned']} records; "
+                   "rerun the same command to resume", err=True)
     click.echo(f"wrote {plan.out}/report.md, summary.json, results.jsonl and plots", err=True)
+
+
+def _read_json(path: str):
+    """A JSON file's content, or ``None`` if it is missing or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
 
 
 @main.command("train-forecast")

@@ -124,20 +124,34 @@ def runtime_hit_rate(offload_stats: dict) -> float | None:
 
 
 class HitRateTracker:
-    """Step-to-step block hit rate of an on-device block-sparse method in decode.
+    """Step-to-step block hit rate of an on-device block-sparse method in decode, per row.
 
-    Wraps ``method.select`` (instance attribute, the class is untouched) and, per layer,
-    compares each decode step's selected blocks with the previous step's: hit rate =
-    blocks selected at step ``t`` that were also selected at ``t-1`` / blocks selected at
-    ``t`` (the blocks a prefetching runtime would already hold). Methods without
-    ``select`` (dense) report ``None``. Offloaded methods decode without ``select``: use
-    :func:`runtime_hit_rate` for them.
+    Wraps ``method.select`` (instance attribute, the class is untouched) and, per layer and
+    cache row, compares each decode step's selected blocks with the same row's previous
+    step: hit rate = blocks selected at step ``t`` that were also selected at ``t-1`` /
+    blocks selected at ``t`` (the blocks a prefetching runtime would already hold), summed
+    over layers and KV heads. A step counts only where the row's previous decode step
+    (position ``p - 1``) was recorded too.
+
+    Counts are kept per row and per position in device buffers updated in place, with no
+    host sync, so the wrapper also runs inside a captured CUDA graph
+    (:mod:`sparda.engine.graph_runner`: the buffers are allocated by the eager warm-up
+    step, the replays keep adding into them). :meth:`take_rows` then sums only the
+    positions of the tokens a row kept, so a row of a batch reports what it reports alone,
+    however long the batch kept decoding after the row's EOS.
+
+    Methods without ``select`` (dense) report ``None``. Offloaded methods decode without
+    ``select``: use :func:`runtime_hit_rate` for them.
     """
 
     def __init__(self, method) -> None:
-        self.hits = 0.0
-        self.selected = 0.0
-        self._last: dict[int, torch.Tensor] = {}
+        self._prev: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv, N] bool, last step's mask
+        self._last_pos: dict[int, torch.Tensor] = {}  # layer -> [B] int64, last recorded position
+        self._hits: torch.Tensor | None = None  # [B, positions] int64, summed over layers
+        self._selected: torch.Tensor | None = None
+        selection = getattr(method, "selection", None)
+        #: tokens per KV block: the buffers span ``N * block_size`` positions
+        self._block_size = getattr(selection, "block_size", 64)
         self.active = hasattr(method, "select")
         if self.active:
             inner = method.select
@@ -145,26 +159,60 @@ class HitRateTracker:
             def select(layer, q, h, cache, step, *args, **kwargs):
                 mask = inner(layer, q, h, cache, step, *args, **kwargs)
                 if step.phase == "decode":
-                    self._record(layer, mask[..., -1, :])
+                    self._record(layer, mask[..., -1, :], step.q_pos[:, -1])
                 return mask
 
             method.select = select
 
+    def _buffers(self, layer: int, mask: torch.Tensor) -> None:
+        """(Re)allocate the buffers for ``mask [B, H_kv, N]`` (eager steps only: a new cache
+        shape always starts with an eager warm-up step)."""
+        batch, _, blocks = mask.shape
+        width = blocks * self._block_size
+        if self._hits is None or self._hits.shape != (batch, width) or self._hits.device != mask.device:
+            self._hits = torch.zeros(batch, width, dtype=torch.long, device=mask.device)
+            self._selected = torch.zeros_like(self._hits)
+            self._prev.clear()
+            self._last_pos.clear()
+        if layer not in self._prev or self._prev[layer].shape != mask.shape:
+            self._prev[layer] = torch.zeros_like(mask, dtype=torch.bool)
+            self._last_pos[layer] = torch.full((batch,), -2, dtype=torch.long, device=mask.device)
+
+    def _record(self, layer: int, mask: torch.Tensor, pos: torch.Tensor) -> None:
+        """Add one decode step of ``layer``: ``mask [B, H_kv, N]`` bool selected blocks of the
+        token at ``pos [B]`` (int64 positions). Device ops only, in place."""
+        self._buffers(layer, mask)
+        prev, last = self._prev[layer], self._last_pos[layer]
+        follows = (last == pos - 1).long()  # [B]: the row's previous step was recorded
+        hits = (mask & prev).flatten(1).sum(-1) * follows
+        selected = mask.flatten(1).sum(-1) * follows
+        index = pos.view(-1, 1)
+        self._hits.scatter_add_(1, index, hits.view(-1, 1))
+        self._selected.scatter_add_(1, index, selected.view(-1, 1))
+        prev.copy_(mask)
+        last.copy_(pos)
+
     def reset(self) -> None:
-        """Forget the previous step (call before each new prompt)."""
-        self._last.clear()
+        """Zero the counts and forget the previous steps (in place; call between generations)."""
+        with torch.inference_mode():  # the buffers are made inside generate's inference mode
+            if self._hits is not None:
+                self._hits.zero_()
+                self._selected.zero_()
+            for last in self._last_pos.values():
+                last.fill_(-2)
 
-    def _record(self, layer: int, mask: torch.Tensor) -> None:
-        prev = self._last.get(layer)
-        if prev is not None:
-            n = min(prev.shape[-1], mask.shape[-1])
-            self.hits += (mask[..., :n] & prev[..., :n]).sum().item()
-            self.selected += mask.sum().item()
-        self._last[layer] = mask.clone()
-
-    def take(self) -> float | None:
-        """Hit rate since the last call (0-1), or ``None`` if nothing was recorded; resets."""
-        rate = self.hits / self.selected if self.selected else None
-        self.hits = self.selected = 0.0
-        self._last.clear()
-        return rate
+    def take_rows(self, spans: list[tuple[int, int]]) -> list[float | None]:
+        """Hit rate (0-1, or ``None`` where nothing was recorded) of each row over its decode
+        steps at positions ``first..last`` (inclusive; ``spans[b]`` for cache row ``b``),
+        then :meth:`reset`. A row whose prompt has ``P`` tokens and that kept ``n`` new tokens
+        fed positions ``P .. P + n - 2`` to the decode steps that made them."""
+        rates: list[float | None] = []
+        if self._hits is None:
+            rates = [None] * len(spans)
+        else:
+            hits, selected = self._hits.cpu(), self._selected.cpu()
+            for row, (first, last) in enumerate(spans):
+                sel = int(selected[row, first:last + 1].sum()) if last >= first else 0
+                rates.append(int(hits[row, first:last + 1].sum()) / sel if sel else None)
+        self.reset()
+        return rates

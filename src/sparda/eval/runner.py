@@ -1,8 +1,11 @@
-"""``sparda eval``: every task x method x length x sample, resumable (design §8).
+"""``sparda eval``: every task x method x length x sample, batched and resumable (design §8).
 
-Each finished sample is appended (one JSON line, flushed and fsynced) to
-``DIR/results.jsonl``; a rerun with the same plan skips every key already there, so an
-interrupted run resumes where it stopped. The tables, plots and ``summary.json`` are
+The samples of one task x length run through one method in batches of
+``plan.batch_size`` (one :meth:`sparda.LLM.generate` call each: greedy, so a sample's
+record is the one it gets alone). Each finished sample is appended (one JSON line,
+flushed and fsynced) to ``DIR/results.jsonl``; a rerun with the same plan skips every key
+already there, so an interrupted run resumes where it stopped, and a time budget stops a
+run cleanly between batches (``DIR/progress.json`` says how far it got). The tables, plots and ``summary.json`` are
 rebuilt from that file at the end (:mod:`sparda.eval.report`), each written atomically.
 Every check (tasks, methods, lengths, budgets, device, dtype, ``--text``, ``--out``)
 runs before anything is written; ``DIR`` and its ``plan.json`` appear only with the
@@ -15,22 +18,19 @@ import copy
 import hashlib
 import json
 import os
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from sparda.errors import SpardaError
+from sparda.eval.records import PPL, SELECTION  # noqa: F401 (re-exported)
 from sparda.io import atomic_write, check_output_dir, read_text
 
 #: default needle depths, cycled over samples
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-#: the pseudo-task that measures perplexity / agreement / KL against dense
-PPL = "ppl"
-#: the pseudo-task that reports selection recall through :mod:`sparda.eval.selection`
-SELECTION = "selection"
+
+#: samples per generate call when ``batch_size`` is not given: CUDA, CPU
+DEFAULT_BATCH = {"cuda": 16, "cpu": 4}
 QUICK = dict(tasks=("passkey", "niah-single", PPL), lengths=(2560,), samples=2, ppl_windows=1,
              methods=("dense", "sparse", "oracle", "sparda"))
 FULL = dict(tasks=("passkey", "niah-single", "niah-multikey", "vt", "cwe", PPL), lengths=(4096, 7680),
@@ -59,6 +59,9 @@ class EvalPlan:
             dense prefill at ``small``, block-sparse at ``paper``). ``ppl`` scores prefill
             logits, so it always runs block-sparse prefill (dense prefill would make them
             dense's).
+        batch_size: samples of one task x length per generate call (``None``:
+            :data:`DEFAULT_BATCH` of the device). Changes no result, so it is not part of
+            the fingerprint: a run may resume with another batch size.
     """
 
     tasks: tuple[str, ...]
@@ -77,6 +80,15 @@ class EvalPlan:
     seed: int = 0
     overrides: dict = field(default_factory=dict)
     sparse_prefill: bool | None = None
+    batch_size: int | None = None
+
+    def resolved_batch_size(self) -> int:
+        """:attr:`batch_size`, or the default of the device (:data:`DEFAULT_BATCH`)."""
+        if self.batch_size is not None:
+            return self.batch_size
+        from sparda.engine.llm import resolve_device
+
+        return DEFAULT_BATCH["cuda" if resolve_device(self.device).type == "cuda" else "cpu"]
 
     @property
     def prefill_is_sparse(self) -> bool:
@@ -208,86 +220,18 @@ def _haystack(plan: EvalPlan) -> str:
     return text
 
 
-def _task_record(models: _Models, spec: MethodSpec, sample, length: int, index: int, seed: int) -> dict:
-    from sparda.eval.metrics import exact_match, runtime_hit_rate, score
-
-    llm, tracker, topk = models.get(spec, length)
-    start = time.perf_counter()
-    out = llm.generate([sample.prompt], max_new_tokens=sample.max_new_tokens, chat=True)[0]
-    stats = out.stats
-    # offloaded methods: the runtime's own slot hits; on-device ones: step-to-step overlap
-    hit_rate = runtime_hit_rate(stats["offload"]) if "offload" in stats else tracker.take() if tracker else None
-    return dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topk_blocks=topk,
-                task=sample.task, length=length, sample=index, depth=sample.depth, seed=seed,
-                score=score(sample, out.text), exact=exact_match(sample.answers, out.text),
-                answers=list(sample.answers), completion=out.text[:400],
-                prompt_tokens=stats["prompt_tokens"], new_tokens=stats["new_tokens"],
-                prefill_ms=stats["prefill_ms"], decode_tok_s=stats["decode_tok_s"],
-                kv_read_fraction=stats["kv_read_fraction"],
-                kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
-                hit_rate=hit_rate, seconds=round(time.perf_counter() - start, 2),
-                prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense",
-                offload=bool(llm.config.offload) or getattr(llm.method, "offloaded", False))
-
-
-def _ppl_records(models: _Models, specs: list[MethodSpec], todo: list[MethodSpec], text_ids: list[int],
-                 length: int, index: int, seed: int):
-    """Yield the logit metrics of each spec in ``todo`` against dense on one window of ``length`` tokens;
-    positions in the second half of the window are scored (where sparsity can act)."""
-    from sparda.eval.metrics import compare_logits, perplexity
-
-    if len(text_ids) < length + 1:
-        raise SpardaError(f"the perplexity text has {len(text_ids)} tokens, fewer than {length + 1}; "
-                          "use a longer --text or shorter --lengths")
-    offset = random.Random(f"ppl-{seed}-{length}").randint(0, len(text_ids) - length - 1)
-    ids = text_ids[offset:offset + length + 1]
-    first = length // 2
-    targets = torch.tensor(ids[first + 1:], device=models.base.device)
-    reference = models.base.logits(ids[:-1])[first:]
-    for spec in todo:
-        llm, _, topk = models.get(spec, length, sparse_prefill=True)  # ppl scores block-sparse prefill
-        start = time.perf_counter()
-        logits = reference if spec.method == "dense" else llm.logits(ids[:-1])[first:]
-        m = compare_logits(logits, reference, targets)
-        n = m["positions"]
-        yield (dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topk_blocks=topk,
-                            task=PPL, length=length, sample=index, depth=None, seed=seed, positions=n,
-                            ppl=perplexity(m["nll_sum"], n), dense_ppl=perplexity(m["ref_nll_sum"], n),
-                            top1_agreement=m["agree_sum"] / n, kl=m["kl_sum"] / n,
-                            score=m["agree_sum"] / n, seconds=round(time.perf_counter() - start, 2),
-                            prefill="dense" if spec.method == "dense" else "block-sparse"))
-        del logits
-
-
-def _selection_records(models: _Models, specs: list[MethodSpec], todo: list[MethodSpec], length: int,
-                       index: int, seed: int) -> list[dict]:
-    """Selection recall (vs sparse and oracle top-k) and attention mass covered, from
-    :func:`sparda.eval.selection.selection_report`, for the methods it knows (preset budget);
-    the others get a record with ``score=None``."""
-    from sparda.eval.selection import KNOWN, selection_report
-
-    names = sorted({s.method for s in todo if s.method in KNOWN})
-    rep = selection_report(llm=models.base, text=models.plan.text, methods=names, lengths=(length,),
-                           queries=16, preset=models.plan.preset) if names else {}
-    records = []
-    for spec in todo:
-        m = rep.get(spec.method, {}) if spec.budget_pct is None else {}
-        records.append(dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, task=SELECTION,
-                            length=length, sample=index, depth=None, seed=seed,
-                            recall_vs_sparse=m.get("mean_recall_vs_sparse"),
-                            recall_vs_oracle=m.get("mean_recall_vs_oracle"), mass=m.get("mean_mass"),
-                            score=m.get("mean_recall_vs_oracle")))
-    return records
-
-
-def _items(plan: EvalPlan, specs: list[MethodSpec]):
-    """Work in the order that balances partial results: sample index outermost."""
-    for index in range(max(plan.samples, plan.ppl_windows if PPL in plan.tasks else 0)):
+def _units(plan: EvalPlan):
+    """``(indices, length, task)`` in run order: chunks of ``batch_size`` sample indices
+    outermost (so a partial run has every cell about equally far), then length, then task."""
+    size = plan.resolved_batch_size()
+    count = max(plan.samples, plan.ppl_windows if PPL in plan.tasks else 0)
+    for lo in range(0, count, size):
         for length in plan.lengths:
             for task in plan.tasks:
                 limit = plan.ppl_windows if task == PPL else 1 if task == SELECTION else plan.samples
-                if index < limit:
-                    yield index, length, task
+                indices = [i for i in range(lo, min(lo + size, count)) if i < limit]
+                if indices:
+                    yield indices, length, task
 
 
 def _check_device_and_lengths(plan: EvalPlan) -> None:
@@ -329,23 +273,90 @@ def _key(label: str, task: str, length: int, index: int) -> str:
     return f"{label}|{task}|{length}|{index}"
 
 
-def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool = True) -> dict:
+def _work(plan: EvalPlan, specs: list[MethodSpec], journal: _Journal, state: dict, haystack: str):
+    """Yield ``(kind, compute)`` units in run order, for what ``journal`` lacks: ``compute()``
+    returns an iterable of records (lazily computed: each is journaled as soon as it
+    exists). ``kind`` (hashable) names units expected to take about as long. The model
+    loads (``state["models"]``) only when the first unit computes."""
+    from sparda.eval.records import ppl_records, selection_records, task_records
+    from sparda.eval.tasks import make_sample
+
+    def models():
+        if state.get("models") is None:
+            state["models"] = _Models(plan)
+        return state["models"]
+
+    def seed_of(index: int) -> int:
+        return plan.seed * 1_000_003 + index
+
+    for indices, length, task in _units(plan):
+        todo = {i: [s for s in specs if _key(s.label, task, length, i) not in journal.done] for i in indices}
+        if task == PPL:
+            for i in indices:
+                if todo[i]:
+                    def compute(i=i, length=length):
+                        if state.get("text_ids") is None:
+                            state["text_ids"] = models().base.tokenizer.encode(haystack, add_special_tokens=False)
+                        return ppl_records(models(), todo[i], state["text_ids"], length, i, seed_of(i))
+                    yield (PPL, length), compute
+            continue
+        if task == SELECTION:
+            for i in indices:
+                if todo[i]:
+                    yield (SELECTION, length), (lambda i=i, length=length:
+                                                selection_records(models(), todo[i], length, i, seed_of(i)))
+            continue
+        samples: dict[int, object] = {}
+
+        def batch_of(wanted, task=task, length=length, samples=samples):
+            for i in wanted:
+                if i not in samples:
+                    depth = plan.depths[i % len(plan.depths)]
+                    samples[i] = make_sample(task, models().base.tokenizer, haystack, length, depth, seed_of(i))
+            return [(i, seed_of(i), samples[i]) for i in wanted]
+
+        for spec in specs:
+            wanted = [i for i in indices if spec in todo[i]]
+            if wanted:
+                yield (spec.label, task, length), (lambda spec=spec, wanted=wanted, length=length:
+                                                   task_records(models(), spec, batch_of(wanted), length))
+
+
+def _write_progress(out: Path, planned: int, done: int, stopped: str | None, elapsed_s: float) -> dict:
+    """``DIR/progress.json``: records of this plan done / planned, whether it is complete and
+    why it stopped early (``time budget``, ``max_new_items``); returns the dict."""
+    progress = dict(planned=planned, done=done, complete=done >= planned, stopped=stopped,
+                    elapsed_s=round(elapsed_s, 1))
+    atomic_write(out / "progress.json", json.dumps(progress, indent=1))
+    return progress
+
+
+def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool = True,
+             time_budget_s: float | None = None) -> dict:
     """Run (or resume) ``plan``; write ``results.jsonl``, tables, plots, ``summary.json``.
 
     Args:
         plan: what to run.
         max_new_items: stop after computing this many new records (tests; ``None`` = all).
         progress: show a tqdm bar on stderr.
+        time_budget_s: wall seconds (from this call's start, model load included) after
+            which no new unit of work starts: the run stops between batches when the next
+            one would not finish in time (predicted from the last unit of the same kind, or
+            the longest so far), writes the report of what it has and returns; rerun the same
+            plan to resume. ``None``: no limit.
     Returns:
-        The summary, ``{label: {task: mean score 0-1}}`` (also ``DIR/summary.json``).
+        The summary, ``{label: {task: mean score 0-1}}`` (also ``DIR/summary.json``);
+        ``DIR/progress.json`` says whether the plan is complete.
     Raises:
-        SpardaError: unknown task or method, bad lengths, a DIR from a different plan.
+        SpardaError: unknown task or method, bad lengths, batch size or time budget, a DIR
+            from a different plan.
     """
     from tqdm import tqdm
 
     from sparda.eval import report
-    from sparda.eval.tasks import TASKS, make_sample
+    from sparda.eval.tasks import TASKS
 
+    started = time.perf_counter()
     unknown = [t for t in plan.tasks if t not in (PPL, SELECTION) and t not in TASKS]
     if unknown:
         raise SpardaError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join([*TASKS, PPL, SELECTION])}")
@@ -354,6 +365,10 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     bad = [b for b in plan.budgets if not 0 < b <= 100]
     if bad:
         raise SpardaError(f"--budgets are percentages in (0, 100], got {bad[0]:g}")
+    if plan.batch_size is not None and plan.batch_size < 1:
+        raise SpardaError(f"--batch-size must be at least 1, got {plan.batch_size}")
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise SpardaError(f"--time-budget-s must be a positive number of seconds, got {time_budget_s:g}")
     from sparda.config import resolve_sparse_prefill
 
     resolve_sparse_prefill(plan.preset, plan.sparse_prefill)  # a bad preset or value fails before any write
@@ -363,45 +378,44 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     specs = method_specs(plan)
     _check_plan_file(out, plan)
     journal = _Journal(out / "results.jsonl")
-    items = list(_items(plan, specs))
-    total = sum(len(specs) for _ in items)
-    done = sum(_key(s.label, t, n, i) in journal.done for i, n, t in items for s in specs)
-    bar = tqdm(total=total, initial=done, desc="sparda eval", unit="sample", disable=not progress)
-    models, text_ids, new = None, None, 0
+    keys = {_key(s.label, t, n, i) for idx, n, t in _units(plan) for i in idx for s in specs}
+    done = len(keys & journal.done)
+    bar = tqdm(total=len(keys), initial=done, desc="sparda eval", unit="sample", disable=not progress)
+    state: dict = {}
+    last: dict = {}  # unit kind -> seconds it took last time
+    new, stopped = 0, None
     try:
-        for index, length, task in items:
-            todo = [s for s in specs if _key(s.label, task, length, index) not in journal.done]
-            if not todo:
-                continue
-            if models is None:
-                models = _Models(plan)
-            seed = plan.seed * 1_000_003 + index
-            if task == PPL:
-                if text_ids is None:
-                    text_ids = models.base.tokenizer.encode(haystack, add_special_tokens=False)
-                records = _ppl_records(models, specs, todo, text_ids, length, index, seed)
-            elif task == SELECTION:
-                records = iter(_selection_records(models, specs, todo, length, index, seed))
-            else:
-                depth = plan.depths[index % len(plan.depths)]
-                sample = make_sample(task, models.base.tokenizer, haystack, length, depth, seed)
-                records = (_task_record(models, spec, sample, length, index, seed) for spec in todo)
-            for record in records:  # lazily computed: each is journaled as soon as it exists
+        for kind, compute in _work(plan, specs, journal, state, haystack):
+            if time_budget_s is not None and last:
+                predicted = last.get(kind, max(last.values()))
+                if time.perf_counter() - started + predicted > time_budget_s:
+                    stopped = "time budget"
+                    break
+            unit_start = time.perf_counter()
+            for record in compute():
                 if not journal.records or not (out / "plan.json").is_file():
                     _write_plan_file(out, plan)  # the first result: only now is anything written
-                journal.add({"key": _key(record["label"], task, length, index), **record})
+                journal.add({"key": _key(record["label"], record["task"], record["length"], record["sample"]),
+                             **record})
                 bar.update(1)
                 new += 1
                 if max_new_items is not None and new >= max_new_items:
-                    return report.write_report(out, journal.records)
+                    stopped = "max_new_items"
+                    break
+            last[kind] = time.perf_counter() - unit_start
+            if stopped:
+                break
     finally:
         bar.close()
+    if not journal.records:  # nothing computed and nothing there before: write nothing
+        return {}
+    _write_progress(out, len(keys), len(keys & journal.done), stopped, time.perf_counter() - started)
     return report.write_report(out, journal.records)
 
 
 def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budgets=None, depths=None,
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
-                      device="cpu", dtype=None, seed=0, sparse_prefill=None) -> EvalPlan:
+                      device="cpu", dtype=None, seed=0, sparse_prefill=None, batch_size=None) -> EvalPlan:
     """An :class:`EvalPlan` from CLI options: unset ones come from the ``--quick`` or full
     defaults; methods default to every registered one. Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
@@ -415,4 +429,4 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     lengths=tuple(lengths or base["lengths"]), samples=base["samples"] if samples is None else samples, out=out,
                     budgets=tuple(budgets or ()), depths=tuple(depths or DEPTHS),
                     ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
-                    dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill)
+                    dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill, batch_size=batch_size)

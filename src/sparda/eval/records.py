@@ -1,0 +1,147 @@
+"""What one unit of ``sparda eval`` work measures (design §8): a batch of generation
+samples of one task x length through one method, one perplexity window through every
+method, or one selection report. Each returns (or yields) the records that
+:mod:`sparda.eval.runner` journals.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from sparda.errors import SpardaError
+
+#: the pseudo-task that measures perplexity / agreement / KL against dense
+PPL = "ppl"
+#: the pseudo-task that reports selection recall through :mod:`sparda.eval.selection`
+SELECTION = "selection"
+
+
+def _budget_fields(llm, length: int) -> dict:
+    """``budget_blocks`` (init + local + top-k) and ``context_blocks`` (blocks of a
+    ``length``-token context) of ``llm``'s selection (design §3.4)."""
+    sel = llm.config.selection
+    return dict(budget_blocks=sel.init_blocks + sel.local_blocks + sel.topk_blocks,
+                context_blocks=-(-length // sel.block_size))
+
+
+def task_records(models, spec, batch: list, length: int) -> list[dict]:
+    """Generate one batch of samples with ``spec`` and score each.
+
+    Every prompt of the batch goes through one :meth:`sparda.LLM.generate` call (prefill
+    row by row, decode batched); greedy decoding, so each record equals what the sample
+    gives alone (tests/test_eval_runner.py).
+
+    Args:
+        models: the runner's ``_Models`` (one loaded model, one method per spec).
+        spec: the :class:`~sparda.eval.runner.MethodSpec` (method, budget %).
+        batch: ``[(index, seed, TaskSample)]`` of one task and length (any ``max_new_tokens``:
+            each completion is cut to its own).
+        length: the context length in tokens the samples were made for.
+    Returns:
+        One record per sample, in order: score, completion, token counts, timings,
+        ``kv_read_fraction`` (KV blocks read per decode step, whole batch's steps),
+        ``kv_bytes_read_per_token`` (bytes), ``hit_rate`` and its ``hit_rate_source``
+        (``runtime``: the offload runtime's slot hits, :func:`~sparda.eval.metrics.runtime_hit_rate`;
+        ``overlap``: the step-to-step overlap over the row's own decode steps,
+        :class:`~sparda.eval.metrics.HitRateTracker`), ``host_bytes_copied_per_token``
+        for offloaded methods.
+    """
+    from sparda.eval.metrics import exact_match, runtime_hit_rate, score
+
+    llm, tracker, topk = models.get(spec, length)
+    samples = [s for _, _, s in batch]
+    max_new = max(s.max_new_tokens for s in samples)
+    if tracker is not None:
+        tracker.reset()
+    start = time.perf_counter()
+    outs = llm.generate([s.prompt for s in samples], max_new_tokens=max_new, chat=True)
+    seconds = time.perf_counter() - start
+    for out, s in zip(outs, samples):  # a sample with a smaller budget keeps only its own tokens
+        if len(out.token_ids) > s.max_new_tokens:
+            out.token_ids = out.token_ids[:s.max_new_tokens]
+            out.text = llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            out.stats["new_tokens"] = len(out.token_ids)
+    spans = [(o.stats["prompt_tokens"], o.stats["prompt_tokens"] + o.stats["new_tokens"] - 2) for o in outs]
+    overlap = tracker.take_rows(spans) if tracker is not None else [None] * len(outs)
+    offloaded = bool(llm.config.offload) or getattr(llm.method, "offloaded", False)
+    records = []
+    for (index, seed, sample), out, rate in zip(batch, outs, overlap):
+        stats = out.stats
+        source = "runtime" if "offload" in stats else "overlap" if tracker is not None and tracker.active else None
+        if "offload" in stats:
+            rate = runtime_hit_rate(stats["offload"])
+        records.append(dict(
+            label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topk_blocks=topk,
+            **_budget_fields(llm, length), task=sample.task, length=length, sample=index, depth=sample.depth,
+            seed=seed, score=score(sample, out.text), exact=exact_match(sample.answers, out.text),
+            answers=list(sample.answers), completion=out.text[:400],
+            prompt_tokens=stats["prompt_tokens"], new_tokens=stats["new_tokens"],
+            prefill_ms=stats["prefill_ms"], decode_tok_s=stats["decode_tok_s"],
+            kv_read_fraction=stats["kv_read_fraction"],
+            kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
+            host_bytes_copied_per_token=stats["offload"].get("bytes_per_token") if "offload" in stats else None,
+            hit_rate=rate, hit_rate_source=source if rate is not None else None,
+            seconds=round(seconds / len(batch), 3), batch=len(batch),
+            prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense",
+            offload=offloaded))
+    return records
+
+
+def ppl_window(text_ids: list[int], length: int, seed: int) -> list[int]:
+    """The ``length + 1`` held-out token ids of perplexity window ``seed`` (a seeded offset).
+
+    Raises SpardaError if the text is shorter than one window."""
+    if len(text_ids) < length + 1:
+        raise SpardaError(f"the perplexity text has {len(text_ids)} tokens, fewer than {length + 1}; "
+                          "use a longer --text or shorter --lengths")
+    offset = random.Random(f"ppl-{seed}-{length}").randint(0, len(text_ids) - length - 1)
+    return text_ids[offset:offset + length + 1]
+
+
+def ppl_records(models, todo: list, text_ids: list[int], length: int, index: int, seed: int):
+    """Yield the logit metrics of each spec in ``todo`` against dense on one window of
+    ``length`` tokens (:func:`ppl_window`); positions in the second half of the window are
+    scored (where sparsity can act). Every method prefills block-sparsely here (``ppl``
+    scores prefill logits). Metrics: :func:`~sparda.eval.metrics.compare_logits`."""
+    from sparda.eval.metrics import compare_logits, perplexity
+
+    ids = ppl_window(text_ids, length, seed)
+    first = length // 2
+    targets = torch.tensor(ids[first + 1:], device=models.base.device)
+    reference = models.base.logits(ids[:-1])[first:]
+    for spec in todo:
+        llm, _, topk = models.get(spec, length, sparse_prefill=True)
+        start = time.perf_counter()
+        logits = reference if spec.method == "dense" else llm.logits(ids[:-1])[first:]
+        m = compare_logits(logits, reference, targets)
+        n = m["positions"]
+        yield dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topk_blocks=topk,
+                   **_budget_fields(llm, length), task=PPL, length=length, sample=index, depth=None, seed=seed,
+                   positions=n, ppl=perplexity(m["nll_sum"], n), dense_ppl=perplexity(m["ref_nll_sum"], n),
+                   top1_agreement=m["agree_sum"] / n, kl=m["kl_sum"] / n, score=m["agree_sum"] / n,
+                   seconds=round(time.perf_counter() - start, 3),
+                   prefill="dense" if spec.method == "dense" else "block-sparse")
+        del logits
+
+
+def selection_records(models, todo: list, length: int, index: int, seed: int) -> list[dict]:
+    """Selection recall (vs sparse and oracle top-k) and attention mass covered, from
+    :func:`sparda.eval.selection.selection_report`, for the methods it knows (preset budget);
+    the others get a record with ``score=None``."""
+    from sparda.eval.selection import KNOWN, selection_report
+
+    names = sorted({s.method for s in todo if s.method in KNOWN})
+    rep = selection_report(llm=models.base, text=models.plan.text, methods=names, lengths=(length,),
+                           queries=16, preset=models.plan.preset) if names else {}
+    records = []
+    for spec in todo:
+        m = rep.get(spec.method, {}) if spec.budget_pct is None else {}
+        records.append(dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, task=SELECTION,
+                            length=length, sample=index, depth=None, seed=seed,
+                            recall_vs_sparse=m.get("mean_recall_vs_sparse"),
+                            recall_vs_oracle=m.get("mean_recall_vs_oracle"), mass=m.get("mean_mass"),
+                            score=m.get("mean_recall_vs_oracle")))
+    return records
