@@ -13,6 +13,8 @@ from sparda.cli import main
 from sparda.engine.llm import LLM
 from sparda.eval.runner import EvalPlan, load_results, run_eval
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread hand-offs dominate on 2 cores
+
 VOLATILE = {"prefill_ms", "decode_tok_s", "seconds", "batch"}  # timings; the batch a record ran in
 
 
