@@ -11,6 +11,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from sparda.eval.stats import bootstrap_mean, wilson_interval
 from sparda.io import atomic_output, atomic_write
 
 PPL = "ppl"
@@ -35,41 +36,129 @@ def _labels(records) -> list[str]:
     return [s[0] for s in sorted(specs, key=lambda s: (s[1] != "dense", s[1], s[2] or 1e9))]
 
 
+def _acc(scores) -> dict | None:
+    """Mean score with its 95 % Wilson interval (:func:`~sparda.eval.stats.wilson_interval`):
+    ``{"mean", "n", "low", "high"}``, or ``None`` for no scores."""
+    scores = [v for v in scores if v is not None]
+    if not scores:
+        return None
+    mean = sum(scores) / len(scores)
+    low, high = wilson_interval(min(1.0, max(0.0, mean)), len(scores))
+    return {"mean": mean, "n": len(scores), "low": low, "high": high}
+
+
+def _boot(values) -> tuple[float | None, float | None]:
+    """Percentile bootstrap 95 % interval of the mean of ``values`` (seed 0), or ``(None, None)``
+    for fewer than two values."""
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return None, None
+    _, low, high = bootstrap_mean(values, seed=0)
+    return low, high
+
+
+def _comparisons(labels: list[str]) -> list[tuple[str, str]]:
+    """The paired comparisons of a report: ``sparda`` vs ``sparse`` (each budget too), then
+    every label vs ``dense``."""
+    pairs = [(a, a.replace("sparda", "sparse", 1)) for a in labels
+             if a.split("@")[0] == "sparda" and a.replace("sparda", "sparse", 1) in labels]
+    if "dense" in labels:
+        pairs += [(a, "dense") for a in labels if a != "dense"]
+    return pairs
+
+
+def paired_difference(records: list[dict], a: str, b: str, task: str | None = None,
+                      length: int | None = None) -> dict | None:
+    """Score of label ``a`` minus label ``b`` on the same prompts (task, length, sample),
+    over the generation tasks (or only ``task`` / ``length``), with a paired bootstrap 95 %
+    interval stratified by (task, length) cell (:func:`~sparda.eval.stats.bootstrap_mean`,
+    10,000 resamples, seed 0).
+
+    Returns ``{"diff", "low", "high", "n"}`` (score units 0-1; ``n`` pairs), or ``None``
+    when no prompt was scored by both."""
+    scores: dict = {}
+    for r in records:
+        if r["task"] in (PPL, SELECTION) or r.get("score") is None or r["label"] not in (a, b):
+            continue
+        if (task is not None and r["task"] != task) or (length is not None and r["length"] != length):
+            continue
+        scores.setdefault((r["task"], r["length"], r["sample"]), {})[r["label"]] = r["score"]
+    pairs = sorted((k, v[a] - v[b]) for k, v in scores.items() if a in v and b in v)
+    if not pairs:
+        return None
+    diff, low, high = bootstrap_mean([d for _, d in pairs], [k[:2] for k, _ in pairs], seed=0)
+    return {"diff": diff, "low": low, "high": high, "n": len(pairs)}
+
+
 def aggregate(records: list[dict]) -> dict:
     """Aggregates of the records.
 
-    Returns a dict with ``summary`` (label -> task -> mean score 0-1, ppl excluded),
-    ``by_length`` (label -> task -> length -> [mean, n]), ``by_depth`` (label -> length ->
-    depth -> mean over needle tasks), ``ppl`` (label -> length -> means of ppl, dense_ppl,
-    top1_agreement, kl, n), ``efficiency`` (label -> mean kv_read_fraction,
-    kv_bytes_read_per_token, hit_rate, prefill_ms) and ``budgets`` (method -> budget % ->
-    mean task score, mean top-1 agreement).
+    Returns a dict with ``summary`` (label -> task -> mean score 0-1, ppl excluded; also
+    ``summary.json``), ``accuracy`` (label -> task -> ``{"mean", "n", "low", "high"}`` with
+    the 95 % Wilson interval), ``mean_accuracy`` (label -> the same for the mean over tasks:
+    the mean of the task means, its interval from the pooled sample count), ``by_length``
+    (label -> task -> length -> the same), ``by_depth`` (label -> length -> depth -> the
+    same over needle tasks), ``ppl`` (label -> length -> means of ppl, dense_ppl,
+    top1_agreement, kl, with bootstrap 95 % intervals over windows of agreement and KL, and
+    ``n`` windows), ``selection``, ``efficiency`` (label -> mean kv_read_fraction,
+    kv_bytes_read_per_token, host_bytes_copied_per_token, hit_rate, its sources,
+    prefill_ms), ``budgets`` (method -> length -> budget % -> effective budget %, task
+    accuracy, top-1 agreement, KL, ppl) and ``paired`` (rows of :func:`paired_difference`:
+    ``a``, ``b``, ``scope`` ``all`` / a length / a task).
     """
     tasks = [r for r in records if r["task"] not in (PPL, SELECTION)]
     ppl = [r for r in records if r["task"] == PPL]
-    out: dict = {"summary": {}, "by_length": {}, "by_depth": {}, "ppl": {}, "efficiency": {}, "budgets": {},
-                 "selection": {}}
+    out: dict = {"summary": {}, "accuracy": {}, "mean_accuracy": {}, "by_length": {}, "by_depth": {}, "ppl": {},
+                 "efficiency": {}, "budgets": {}, "selection": {}, "paired": []}
     for (label, length), rs in sorted(_group([r for r in records if r["task"] == SELECTION], "label", "length").items()):
         out["selection"].setdefault(label, {})[str(length)] = {
             k: _mean(r[k] for r in rs) for k in ("recall_vs_sparse", "recall_vs_oracle", "mass")}
     for (label, task), rs in sorted(_group(tasks, "label", "task").items()):
         out["summary"].setdefault(label, {})[task] = _mean(r["score"] for r in rs)
+        out["accuracy"].setdefault(label, {})[task] = _acc(r["score"] for r in rs)
+    for label, row in out["accuracy"].items():
+        cells = [c for c in row.values() if c is not None]
+        if cells:
+            mean = sum(c["mean"] for c in cells) / len(cells)
+            n = sum(c["n"] for c in cells)
+            low, high = wilson_interval(mean, n)
+            out["mean_accuracy"][label] = {"mean": mean, "n": n, "low": low, "high": high}
     for (label, task, length), rs in sorted(_group(tasks, "label", "task", "length").items()):
-        out["by_length"].setdefault(label, {}).setdefault(task, {})[str(length)] = [_mean(r["score"] for r in rs), len(rs)]
+        out["by_length"].setdefault(label, {}).setdefault(task, {})[str(length)] = _acc(r["score"] for r in rs)
     needle = [r for r in tasks if r.get("depth") is not None]
     for (label, length, depth), rs in sorted(_group(needle, "label", "length", "depth").items()):
-        out["by_depth"].setdefault(label, {}).setdefault(str(length), {})[str(depth)] = _mean(r["score"] for r in rs)
+        out["by_depth"].setdefault(label, {}).setdefault(str(length), {})[str(depth)] = _acc(r["score"] for r in rs)
     for (label, length), rs in sorted(_group(ppl, "label", "length").items()):
-        out["ppl"].setdefault(label, {})[str(length)] = {
-            k: _mean(r[k] for r in rs) for k in ("ppl", "dense_ppl", "top1_agreement", "kl")} | {"n": len(rs)}
+        m = {k: _mean(r[k] for r in rs) for k in ("ppl", "dense_ppl", "top1_agreement", "kl")} | {"n": len(rs)}
+        m["agreement_low"], m["agreement_high"] = _boot(r["top1_agreement"] for r in rs)
+        m["kl_low"], m["kl_high"] = _boot(r["kl"] for r in rs)
+        out["ppl"].setdefault(label, {})[str(length)] = m
     for (label,), rs in _group(tasks, "label").items():
-        out["efficiency"][label] = {k: _mean(r.get(k) for r in rs)
-                                    for k in ("kv_read_fraction", "kv_bytes_read_per_token", "hit_rate", "prefill_ms")}
-    for (method, budget), rs in _group(records, "method", "budget_pct").items():
-        if budget is not None:
-            out["budgets"].setdefault(method, {})[str(budget)] = {
-                "score": _mean(r["score"] for r in rs if r["task"] not in (PPL, SELECTION)),
-                "top1_agreement": _mean(r["top1_agreement"] for r in rs if r["task"] == PPL)}
+        e = {k: _mean(r.get(k) for r in rs) for k in
+             ("kv_read_fraction", "kv_bytes_read_per_token", "host_bytes_copied_per_token", "hit_rate", "prefill_ms")}
+        e["hit_rate_source"] = ", ".join(sorted({r["hit_rate_source"] for r in rs if r.get("hit_rate_source")})) or None
+        out["efficiency"][label] = e
+    for (method, length, budget), rs in _group(records, "method", "length", "budget_pct").items():
+        if budget is None:
+            continue
+        effective = [r["budget_blocks"] / r["context_blocks"] for r in rs
+                     if r.get("budget_blocks") is not None and r.get("context_blocks")]
+        pp = [r for r in rs if r["task"] == PPL]
+        out["budgets"].setdefault(method, {}).setdefault(str(length), {})[str(budget)] = {
+            "effective_pct": 100 * _mean(effective) if effective else None,
+            "accuracy": _acc(r["score"] for r in rs if r["task"] not in (PPL, SELECTION)),
+            "tasks": sorted({r["task"] for r in rs if r["task"] not in (PPL, SELECTION)}),
+            "top1_agreement": _mean(r["top1_agreement"] for r in pp), "kl": _mean(r["kl"] for r in pp),
+            "ppl": _mean(r["ppl"] for r in pp), "windows": len(pp)}
+    labels = _labels(records)
+    lengths = sorted({r["length"] for r in tasks})
+    for a, b in _comparisons([lab for lab in labels if lab in out["summary"]]):
+        scopes = [("all", {})] + [(str(n), {"length": n}) for n in lengths] + \
+                 [(t, {"task": t}) for t in sorted({r["task"] for r in tasks})]
+        for scope, where in scopes:
+            d = paired_difference(tasks, a, b, **where)
+            if d is not None:
+                out["paired"].append({"a": a, "b": b, "scope": scope, **d})
     return out
 
 
@@ -79,43 +168,85 @@ def _fmt(value, pct: bool = True) -> str:
     return f"{100 * value:.0f}" if pct else f"{value:.3g}"
 
 
+def _cell(acc: dict | None, n: bool = False) -> str:
+    """``mean [low, high]`` in % (Wilson 95 %), optionally with ``(n=...)``."""
+    if not acc:
+        return "–"
+    text = f"{100 * acc['mean']:.0f} [{100 * acc['low']:.0f}, {100 * acc['high']:.0f}]"
+    return f"{text} (n={acc['n']})" if n else text
+
+
+def _diff_cell(d: dict | None) -> str:
+    """A paired difference in points: ``+d [low, high]``."""
+    if not d:
+        return "–"
+    return f"{100 * d['diff']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]"
+
+
+def _ci(low, high, pct: bool = True) -> str:
+    return "" if low is None else f" [{_fmt(low, pct)}, {_fmt(high, pct)}]"
+
+
 def markdown(records: list[dict], agg: dict) -> str:
-    """The markdown report: accuracy (%) per task, per length, per depth; perplexity /
-    agreement / KL against dense; efficiency; budget sweep."""
+    """The markdown report: accuracy (%) per task, per length, per depth, each with its
+    95 % Wilson interval; paired differences with bootstrap intervals; perplexity /
+    agreement / KL against dense; selection; efficiency; budget sweep."""
     labels = _labels(records)
     tasks = sorted({r["task"] for r in records if r["task"] not in (PPL, SELECTION)})
-    lengths = sorted({r["length"] for r in records})
-    lines = [f"{len(records)} records. Scores in % (contains / fraction of expected items found).", ""]
+    lengths = sorted({r["length"] for r in records if r["task"] not in (PPL, SELECTION)})
+    lines = [f"{len(records)} records. Scores in % (contains / fraction of expected items found); "
+             "[low, high] is the 95 % Wilson interval (Wilson 1927; for fraction scores the mean score "
+             "is taken as the proportion).", ""]
     if tasks:
         lines += ["### Accuracy per task (mean over lengths and depths)", "",
-                  "| method | " + " | ".join(tasks) + " | mean |", "|---" * (len(tasks) + 2) + "|"]
+                  "| method | " + " | ".join(tasks) + " | mean | n |", "|---" * (len(tasks) + 3) + "|"]
         for label in labels:
-            row = agg["summary"].get(label, {})
-            lines.append(f"| {label} | " + " | ".join(_fmt(row.get(t)) for t in tasks) + f" | {_fmt(_mean(row.values()))} |")
+            row = agg["accuracy"].get(label, {})
+            mean = agg["mean_accuracy"].get(label)
+            lines.append(f"| {label} | " + " | ".join(_cell(row.get(t)) for t in tasks) +
+                         f" | {_cell(mean)} | {mean['n'] if mean else 0} |")
         cols = [(t, n) for t in tasks for n in lengths]
         lines += ["", "### Accuracy per task and length (tokens); n = samples per cell", "",
                   "| method | " + " | ".join(f"{t} @{n}" for t, n in cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for label in labels:
-            cells = []
-            for t, n in cols:
-                mean, count = agg["by_length"].get(label, {}).get(t, {}).get(str(n), [None, 0])
-                cells.append(f"{_fmt(mean)} (n={count})" if count else "–")
+            cells = [_cell(agg["by_length"].get(label, {}).get(t, {}).get(str(n)), n=True) for t, n in cols]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     depths = sorted({float(d) for v in agg["by_depth"].values() for dd in v.values() for d in dd})
     if depths:
-        lines += ["", "### Needle tasks: accuracy by depth (rows) and length", "",
-                  "| method | length | " + " | ".join(f"{d:.0%}" for d in depths) + " |", "|---" * (len(depths) + 2) + "|"]
+        lines += ["", "### Needle tasks: accuracy by depth (columns) and length", "",
+                  "| method | length | " + " | ".join(f"{d:.0%}" for d in depths) + " | n per depth |",
+                  "|---" * (len(depths) + 3) + "|"]
         for label in labels:
             for length, row in agg["by_depth"].get(label, {}).items():
-                lines.append(f"| {label} | {length} | " + " | ".join(_fmt(row.get(str(d))) for d in depths) + " |")
+                counts = sorted({c["n"] for c in row.values() if c})
+                lines.append(f"| {label} | {length} | " + " | ".join(_cell(row.get(str(d))) for d in depths) +
+                             f" | {'/'.join(map(str, counts))} |")
+    if agg["paired"]:
+        by = {(p["a"], p["b"], p["scope"]): p for p in agg["paired"]}
+        pairs = list(dict.fromkeys((p["a"], p["b"]) for p in agg["paired"]))
+        lines += ["", "### Paired differences on the same prompts (points; paired bootstrap 95 % interval)", "",
+                  "A minus B on the prompts both scored, resampled by prompt within each task x length cell "
+                  "(10,000 resamples, seed 0). An interval that excludes 0 is a difference these samples resolve.",
+                  "", "| A − B | all tasks | " + " | ".join(f"@{n}" for n in lengths) + " | pairs |",
+                  "|---" * (len(lengths) + 3) + "|"]
+        for a, b in pairs:
+            total = by.get((a, b, "all"))
+            lines.append(f"| {a} − {b} | {_diff_cell(total)} | " +
+                         " | ".join(_diff_cell(by.get((a, b, str(n)))) for n in lengths) +
+                         f" | {total['n'] if total else 0} |")
+        lines += ["", "| A − B | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+        for a, b in pairs:
+            lines.append(f"| {a} − {b} | " + " | ".join(_diff_cell(by.get((a, b, t))) for t in tasks) + " |")
     if agg["ppl"]:
         lines += ["", "### Perplexity and agreement with dense (held-out text, second half of each window)", "",
-                  "| method | length | ppl | dense ppl | top-1 agreement | KL(dense‖method) nats | windows |",
+                  "Intervals: percentile bootstrap 95 % over windows (seed 0).", "",
+                  "| method | length | ppl | dense ppl | top-1 agreement % | KL(dense‖method) nats | windows |",
                   "|---|---|---|---|---|---|---|"]
         for label in labels:
             for length, m in agg["ppl"].get(label, {}).items():
                 lines.append(f"| {label} | {length} | {_fmt(m['ppl'], False)} | {_fmt(m['dense_ppl'], False)} | "
-                             f"{_fmt(m['top1_agreement'])} % | {_fmt(m['kl'], False)} | {m['n']} |")
+                             f"{_fmt(m['top1_agreement'])}{_ci(m.get('agreement_low'), m.get('agreement_high'))} | "
+                             f"{_fmt(m['kl'], False)}{_ci(m.get('kl_low'), m.get('kl_high'), False)} | {m['n']} |")
     if agg["selection"]:
         lines += ["", "### Selection quality (free top-k recall, attention mass covered; sparda.eval.selection)", "",
                   "| method | length | recall vs sparse | recall vs oracle | attention mass |", "|---|---|---|---|---|"]
@@ -125,24 +256,36 @@ def markdown(records: list[dict], agg: dict) -> str:
                              f"{_fmt(m['recall_vs_oracle'])} % | {_fmt(m['mass'])} % |")
     if agg["efficiency"]:
         lines += ["", "### KV reads in decode (task samples)", "",
-                  "| method | KV blocks read / step | KV MiB read / token | block hit rate | prefill ms |",
-                  "|---|---|---|---|---|"]
+                  "| method | KV blocks read / step | KV MiB read / token | host MiB copied / token | block hit rate "
+                  "| hit rate measured by | prefill ms |", "|---|---|---|---|---|---|---|"]
         for label in labels:
             e = agg["efficiency"].get(label)
             if e:
                 mib = None if e["kv_bytes_read_per_token"] is None else e["kv_bytes_read_per_token"] / 2**20
+                host = e.get("host_bytes_copied_per_token")
+                host = "–" if host is None else _fmt(host / 2**20, False)
                 hit = "–" if e["hit_rate"] is None else f"{_fmt(e['hit_rate'])} %"
                 prefill = "–" if e["prefill_ms"] is None else f"{e['prefill_ms']:.0f}"
-                lines.append(f"| {label} | {_fmt(e['kv_read_fraction'])} % | {_fmt(mib, False)} | {hit} | {prefill} |")
-        lines += ["", "Block hit rate: offloaded methods, the runtime's share of selected blocks already in a "
-                  "GPU slot; on-device methods, the share of a step's selected blocks that the previous "
-                  "step also selected."]
+                lines.append(f"| {label} | {_fmt(e['kv_read_fraction'])} % | {_fmt(mib, False)} | {host} | {hit} | "
+                             f"{e.get('hit_rate_source') or '–'} | {prefill} |")
+        lines += ["", "Block hit rate: `runtime` (offloaded methods), the offload runtime's share of selected "
+                  "blocks already in a GPU slot; `overlap` (on-device methods), the share of a step's selected "
+                  "blocks that the same row's previous step also selected, over the row's own decode steps."]
     if agg["budgets"]:
         lines += ["", "### Budget sweep (budget = init + local + top-k blocks, % of the context)", "",
-                  "| method | budget % | task score % | top-1 agreement % |", "|---|---|---|---|"]
-        for method, rows in sorted(agg["budgets"].items()):
-            for budget, m in sorted(rows.items(), key=lambda kv: float(kv[0])):
-                lines.append(f"| {method} | {float(budget):g} | {_fmt(m['score'])} | {_fmt(m['top1_agreement'])} |")
+                  "Asked: the `--budgets` value; effective: the blocks actually attended (init and local windows "
+                  "are a floor).", "",
+                  "| method | length | budget % asked | effective % | task accuracy % | top-1 agreement % | KL nats "
+                  "| ppl |", "|---|---|---|---|---|---|---|---|"]
+        for method, by_len in sorted(agg["budgets"].items()):
+            for length, rows in sorted(by_len.items(), key=lambda kv: int(kv[0])):
+                for budget, m in sorted(rows.items(), key=lambda kv: float(kv[0])):
+                    eff = "–" if m["effective_pct"] is None else f"{m['effective_pct']:.1f}"
+                    acc = _cell(m["accuracy"], n=True)
+                    if m["accuracy"]:
+                        acc += f" ({', '.join(m['tasks'])})"
+                    lines.append(f"| {method} | {length} | {float(budget):g} | {eff} | {acc} | "
+                                 f"{_fmt(m['top1_agreement'])} | {_fmt(m['kl'], False)} | {_fmt(m['ppl'], False)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -165,9 +308,12 @@ def plots(out: Path, records: list[dict], agg: dict) -> list[str]:
         fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3), squeeze=False)
         for ax, task in zip(axes[0], tasks):
             for label in labels:
-                pts = sorted((int(n), v[0]) for n, v in agg["by_length"].get(label, {}).get(task, {}).items())
-                if pts:
-                    ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=label)
+                pts = sorted((int(n), v) for n, v in agg["by_length"].get(label, {}).get(task, {}).items() if v)
+                if pts:  # Wilson 95 % intervals as error bars
+                    means = [100 * v["mean"] for _, v in pts]
+                    err = [[m - 100 * v["low"] for m, (_, v) in zip(means, pts)],
+                           [100 * v["high"] - m for m, (_, v) in zip(means, pts)]]
+                    ax.errorbar([p[0] for p in pts], means, yerr=err, marker="o", capsize=2, label=label)
             ax.set(title=task, xlabel="context tokens", ylim=(-5, 105))
         axes[0][0].set_ylabel("accuracy %")
         axes[0][-1].legend(fontsize=7)
@@ -181,7 +327,7 @@ def plots(out: Path, records: list[dict], agg: dict) -> list[str]:
             rows = agg["by_depth"][label]
             lens = sorted(rows, key=int)
             depths = sorted({d for r in rows.values() for d in r}, key=float)
-            grid = [[100 * (rows[n].get(d) if rows[n].get(d) is not None else math.nan) for n in lens] for d in depths]
+            grid = [[100 * rows[n][d]["mean"] if rows[n].get(d) else math.nan for n in lens] for d in depths]
             im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
             ax.set(title=label, xticks=range(len(lens)), xticklabels=lens, yticks=range(len(depths)),
                    yticklabels=[f"{float(d):.0%}" for d in depths], xlabel="context tokens")
@@ -192,13 +338,15 @@ def plots(out: Path, records: list[dict], agg: dict) -> list[str]:
         written.append("depth_heatmap.png")
     if agg["budgets"]:
         fig, ax = plt.subplots(figsize=(4.5, 3))
-        for method, rows in sorted(agg["budgets"].items()):
-            for key, style in (("score", "-o"), ("top1_agreement", "--s")):
-                pts = sorted((float(b), m[key]) for b, m in rows.items() if m[key] is not None)
-                if pts:
-                    ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], style,
-                            label=f"{method} {'tasks' if key == 'score' else 'top-1 agr.'}")
-        ax.set(xlabel="KV budget, % of context", ylabel="%", ylim=(-5, 105))
+        for method, by_len in sorted(agg["budgets"].items()):
+            for length, rows in sorted(by_len.items(), key=lambda kv: int(kv[0])):
+                for key, style in (("accuracy", "-o"), ("top1_agreement", "--s")):
+                    pts = sorted((m["effective_pct"] or float(b), m[key]["mean"] if key == "accuracy" else m[key])
+                                 for b, m in rows.items() if m[key] is not None)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], style,
+                                label=f"{method} @{length} {'tasks' if key == 'accuracy' else 'top-1 agr.'}")
+        ax.set(xlabel="KV budget (effective), % of context", ylabel="%", ylim=(-5, 105))
         ax.legend(fontsize=7)
         _save(fig, out / "accuracy_vs_budget.png")
         plt.close(fig)
@@ -219,5 +367,13 @@ def write_report(out: Path, records: list[dict]) -> dict:
                if r.get("prefill") and r.get("method") != "dense" and r.get("task") != "ppl"}
     regime = (f"Prefill of block-sparse methods in the generation tasks: {', '.join(sorted(prefill))} "
               "(ppl always scores block-sparse prefill logits).\n\n" if prefill else "")
-    atomic_write(out / "report.md", "# sparda eval\n\n" + regime + body)
+    status = ""
+    try:
+        progress = json.loads((out / "progress.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        progress = None
+    if isinstance(progress, dict) and not progress.get("complete", True):
+        status = (f"**Incomplete** ({progress.get('stopped')}): {progress.get('done')} of {progress.get('planned')} "
+                  "records of the last plan; rerun the same command to resume.\n\n")
+    atomic_write(out / "report.md", "# sparda eval\n\n" + status + regime + body)
     return agg["summary"]
