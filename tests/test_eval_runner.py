@@ -312,11 +312,20 @@ def test_batched_eval_equals_unbatched(make_tiny, tmp_path):
     assert hit_rates > 0  # a hit rate that means something was compared
 
 
-def test_time_budget_stops_between_batches_and_resumes(make_tiny, tmp_path):
+def test_time_budget_stops_between_batches_and_resumes(make_tiny, tmp_path, monkeypatch):
+    from sparda.eval import runner
+
     model_dir = make_tiny("llama")
     full = run_eval(_plan(model_dir, tmp_path / "full"), progress=False)
     out = tmp_path / "budget"
-    run_eval(_plan(model_dir, out), time_budget_s=1e-6, progress=False)  # one batch, then no time left
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(runner, "_now", lambda: float(next(ticks)))  # 1 s per clock read
+    assert run_eval(_plan(model_dir, out), time_budget_s=0.5, progress=False) == {}  # spent before any batch
+    assert not out.exists()
+    ticks = iter(range(10**6))
+    # reads: start 0, check 1 (1 + 0 <= 4.5: run), unit start 2, end 3 (took 1 s), check 4 (4 + 1 > 4.5: stop)
+    run_eval(_plan(model_dir, out), time_budget_s=4.5, progress=False)
+    monkeypatch.undo()
     progress = json.loads((out / "progress.json").read_text())
     assert progress == {**progress, "planned": 10, "done": 2, "complete": False, "stopped": "time budget"}
     assert len(load_results(out / "results.jsonl")) == 2

@@ -26,6 +26,8 @@ from sparda.errors import SpardaError
 from sparda.eval.records import PPL, SELECTION  # noqa: F401 (re-exported)
 from sparda.io import atomic_write, check_output_dir, read_text
 
+#: the clock of the time budget (seconds; a module attribute so tests can replace it)
+_now = time.perf_counter
 #: default needle depths, cycled over samples
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -342,8 +344,8 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
         time_budget_s: wall seconds (from this call's start, model load included) after
             which no new unit of work starts: the run stops between batches when the next
             one would not finish in time (predicted from the last unit of the same kind, or
-            the longest so far), writes the report of what it has and returns; rerun the same
-            plan to resume. ``None``: no limit.
+            the longest so far; the first unit starts if any time is left), writes the report
+            of what it has and returns; rerun the same plan to resume. ``None``: no limit.
     Returns:
         The summary, ``{label: {task: mean score 0-1}}`` (also ``DIR/summary.json``);
         ``DIR/progress.json`` says whether the plan is complete.
@@ -356,7 +358,7 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     from sparda.eval import report
     from sparda.eval.tasks import TASKS
 
-    started = time.perf_counter()
+    started = _now()
     unknown = [t for t in plan.tasks if t not in (PPL, SELECTION) and t not in TASKS]
     if unknown:
         raise SpardaError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join([*TASKS, PPL, SELECTION])}")
@@ -386,12 +388,12 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     new, stopped = 0, None
     try:
         for kind, compute in _work(plan, specs, journal, state, haystack):
-            if time_budget_s is not None and last:
-                predicted = last.get(kind, max(last.values()))
-                if time.perf_counter() - started + predicted > time_budget_s:
+            if time_budget_s is not None:
+                predicted = last.get(kind, max(last.values())) if last else 0.0
+                if _now() - started + predicted > time_budget_s:
                     stopped = "time budget"
                     break
-            unit_start = time.perf_counter()
+            unit_start = _now()
             for record in compute():
                 if not journal.records or not (out / "plan.json").is_file():
                     _write_plan_file(out, plan)  # the first result: only now is anything written
@@ -402,14 +404,14 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
                 if max_new_items is not None and new >= max_new_items:
                     stopped = "max_new_items"
                     break
-            last[kind] = time.perf_counter() - unit_start
+            last[kind] = _now() - unit_start
             if stopped:
                 break
     finally:
         bar.close()
     if not journal.records:  # nothing computed and nothing there before: write nothing
         return {}
-    _write_progress(out, len(keys), len(keys & journal.done), stopped, time.perf_counter() - started)
+    _write_progress(out, len(keys), len(keys & journal.done), stopped, _now() - started)
     return report.write_report(out, journal.records)
 
 

@@ -1,0 +1,229 @@
+"""The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/accuracy.md).
+
+Usage (from the repository root, on a CUDA machine):
+
+    python3 benchmarks/eval_gpu.py OUT [--time-budget-s 540] [--commit SHA]
+
+Three plans run in order, all resumable (``results.jsonl`` per finished sample), sharing
+one time budget measured from the start of this call:
+
+1. ``OUT/main``: every generation task plus ``selection`` at 2,048 / 4,096 / 7,680 tokens,
+   30 samples per cell (needle depths 0-100 %), methods dense, sparse, oracle, sparda,
+   sparda-random, infinigen, batches of 16 prompts;
+2. ``OUT/main`` too: ``ppl`` (perplexity / top-1 agreement / KL against dense) on 16
+   held-out windows at 4,096 and 7,680 tokens (at 2,048 every query falls under the
+   ``small`` preset's dense fallback, so ppl would equal dense's);
+3. ``OUT/budget``: the budget sweep, ``passkey`` (30 samples) and ``ppl`` (8 windows)
+   at 7,680 tokens for sparse, sparda and oracle at 5, 10, 17, 25 and 50 % of the context
+   (dense once, as the reference).
+
+Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
+prints a short table. When the budget runs out the plans stop between batches; copy
+``OUT`` back, and the next call with the same ``OUT`` continues where this one stopped.
+``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/accuracy.md``.
+Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--estimate`` prints
+the work of the plans and a run-time estimate without loading a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from sparda.errors import SpardaError  # noqa: E402
+from sparda.eval.runner import EvalPlan, run_eval  # noqa: E402
+from sparda.io import atomic_write  # noqa: E402
+
+TASKS = ("passkey", "passkey-synth", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery",
+         "vt", "cwe", "fwe")
+METHODS = ("dense", "sparse", "oracle", "sparda", "sparda-random", "infinigen")
+SWEEP_METHODS = ("dense", "sparse", "sparda", "oracle")
+BUDGETS = (5.0, 10.0, 17.0, 25.0, 50.0)
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(v) for v in text.split(",") if v.strip())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", help="output directory (reuse it to resume)")
+    p.add_argument("--time-budget-s", type=float, default=540.0, help="start no batch after this [540]")
+    p.add_argument("--commit", default=None, help="commit of the code (recorded; default: git, if present)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--tasks", type=_csv(str), default=TASKS + ("selection",))
+    p.add_argument("--methods", type=_csv(str), default=METHODS)
+    p.add_argument("--lengths", type=_csv(int), default=(2048, 4096, 7680))
+    p.add_argument("--ppl-lengths", type=_csv(int), default=(4096, 7680))
+    p.add_argument("--samples", type=int, default=30)
+    p.add_argument("--ppl-windows", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--sweep-methods", type=_csv(str), default=SWEEP_METHODS)
+    p.add_argument("--sweep-lengths", type=_csv(int), default=(7680,))
+    p.add_argument("--budgets", type=_csv(float), default=BUDGETS)
+    p.add_argument("--sweep-ppl-windows", type=int, default=8)
+    p.add_argument("--estimate", action="store_true", help="print the plans' work and a time estimate, run nothing")
+    return p.parse_args(argv)
+
+
+def plans(args) -> list[tuple[str, EvalPlan]]:
+    """The three plans of this run, named."""
+    out = Path(args.out)
+    common = dict(model=args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+                  ppl_windows=args.ppl_windows)
+    gen = tuple(t for t in args.tasks if t != "ppl")
+    return [
+        ("main", EvalPlan(tasks=gen, methods=args.methods, lengths=args.lengths, samples=args.samples,
+                          out=str(out / "main"), **common)),
+        ("ppl", EvalPlan(tasks=("ppl",), methods=args.methods, lengths=args.ppl_lengths, samples=args.samples,
+                         out=str(out / "main"), **common)),
+        ("budget", EvalPlan(tasks=("passkey", "ppl"), methods=args.sweep_methods, lengths=args.sweep_lengths,
+                            samples=args.samples, budgets=args.budgets, out=str(out / "budget"),
+                            **{**common, "ppl_windows": args.sweep_ppl_windows})),
+    ]
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+#: seconds per unit of work on one H200 for the bundled model in bf16, from the H200
+#: measurements on record (docs/benchmarks/smoke-bench-2026-11-29-h200.md: dense prefill
+#: of 6,000 tokens 44 ms, block-sparse `sparse` prefill 1.28 s; cuda-graphs-2026-12-01-h200.md:
+#: graph decode steps of 5.9 ms dense, 10.3 ms offloaded sparda at 7K), per 1,000 prompt
+#: tokens, per decode step of a batch, per graph capture; scaled by the CPU ratios measured
+#: in docs/accuracy.md (how the estimate was made).
+GPU_S = dict(dense_prefill_per_ktok=0.0075, sparse_prefill_per_ktok=0.22, decode_step=0.012, capture=0.5)
+#: prefill cost of a method relative to dense prefill (offload writes, Forecast hooks)
+PREFILL_FACTOR = {"dense": 1.0, "sparse": 1.0, "oracle": 1.0, "sparda": 1.5, "sparda-random": 1.3,
+                  "infinigen": 2.0}
+#: decode tokens per sample (answer budgets of the task generators; EOS usually stops earlier)
+NEW_TOKENS = {"passkey": 16, "passkey-synth": 16, "niah-single": 24, "niah-multikey": 24, "niah-multivalue": 72,
+              "niah-multiquery": 40, "vt": 48, "cwe": 96, "fwe": 40}
+
+
+def estimate(args) -> dict:
+    """Work of the plans (prompts prefilled, decode steps of batches, ppl prefills) and the
+    seconds :data:`GPU_S` predicts for them: an upper-end figure (every batch decodes its
+    full answer budget)."""
+    seconds, work = 0.0, {"prefills": 0, "batches": 0, "ppl_prefills": 0}
+    for name, plan in plans(args):
+        specs = [(m, b) for m in plan.methods for b in ([None] if m == "dense" or not plan.budgets else plan.budgets)]
+        for length in plan.lengths:
+            ktok = length / 1000
+            for task in plan.tasks:
+                if task == "ppl":
+                    for method, _ in specs:
+                        cost = GPU_S["dense_prefill_per_ktok" if method == "dense" else "sparse_prefill_per_ktok"]
+                        seconds += plan.ppl_windows * cost * ktok * (1 if method == "dense" else PREFILL_FACTOR.get(method, 1))
+                        work["ppl_prefills"] += plan.ppl_windows
+                    seconds += plan.ppl_windows * GPU_S["dense_prefill_per_ktok"] * ktok  # the dense reference
+                elif task == "selection":
+                    seconds += 5.0
+                else:
+                    batches = -(-plan.samples // plan.batch_size)
+                    for method, _ in specs:
+                        seconds += plan.samples * GPU_S["dense_prefill_per_ktok"] * ktok * PREFILL_FACTOR.get(method, 1)
+                        seconds += batches * (NEW_TOKENS.get(task, 32) * GPU_S["decode_step"] + GPU_S["capture"])
+                        work["prefills"] += plan.samples
+                        work["batches"] += batches
+    return {**work, "seconds": round(seconds)}
+
+
+def _summary_table(out: Path) -> str:
+    """A short table: mean task accuracy [Wilson 95 %] and passkey at the longest length per
+    method, KL against dense per ppl length, and how complete each directory is."""
+    lines = []
+    for sub in ("main", "budget"):
+        res, prog = out / sub / "results.json", out / sub / "progress.json"
+        if not res.is_file():
+            continue
+        agg = json.loads(res.read_text())
+        progress = json.loads(prog.read_text()) if prog.is_file() else {}
+        lines.append(f"== {sub}: {'complete' if progress.get('complete') else 'INCOMPLETE'} "
+                     f"({progress.get('done')} of {progress.get('planned')} records of its last plan)")
+        lengths = sorted({int(n) for row in agg["by_length"].values() for t in row.values() for n in t})
+        ppl_lengths = sorted({int(n) for row in agg["ppl"].values() for n in row})
+        longest = str(max(lengths)) if lengths else None
+        head = f"{'method':<16} {'mean task acc %':>18}"
+        if longest:
+            head += f" {'passkey@' + longest:>18}"
+        head += "".join(f" {'KL@' + str(n):>9}" for n in ppl_lengths)
+        lines.append(head)
+        for label, m in agg["mean_accuracy"].items():
+            row = f"{label:<16} {100 * m['mean']:5.1f} [{100 * m['low']:4.1f},{100 * m['high']:5.1f}]"
+            pk = agg["by_length"].get(label, {}).get("passkey", {}).get(longest) if longest else None
+            cell = f"{100 * pk['mean']:5.1f} (n={pk['n']})" if pk else "-"
+            row += f" {cell:>18}"
+            for n in ppl_lengths:
+                kl = agg["ppl"].get(label, {}).get(str(n), {}).get("kl")
+                cell = "-" if kl is None else f"{kl:.4f}"
+                row += f" {cell:>9}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.estimate:
+        print(json.dumps(estimate(args), indent=1))
+        return 0
+    started, start_utc = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    out = Path(args.out)
+    done = {}
+    try:
+        for name, plan in plans(args):
+            left = args.time_budget_s - (time.perf_counter() - started)
+            spent = any(isinstance(p, dict) and p.get("stopped") == "time budget" for p in done.values())
+            if left <= 0 or spent:
+                done[name] = "not started (time budget)"
+                continue
+            print(f"== {name}: {plan.out} ({left:.0f} s left)", file=sys.stderr, flush=True)
+            run_eval(plan, time_budget_s=left)
+            progress = json.loads((Path(plan.out) / "progress.json").read_text())
+            done[name] = progress
+    except SpardaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    calls_path = out / "calls.json"
+    calls = json.loads(calls_path.read_text()) if calls_path.is_file() else []
+    calls.append(dict(started_utc=start_utc, wall_s=round(time.perf_counter() - started, 1), commit=_commit(args.commit),
+                      device=_device_name(args.device), torch=torch.__version__, argv=sys.argv[1:],
+                      command="python3 benchmarks/eval_gpu.py " + " ".join(sys.argv[1:]), plans=done))
+    atomic_write(calls_path, json.dumps(calls, indent=1))
+    print(_summary_table(out))
+    complete = all(isinstance(p, dict) and p.get("complete") for p in done.values())
+    print(f"{'all plans complete' if complete else 'not complete: copy OUT back and run the same command again'}; "
+          f"{calls[-1]['wall_s']:.0f} s this call", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

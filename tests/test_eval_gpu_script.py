@@ -1,0 +1,58 @@
+"""benchmarks/eval_gpu.py and benchmarks/accuracy_doc.py on a tiny model on the CPU: the
+three plans run, resume across calls under a time budget, and the page is regenerated
+with the run's commands, device, commit, criteria and intervals."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_gpu_resumes_and_regenerates_the_page(make_tiny, tmp_path, monkeypatch, capsys):
+    from sparda.eval import runner
+
+    eval_gpu, doc = _script("eval_gpu"), _script("accuracy_doc")
+    out = tmp_path / "run"
+    small = ["--model", str(make_tiny("llama")), "--device", "cpu", "--tasks", "passkey,niah-single",
+             "--methods", "dense,sparse", "--lengths", "300", "--ppl-lengths", "300",
+             "--samples", "2", "--ppl-windows", "2", "--batch-size", "2", "--sweep-methods", "dense,sparse",
+             "--sweep-lengths", "300", "--budgets", "10,50", "--sweep-ppl-windows", "1", "--commit", "abc1234"]
+    estimate = eval_gpu.estimate(eval_gpu.parse_args([str(out), *small]))
+    assert estimate["prefills"] == 2 * 2 * 2 + 2 * 5  # main: 2 tasks x 2 methods x 2; sweep: 2 passkeys x (1 + 2 x 2)
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(runner, "_now", lambda: float(next(ticks)))  # each runner clock read: 1 s
+    assert eval_gpu.main([str(out), *small, "--time-budget-s", "6"]) == 0  # a first, short call
+    monkeypatch.undo()
+    calls = json.loads((out / "calls.json").read_text())
+    assert calls[0]["plans"]["main"]["complete"] is False and calls[0]["plans"]["budget"] == "not started (time budget)"
+    assert "INCOMPLETE" in capsys.readouterr().out
+    assert eval_gpu.main([str(out), *small]) == 0  # the second call finishes
+    calls = json.loads((out / "calls.json").read_text())
+    assert len(calls) == 2 and all(p["complete"] for p in calls[1]["plans"].values())
+    main = [json.loads(line) for line in (out / "main" / "results.jsonl").read_text().splitlines()]
+    assert len(main) == len({r["key"] for r in main}) == 2 * 2 * 2 + 2 * 2  # tasks + ppl windows
+    printed = capsys.readouterr().out
+    assert "== main: complete" in printed and "\nsparse " in printed
+
+    page = tmp_path / "docs" / "accuracy.md"
+    assert doc.main([str(out), "--doc", str(page)]) == 0
+    text = page.read_text()
+    assert "`abc1234`" in text and "python3 benchmarks/eval_gpu.py" in text and "CPU" in text
+    assert "## Issue #12 criteria" in text and "`sparda` mean task accuracy ≥ `sparse` − 2 points" in text
+    assert "Wilson" in text and "#### Paired differences" in text and "#### Budget sweep" in text
+    assert (page.parent / "accuracy" / "gpu" / "main" / "accuracy_vs_length.png").stat().st_size > 1000
+    assert doc.main([str(tmp_path / "nothing"), "--doc", str(page)]) == 2
