@@ -32,7 +32,7 @@ def test_eval_gpu_resumes_and_regenerates_the_page(make_tiny, tmp_path, monkeypa
              "--samples", "2", "--ppl-windows", "2", "--batch-size", "2", "--sweep-methods", "dense,sparse",
              "--sweep-lengths", "300", "--budgets", "10,50", "--sweep-ppl-windows", "1", "--commit", "abc1234"]
     estimate = eval_gpu.estimate(eval_gpu.parse_args([str(out), *small]))
-    assert estimate["prefills"] == 2 * 2 * 2 + 2 * 5  # main: 2 tasks x 2 methods x 2; sweep: 2 passkeys x (1 + 2 x 2)
+    assert estimate["prefills"] == 2 * 2 * 2 + 2 * 3  # main: 2 tasks x 2 methods x 2; sweep: 2 passkeys x (dense + sparse at 2 budgets)
     ticks = iter(range(10**6))
     monkeypatch.setattr(runner, "_now", lambda: float(next(ticks)))  # each runner clock read: 1 s
     assert eval_gpu.main([str(out), *small, "--time-budget-s", "6"]) == 0  # a first, short call
