@@ -2,7 +2,7 @@
 
 Usage (from the repository root, on a CUDA machine):
 
-    python3 benchmarks/eval_gpu.py OUT [--time-budget-s 540] [--commit SHA]
+    python3 benchmarks/eval_gpu.py OUT [--time-budget-s 550] [--commit SHA] [--model GGUF]
 
 Three plans run in order, all resumable (``results.jsonl`` per finished sample), sharing
 one time budget measured from the start of this call:
@@ -56,7 +56,7 @@ def _csv(kind):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", help="output directory (reuse it to resume)")
-    p.add_argument("--time-budget-s", type=float, default=540.0, help="start no batch after this [540]")
+    p.add_argument("--time-budget-s", type=float, default=550.0, help="start no batch after this [550]")
     p.add_argument("--commit", default=None, help="commit of the code (recorded; default: git, if present)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
@@ -112,15 +112,20 @@ def _device_name(device: str) -> str:
 
 
 #: seconds per unit of work on one H200 for the bundled model in bf16, from the H200
-#: measurements on record (docs/benchmarks/smoke-bench-2026-11-29-h200.md: dense prefill
-#: of 6,000 tokens 44 ms, block-sparse `sparse` prefill 1.28 s; cuda-graphs-2026-12-01-h200.md:
-#: graph decode steps of 5.9 ms dense, 10.3 ms offloaded sparda at 7K), per 1,000 prompt
-#: tokens, per decode step of a batch, per graph capture; scaled by the CPU ratios measured
-#: in docs/accuracy.md (how the estimate was made).
-GPU_S = dict(dense_prefill_per_ktok=0.0075, sparse_prefill_per_ktok=0.22, decode_step=0.012, capture=0.5)
-#: prefill cost of a method relative to dense prefill (offload writes, Forecast hooks)
-PREFILL_FACTOR = {"dense": 1.0, "sparse": 1.0, "oracle": 1.0, "sparda": 1.5, "sparda-random": 1.3,
-                  "infinigen": 2.0}
+#: records of this model shape (docs/benchmarks/smoke-bench-2026-11-29-h200.md: dense
+#: prefill of 6,000 tokens 44 ms, block-sparse `sparse` prefill 1.28 s, i.e. 0.0075 and
+#: 0.21 s per 1,000 tokens; cuda-graphs-2026-12-01-h200.md: graph decode steps of 5.9 ms
+#: dense and 10.3 ms offloaded sparda at 7K, taken as 12 ms for a batch of 16), plus a
+#: guessed 0.5 s per batch for the graph capture, its eager warm-up step and the pinned
+#: host cache of offloaded sparda.
+GPU_S = dict(dense_prefill_per_ktok=0.0075, sparse_prefill_per_ktok=0.21, decode_step=0.012, capture=0.5)
+#: prefill time of a method relative to dense prefill, measured on the CPU (2026-12-01,
+#: bundled model, 4,096 tokens, `sparda eval --tasks passkey,ppl --samples 4`): dense
+#: prefill of the generation tasks sparse 1.1, oracle 1.0, sparda 1.3, sparda-random 1.5,
+#: infinigen 2.1 x dense; block-sparse ppl prefill oracle 1.4 x sparse, the others 0.8-1.0
+PREFILL_FACTOR = {"dense": 1.0, "sparse": 1.1, "oracle": 1.0, "sparda": 1.3, "sparda-random": 1.5,
+                  "infinigen": 2.1}
+PPL_FACTOR = {"sparse": 1.0, "oracle": 1.4, "sparda": 0.9, "sparda-random": 0.8, "infinigen": 0.8}
 #: decode tokens per sample (answer budgets of the task generators; EOS usually stops earlier)
 NEW_TOKENS = {"passkey": 16, "passkey-synth": 16, "niah-single": 24, "niah-multikey": 24, "niah-multivalue": 72,
               "niah-multiquery": 40, "vt": 48, "cwe": 96, "fwe": 40}
@@ -139,7 +144,7 @@ def estimate(args) -> dict:
                 if task == "ppl":
                     for method, _ in specs:
                         cost = GPU_S["dense_prefill_per_ktok" if method == "dense" else "sparse_prefill_per_ktok"]
-                        seconds += plan.ppl_windows * cost * ktok * (1 if method == "dense" else PREFILL_FACTOR.get(method, 1))
+                        seconds += plan.ppl_windows * cost * ktok * PPL_FACTOR.get(method, 1.0)
                         work["ppl_prefills"] += plan.ppl_windows
                     seconds += plan.ppl_windows * GPU_S["dense_prefill_per_ktok"] * ktok  # the dense reference
                 elif task == "selection":

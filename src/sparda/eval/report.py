@@ -205,12 +205,14 @@ def markdown(records: list[dict], agg: dict) -> str:
             mean = agg["mean_accuracy"].get(label)
             lines.append(f"| {label} | " + " | ".join(_cell(row.get(t)) for t in tasks) +
                          f" | {_cell(mean)} | {mean['n'] if mean else 0} |")
-        cols = [(t, n) for t in tasks for n in lengths]
         lines += ["", "### Accuracy per task and length (tokens); n = samples per cell", "",
-                  "| method | " + " | ".join(f"{t} @{n}" for t, n in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-        for label in labels:
-            cells = [_cell(agg["by_length"].get(label, {}).get(t, {}).get(str(n)), n=True) for t, n in cols]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+                  "| task | length | " + " | ".join(labels) + " | n |", "|---" * (len(labels) + 3) + "|"]
+        for t in tasks:
+            for n in lengths:
+                cells = [agg["by_length"].get(label, {}).get(t, {}).get(str(n)) for label in labels]
+                if any(cells):
+                    counts = "/".join(str(c) for c in sorted({c["n"] for c in cells if c}))
+                    lines.append(f"| {t} | {n} | " + " | ".join(_cell(c) for c in cells) + f" | {counts} |")
     depths = sorted({float(d) for v in agg["by_depth"].values() for dd in v.values() for d in dd})
     if depths:
         lines += ["", "### Needle tasks: accuracy by depth (columns) and length", "",
