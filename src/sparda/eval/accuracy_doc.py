@@ -69,9 +69,10 @@ python3 benchmarks/accuracy_doc.py OUT                                       # t
 ```
 
 On the CPU, `sparda eval --quick --out runs/quick` runs `passkey`, `niah-single` and `ppl`
-at 2,560 tokens (2 samples, 1 window) for dense, sparse, oracle and sparda: 2 min on the idle
-2-core development CPU (2026-11-29), 15.7 min on 2026-12-01 when four other processes shared
-its 2 cores (load average 5-7; 713 CPU-seconds; batches of 2).
+at 2,560 tokens (2 samples, 1 window) for dense, sparse, oracle and sparda: 2 min 38 s on
+the near-idle 2-core development CPU (2026-12-01, commit `7650e1c`, batches of 2), 15.7 min
+earlier that day while four other processes shared its 2 cores (load average 5-7); same
+scores both times as on 2026-11-29.
 """
 
 
