@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sparda.errors import SpardaError
+from test_offload import forecast_file  # noqa: F401 - fixture
 
 SMALL = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=40, init_blocks=1, local_blocks=2,
              topk_blocks=3)
@@ -34,20 +35,6 @@ def tiny(make_tiny):
     return make_tiny("llama")
 
 
-@pytest.fixture(scope="module")
-def forecast_file(tiny, tmp_path_factory):
-    """A random Forecast for the tiny model, weights scaled up (peaky, non-trivial scores)."""
-    from sparda.attention.forecast import Forecast, model_identity, save_forecast
-    from sparda.engine.llm import LLM
-
-    llm = LLM(str(tiny), method="dense", device="cpu")
-    forecast = Forecast.for_shape(llm.shape)
-    with torch.no_grad():
-        for p in forecast.parameters():
-            p.normal_(0, 0.3)
-    path = tmp_path_factory.mktemp("forecast") / "f.safetensors"
-    save_forecast(forecast, path, model_identity(llm.model.config, llm.shape), dtype=torch.float32)
-    return str(path)
 
 
 def _llm(tiny, method, extra, resident, chunk, forecast_file):

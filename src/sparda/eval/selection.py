@@ -91,6 +91,16 @@ def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
 
 
 @torch.no_grad()
+def eval_window(ids_all: list[int], length: int, queries: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The evaluated window of a text: ``length`` tokens starting a third of the way into
+    ``ids_all`` (``[1, length]`` int64), and ``queries`` query positions spread evenly over
+    its second half (``[Q]`` int64, ``Q <= queries`` after removing repeats)."""
+    start = (len(ids_all) - length) // 3
+    ids = torch.tensor([ids_all[start:start + length]], device=device)
+    q_idx = torch.linspace(length // 2, length - 1, queries, device=device).long().unique()
+    return ids, q_idx
+
+
 def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths=(4096, 8192), *,
                      queries: int = 64, preset: str = "small", forecast: str | None = None,
                      device=None, llm=None) -> dict:
@@ -136,9 +146,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
     for length in lengths:
         if len(ids_all) < length:
             raise SpardaError(f"the text has {len(ids_all)} tokens, fewer than the length {length}")
-        start = (len(ids_all) - length) // 3
-        ids = torch.tensor([ids_all[start:start + length]], device=llm.device)
-        q_idx = torch.linspace(length // 2, length - 1, queries, device=llm.device).long().unique()
+        ids, q_idx = eval_window(ids_all, length, queries, llm.device)
         q_pos = q_idx.view(1, -1)
         num_blocks = -(-length // cfg.block_size)
         forced = ref.forced_blocks(q_pos, num_blocks, cfg)

@@ -26,6 +26,7 @@ import torch
 
 from sparda.errors import SpardaError
 from sparda.io import atomic_write, check_output_file, read_text
+from sparda.eval.selection import eval_window
 from sparda.kernels import reference as ref
 
 #: candidate numbers of dense shallow layers (the seed blog: 2 to 4)
@@ -89,9 +90,7 @@ def calibrate_shallow(model=None, text: str | None = None, *, length: int = 4096
     if len(ids_all) < length:
         raise SpardaError(f"the text has {len(ids_all)} tokens, fewer than --length {length}; "
                           "pass a longer --text or a smaller --length")
-    start = (len(ids_all) - length) // 3
-    ids = torch.tensor([ids_all[start:start + length]], device=llm.device)
-    q_idx = torch.linspace(length // 2, length - 1, queries, device=llm.device).long().unique()
+    ids, q_idx = eval_window(ids_all, length, queries, llm.device)
     q_pos = q_idx.view(1, -1)
     num_blocks = -(-length // cfg.block_size)
     forced = ref.forced_blocks(q_pos, num_blocks, cfg)
