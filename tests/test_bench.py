@@ -70,7 +70,8 @@ def test_quick_sweep_writes_valid_records(tmp_path):
 def test_injected_oom_is_recorded_and_sweep_continues(tmp_path, monkeypatch):
     calls = []
 
-    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None, deadline=None, hit_rate=None):
+    def fake_point(llm, model_name, batch, context, opts, bandwidth, traces=None, deadline=None, hit_rate=None,
+                   hit_rates=()):
         calls.append((llm.config.method, batch))
         if llm.config.method == "sparse" and batch == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -288,6 +289,24 @@ def test_quick_sweep_with_hit_rates_records_the_target(tmp_path):
                              decode_steps=2, repeats=1, warmup_steps=1, breakdown_steps=0, hit_rates=[0.2, 1.0])
     records = sweep.run_sweep(cfg, log=lambda _: None)
     offl = [r for r in records if r["method"] == "sparda"]
-    assert [r["target_hit_rate"] for r in offl] == [0.2, 1.0] and all(r["status"] == "ok" for r in offl)
-    assert offl[1]["hit_rate"] > offl[0]["hit_rate"]
+    assert [r["target_hit_rate"] for r in offl] == [None, 0.2, 1.0] and all(r["status"] == "ok" for r in offl)
+    assert offl[0]["selection_source"].startswith("trace:")
+    assert offl[2]["hit_rate"] > offl[1]["hit_rate"]
     assert [r.get("target_hit_rate") for r in records if r["method"] == "dense"] == [None]
+
+
+def test_hit_rates_on_one_cache_count_like_fresh_points():
+    """The hit-rate points measured on one filled cache (block ids swapped in place,
+    slots emptied) count exactly the hits and misses of a fresh point per hit rate."""
+    from sparda.bench.models import build_model, random_forecast, selection_config
+
+    model = build_model("tiny", torch.device("cpu"), torch.float32, 2048)
+    llm = pt.make_llm(model, "sparda", selection_config("tiny"), random_forecast(model))
+    cfg = sweep.quick_config("unused", decode_steps=2, repeats=1, warmup_steps=1, breakdown_steps=0)
+    env = {"hbm_gbps": 1.0, "pcie_gbps": 1.0}
+    together = pt.decode_point(llm, "tiny", 2, 1024, cfg, env, None, hit_rates=[0.3, 0.9])
+    assert together["target_hit_rate"] == 0.3 and [p["target_hit_rate"] for p in together["hit_rate_points"]] == [0.9]
+    for rate, got in ((0.3, together), (0.9, together["hit_rate_points"][0])):
+        fresh = pt.decode_point(llm, "tiny", 2, 1024, cfg, env, None, hit_rate=rate)
+        assert got["hit_rate"] == fresh["hit_rate"] and got["pcie_bytes_per_token"] == fresh["pcie_bytes_per_token"]
+    assert together["hit_rate_points"][0]["hit_rate"] > together["hit_rate"]

@@ -301,28 +301,27 @@ def test_kv_cache_bytes_is_the_sequence_kv_wherever_it_lives(tiny):
     assert "offload" in got[1] and got[1]["offload"]["host_bytes"] > 0
 
 
-def test_pinned_chunks_account_for_power_of_two_rounding(fresh_seed):
-    """Host chunk spans: contiguous cover of the rows, at most chunk_bytes each; pinned spans
-    switch from the even split to the least-waste split only when the even split's rounded
-    size exceeds the budget, and then take less rounded memory (brute-force sums)."""
+def test_host_chunks_are_even_and_fewest(fresh_seed):
+    """Host chunk spans: a contiguous cover of the rows, each within chunk_bytes and the
+    32-bit element limit (unless one row alone exceeds it), as few as a brute-force
+    minimum, sizes differing by at most one row."""
     import random
 
-    from sparda.cache.host import chunk_rows, pinned_bytes
+    from sparda.cache.host import MAX_CHUNK_ELEMENTS, chunk_rows
 
     rnd = random.Random(fresh_seed)
-    assert pinned_bytes(1) == 1 and pinned_bytes(1000) == 1024 and pinned_bytes(1024) == 1024
-    for _ in range(50):
+    for _ in range(200):
         batch, row = rnd.randint(1, 40), rnd.randint(1_000, 70_000_000)
-        chunk = rnd.choice([1 << 30, 1 << 28, row * rnd.randint(1, 5)])
-        even = chunk_rows(batch, row, chunk, pinned=False)
-        for spans in (even, chunk_rows(batch, row, chunk, True, budget_bytes=0, copies=1)):
-            assert spans[0][0] == 0 and spans[-1][1] == batch
-            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-            assert all(r1 > r0 and ((r1 - r0) * row <= chunk or r1 - r0 == 1) for r0, r1 in spans)
-        rounded = lambda spans: sum(pinned_bytes((r1 - r0) * row) for r0, r1 in spans)  # noqa: E731
-        assert chunk_rows(batch, row, chunk, True, budget_bytes=rounded(even), copies=1) == even
-        tight = chunk_rows(batch, row, chunk, True, budget_bytes=rounded(even) - 1, copies=1)
-        assert rounded(tight) <= rounded(even)
-    # the 128K MiniCPM-8B rows of the H200 sweep: 24 rows no longer take 124 GiB of pinned memory
-    spans = chunk_rows(24, 67_207_168, 1 << 30, True, budget_bytes=0.95 * 124 * 2**30, copies=62)
-    assert 62 * sum(pinned_bytes((r1 - r0) * 67_207_168) for r0, r1 in spans) < 110 * 2**30
+        chunk = rnd.choice([4 << 30, 1 << 30, 1 << 28, row * rnd.randint(1, 5)])
+        elems = rnd.choice([None, row // 2, row // 4])
+        spans = chunk_rows(batch, row, chunk, elems)
+        assert spans[0][0] == 0 and spans[-1][1] == batch
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        fits = lambda n: n * row <= chunk and (not elems or n * elems <= MAX_CHUNK_ELEMENTS)  # noqa: E731
+        assert all(r1 > r0 and (fits(r1 - r0) or r1 - r0 == 1) for r0, r1 in spans)
+        per = max([n for n in range(1, batch + 1) if fits(n)], default=1)
+        assert len(spans) == -(-batch // per)  # the fewest chunks
+        sizes = [r1 - r0 for r0, r1 in spans]
+        assert max(sizes) - min(sizes) <= 1
+    # the 128K MiniCPM-8B layer of the H200 sweep at B24 (1.6 GB of bf16) is one chunk
+    assert chunk_rows(24, 67_207_168, 4 << 30, 67_207_168 // 2) == [(0, 24)]

@@ -10,8 +10,10 @@ copied:
   Forecast (design §4); layer ``l`` fetches them synchronously before its attention;
 * ``sparda`` (offloaded): in layer ``l`` the Forecast scores layer ``l+1``'s
   compressed keys as they stood before this step's token, selects, diffs against
-  layer ``l+1``'s slots and enqueues the copy of the misses on the side stream; layer
-  ``l`` then waits for its own prefetch event and attends (lookahead prefetch).
+  layer ``l+1``'s slots and enqueues the copy of the misses -- all of it on side
+  streams (:meth:`~sparda.cache.prefetch.Prefetcher.ahead`), so none of it sits on the
+  compute stream; layer ``l`` then waits for its own prefetch and attends (lookahead
+  prefetch).
 
 Layer 0 has no predecessor: its blocks come from ``W^C_0`` (sparda) or its query
 (sparse) and are fetched synchronously unless layer 0 is resident
@@ -102,10 +104,14 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
     #: copy layer l+1's misses during layer l (False: synchronous fetch in layer l+1)
     prefetch = True
 
+    def __init__(self, *args, **kwargs) -> None:
+        self._next: dict[int, torch.Tensor] = {}  # layer -> block ids chosen in the layer before
+        super().__init__(*args, **kwargs)
+
     def reset(self) -> None:
         """Clear counters, stored Forecast queries/masks and pending next-layer masks."""
         super().reset()
-        self._next: dict[int, torch.Tensor] = {}
+        self._next = {}
 
     def attend(self, layer, q, h, cache, step):
         """``q [B, H, G, Tq, d]`` -> same shape, ``q``'s dtype (design §4, §6 step order).
@@ -118,8 +124,6 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
         """
         if step.phase != "decode":
             return super().attend(layer, q, h, cache, step)
-        if not hasattr(self, "_next"):
-            self._next = {}
         pos = step.q_pos[:, 0]
         if layer == 0:  # W^C_0 scores layer 0's own compressed keys
             ids = self._select(self.forecast_query(0, h, step), cache.compressed(0), pos, cache)
@@ -130,10 +134,16 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
                 self._fetch_or_count(layer, ids, cache, step)
         if layer + 1 < self.shape.num_layers:
             # layer l+1's compressed keys before this step's token: the windows in [0, pos)
-            nxt = self._select(self.forecast_query(layer + 1, h, step), cache.compressed(layer + 1), pos, cache,
-                               ck_len=self._ck_len_before(step))
-            if self.prefetch:
-                self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
+            query, ck_len = self.forecast_query(layer + 1, h, step), self._ck_len_before(step)
+            if self.prefetch and cache.is_offloaded(layer + 1):
+                self._counters(step)  # allocated (first step) on the compute stream
+                with cache.prefetcher.ahead(layer + 1, query, ck_len, pos):  # off the compute stream
+                    nxt = self._select(query, cache.compressed(layer + 1), pos, cache, ck_len=ck_len)
+                    self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
+            else:
+                nxt = self._select(query, cache.compressed(layer + 1), pos, cache, ck_len=ck_len)
+                if self.prefetch:
+                    self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
             self._next[layer + 1] = nxt
         return self._attend_decode(layer, q, ids, cache, step)
 

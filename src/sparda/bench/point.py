@@ -172,18 +172,25 @@ def measure_prefill(llm: LLM, tokens: int, seed: int = 0) -> dict:
 
 
 def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, bandwidth: dict,
-                 traces=None, deadline: float | None = None, hit_rate: float | None = None) -> dict:
+                 traces=None, deadline: float | None = None, hit_rate: float | None = None,
+                 hit_rates=()) -> dict:
     """Measure one decode point (module doc); returns the measured fields of a record.
 
     ``opts``: ``warmup_steps``, ``decode_steps``, ``repeats``, ``breakdown_steps``,
-    ``host_limit_bytes``. ``hit_rate``: offloaded methods replay :func:`synthetic_masks` of
-    that step-to-step reuse instead of ``traces`` (recorded as ``target_hit_rate``). ``deadline``: a ``time.perf_counter()`` value checked before
-    every decode step. Raises :class:`OutOfMemory` (or the allocator's error) if the
-    cache does not fit, :class:`TimeBudgetExceeded` once ``deadline`` has passed.
+    ``host_limit_bytes``, optionally ``profile_steps``, ``timing_steps``, ``parity_steps``,
+    ``overlap_steps`` (:func:`overlap_timing`), ``gpu_mem_gb``. ``hit_rate``: offloaded
+    methods replay :func:`synthetic_masks` of that step-to-step reuse instead of
+    ``traces`` (recorded as ``target_hit_rate``). ``hit_rates``: offloaded methods
+    measure each of these reuses too, on the same filled cache and captured graphs (the
+    replayed block ids are swapped in place), returned as ``rec["hit_rate_points"]``, a
+    list of records to merge over this one. ``deadline``: a ``time.perf_counter()``
+    value checked before every decode step. Raises :class:`OutOfMemory` (or the
+    allocator's error) if the cache does not fit, :class:`TimeBudgetExceeded` once
+    ``deadline`` has passed.
     """
     dev, s, cfg = llm.device, llm.shape, llm.config.selection
     extra = (getattr(opts, "profile_steps", 0) + getattr(opts, "timing_steps", 0) + 2  # + timed warm-up/capture
-             + getattr(opts, "parity_steps", 0))
+             + getattr(opts, "parity_steps", 0) + getattr(opts, "overlap_steps", 0) + 3)
     total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps + extra
     capacity = context + total_steps + 1
     check_memory(llm, batch, capacity, opts.host_limit_bytes)
@@ -196,10 +203,18 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     offloaded = hasattr(cache, "fetch")
     source = "native (random K/V)"
     replayer = None
+    hit_rates = list(hit_rates) if offloaded else []
+    if offloaded and hit_rate is None and hit_rates and not traces:
+        hit_rate, hit_rates = hit_rates[0], hit_rates[1:]  # graphs must be captured with a replayer
+
+    num_blocks = getattr(cache, "num_blocks", 0)
+
+    def synthetic(rate):
+        return synthetic_masks(s.num_layers, s.num_kv_heads, cfg, [context] * batch, total_steps,
+                               num_blocks, rate).to(dev)
+
     if offloaded and hit_rate is not None:  # synthetic selection with a chosen reuse
-        masks = synthetic_masks(s.num_layers, s.num_kv_heads, cfg, [context] * batch, total_steps,
-                                cache.num_blocks, hit_rate).to(dev)
-        replayer = Replayer(masks)
+        replayer = Replayer(synthetic(hit_rate))
         replayer.install(cache)
         source = f"synthetic:hit_rate={hit_rate}"
     elif offloaded and traces:
@@ -280,23 +295,50 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
             breakdown = timer.summary()
         finally:
             timer.remove()
-    host_peak = max(host_peak, host_rss_bytes())
     tpot = statistics.median(tpots)
+    overlap = {}
+    steps_overlap = getattr(opts, "overlap_steps", 0)
+    if offloaded and dev.type == "cuda" and steps_overlap and runner.use_graphs:
+        overlap = overlap_timing(llm, cache, step, steps_overlap, tpot, state)
     elem = torch.empty((), dtype=llm.dtype).element_size()
     w_bytes = weight_bytes(llm.model) + method_extra_bytes(llm)
     kv_bytes = kv_read_bytes(llm.config.method, s, cfg, batch, context, elem)
-    missed = stats.get("bytes_per_token", 0.0) * batch
-    roof = roofline_ms(w_bytes, kv_bytes, missed, bandwidth["hbm_gbps"], bandwidth["pcie_gbps"])
+
+    def speed(tpot, stats, timing, overlap) -> dict:
+        missed = stats.get("bytes_per_token", 0.0) * batch
+        roof = roofline_ms(w_bytes, kv_bytes, missed, bandwidth["hbm_gbps"], bandwidth["pcie_gbps"])
+        copy = timing.get("copy_ms", 0.0)
+        return {
+            "decode_tok_s": round(batch / tpot * 1e3, 2), "tpot_ms": round(tpot, 4),
+            "roofline_tpot_ms": round(roof, 4), "roofline_fraction": round(roof / tpot, 4),
+            "roofline_bound": "pcie" if missed / bandwidth["pcie_gbps"] > (w_bytes + kv_bytes) / bandwidth["hbm_gbps"]
+            else "hbm",
+            "missed_bytes_per_step": round(missed, 1),
+            "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
+            "exposed_wait_ms": timing.get("exposed_wait_ms", 0.0), "copy_ms": copy,
+            "hidden_fraction": timing.get("hidden_fraction"),
+            "pcie_gbps_overlapped": round(missed / copy / 1e6, 2) if copy else None,
+            **overlap}
+
+    points = []
+    for rate in hit_rates:  # the same cache and graphs, other replayed block ids
+        check_deadline(deadline)
+        replayer.ids.copy_(_replay_ids(synthetic(rate), replayer.ids.shape[-1]))
+        sub_tpots = timed_run(step, state, cache, opts, dev)
+        sub_stats = cache.offload_stats(opts.decode_steps * opts.repeats * batch)
+        sub_timing = copy_timing(llm, cache, step, opts.timing_steps, state) if getattr(opts, "timing_steps", 0) \
+            else {}
+        sub_tpot = statistics.median(sub_tpots)
+        sub_overlap = overlap_timing(llm, cache, step, steps_overlap, sub_tpot, state) if overlap else {}
+        points.append({**speed(sub_tpot, sub_stats, sub_timing, sub_overlap),
+                       "tpot_ms_repeats": [round(t, 4) for t in sub_tpots], "target_hit_rate": rate,
+                       "selection_source": f"synthetic:hit_rate={rate}"})
+    host_peak = max(host_peak, host_rss_bytes())
     rec = {
-        "decode_tok_s": round(batch / tpot * 1e3, 2), "tpot_ms": round(tpot, 4),
+        **speed(tpot, stats, timing, overlap),
         "tpot_ms_repeats": [round(t, 4) for t in tpots],
-        "roofline_tpot_ms": round(roof, 4), "roofline_fraction": round(roof / tpot, 4),
-        "roofline_bound": "pcie" if missed / bandwidth["pcie_gbps"] > (w_bytes + kv_bytes) / bandwidth["hbm_gbps"]
-        else "hbm",
-        "weight_bytes": w_bytes, "kv_read_bytes_per_step": kv_bytes, "missed_bytes_per_step": round(missed, 1),
-        "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
-        "exposed_wait_ms": timing.get("exposed_wait_ms", 0.0), "copy_ms": timing.get("copy_ms", 0.0),
-        "hidden_fraction": timing.get("hidden_fraction"),
+        "weight_bytes": w_bytes, "kv_read_bytes_per_step": kv_bytes, "num_layers": s.num_layers,
+        "gpu_mem_cap_gb": getattr(opts, "gpu_mem_gb", None),
         "cuda_graph": runner.use_graphs and runner.replays > 0, **profile, **(parity or {}),
         "selection_ms": breakdown.get("selection"), "breakdown_ms": breakdown,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
@@ -305,6 +347,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "target_hit_rate": hit_rate if offloaded else None,
         "read_fraction": round(llm.method.read_fraction(), 4),
     }
+    if points:
+        rec["hit_rate_points"] = points
     del cache, replayer, runner
     release_memory(dev)
     if dev.type == "cuda":
@@ -334,11 +378,134 @@ def profile_kernels(step, steps: int) -> dict:
     return {"kernels_per_step": round(kernels / steps, 1), "gpu_kernel_ms": round(total_us / steps / 1e3, 4)}
 
 
-def copy_timing(llm: LLM, cache, step, steps: int) -> dict:
+def restart(state: dict, cache) -> None:
+    """Start the replayed steps over from the filled context: step index 0 (positions
+    ``context + i`` are rewritten) and, for an offloaded cache, empty slots."""
+    state["i"] = 0
+    for layer in getattr(cache, "offloaded", ()):
+        cache.slot_map[layer].fill_(-1)
+
+
+def timed_run(step, state: dict, cache, opts, dev) -> list[float]:
+    """Restart, ``warmup_steps`` untimed steps, zeroed counters, then ``repeats`` x
+    ``decode_steps`` timed steps; returns the per-repeat TPOTs (ms)."""
+    restart(state, cache)
+    for _ in range(opts.warmup_steps):
+        step()
+    sync(dev)
+    if hasattr(cache, "prefetcher"):
+        cache.prefetcher.reset()
+    tpots = []
+    for _ in range(opts.repeats):
+        sync(dev)
+        start = time.perf_counter()
+        for _ in range(opts.decode_steps):
+            step()
+        sync(dev)
+        tpots.append((time.perf_counter() - start) / opts.decode_steps * 1e3)
+    return tpots
+
+
+def _replay_ids(masks: torch.Tensor, width: int) -> torch.Tensor:
+    """``[steps, L, B, H, N]`` bool masks -> ``[steps, L, B, H, width]`` int32 block ids
+    (as :meth:`Replayer.install` makes them)."""
+    from sparda.kernels.reference import block_mask_to_indices
+
+    return torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in masks])
+
+
+class _NoGather:
+    """A transfer engine that stores tokens like ``engine`` but copies no block (the
+    compute-alone step of :func:`overlap_timing`)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self.syncs_host = engine.syncs_host
+
+    def gather(self, chunk, dst_k, dst_v, load) -> None:
+        return None
+
+    def store_tokens(self, chunk, k_tok, v_tok, pos) -> None:
+        self.engine.store_tokens(chunk, k_tok, v_tok, pos)
+
+
+def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dict | None = None) -> dict:
+    """Compute and transfer of an offloaded decode step, each measured alone (CUDA graphs).
+
+    * ``compute_alone_ms``: TPOT of the same step captured with a transfer engine that
+      copies nothing (every gather left out; the selection, diff, waits and token
+      write-back stay), ``steps`` replays after a warm-up and a capture;
+    * ``transfer_alone_ms``: the step's gathers alone -- after each of ``steps`` real
+      steps, the copy lists that step's slot diffs left (``cache.load``) are gathered
+      again, every offloaded layer back to back, replayed as one CUDA graph on an idle
+      GPU (the same blocks into the same slots: the cache is unchanged);
+    * ``overlap_efficiency`` = (compute + transfer - ``tpot_ms``) / min(compute, transfer):
+      1 when the shorter of the two is hidden entirely, 0 when they run one after the
+      other (``None`` when nothing is copied).
+    """
+    state = state if state is not None else {}
+    dev = llm.device
+    real = cache.engine
+    cache.engine = _NoGather(real)
+    try:
+        alone = DecodeRunner(llm, cache, cuda_graphs=True)
+        alone.load(llm.runner(cache).tokens, llm.runner(cache).positions)
+        restart(state, cache)
+        for _ in range(3):  # warm-up, capture, one replay
+            step(alone)
+        sync(dev)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(alone)
+        sync(dev)
+        compute = (time.perf_counter() - start) / steps * 1e3
+        del alone
+    finally:
+        cache.engine = real
+
+    def gathers() -> None:
+        for layer in cache.offloaded:
+            for chunk in cache.host.chunks[layer]:
+                real.gather(chunk, cache.k_slots[layer], cache.v_slots[layer], cache.load[layer])
+
+    restart(state, cache)
+    for _ in range(3):  # past the first steps after emptying the slots (every block a miss)
+        step()
+    sync(dev)
+    side = torch.cuda.Stream(device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        gathers()  # compiled already; once eagerly before capture
+        side.synchronize()
+        with torch.cuda.graph(graph, stream=side):
+            gathers()
+    total = 0.0
+    for _ in range(steps):
+        step()
+        sync(dev)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        total += begin.elapsed_time(end)
+    transfer = total / steps
+    del graph
+    shorter = min(compute, transfer)
+    eff = (compute + transfer - tpot_ms) / shorter if shorter > 1e-3 else None
+    return {"compute_alone_ms": round(compute, 4), "transfer_alone_ms": round(transfer, 4),
+            "overlap_efficiency": None if eff is None else round(eff, 4)}
+
+
+def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None) -> dict:
     """Per-step ``copy_ms``, ``exposed_wait_ms`` and ``hidden_fraction`` of an offloaded cache,
     from a run of ``steps`` (+1 warm-up, +1 capture on CUDA) steps with the prefetcher's
     device timestamps on (:mod:`sparda.cache.timestamps`): a runner of its own, so the
-    throughput graphs stay free of the timestamp kernels."""
+    throughput graphs stay free of the timestamp kernels. ``state``: the step's state,
+    restarted first (:func:`restart`) when given."""
+    if state is not None:
+        restart(state, cache)
     pref = cache.prefetcher
     pref.set_timing(True)
     timed = DecodeRunner(llm, cache, cuda_graphs=llm.cuda_graphs)

@@ -54,9 +54,13 @@ class SweepConfig:
             of offloaded methods (device timestamps, ``copy_ms`` / ``exposed_wait_ms``).
         parity_steps: CUDA graphs: greedy tokens of this many replayed steps are compared
             with an eager run from the same filled cache (``graph_tokens_equal``); 0 = off.
-        hit_rates: offloaded methods run once per value with a synthetic selection of that
+        hit_rates: offloaded methods also run each value with a synthetic selection of that
             step-to-step reuse (:func:`sparda.bench.traces.synthetic_masks`) instead of the
-            trace; records carry ``target_hit_rate``. Empty: the trace only.
+            trace, on the same filled cache; those records carry ``target_hit_rate``.
+            Empty: the trace only.
+        overlap_steps: offloaded methods on CUDA: steps of the compute-alone and
+            transfer-alone runs behind ``overlap_efficiency``
+            (:func:`sparda.bench.point.overlap_timing`); 0 = off.
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -81,6 +85,7 @@ class SweepConfig:
     timing_steps: int = 4
     parity_steps: int = 0
     hit_rates: list = field(default_factory=list)
+    overlap_steps: int = 8
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -193,8 +198,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                 llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager)
                 prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
                 failed = None
-                rates = cfg.hit_rates if cfg.hit_rates and method in pt.HOST_KV else [None]
-                for batch, rate in [(b, r) for b in sorted(cfg.batches) for r in rates]:
+                rates = cfg.hit_rates if method in pt.HOST_KV else []
+                for batch in sorted(cfg.batches):
                     base = {**_blank(model_name, method, context, batch, "ok"), **prefill,
                             "device": env["device"], "dtype": str(dtype).replace("torch.", ""),
                             "decode_steps": cfg.decode_steps, "repeats": cfg.repeats,
@@ -206,7 +211,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                     else:
                         try:
                             base.update(pt.decode_point(llm, model_name, batch, context, cfg, env, traces,
-                                                        deadline=_deadline(cfg, t0), hit_rate=rate))
+                                                        deadline=_deadline(cfg, t0), hit_rates=rates))
                         except pt.TimeBudgetExceeded:
                             _cleanup(device)
                             base.update(status="skipped", error="time budget (ran out inside the point)")
@@ -216,9 +221,11 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                             base.update(status="oom" if oom else "error", error=f"{type(exc).__name__}: "
                                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''}")
                             failed = batch if oom else None
-                    records.append(base)
+                    subs = [{**base, **sub} for sub in base.pop("hit_rate_points", [])]
+                    for rec in [base, *subs]:
+                        records.append(rec)
+                        log(_line(rec))
                     save()
-                    log(_line(base))
                 del llm
                 _cleanup(device)
         del model, forecast
@@ -255,6 +262,8 @@ def _line(rec: dict) -> str:
     if rec["status"] != "ok":
         return f"{head} ({rec.get('error')})"
     hit = "-" if rec["hit_rate"] is None else f"{rec['hit_rate']:.3f}"
+    if rec.get("target_hit_rate") is not None:
+        hit += f" (target {rec['target_hit_rate']})"
     return (f"{head} {rec['decode_tok_s']:.1f} tok/s, TPOT {rec['tpot_ms']:.2f} ms "
             f"(roofline {rec['roofline_tpot_ms']:.2f}), hit {hit}, exposed {rec['exposed_wait_ms']:.2f} ms")
 

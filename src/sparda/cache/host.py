@@ -4,21 +4,32 @@ The full K and V of every offloaded layer live in host memory, pinned when the c
 serves a CUDA device (so the GPU can read them directly through UVA or DMA them
 asynchronously). The layout is block-major: ``[rows, H_kv, num_blocks, block_size, d]``,
 so one KV block of one head (``block_size * d`` elements, 16 KiB for ``64 x 128`` bf16)
-is one contiguous run. Memory is allocated in chunks of whole rows per layer and per
-K/V (one huge pinned allocation fails on many systems).
+is one contiguous run.
+
+Pinned memory is ordinary page-aligned memory registered with the CUDA driver
+(``cudaHostRegister``, :func:`pinned_zeros`), not PyTorch's caching host allocator,
+which rounds every request up to a power of two (a 1.04 GB layer would take 2 GiB) and
+keeps freed blocks cached. So a layer's K (or V) is one allocation of exactly its size
+for every batch that fits (one transfer launch per layer and step); rows are split into
+chunks only past ``chunk_bytes`` or the transfer kernels' 32-bit element offsets.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sparda.errors import SpardaError
 
 #: Default upper bound of one allocation (bytes).
-DEFAULT_CHUNK_BYTES = 1 << 30
+DEFAULT_CHUNK_BYTES = 4 << 30
+#: Largest chunk in elements: the UVA kernels index a chunk with 32-bit offsets.
+MAX_CHUNK_ELEMENTS = 2**31 - 1
+_PAGE = 4096
 
 
 @dataclass
@@ -44,38 +55,56 @@ def available_host_bytes() -> int | None:
         return None
 
 
-def pinned_bytes(nbytes: int) -> int:
-    """Bytes PyTorch's caching host allocator takes for a pinned request of ``nbytes``: it
-    rounds every request up to a power of two (``PowerOf2Ceil`` in ATen's
-    CachingHostAllocator, at its default round threshold)."""
-    return 1 << max(0, int(nbytes) - 1).bit_length()
+def _unregister(ptr: int) -> None:  # pragma: no cover - CUDA only
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - the CUDA context may already be gone at exit
+        pass
 
 
-def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int, pinned: bool,
-               budget_bytes: float | None = None, copies: int = 1) -> list[tuple[int, int]]:
+def pinned_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor of ``shape``/``dtype`` in page-locked memory of exactly its size.
+
+    The memory is a page-aligned numpy buffer registered with ``cudaHostRegister`` (so
+    the GPU reads and writes it through UVA and DMAs it asynchronously, like memory from
+    ``cudaHostAlloc``); it is unregistered when the buffer is freed, i.e. when the last
+    tensor or view of it is gone. CUDA only.
+
+    Raises:
+        SpardaError: the driver refused to page-lock the memory (the message names the
+            size; the usual causes are the locked-memory limit, ``ulimit -l``, and free RAM).
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = int(np.prod(shape, dtype=np.int64)) * elem
+    size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+    buf = np.zeros(size + _PAGE, dtype=np.uint8)  # calloc: pages are zero-filled when touched
+    off = (-buf.ctypes.data) % _PAGE
+    region = buf[off:off + size]
+    ptr = region.ctypes.data
+    err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise SpardaError(f"could not page-lock {size / 2**30:.2f} GiB of host memory ({err}); raise the "
+                          "locked-memory limit (ulimit -l) or use a smaller batch or context")
+    weakref.finalize(buf, _unregister, ptr).atexit = False
+    return torch.from_numpy(region[:nbytes]).view(dtype).view(shape)
+
+
+def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int, row_elements: int | None = None) -> list[tuple[int, int]]:
     """Row spans ``[(row0, row1), ...]`` of the host chunks of one layer's K (or V).
 
-    Even spans of at most ``chunk_bytes`` (at least one row each) -- the fewest chunks,
-    so the fewest transfer launches per layer. Pinned chunks are rounded up to a power of
-    two by the caching host allocator (:func:`pinned_bytes`: 9 rows of 67 MB take 1 GiB),
-    so when ``copies`` such layers of even spans would take more than ``budget_bytes``,
-    the spans are cut greedily instead: each the number of rows whose size fills its
-    rounded allocation best (15 rows of 67 MB fill 1 GiB to 98 %).
+    Even spans of at most ``chunk_bytes`` and :data:`MAX_CHUNK_ELEMENTS` (``row_elements``
+    per row; at least one row each): the fewest chunks, so the fewest transfer launches
+    per layer -- one for every batch whose layer fits.
     """
     row_bytes = max(row_bytes, 1)
-    per = max(1, min(batch, chunk_bytes // row_bytes))
-    even = [(r, min(batch, r + per)) for r in range(0, batch, per)]
-    if not pinned or budget_bytes is None:
-        return even
-    if copies * sum(pinned_bytes((r1 - r0) * row_bytes) for r0, r1 in even) <= budget_bytes:
-        return even
-    spans, row0 = [], 0
-    while row0 < batch:  # the chunk that wastes the least of its rounded size; ties: more rows
-        left = min(batch - row0, per)
-        n = max(range(1, left + 1), key=lambda m: (round(m * row_bytes / pinned_bytes(m * row_bytes), 3), m))
-        spans.append((row0, row0 + n))
-        row0 += n
-    return spans
+    per = chunk_bytes // row_bytes
+    if row_elements:
+        per = min(per, MAX_CHUNK_ELEMENTS // row_elements)
+    per = max(1, min(batch, per))
+    count = -(-batch // per)
+    sizes = [batch // count + (i < batch % count) for i in range(count)]  # even: differ by <= 1 row
+    bounds = np.cumsum([0, *sizes]).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class HostKVStore:
@@ -105,27 +134,24 @@ class HostKVStore:
         row_bytes = num_kv_heads * num_blocks * self.block_bytes
         need = 2 * len(self.layers) * batch * row_bytes
         free = available_host_bytes()
-        if free is not None and need > free:
+        if free is not None and need > (0.95 * free if pin else free):  # refuse rather than be killed by the OS
             raise SpardaError(self._message(need, free))
-        spans = chunk_rows(batch, row_bytes, chunk_bytes, pin, None if free is None else 0.95 * free,
-                           copies=2 * len(self.layers))
-        taken = 2 * len(self.layers) * sum(pinned_bytes((r1 - r0) * row_bytes) if pin else (r1 - r0) * row_bytes
-                                           for r0, r1 in spans)
-        if free is not None and taken > 0.95 * free:  # refuse rather than be killed by the OS
-            raise SpardaError(self._message(taken, free) + " (pinned chunks are rounded up to powers of two)")
+        spans = chunk_rows(batch, row_bytes, chunk_bytes, row_bytes // elem)
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.chunks: dict[int, list[HostChunk]] = {}
+
+        def zeros(rows: int) -> torch.Tensor:
+            return pinned_zeros((rows, *shape), dtype) if pin else torch.zeros((rows, *shape), dtype=dtype)
+
         try:
             for layer in self.layers:
-                chunks = []
-                for row0, row1 in spans:
-                    k = torch.zeros((row1 - row0, *shape), dtype=dtype, pin_memory=pin)
-                    v = torch.zeros((row1 - row0, *shape), dtype=dtype, pin_memory=pin)
-                    chunks.append(HostChunk(row0, row1, k, v))
-                self.chunks[layer] = chunks
+                self.chunks[layer] = [HostChunk(r0, r1, zeros(r1 - r0), zeros(r1 - r0)) for r0, r1 in spans]
         except (RuntimeError, MemoryError) as exc:
             self.chunks = {}
             raise SpardaError(self._message(need, free)) from exc
+        except SpardaError:
+            self.chunks = {}
+            raise
         #: bytes held (K and V of every stored layer)
         self.nbytes = need
 

@@ -12,6 +12,13 @@ it on the device, with static shapes and no host synchronisation:
   the layer waits on just before it uses its slots) or on the compute stream
   (synchronous fetch).
 
+With prefetch, the whole lookahead chain of layer ``l+1`` -- Forecast scoring, top-k,
+slot diff -- runs on a second side stream, the *selection stream* (:meth:`Prefetcher.ahead`),
+forked from the compute stream once layer ``l``'s Forecast query exists; the copy
+stream waits for it, and layer ``l+1`` waits for both just before its attention. The
+compute stream is left with the projections, the append, attention and the MLP
+(design §6).
+
 Counters: hits and misses per cache row (device tensors updated in place, so a captured
 CUDA graph keeps counting), bytes copied, and -- only with ``timing`` -- copy time and
 the part of it the compute stream waited for (exposed wait), measured with device
@@ -21,6 +28,7 @@ the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -54,8 +62,11 @@ class Prefetcher:
         self.batch = batch
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device, priority=stream_priority) if self.cuda else None
+        #: the lookahead selection chain's stream (:meth:`ahead`)
+        self.select_stream = torch.cuda.Stream(device=device, priority=stream_priority) if self.cuda else None
         self.timing = timing
         self.pending: dict[int, tuple] = {}  # layer -> (done event, keep-alive tensors)
+        self._selected: dict[int, object] = {}  # layer -> event after its selection chain
         self._clock = None
         self.hits = self.misses = None
         self.reset()
@@ -131,19 +142,42 @@ class Prefetcher:
             done.record(self.stream)
         self.pending[layer] = (done, keep)
 
-    def wait(self, layer: int) -> None:
-        """Make the compute stream wait for ``layer``'s prefetch (no host sync)."""
-        item = self.pending.pop(layer, None)
-        if item is None or not self.cuda:
+    @contextlib.contextmanager
+    def ahead(self, layer: int, *inputs: torch.Tensor):
+        """Run the body (``layer``'s lookahead: scoring, selection, slot diff and the
+        :meth:`fetch` with ``prefetch=True``) on the selection stream, after the compute
+        stream's pending work; :meth:`wait` of ``layer`` joins it back. ``inputs``: tensors
+        made on the compute stream that the body reads (kept from reuse until it is done).
+        No-op off CUDA."""
+        if not self.cuda:
+            yield
             return
-        done, _ = item
+        main = torch.cuda.current_stream(self.device)
+        self.select_stream.wait_stream(main)
+        for t in inputs:
+            t.record_stream(self.select_stream)
+        with torch.cuda.stream(self.select_stream):
+            yield
+            done = torch.cuda.Event()
+            done.record(self.select_stream)
+        self._selected[layer] = done
+
+    def wait(self, layer: int) -> None:
+        """Make the compute stream wait for ``layer``'s prefetch and selection chain (no host sync)."""
+        item = self.pending.pop(layer, None)
+        selected = self._selected.pop(layer, None)
+        if not self.cuda or (item is None and selected is None):
+            return
         main = torch.cuda.current_stream(self.device)
         clock = self._clock
-        if clock is not None:
+        if clock is not None and item is not None:
             clock.mark(layer, clock.WAIT)
-        main.wait_event(done)
-        if clock is not None:
-            clock.account(layer)
+        if selected is not None:
+            main.wait_event(selected)
+        if item is not None:
+            main.wait_event(item[0])
+            if clock is not None:
+                clock.account(layer)
 
     def resolve(self) -> None:
         """Move the device-side timing totals into ``copy_ms`` / ``exposed_ms`` (synchronises)."""

@@ -1,0 +1,191 @@
+"""Fused-decode measurements on the GPU for the fused-decode issue (docs/benchmarks/, design §6).
+
+Usage (on a CUDA machine, from the repository root):
+
+    python3 benchmarks/decode_sweep_gpu.py OUT BUDGET_S PART [PART ...]
+
+Parts run in the order given until ``BUDGET_S`` seconds are spent (a part that starts
+gets the time left as its sweep's ``--time-budget-s``); each writes ``OUT/<part>/``
+(``results.json``, ``report.md``, plots) or ``OUT/<part>.json``, and a short table is
+printed last:
+
+* ``check``: registered pinned host memory (``cache.host.pinned_zeros``: pinned,
+  async copies, UVA gather equal to plain indexing, freed and re-registered 3 times,
+  host memory back after each), and the lookahead on its selection stream: offloaded
+  ``sparda`` generates the same greedy tokens as ``sparda-no-prefetch`` (same
+  selection, synchronous fetch) and as itself eager, random 4-layer model, bf16 + fp32.
+* ``hitrate``: MiniCPM-8B shape, 128K, B4 and B16, ``sparda`` and ``sparse-offload``:
+  the trace plus synthetic selections of hit rate 0.5, 0.7, 0.8, 0.9 on one filled
+  cache each, with compute-alone / transfer-alone timing (overlap efficiency).
+* ``b128``: MiniCPM-8B shape, 128K, every method at B4, B8, B16, B24 (the largest batch
+  <= 96 GiB of pinned host KV), greedy parity of 64 replayed steps vs eager.
+* ``cap80``: the GPU capped at 80 GiB (``set_per_process_memory_fraction``): on-GPU
+  ``sparse`` at B8..B16 and offloaded ``sparda`` at B16, B24, MiniCPM-8B shape, 128K.
+* ``grid``: the rest of the grid (Llama-3-8B and MiniCPM-8B shapes, 32K / 64K / 128K,
+  B1..B24, every method), shortest contexts first, no parity.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from sparda.bench.sweep import SWEEP_METHODS, SweepConfig, run_sweep  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+T0 = time.perf_counter()
+
+
+def log(line: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.0f} s] {line}", flush=True)
+
+
+def check(out: Path, budget: float) -> list[dict]:
+    from sparda.bench.models import random_forecast
+    from sparda.cache.host import available_host_bytes, pinned_zeros
+    from sparda.cache.host import HostChunk
+    from sparda.cache.transfer import SyncEngine, make_engine
+    from sparda.engine.llm import LLM
+
+    rows = []
+    free0 = available_host_bytes()
+    for rep in range(3):  # allocate, use, free: re-registering the same pages must work
+        k = pinned_zeros((2, 2, 512, 64, 128), torch.bfloat16)  # 33.5 MB: [rows, H, blocks, 64, 128]
+        v = pinned_zeros(k.shape, torch.bfloat16)
+        big = pinned_zeros((3, 1 << 28), torch.bfloat16)  # 1.5 GiB, one registration
+        k.copy_(torch.randn(k.shape, dtype=torch.bfloat16))
+        v.copy_(torch.randn(k.shape, dtype=torch.bfloat16))
+        dev = torch.randn(1 << 20, device=DEV, dtype=torch.bfloat16)
+        host = big[0, : 1 << 20]
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        chunk = HostChunk(0, 2, k, v)
+        load = torch.randint(-1, 512, (2, 2, 40), device=DEV)
+        got_k = torch.zeros(2, 2, 41, 64, 128, device=DEV, dtype=torch.bfloat16)
+        got_v, ref_k, ref_v = torch.zeros_like(got_k), torch.zeros_like(got_k), torch.zeros_like(got_k)
+        make_engine("uva", torch.device(DEV)).gather(chunk, got_k, got_v, load)
+        SyncEngine().gather(chunk, ref_k, ref_v, load)
+        torch.cuda.synchronize()
+        row = {"check": f"pinned_zeros round {rep}", "pinned": bool(k.is_pinned() and big.is_pinned()),
+               "async_copy_equal": bool(torch.equal(host.to(DEV), dev)),
+               "uva_gather_equal": bool(torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v))}
+        del k, v, big, host, chunk
+        gc.collect()
+        row["host_free_gib_after_free"] = round((available_host_bytes() or 0) / 2**30, 1)
+        row["host_free_gib_before"] = round((free0 or 0) / 2**30, 1)
+        rows.append(row)
+        log(row)
+
+    from transformers import LlamaConfig
+
+    from sparda.model.llama import CausalLM
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (1500, 2300, 700)]
+    budget_sel = dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=512)
+    for dtype in (torch.bfloat16, torch.float32):
+        cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=128, vocab_size=2048, max_position_embeddings=8192,
+                          rms_norm_eps=1e-5)
+        torch.manual_seed(0)
+        with torch.device(DEV):
+            model = CausalLM(cfg).to(dtype)
+        model.rotary.inv_freq.data = model.rotary.inv_freq.float()
+        model.eval()
+        forecast = random_forecast(model)
+        toks = {}
+        for name, method, graphs in (("sparda", "sparda", True), ("sparda-eager", "sparda", False),
+                                     ("sparda-no-prefetch", "sparda-no-prefetch", True)):
+            llm = LLM.from_model(model, method=method, preset="small", forecast=forecast, offload=True,
+                                 cuda_graphs=graphs, **budget_sel)
+            out_ = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=64, ignore_eos=True)
+            toks[name] = [o.token_ids for o in out_]
+        row = {"check": f"lookahead on the selection stream ({str(dtype).replace('torch.', '')})",
+               "equal_to_no_prefetch": toks["sparda"] == toks["sparda-no-prefetch"],
+               "graph_equal_eager": toks["sparda"] == toks["sparda-eager"],
+               "mismatches_vs_no_prefetch": sum(a != b for x, y in zip(toks["sparda"], toks["sparda-no-prefetch"])
+                                                for a, b in zip(x, y))}
+        rows.append(row)
+        log(row)
+        del model, forecast
+    (out / "check.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _sweep(out: Path, budget: float, **kw) -> list[dict]:
+    base = dict(models=["minicpm-8b"], contexts=[131072], decode_steps=16, repeats=3, warmup_steps=3,
+                breakdown_steps=0, prefill_tokens=2048, time_budget_s=budget, overlap_steps=8, profile_steps=3,
+                timing_steps=4)
+    base.update(kw)
+    return run_sweep(SweepConfig(**base), log=log)
+
+
+ALL = ["sparda", "sparse-offload", "dense", "sparse", "sparda-no-prefetch", "infinigen"]
+assert sorted(ALL) == sorted(SWEEP_METHODS)
+
+
+def hitrate(out: Path, budget: float) -> list[dict]:
+    return _sweep(out / "hitrate", budget, methods=["sparda", "sparse-offload"], batches=[4, 16],
+                  hit_rates=[0.5, 0.7, 0.8, 0.9])
+
+
+def b128(out: Path, budget: float) -> list[dict]:
+    return _sweep(out / "b128", budget, methods=ALL, batches=[4, 8, 16, 24], parity_steps=64)
+
+
+def cap80(out: Path, budget: float) -> list[dict]:
+    recs = _sweep(out / "cap80-sparse", budget / 2, methods=["sparse"], batches=[8, 12, 14, 16], gpu_mem_gb=80)
+    return recs + _sweep(out / "cap80-sparda", budget / 2, methods=["sparda"], batches=[16, 24], gpu_mem_gb=80)
+
+
+def grid(out: Path, budget: float) -> list[dict]:
+    recs = []
+    for ctx in (32768, 65536, 131072):
+        for model in ("minicpm-8b", "llama-8b"):
+            left = budget - (time.perf_counter() - T0)
+            if left < 60:
+                return recs
+            batches = [1, 4, 8, 16, 24] if model == "minicpm-8b" or ctx <= 32768 else [1, 4]
+            if model == "minicpm-8b" and ctx == 131072:
+                batches = [1]  # B4..B24 are the b128 part
+            recs += _sweep(out / f"grid-{model}-{ctx // 1024}k", left, models=[model], contexts=[ctx],
+                           methods=ALL, batches=batches, repeats=2, timing_steps=4, overlap_steps=4)
+    return recs
+
+
+PARTS = {"check": check, "hitrate": hitrate, "b128": b128, "cap80": cap80, "grid": grid}
+
+if __name__ == "__main__":
+    out_dir, budget_s, parts = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise SystemExit(f"usage: decode_sweep_gpu.py OUT BUDGET_S PART...; parts: {', '.join(PARTS)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = []
+    for part in parts:
+        left = budget_s - (time.perf_counter() - T0)
+        if left < 45:
+            log(f"{part}: skipped (budget)")
+            continue
+        t = time.perf_counter()
+        recs = PARTS[part](out_dir, left)
+        summary.append((part, recs, time.perf_counter() - t))
+    for part, recs, sec in summary:
+        print(f"== {part} ({sec:.0f} s)")
+        for r in recs:
+            if "check" in r:
+                print(r)
+                continue
+            print(f"{r['model']:<10} {r['context'] // 1024:>4}K {r['method']:<18} B{r['batch']:<3} "
+                  f"{r['status']:<7} {r.get('decode_tok_s') or 0:>8.1f} tok/s  TPOT {r.get('tpot_ms') or 0:>7.2f}"
+                  f"  kern {r.get('gpu_kernel_ms') or 0:>6.2f}  n {r.get('kernels_per_step') or 0:>5.0f}"
+                  f"  H* {r.get('target_hit_rate')}  hit {r.get('hit_rate')}  exp {r.get('exposed_wait_ms')}"
+                  f"  C {r.get('compute_alone_ms')}  T {r.get('transfer_alone_ms')}"
+                  f"  eff {r.get('overlap_efficiency')}  par {r.get('graph_tokens_equal')}")
