@@ -83,6 +83,12 @@ def check(out: Path, budget: float) -> list[dict]:
         rows.append(row)
         log(row)
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import prefill_gpu
+
+    for row in prefill_gpu.kernel_check():  # the prefill selection kernel compiles and agrees on the GPU
+        rows.append({"check": "prefill selection bf16 vs twin", **row})
+
     from transformers import LlamaConfig
 
     from sparda.model.llama import CausalLM

@@ -119,7 +119,7 @@ def _prefill_select_kernel(
     for b0 in range(0, num_need, NB):
         blocks = b0 + tl.arange(0, NB)
         acc = tl.full([BM, NB], float("-inf"), tl.float32)
-        for o in tl.static_range(R + PAD):
+        for o in range(R + PAD):  # a loop, not unrolled: one set of tile buffers in shared memory
             j = blocks * R - PAD + o
             j_ok = (j >= 0) & (j < C)
             ck = tl.load(ck_base + tl.maximum(j, 0)[:, None].to(tl.int64) * stride_cc, mask=j_ok[:, None], other=0.0)
@@ -141,7 +141,7 @@ def _prefill_select_kernel(
     # ---- select: forced blocks + dense fallback + exact top-k (reference.select_blocks)
     cols = tl.arange(0, N_P)
     in_row = cols < N
-    for r0 in tl.static_range(0, BM, RS):
+    for r0 in range(0, BM, RS):
         sr = pid_m * BM + r0 + tl.arange(0, RS)
         s_ok = sr < Tq
         t = tl.load(QPOS + b * stride_pb + sr, mask=s_ok, other=-1).to(tl.int64)
@@ -257,7 +257,8 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             BS=cfg.block_size, R=r, PAD=pad, NB=nb, CK_T=64 if query.is_cuda else 16,
             INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks,
             DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee,
-            num_warps=8 if query.is_cuda and block_m * g_p >= 128 else 4)
+            num_warps=8 if query.is_cuda and block_m * g_p >= 128 else 4,
+            num_stages=1)  # no software pipelining: the unpipelined tiles fit Hopper's 227 KiB
     if return_scores:
         scores = scratch
         return mask.view(torch.bool), scores
