@@ -140,14 +140,21 @@ SMOKE = bool(int(__import__("os").environ.get("SMOKE", "0")))
 
 
 def _sweep(out: Path, budget: float, **kw) -> list[dict]:
-    base = dict(models=["minicpm-8b"], contexts=[131072], decode_steps=16, repeats=3, warmup_steps=3,
+    """One sweep; its report and plots go to ``/tmp/sweeps/<name>`` (the device returns at most
+    8 files), its records to ``OUT/<name>.json`` and the environment to ``OUT/env.json``."""
+    work = Path("/tmp/sweeps") / out.name
+    base = dict(out=str(work), models=["minicpm-8b"], contexts=[131072], decode_steps=16, repeats=3, warmup_steps=3,
                 breakdown_steps=0, prefill_tokens=2048, time_budget_s=budget, overlap_steps=8, profile_steps=3,
                 timing_steps=4)
     base.update(kw)
     if SMOKE:
         base.update(models=["tiny"], contexts=[2048], batches=[1, 2], decode_steps=2, repeats=1, device="cpu",
                     prefill_tokens=256, gpu_mem_gb=None, parity_steps=0)
-    return run_sweep(SweepConfig(**base), log=log)
+    recs = run_sweep(SweepConfig(**base), log=log)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (out.parent / f"{out.name}.json").write_text(json.dumps(recs, indent=1))
+    (out.parent / "env.json").write_text((work / "env.json").read_text())
+    return recs
 
 
 ALL = ["sparda", "sparse-offload", "dense", "sparse", "sparda-no-prefetch", "infinigen"]
@@ -170,16 +177,19 @@ def cap80(out: Path, budget: float) -> list[dict]:
 
 def grid(out: Path, budget: float) -> list[dict]:
     recs = []
+    done = lambda: (out / "grid.json").write_text(json.dumps(recs, indent=1))  # noqa: E731
     for ctx in (32768, 65536, 131072):
         for model in ("minicpm-8b", "llama-8b"):
             left = budget - (time.perf_counter() - T0)
             if left < 60:
+                done()
                 return recs
             batches = [1, 4, 8, 16, 24] if model == "minicpm-8b" or ctx <= 32768 else [1, 4]
             if model == "minicpm-8b" and ctx == 131072:
                 batches = [1]  # B4..B24 are the b128 part
-            recs += _sweep(out / f"grid-{model}-{ctx // 1024}k", left, models=[model], contexts=[ctx],
-                           methods=ALL, batches=batches, repeats=2, timing_steps=4, overlap_steps=4)
+            recs += _sweep(Path("/tmp/sweeps/grid") / f"{model}-{ctx // 1024}k", left, models=[model],
+                           contexts=[ctx], methods=ALL, batches=batches, repeats=2, timing_steps=4, overlap_steps=4)
+            done()
     return recs
 
 
