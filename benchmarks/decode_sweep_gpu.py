@@ -167,7 +167,14 @@ def hitrate(out: Path, budget: float) -> list[dict]:
 
 
 def b128(out: Path, budget: float) -> list[dict]:
-    return _sweep(out / "b128", budget, methods=ALL, batches=[4, 8, 16, 24], parity_steps=64)
+    return _sweep(out / "b128", budget, methods=ALL, batches=[4, 8, 16, 24], parity_steps=64, overlap_steps=16)
+
+
+def b128sparda(out: Path, budget: float) -> list[dict]:
+    """Offloaded sparda again (overlap timed on the steps its TPOT covers) and dense (its decode
+    kernel): B4..B24, parity 64."""
+    return _sweep(out / "b128sparda", budget, methods=["sparda", "dense"], batches=[4, 8, 16, 24],
+                  parity_steps=64, overlap_steps=16)
 
 
 def cap80(out: Path, budget: float) -> list[dict]:
@@ -193,7 +200,7 @@ def grid(out: Path, budget: float) -> list[dict]:
     return recs
 
 
-PARTS = {"check": check, "hitrate": hitrate, "b128": b128, "cap80": cap80, "grid": grid}
+PARTS = {"check": check, "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid}
 
 if __name__ == "__main__":
     out_dir, budget_s, parts = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]

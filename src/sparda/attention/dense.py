@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import torch
+
+from sparda import kernels
 from sparda.attention.base import AttentionMethod, dense_attention
+from sparda.kernels import supported_head_dim
+
+#: block size of the dense decode kernel's KV tiles (tokens; any power of two works)
+_DECODE_BLOCK = 64
 
 
 class DenseAttention(AttentionMethod):
@@ -22,4 +29,22 @@ class DenseAttention(AttentionMethod):
         k, v, _ = cache.view(layer, step.rows, num_tokens)
         if layer == 0:
             self._count_dense(step)
-        return dense_attention(q, k, v, step, window=self.shape.window(layer))
+        window = self.shape.window(layer)
+        if (step.phase == "decode" and q.is_cuda and q.shape[3] == 1 and supported_head_dim(q.shape[-1])
+                and (window is None or window >= k.shape[-2])):
+            # the split-KV decode kernel over every block: deterministic, so a replayed CUDA graph
+            # gives the eager step's tokens (masked SDPA did not, in bf16 on the H200)
+            ids = self._all_blocks(q.shape[0], q.shape[1], k.shape[-2], q.device)
+            out = kernels.decode_attention(q[:, :, :, 0], k, v, ids, step.kv_len, _DECODE_BLOCK)
+            return out.unsqueeze(3)
+        return dense_attention(q, k, v, step, window=window)
+
+    def _all_blocks(self, batch: int, heads: int, num_tokens: int, device) -> torch.Tensor:
+        """``[B, H, ceil(T / 64)]`` int32 ids of every block (made once per shape: graph-safe)."""
+        key = (batch, heads, num_tokens, str(device))
+        cached = getattr(self, "_ids", None)
+        if cached is None or cached[0] != key:
+            n = -(-num_tokens // _DECODE_BLOCK)
+            ids = torch.arange(n, dtype=torch.int32, device=device).expand(batch, heads, n).contiguous()
+            self._ids = cached = (key, ids)
+        return cached[1]

@@ -267,6 +267,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     sync(dev)
     if offloaded:
         cache.prefetcher.reset()
+    timed_from = state["i"]  # the replayed steps the TPOT covers (overlap_timing measures the same)
     tpots = []
     for _ in range(opts.repeats):
         sync(dev)
@@ -299,7 +300,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     overlap = {}
     steps_overlap = getattr(opts, "overlap_steps", 0)
     if offloaded and dev.type == "cuda" and steps_overlap and runner.use_graphs:
-        overlap = overlap_timing(llm, cache, step, steps_overlap, tpot, state)
+        overlap = overlap_timing(llm, cache, step, steps_overlap, tpot, state, timed_from)
     elem = torch.empty((), dtype=llm.dtype).element_size()
     w_bytes = weight_bytes(llm.model) + method_extra_bytes(llm)
     kv_bytes = kv_read_bytes(llm.config.method, s, cfg, batch, context, elem)
@@ -329,7 +330,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         sub_timing = copy_timing(llm, cache, step, opts.timing_steps, state) if getattr(opts, "timing_steps", 0) \
             else {}
         sub_tpot = statistics.median(sub_tpots)
-        sub_overlap = overlap_timing(llm, cache, step, steps_overlap, sub_tpot, state) if overlap else {}
+        sub_overlap = overlap_timing(llm, cache, step, steps_overlap, sub_tpot, state,
+                                     opts.warmup_steps) if overlap else {}
         points.append({**speed(sub_tpot, sub_stats, sub_timing, sub_overlap),
                        "tpot_ms_repeats": [round(t, 4) for t in sub_tpots], "target_hit_rate": rate,
                        "selection_source": f"synthetic:hit_rate={rate}"})
@@ -339,6 +341,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "tpot_ms_repeats": [round(t, 4) for t in tpots],
         "weight_bytes": w_bytes, "kv_read_bytes_per_step": kv_bytes, "num_layers": s.num_layers,
         "gpu_mem_cap_gb": getattr(opts, "gpu_mem_gb", None),
+        "date": __import__("datetime").datetime.now().isoformat(timespec="seconds"),
         "cuda_graph": runner.use_graphs and runner.replays > 0, **profile, **(parity or {}),
         "selection_ms": breakdown.get("selection"), "breakdown_ms": breakdown,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
@@ -378,10 +381,10 @@ def profile_kernels(step, steps: int) -> dict:
     return {"kernels_per_step": round(kernels / steps, 1), "gpu_kernel_ms": round(total_us / steps / 1e3, 4)}
 
 
-def restart(state: dict, cache) -> None:
-    """Start the replayed steps over from the filled context: step index 0 (positions
-    ``context + i`` are rewritten) and, for an offloaded cache, empty slots."""
-    state["i"] = 0
+def restart(state: dict, cache, index: int = 0) -> None:
+    """Start the replayed steps over from the filled context: step index ``index``
+    (positions ``context + i`` are rewritten) and, for an offloaded cache, empty slots."""
+    state["i"] = index
     for layer in getattr(cache, "offloaded", ()):
         cache.slot_map[layer].fill_(-1)
 
@@ -430,8 +433,12 @@ class _NoGather:
         self.engine.store_tokens(chunk, k_tok, v_tok, pos)
 
 
-def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dict | None = None) -> dict:
-    """Compute and transfer of an offloaded decode step, each measured alone (CUDA graphs).
+def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dict | None = None,
+                   start: int = 3) -> dict:
+    """Compute and transfer of an offloaded decode step, each measured alone (CUDA graphs),
+    over the replayed steps ``start .. start + steps - 1`` (those ``tpot_ms`` was measured
+    on: the selection, hence the misses, differ from step to step), each run entered
+    three steps earlier with empty slots.
 
     * ``compute_alone_ms``: TPOT of the same step captured with a transfer engine that
       copies nothing (every gather left out; the selection, diff, waits and token
@@ -451,7 +458,7 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
     try:
         alone = DecodeRunner(llm, cache, cuda_graphs=True)
         alone.load(llm.runner(cache).tokens, llm.runner(cache).positions)
-        restart(state, cache)
+        restart(state, cache, max(0, start - 3))
         for _ in range(3):  # warm-up, capture, one replay
             step(alone)
         sync(dev)
@@ -469,7 +476,7 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
             for chunk in cache.host.chunks[layer]:
                 real.gather(chunk, cache.k_slots[layer], cache.v_slots[layer], cache.load[layer])
 
-    restart(state, cache)
+    restart(state, cache, max(0, start - 3))
     for _ in range(3):  # past the first steps after emptying the slots (every block a miss)
         step()
     sync(dev)
