@@ -462,11 +462,11 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
         for _ in range(3):  # warm-up, capture, one replay
             step(alone)
         sync(dev)
-        start = time.perf_counter()
+        began = time.perf_counter()
         for _ in range(steps):
             step(alone)
         sync(dev)
-        compute = (time.perf_counter() - start) / steps * 1e3
+        compute = (time.perf_counter() - began) / steps * 1e3
         del alone
     finally:
         cache.engine = real
