@@ -160,7 +160,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.gpu_mem_gb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_mem_gb * 2**30 / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_mem_gb * 2**30 / total),
+                                                  device.index if device.index is not None else torch.cuda.current_device())
     t0 = time.perf_counter()
     env = environment(device)
     env.update(measure_bandwidth(device))
