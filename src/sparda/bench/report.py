@@ -135,9 +135,12 @@ def _groups(records: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
-def _done_when(records: list[dict]) -> list[str]:
-    lines = ["## Done when (issue #20), from these records", "",
-             "| criterion | measured | verdict |", "|---|---|---|"]
+def _done_when(records: list[dict], device) -> list[str]:
+    lines = ["## Done when (issue #20), from these records", ""]
+    if device and "H200" not in str(device):
+        lines += [f"Measured on {device}: the thresholds are issue #20's for an H200, so these verdicts only "
+                  "say how far this device is from them.", ""]
+    lines += ["| criterion | measured | verdict |", "|---|---|---|"]
     for v in check_issue20(records):
         verdict = f"**{v.verdict}**" if v.verdict != "NOT MEASURED" else v.verdict
         lines.append(f"| {v.criterion} | {v.measured} | {verdict} |")
@@ -220,7 +223,7 @@ def render_markdown(records: list[dict], env: dict, plots: list[str] | None = No
     lines += ["Decode points fill the KV cache directly with random K/V (no prefill); prefill is timed "
               "separately on `prefill_tokens` random tokens. Times are medians over repeats after warm-up; "
               "`selection ms` comes from a separate instrumented run.", ""]
-    lines += _done_when(records)
+    lines += _done_when(records, env.get("device"))
     lines += [DECODE_LEGEND, ""]
     for (model, context), recs in _groups(records).items():
         pre = {r.get("prefill_tokens") for r in recs if r.get("prefill_tokens")}
