@@ -281,6 +281,8 @@ def test_decode_report_refuses_bad_input_before_writing(tmp_path, make, message,
     result = CliRunner().invoke(_script().main, args)
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
+    with pytest.raises(SpardaError, match="no input given"):
+        load_runs([])
     result = CliRunner().invoke(_script().main, [str(tmp_path / "broken.json"), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "is not valid JSON" in result.output and not (tmp_path / "out").exists()
 

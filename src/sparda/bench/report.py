@@ -306,12 +306,13 @@ def _capped_plot(plt, recs: list[dict], out: Path) -> Path | None:
     for ax, ((model, ctx, cap), by_method) in zip(axes, best.items()):
         names = list(by_method)
         vals = [by_method[m]["decode_tok_s"] for m in names]
-        bars = ax.bar(names, vals, color=["C0" if by_method[m].get("kv") == "host" else "C1" for m in names])
+        labels = [f"{m}\n({by_method[m].get('kv') or '?'} KV)" for m in names]
+        bars = ax.bar(labels, vals, color=["C0" if by_method[m].get("kv") == "host" else "C1" for m in names])
         for bar, m in zip(bars, names):
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"B{by_method[m]['batch']}",
                     ha="center", va="bottom", fontsize=8)
         ax.set(ylabel="best decode tok/s", title=f"{model}, {ctx:,} tokens, GPU cap {cap:g} GB")
-        ax.tick_params(axis="x", rotation=45, labelsize=7)
+        ax.tick_params(axis="x", labelsize=7)
     return _finish(plt, fig, out / "capped.png")
 
 
