@@ -253,6 +253,12 @@ def test_merge_keeps_the_newest_record_of_each_point(tmp_path):
     tok = {(r["method"], r["batch"]): r["decode_tok_s"] for r in recs}
     assert tok == {("sparda", 4): 500.0, ("dense", 4): 300.0, ("sparda", 8): 10.0} and dropped == 3
     assert [Path(r["file"]).parent.name for r in runs] == ["new", "old", tmp_path.name]
+    # a newer skipped point (time budget) keeps the older measurement; a newer oom replaces it
+    skipped = _write(tmp_path / "skipped.json", [dict(_rec("dense", 4, 0.5), status="skipped"),
+                                                 dict(_rec("dense", 8, 0.5), status="oom")])
+    got = dedup(load_runs([_write(tmp_path / "first.json", [_rec("dense", 4, 9.0), _rec("dense", 8, 9.0)]),
+                           skipped])[0])[0]
+    assert [(r["batch"], r["status"]) for r in got] == [(4, "ok"), (8, "oom")]
     # same date (none): the later input wins
     a, b = _write(tmp_path / "a.json", [_rec("dense", 4, 1.0)]), _write(tmp_path / "b.json", [_rec("dense", 4, 2.0)])
     assert [r["decode_tok_s"] for r in dedup(load_runs([b, a])[0])[0]] == [1.0]

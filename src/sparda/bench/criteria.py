@@ -59,7 +59,8 @@ class Verdict:
 
 
 def _verdict(values: list[tuple[float, str]], good, missing: list[str] = ()) -> tuple[str, str]:
-    """``values``: (value, label) pairs; ``good(value)``; ``missing``: labels not measured."""
+    """``(verdict, failing values)`` of ``values`` ((value, label) pairs) under ``good(value)``;
+    ``missing``: the labels not measured (NOT MEASURED unless one fails)."""
     bad = [v for v in values if not good(v[0])]
     verdict = FAIL if bad else (NOT_MEASURED if missing or not values else PASS)
     return verdict, bad

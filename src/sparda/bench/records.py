@@ -114,12 +114,17 @@ def point_key(rec: dict) -> tuple:
 def dedup(entries: list[dict]) -> tuple[list[dict], int]:
     """Keep the newest record of each point (:func:`point_key`; newest = largest ``rank``).
 
+    A ``skipped`` record (the time budget ran out: nothing measured) never replaces a
+    record of another status; an ``oom`` or ``error`` does (it is what the newer code did).
     Returns ``(records, dropped)``: the kept records, oldest first, and how many were dropped.
     """
+    def order(e):
+        return (e["record"].get("status") != "skipped", e["rank"])
+
     newest: dict[tuple, dict] = {}
     for e in entries:
         key = point_key(e["record"])
-        if key not in newest or e["rank"] >= newest[key]["rank"]:
+        if key not in newest or order(e) >= order(newest[key]):
             newest[key] = e
     kept = sorted(newest.values(), key=lambda e: e["rank"])
     return [e["record"] for e in kept], len(entries) - len(kept)

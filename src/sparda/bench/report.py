@@ -203,7 +203,7 @@ def render_markdown(records: list[dict], env: dict, plots: list[str] | None = No
             present (:func:`sparda.bench.records.merged_env`), lists the files merged.
         plots: the plot file names to list; ``None``: the three plots every sweep writes.
     """
-    lines = [f"# sparda bench — {env.get('device')}, {env.get('date')}", "",
+    lines = [f"# sparda bench — {env.get('device') or 'device unknown'}, {env.get('date') or 'date unknown'}", "",
              f"Commit `{env.get('commit')}`, torch {env.get('torch')}. Measured bandwidths: HBM "
              f"{env.get('hbm_gbps')} GB/s (device copy), PCIe {env.get('pcie_gbps')} GB/s (pinned host→device).",
              ""]
