@@ -5,7 +5,9 @@ Usage (from the repository root):
     python3 benchmarks/decode_report.py RUN_DIR_OR_JSON... --out DIR
 
 Each input is a sweep's output directory (every ``*.json`` list of records in it, its
-``env.json`` for the date and commit) or a ``results.json``-like file. A point measured
+``env.json`` for the date and commit), a directory of such directories (the
+``results.json`` of each subdirectory: ``benchmarks/decode_sweep_gpu.py OUT`` writes one
+per part) or a ``results.json``-like file. A point measured
 more than once (same model, method, context, batch, selection, target hit rate, GPU cap,
 CUDA graphs, KV place, dtype, device) keeps its newest record: the record's own ``date``,
 else its run's ``env.json`` date, then the later input on the command line, then the

@@ -264,6 +264,15 @@ def test_merge_keeps_the_newest_record_of_each_point(tmp_path):
     assert [r["decode_tok_s"] for r in dedup(load_runs([b, a])[0])[0]] == [1.0]
     assert [r["decode_tok_s"] for r in dedup(load_runs([a, b])[0])[0]] == [2.0]
 
+    # a directory of part directories (benchmarks/decode_sweep_gpu.py OUT): each part's results.json and env.json
+    parts = tmp_path / "parts"
+    _write(parts / "a" / "env.json", {"date": "2026-12-02T09:00:00"})
+    _write(parts / "a" / "results.json", [_rec("sparda", 4, 600.0)])
+    _write(parts / "b" / "results.json", [_rec("sparda", 16, 1200.0)])
+    _write(parts / "check.json", [{"method": "sparda", "tokens_equal": True}])  # not records
+    got = dedup(load_runs([new, parts])[0])[0]
+    assert {(r["batch"], r["decode_tok_s"]) for r in got} == {(4, 600.0), (8, 20.0), (16, 1200.0)}
+
     out = tmp_path / "report"
     path, kept, dropped = _script().build([str(old), str(new)], str(out))
     merged = json.loads((out / "results.json").read_text())

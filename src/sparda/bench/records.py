@@ -62,9 +62,10 @@ def load_runs(paths) -> tuple[list[dict], list[dict]]:
 
     Args:
         paths: directories (every ``*.json`` in them that is a list of records, see
-            :func:`is_record_list`; other JSON files such as ``env.json`` or kernel tables are
-            skipped) or JSON files of records. A directory's ``env.json`` gives its run's
-            date, commit and bandwidths.
+            :func:`is_record_list`, and the ``results.json`` of each subdirectory, as
+            ``benchmarks/decode_sweep_gpu.py OUT`` writes one per part; other JSON files
+            such as ``env.json`` or kernel tables are skipped) or JSON files of records.
+            The ``env.json`` beside a record file gives its run's date, commit and bandwidths.
     Returns:
         ``(entries, runs)``: ``entries`` one dict per record with ``record``, ``rank`` (a sort
         key: the record's ``date``, else its run's ``env.json`` date; then the position of its
@@ -86,6 +87,7 @@ def load_runs(paths) -> tuple[list[dict], list[dict]]:
         if p.is_dir():
             files = sorted((f for f in p.glob("*.json") if f.name != "env.json"),
                            key=lambda f: (os.stat(f).st_mtime, f.name))
+            files += sorted(p.glob("*/results.json"), key=lambda f: (os.stat(f).st_mtime, str(f)))
             found = [(f, obj) for f in files if is_record_list(obj := _read_json(f))]
         else:
             obj = _read_json(p)
@@ -93,8 +95,8 @@ def load_runs(paths) -> tuple[list[dict], list[dict]]:
                 raise SpardaError(f"{p} is not a list of bench records (each with {', '.join(RECORD_FIELDS)}); "
                                   "pass a sweep's results.json")
             found = [(p, obj)]
-        env = _env_of(p if p.is_dir() else p.parent)
         for f, recs in found:
+            env = _env_of(f.parent)
             mtime = os.stat(f).st_mtime
             runs.append({"file": str(f), "records": len(recs), "date": env.get("date"), "commit": env.get("commit"),
                          "env": env})
