@@ -1,0 +1,255 @@
+"""Bench records: load several runs, keep the newest of each point, derive the report's columns.
+
+A record is one dict per sweep point (:mod:`sparda.bench.sweep`); a run directory holds
+``results.json`` (or hand-named ``*.json`` lists of records) and ``env.json``. Fields that
+only newer runs write (``num_layers``, ``compute_alone_ms``, ``transfer_alone_ms``,
+``overlap_efficiency``, ``pcie_gbps_overlapped``, ``gpu_mem_cap_gb``) are optional
+everywhere: a derived column is ``None`` when its inputs are missing.
+
+Derived columns (:func:`derived`), for one decode step:
+
+* ``launches_per_layer`` = ``kernels_per_step / num_layers`` (embedding, final norm and
+  LM head included, so a lower bound is a little above the per-layer count);
+* ``roof_x`` = ``tpot_ms / roofline_tpot_ms`` (design §10's roofline, bench/roofline.py);
+* ``tpot_per_kernel`` = ``tpot_ms / gpu_kernel_ms`` (below 1 where the copy stream overlaps);
+* ``exposed_pct`` = ``100 * exposed_wait_ms / tpot_ms``;
+* ``overlap_efficiency`` = ``(compute + transfer - tpot) / min(compute, transfer)`` with
+  compute and transfer each measured alone (1: the shorter one is fully hidden; 0: none);
+* ``pcie_gbps_overlapped`` = ``missed_bytes_per_step / copy_ms`` (GB/s = 1e9 bytes/s, the
+  copy timed inside the real step, so while compute competes for memory and SMs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from sparda.errors import SpardaError
+
+#: fields that say which point a record measured; records equal on all of them are one point
+POINT_FIELDS = ("model", "method", "context", "batch", "selection_source", "target_hit_rate", "gpu_mem_cap_gb",
+                "cuda_graph", "kv", "dtype", "device")
+#: a record list's items carry at least these
+RECORD_FIELDS = ("model", "method", "context", "batch", "status")
+
+
+def is_record_list(obj) -> bool:
+    """True if ``obj`` is a non-empty list of sweep records (dicts with :data:`RECORD_FIELDS`)."""
+    return (isinstance(obj, list) and bool(obj)
+            and all(isinstance(r, dict) and all(k in r for k in RECORD_FIELDS) for r in obj))
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SpardaError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpardaError(f"{path} is not valid JSON ({exc}); pass a run directory or a results.json file") from exc
+
+
+def _env_of(folder: Path) -> dict:
+    env = folder / "env.json"
+    if not env.is_file():
+        return {}
+    obj = _read_json(env)
+    return obj if isinstance(obj, dict) else {}
+
+
+def load_runs(paths) -> tuple[list[dict], list[dict]]:
+    """Read the record lists of run directories or record files, oldest first.
+
+    Args:
+        paths: directories (every ``*.json`` in them that is a list of records, see
+            :func:`is_record_list`, and the ``results.json`` of each subdirectory, as
+            ``benchmarks/decode_sweep_gpu.py OUT`` writes one per part; other JSON files
+            such as ``env.json`` or kernel tables are skipped) or JSON files of records.
+            The ``env.json`` beside a record file gives its run's date, commit and bandwidths.
+    Returns:
+        ``(entries, runs)``: ``entries`` one dict per record with ``record``, ``rank`` (a sort
+        key: the record's ``date``, else its run's ``env.json`` date; then the position of its
+        path among ``paths``; then the file's modification time and name; then its index in
+        the file; larger = newer) and ``file``; ``runs`` one dict per file read (``file``,
+        ``records``, ``date``, ``commit``, ``env``).
+    Raises:
+        SpardaError: a path does not exist, a file is not JSON, a file given by name is not
+            a record list, or no records were found at all.
+    """
+    paths = [Path(p).expanduser() for p in paths]
+    if not paths:
+        raise SpardaError("no input given; pass one or more run directories (or results.json files)")
+    for p in paths:
+        if not p.exists():
+            raise SpardaError(f"{p} does not exist; pass a run directory or a results.json file")
+    entries, runs = [], []
+    for arg_index, p in enumerate(paths):
+        if p.is_dir():
+            files = sorted((f for f in p.glob("*.json") if f.name != "env.json"),
+                           key=lambda f: (os.stat(f).st_mtime, f.name))
+            files += sorted(p.glob("*/results.json"), key=lambda f: (os.stat(f).st_mtime, str(f)))
+            found = [(f, obj) for f in files if is_record_list(obj := _read_json(f))]
+        else:
+            obj = _read_json(p)
+            if not is_record_list(obj):
+                raise SpardaError(f"{p} is not a list of bench records (each with {', '.join(RECORD_FIELDS)}); "
+                                  "pass a sweep's results.json")
+            found = [(p, obj)]
+        for f, recs in found:
+            env = _env_of(f.parent)
+            mtime = os.stat(f).st_mtime
+            runs.append({"file": str(f), "records": len(recs), "date": env.get("date"), "commit": env.get("commit"),
+                         "env": env})
+            for i, rec in enumerate(recs):
+                date = str(rec.get("date") or env.get("date") or "")
+                entries.append({"record": rec, "rank": (date, arg_index, mtime, f.name, i), "file": str(f)})
+    if not entries:
+        raise SpardaError(f"no bench records in {', '.join(map(str, paths))}; a run directory holds results.json")
+    return entries, runs
+
+
+def point_key(rec: dict) -> tuple:
+    """The point a record measured: its :data:`POINT_FIELDS` values (missing ones as ``None``)."""
+    return tuple(json.dumps(rec.get(k), sort_keys=True) for k in POINT_FIELDS)
+
+
+def dedup(entries: list[dict]) -> tuple[list[dict], int]:
+    """Keep the newest record of each point (:func:`point_key`; newest = largest ``rank``).
+
+    A ``skipped`` record (the time budget ran out: nothing measured) never replaces a
+    record of another status; an ``oom`` or ``error`` does (it is what the newer code did).
+    Returns ``(records, dropped)``: the kept records, oldest first, and how many were dropped.
+    """
+    def order(e):
+        return (e["record"].get("status") != "skipped", e["rank"])
+
+    newest: dict[tuple, dict] = {}
+    for e in entries:
+        key = point_key(e["record"])
+        if key not in newest or order(e) >= order(newest[key]):
+            newest[key] = e
+    kept = sorted(newest.values(), key=lambda e: e["rank"])
+    return [e["record"] for e in kept], len(entries) - len(kept)
+
+
+def merged_env(runs: list[dict]) -> dict:
+    """One report header for several runs: the newest run's env, plus ``runs`` (every file read)."""
+    envs = [r["env"] for r in runs if r["env"]]
+    newest = max(envs, key=lambda e: str(e.get("date") or ""), default={})
+    env = dict(newest)
+    devices = sorted({str(e.get("device")) for e in envs if e.get("device")})
+    if len(devices) > 1:
+        env["device"] = " / ".join(devices)
+    commits = list(dict.fromkeys(str(e.get("commit")) for e in envs if e.get("commit")))
+    if len(commits) > 1:
+        env["commit"] = ", ".join(commits)
+    env["runs"] = [{k: r[k] for k in ("file", "records", "date", "commit")} for r in runs]
+    return env
+
+
+def num_layers(rec: dict) -> int | None:
+    """The model's layer count: the record's ``num_layers``, else the bench shape's (bench/models.py)."""
+    if rec.get("num_layers"):
+        return int(rec["num_layers"])
+    from sparda.bench.models import MODEL_SPECS
+
+    spec = MODEL_SPECS.get(rec.get("model"))
+    return spec.layers if spec else None
+
+
+def _ratio(num, den, scale: float = 1.0):
+    if num is None or den is None or den <= 0:
+        return None
+    return scale * num / den
+
+
+def overlap_efficiency(compute_ms, transfer_ms, step_ms) -> float | None:
+    """``(compute + transfer - step) / min(compute, transfer)``; None if an input is missing or 0."""
+    if compute_ms is None or transfer_ms is None or step_ms is None or min(compute_ms, transfer_ms) <= 0:
+        return None
+    return (compute_ms + transfer_ms - step_ms) / min(compute_ms, transfer_ms)
+
+
+def derived(rec: dict) -> dict:
+    """The report's computed columns of one record (module doc); ``None`` where inputs are missing."""
+    tpot = rec.get("tpot_ms")
+    eff = rec.get("overlap_efficiency")
+    if eff is None:
+        eff = overlap_efficiency(rec.get("compute_alone_ms"), rec.get("transfer_alone_ms"), tpot)
+    pcie = rec.get("pcie_gbps_overlapped")
+    if pcie is None and rec.get("missed_bytes_per_step"):
+        pcie = _ratio(rec.get("missed_bytes_per_step"), rec.get("copy_ms"), 1e-6)
+    layers = num_layers(rec)
+    return {"num_layers": layers,
+            "launches_per_layer": _ratio(rec.get("kernels_per_step"), layers),
+            "roof_x": _ratio(tpot, rec.get("roofline_tpot_ms")),
+            "tpot_per_kernel": _ratio(tpot, rec.get("gpu_kernel_ms")),
+            "exposed_pct": _ratio(rec.get("exposed_wait_ms"), tpot, 100.0),
+            "overlap_efficiency": eff, "pcie_gbps_overlapped": pcie}
+
+
+def selection_kind(rec: dict) -> str | None:
+    """``trace``, ``synthetic`` or ``native`` (the part of ``selection_source`` before ``:``)."""
+    src = rec.get("selection_source")
+    return None if src is None else str(src).split(":")[0]
+
+
+def point_label(rec: dict) -> str:
+    """A short name of a point, e.g. ``minicpm-8b 128K B4 trace`` or ``... B16 H=0.7 cap 80 GB``."""
+    ctx = rec.get("context")
+    ctx_s = f"{ctx // 1024}K" if isinstance(ctx, int) and ctx % 1024 == 0 else str(ctx)
+    sel = f"H={rec['target_hit_rate']:g}" if rec.get("target_hit_rate") is not None else (selection_kind(rec) or "")
+    parts = [rec.get("model"), ctx_s, f"B{rec.get('batch')}", sel]
+    if rec.get("gpu_mem_cap_gb") is not None:
+        parts.append(f"cap {rec['gpu_mem_cap_gb']:g} GB")
+    if rec.get("cuda_graph") is False:
+        parts.append("eager")
+    return " ".join(str(p) for p in parts if p)
+
+
+def ok(records: list[dict]) -> list[dict]:
+    """The records that measured (``status == "ok"`` and a decode tok/s)."""
+    return [r for r in records if r.get("status") == "ok" and r.get("decode_tok_s") is not None]
+
+
+def speedups(records: list[dict], fast: str = "sparda", slow: str = "sparse-offload") -> list[dict]:
+    """``fast``'s decode tok/s over ``slow``'s at the same point but for the method.
+
+    Pairs are matched on model, context, batch, selection kind (trace / synthetic),
+    ``target_hit_rate``, ``gpu_mem_cap_gb``, ``cuda_graph`` and dtype (the two methods'
+    trace names differ: ``trace:sparda`` vs ``trace:sparse``). Returns one dict per pair:
+    the pair's fields, ``fast_tok_s``, ``slow_tok_s``, ``speedup`` and ``label``, sorted by
+    model, context, target hit rate (trace first) and batch.
+    """
+    fields = ("model", "context", "batch", "target_hit_rate", "gpu_mem_cap_gb", "cuda_graph", "dtype")
+
+    def key(r):
+        return tuple(json.dumps(r.get(k)) for k in fields) + (selection_kind(r),)
+
+    slow_by = {key(r): r for r in ok(records) if r["method"] == slow}
+    out = []
+    for r in ok(records):
+        other = slow_by.get(key(r)) if r["method"] == fast else None
+        if other is None or not other["decode_tok_s"]:
+            continue
+        out.append({**{k: r.get(k) for k in fields}, "selection": selection_kind(r), "fast_tok_s": r["decode_tok_s"],
+                    "slow_tok_s": other["decode_tok_s"], "speedup": r["decode_tok_s"] / other["decode_tok_s"],
+                    "label": point_label(r)})
+    h = lambda p: -1.0 if p["target_hit_rate"] is None else p["target_hit_rate"]  # noqa: E731
+    return sorted(out, key=lambda p: (str(p["model"]), p["context"], h(p), p["batch"]))
+
+
+def capped_best(records: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """Best decode tok/s per method among ``ok`` records run under a GPU memory cap.
+
+    Returns ``{(model, context, gpu_mem_cap_gb): {method: record}}`` (the record of the
+    method's highest tok/s over batches and selections).
+    """
+    best: dict[tuple, dict[str, dict]] = {}
+    for r in ok(records):
+        if r.get("gpu_mem_cap_gb") is None:
+            continue
+        group = best.setdefault((r["model"], r["context"], r["gpu_mem_cap_gb"]), {})
+        if r["method"] not in group or r["decode_tok_s"] > group[r["method"]]["decode_tok_s"]:
+            group[r["method"]] = r
+    return best
