@@ -267,6 +267,29 @@ def test_bad_engine_is_a_sparda_error():
         OffloadKVCache(1, 1, 1, 16, 64, SelectionConfig(**SMALL), torch.float32, "cpu", engine="uva")
 
 
+def test_view_of_an_offloaded_layer_in_decode_is_refused(fresh_seed):
+    """``view`` hands out an offloaded layer's K/V during its prefill (the prompt's own, as
+    appended) and refuses it in decode (no silent full copy from the host); a resident
+    layer stays readable."""
+    from sparda.model.llama import StepInfo
+
+    cfg = SelectionConfig(**SMALL)
+    cache = OffloadKVCache(2, 1, 2, 16, 96, cfg, torch.float32, "cpu", engine="sync", resident_layers=(0,))
+    k = torch.randn(1, 2, 40, 16)
+    prefill = StepInfo("prefill", torch.tensor([0]), torch.arange(40).view(1, -1), torch.tensor([40]), None, None, 40)
+    rows = torch.tensor([0])
+    for layer in range(2):
+        cache.append(layer, k * (layer + 1), -k, prefill)
+        got_k, got_v, _ = cache.view(layer, rows, 40)
+        assert torch.equal(got_k, k * (layer + 1)) and torch.equal(got_v, -k)
+    step = StepInfo("decode", rows, torch.tensor([[40]]), torch.tensor([41]), None, None, 96, 41)
+    for layer in range(2):
+        cache.append(layer, k[..., :1, :], k[..., :1, :], step)
+    assert torch.equal(cache.view(0, rows, 41)[0][..., :40, :], k)
+    with pytest.raises(SpardaError, match="layer 1 is offloaded"):
+        cache.view(1, rows, 41)
+
+
 def test_offload_defaults():
     """sparda offloads by default on CUDA only; no other method offloads unless asked."""
     from sparda.config import METHODS
