@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from sparda.config import SelectionConfig  # noqa: E402
 from sparda.kernels import reference, twins  # noqa: E402
-from sparda.kernels.compress import compress_keys_triton, update_compressed_keys_triton  # noqa: E402
+from sparda.kernels.compress import compress_keys_triton  # noqa: E402
 from sparda.kernels.decode_attention import decode_attention_triton  # noqa: E402
 from sparda.kernels.prefill_attention import prefill_attention_triton, tile_block_lists  # noqa: E402
 from sparda.kernels.selection import (  # noqa: E402
@@ -267,11 +267,8 @@ def bench_compress(timer, device, dtype, num_tokens, ceiling):
         ms, _ = timer(lambda: compress_keys_triton(k, CFG.kernel_size, CFG.kernel_stride))
         r_ms, _ = timer(lambda: reference.compress_keys(k, CFG.kernel_size, CFG.kernel_stride), iters=5)
         need = k.numel() * 2 + ck.numel() * 2
-        kv_len = torch.full((bsz,), num_tokens, device=device, dtype=torch.int32)
-        u_ms, _ = timer(lambda: update_compressed_keys_triton(k, ck, kv_len, CFG.kernel_size, CFG.kernel_stride),
-                        graph=True)
         add(kernel="compress", model="llama8b", ctx=num_tokens, batch=bsz, ms=ms, ref_ms=r_ms, bytes=need,
-            gbs=need / ms / 1e6, frac_copy=need / ms / 1e6 / ceiling, update_ms=u_ms, rel_err=err)
+            gbs=need / ms / 1e6, frac_copy=need / ms / 1e6 / ceiling, rel_err=err)
         del k, ck
 
 
@@ -449,7 +446,7 @@ def markdown() -> str:
         if r["kernel"] == "compress":
             lines.append(f"| compress_keys {r['model']} | {r['ctx'] // 1024}K | {r['batch']} | {fmt(r['ms'])} "
                          f"| ref {fmt(r['ref_ms'])} | {fmt(r['gbs'])} GB/s ({100 * r['frac_copy']:.0f}% copy); "
-                         f"decode update {fmt(r['update_ms'])} ms; rel err {r['rel_err']:.1e} |")
+                         f"rel err {r['rel_err']:.1e} |")
         if r["kernel"] == "prefill":
             lines.append(f"| sparse prefill {r['model']} | {r['ctx'] // 1024}K | {r['batch']} | {fmt(r['ms'])} "
                          f"| SDPA flash {fmt(r['sdpa_ms'])} | {r['speedup_vs_sdpa']:.1f}x faster than SDPA; "

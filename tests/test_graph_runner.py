@@ -144,6 +144,42 @@ def test_offload_stats_are_per_prompt(tiny, forecast_file):
     assert out[0].stats["decode_tok_s"] == out[1].stats["decode_tok_s"] > 0
 
 
+def test_decode_tok_s_of_a_prompt_that_stops_early_is_its_own_rate(tiny, forecast_file, monkeypatch):
+    """U6: a prompt that stopped early showed its tokens over the whole batch's decode time
+    (1.8 tok/s instead of 17.8). Every row decodes one token per step while it runs, so the
+    rate of a row that stops at EOS equals that of the row that runs on, and both equal the
+    batch's steps over the decode time (clock stubbed: 10 ms per step)."""
+    import time as time_mod
+
+    llm = _llm(tiny, forecast_file, "sparse", {})
+    prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (50, 80)]
+    free = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=30, ignore_eos=True)
+    first = free[0].token_ids
+    candidates = [t for t in first[4:29] if t not in free[1].token_ids and first.index(t) >= 4]  # decodes >= 4
+    assert candidates, "row 0 produced no token of its own to stop at"
+    eos = candidates[int(torch.randint(len(candidates), ()))]
+    monkeypatch.setattr(llm, "_eos_ids", lambda: {eos})
+    clock = {"now": 0.0}
+    run = llm.runner
+
+    def timed_runner(cache):
+        runner = run(cache)
+        step = runner.step
+
+        def step_10ms(*args, **kwargs):
+            clock["now"] += 0.010
+            return step(*args, **kwargs)
+        runner.step = step_10ms
+        return runner
+
+    monkeypatch.setattr(llm, "runner", timed_runner)
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock["now"])
+    out = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=30)
+    short, long = out
+    assert len(short.token_ids) == first.index(eos) + 1 < len(long.token_ids) == 30
+    assert short.stats["decode_tok_s"] == long.stats["decode_tok_s"] == pytest.approx(100.0, rel=1e-6)
+
+
 def test_offload_timing_on_the_cpu_counts_copies(tiny, forecast_file):
     llm = _llm(tiny, forecast_file, "sparse-offload", {"offload_timing": True})
     out = llm.generate(None, prompt_token_ids=[torch.randint(100, 20000, (200,)).tolist()],

@@ -267,6 +267,122 @@ def test_bad_engine_is_a_sparda_error():
         OffloadKVCache(1, 1, 1, 16, 64, SelectionConfig(**SMALL), torch.float32, "cpu", engine="uva")
 
 
+def test_view_of_an_offloaded_layer_in_decode_is_refused(fresh_seed):
+    """``view`` hands out an offloaded layer's K/V during its prefill (the prompt's own, as
+    appended) and refuses it in decode (no silent full copy from the host); a resident
+    layer stays readable."""
+    from sparda.model.llama import StepInfo
+
+    cfg = SelectionConfig(**SMALL)
+    cache = OffloadKVCache(2, 1, 2, 16, 96, cfg, torch.float32, "cpu", engine="sync", resident_layers=(0,))
+    k = torch.randn(1, 2, 40, 16)
+    prefill = StepInfo("prefill", torch.tensor([0]), torch.arange(40).view(1, -1), torch.tensor([40]), None, None, 40)
+    rows = torch.tensor([0])
+    for layer in range(2):
+        cache.append(layer, k * (layer + 1), -k, prefill)
+        got_k, got_v, _ = cache.view(layer, rows, 40)
+        assert torch.equal(got_k, k * (layer + 1)) and torch.equal(got_v, -k)
+    step = StepInfo("decode", rows, torch.tensor([[40]]), torch.tensor([41]), None, None, 96, 41)
+    for layer in range(2):
+        cache.append(layer, k[..., :1, :], k[..., :1, :], step)
+    assert torch.equal(cache.view(0, rows, 41)[0][..., :40, :], k)
+    with pytest.raises(SpardaError, match="layer 1 is offloaded"):
+        cache.view(1, rows, 41)
+
+
+def test_dense_fallback_copies_each_block_once(tiny):
+    """C5: under the dense fallback (shorter than dense_len) offloaded decode reads every
+    block, but the slots keep them: each completed block is copied once per layer and head
+    (when it stops being the partial block), never the whole layer per step. Counted by
+    hand: at position p the step wants blocks 0 .. p//B - 1 (the current block lives in
+    the partial slot)."""
+    from sparda.engine.llm import LLM
+
+    cfg = dict(SMALL, dense_len=512)
+    llm = LLM(str(tiny), method="sparse-offload", device="cpu", **cfg)
+    llm.method.resident_layers = ()
+    prompt_len, new = int(torch.randint(60, 140, ())), int(torch.randint(20, 40, ()))
+    ids = torch.randint(100, 20000, (prompt_len,)).tolist()
+    out = llm.generate(None, prompt_token_ids=[ids], max_new_tokens=new, ignore_eos=True)[0]
+    stats = out.stats["offload"]
+    bs, heads, layers = SMALL["block_size"], llm.shape.num_kv_heads, llm.shape.num_layers
+    positions = range(prompt_len, prompt_len + new - 1)  # one decode step per token after the first
+    wanted = layers * heads * sum(p // bs for p in positions)
+    misses = layers * heads * (positions[-1] // bs)
+    assert out.stats["kv_read_fraction"] == 1.0  # it really ran the dense fallback
+    assert (stats["misses"], stats["hits"]) == (misses, wanted - misses)
+
+
+def test_prefetch_wait_sits_just_before_attention(tiny, forecast_file, monkeypatch):
+    """C4: the wait for layer l's prefetch was in ``append``, before layer l+1's Forecast
+    selection and copy enqueue. Per offloaded layer l of a decode step the order must be:
+    append l, enqueue the prefetch of layer l+1, wait for l, attention over l's slots."""
+    from sparda import kernels
+
+    llm = _llm(tiny, "sparda", resident=(0,), forecast=forecast_file, offload=True)
+    ids = torch.randint(100, 20000, (int(torch.randint(90, 140, ())),)).tolist()
+    cache = llm.new_cache(1, len(ids) + 8)
+    llm.method.reset()
+    logits = llm.prefill(cache, 0, ids)[-1]
+    log = []
+    pref = cache.prefetcher
+    fetch, wait, append, attention = pref.fetch, pref.wait, cache.append, kernels.decode_attention_slots
+
+    def spy_fetch(layer, *args, prefetch, **kwargs):
+        log.append(("fetch", layer, prefetch))
+        return fetch(layer, *args, prefetch=prefetch, **kwargs)
+
+    def spy_wait(layer):
+        log.append(("wait", layer))
+        return wait(layer)
+
+    def spy_append(layer, *args, **kwargs):
+        log.append(("append", layer))
+        return append(layer, *args, **kwargs)
+
+    def spy_attention(*args, **kwargs):
+        log.append(("attention",))
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(pref, "fetch", spy_fetch)
+    monkeypatch.setattr(pref, "wait", spy_wait)
+    monkeypatch.setattr(cache, "append", spy_append)
+    monkeypatch.setattr(kernels, "decode_attention_slots", spy_attention)
+    token, pos = logits.argmax().view(1), torch.tensor([len(ids)])
+    layers = llm.shape.num_layers
+    for _ in range(3):
+        log.clear()
+        token, pos = llm.decode(cache, token, pos).argmax(-1), pos + 1
+        for layer in range(1, layers):
+            start = log.index(("append", layer))
+            end = log.index(("append", layer + 1)) if layer + 1 < layers else len(log)
+            own = log[start:end]
+            want = [("append", layer)] + ([("fetch", layer + 1, True)] if layer + 1 < layers else []) + \
+                [("wait", layer), ("attention",)]
+            assert own == want, (layer, own)
+
+
+def test_copy_time_is_zero_when_nothing_was_copied():
+    """U6: 0 bytes copied but ``copy_ms`` 12 ms. A fetch with hits only reports no copy time;
+    one with misses reports its bytes (2 x misses x block bytes) and the copy's wall time."""
+    import time
+
+    from sparda.cache.prefetch import Prefetcher
+
+    pref = Prefetcher(None, torch.device("cpu"), num_layers=2, block_bytes=256, batch=2, timing=True)
+    hits = torch.randint(1, 5, (2, 3))
+    pref.fetch(1, lambda: time.sleep(0.01), hits, torch.zeros(2, 3, dtype=torch.long), keep=(), prefetch=False)
+    stats = pref.stats(tokens=4)
+    assert stats["hits"] == int(hits.sum()) and stats["misses"] == 0 and stats["bytes_copied"] == 0
+    assert stats["copy_ms"] == stats["exposed_wait_ms"] == stats["hidden_fraction"] == 0.0
+    misses = torch.randint(1, 5, (2, 3))
+    pref.fetch(0, lambda: time.sleep(0.01), torch.zeros(2, 3, dtype=torch.long), misses, keep=(), prefetch=False)
+    stats, row = pref.stats(tokens=4), pref.stats(tokens=4, row=1)
+    assert stats["bytes_copied"] == 2 * int(misses.sum()) * 256 and stats["bytes_per_token"] == stats["bytes_copied"] / 4
+    assert row["misses"] == int(misses[1].sum()) and row["hits"] == int(hits[1].sum())
+    assert stats["copy_ms"] >= 10.0 and stats["exposed_wait_ms"] == stats["copy_ms"]  # synchronous: all exposed
+
+
 def test_offload_defaults():
     """sparda offloads by default on CUDA only; no other method offloads unless asked."""
     from sparda.config import METHODS

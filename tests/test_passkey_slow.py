@@ -22,3 +22,16 @@ def test_sparse_answers_as_many_passkeys_as_dense():
     dense = _score("dense")
     assert dense >= 4
     assert _score("sparse") >= dense
+
+
+def test_demo_defaults_answer():
+    """U5: `sparda demo` with its defaults (sparda, dense prefill on the `small` preset)
+    answered "11" and exited 0. About 90 s on a 2-core CPU."""
+    from click.testing import CliRunner
+
+    from sparda.cli import main
+
+    result = CliRunner().invoke(main, ["demo", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "expected: 60494 (correct)" in result.output, result.output
+    assert "method: sparda | prefill: dense | decode: sparda" in result.output

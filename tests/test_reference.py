@@ -63,6 +63,43 @@ def test_compress_keys_matches_loop(T):
         np.testing.assert_allclose(got[h].double().numpy(), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernel,stride", [(8, 4), (6, 3), (4, 4)])
+@pytest.mark.parametrize("ring", [False, True])
+def test_update_compressed_keys_tracks_brute_force(kernel, stride, ring):
+    """Decode appends one token per step to a ragged batch (a subset of the rows each
+    step, in shuffled order); after every step the compressed keys of each row equal the
+    float64 window means of its prefix, rows outside the step and windows beyond the
+    buffer stay untouched. Keys come from the full cache or a ring of the last ``kernel``."""
+    batch, heads, d, total, c_cap = 4, 2, 8, 48, 7  # c_cap < windows of 48 tokens: must not overflow
+    keys = torch.randn(batch, heads, total, d)
+    length = torch.randint(0, kernel + 2, (batch,))
+    junk = torch.randn(batch, heads, c_cap, d)
+    ck = junk.clone()
+    store = keys.clone() if not ring else torch.zeros(batch, heads, kernel, d)
+    for b in range(batch):  # the prompt: its windows and, for the ring, its last `kernel` keys
+        n = min(ref.num_compressed(int(length[b]), kernel, stride), c_cap)
+        ck[b, :, :n] = ref.compress_keys(keys[b, :, :int(length[b])], kernel, stride)[:, :n]
+        if ring:
+            for t in range(max(0, int(length[b]) - kernel), int(length[b])):
+                store[b, :, t % kernel] = keys[b, :, t]
+    for _ in range(30):
+        rows = torch.randperm(batch)[:int(torch.randint(1, batch + 1, ()))]
+        before = ck.clone()
+        pos = length[rows].clone()
+        if ring:
+            store[rows, :, pos % kernel] = keys[rows, :, pos]
+        ref.update_compressed_keys(ck, store, rows, pos, kernel, stride, ring=ring)
+        length[rows] += 1
+        for b in range(batch):
+            want = brute_compressed(keys[b].transpose(0, 1).reshape(int(total), -1)[:int(length[b])],
+                                    kernel, stride).reshape(-1, heads, d)[:c_cap]
+            n = len(want)
+            np.testing.assert_allclose(ck[b, :, :n].double().numpy(), want.transpose(1, 0, 2), atol=1e-6)
+            torch.testing.assert_close(ck[b, :, n:], junk[b, :, n:], rtol=0, atol=0)
+            if b not in rows.tolist():
+                torch.testing.assert_close(ck[b], before[b], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cfg", [SelectionConfig(), SelectionConfig(block_size=32, kernel_size=24, kernel_stride=8),
                                  SelectionConfig(block_size=64, kernel_size=16, kernel_stride=16)])
 def test_pool_matches_interval_overlap(cfg):

@@ -73,6 +73,8 @@ def test_rope_append_offload_slot_matches_cache_append(g, nf, d, fresh_seed):
         torch.testing.assert_close(vs, cache.v_slots[layer], rtol=0, atol=0)
         torch.testing.assert_close(ring, cache.ring[layer], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ck, cache.ck[layer], rtol=1e-5, atol=1e-6)
+        if fn is twins.rope_append_reference:  # one PyTorch compressed-key update: bit-identical
+            assert torch.equal(ck, cache.ck[layer]) and torch.equal(ring, cache.ring[layer])
         torch.testing.assert_close(hk_, cache.host.chunks[layer][0].k, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(hv_, cache.host.chunks[layer][0].v, rtol=0, atol=0)
         assert torch.equal(lengths, pos + 1)
@@ -100,3 +102,5 @@ def test_rope_append_device_cache_matches_cache_append(g, nf, d, fresh_seed):
         torch.testing.assert_close(kd, cache.k[0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(vd, cache.v[0], rtol=0, atol=0)
         torch.testing.assert_close(ck, cache.ck[0], rtol=1e-5, atol=1e-6)
+        if fn is twins.rope_append_reference:  # one PyTorch compressed-key update: bit-identical
+            assert torch.equal(ck, cache.ck[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from sparda import kernels
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
 from sparda.kernels import reference as ref
@@ -79,7 +80,8 @@ class DeviceKVCache:
             start = end - k.shape[-2]
             self.k[layer][row, :, start:end] = k[0]
             self.v[layer][row, :, start:end] = v[0]
-            j0, ck = ref.completed_compressed_keys(self.k[layer][row], start, end, cfg.kernel_size, cfg.kernel_stride)
+            j0, ck = kernels.completed_compressed_keys(self.k[layer][row], start, end, cfg.kernel_size,
+                                                      cfg.kernel_stride)
             self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
             if layer == len(self.k) - 1:
                 self.lengths[row] = end
@@ -88,17 +90,7 @@ class DeviceKVCache:
         pos = step.q_pos[:, 0]
         self.k[layer][rows, :, pos] = k[:, :, 0]
         self.v[layer][rows, :, pos] = v[:, :, 0]
-        # A compressed window completes when (pos + 1 - kernel) % stride == 0.
-        done = pos + 1 - cfg.kernel_size
-        ready = (done >= 0) & (done % cfg.kernel_stride == 0)
-        j = torch.where(ready, done // cfg.kernel_stride, 0)
-        offsets = torch.arange(cfg.kernel_size, device=pos.device)
-        start = torch.where(ready, j * cfg.kernel_stride, 0)
-        index = (start.view(-1, 1) + offsets).clamp(max=self.capacity - 1)
-        window = self.k[layer][rows.view(-1, 1), :, index]  # [B, k, H, d]
-        new_ck = window.float().mean(1).to(self.ck[layer].dtype)  # [B, H, d]
-        old = self.ck[layer][rows, :, j]
-        self.ck[layer][rows, :, j] = torch.where(ready.view(-1, 1, 1), new_ck, old)
+        ref.update_compressed_keys(self.ck[layer], self.k[layer], rows, pos, cfg.kernel_size, cfg.kernel_stride)
         if layer == len(self.k) - 1:
             self.lengths[rows] = pos + 1
 
@@ -110,8 +102,6 @@ class DeviceKVCache:
 
         Returns ``(q [B, H_q, d], f [B, num_f, H_kv, d] or None)`` in the cache dtype.
         """
-        from sparda import kernels
-
         cfg = self.selection
         bsz, heads, _, d = self.k[layer].shape
         q = qkv.new_empty(bsz, heads * group, d)

@@ -41,10 +41,10 @@ def num_slots(capacity: int, cfg: SelectionConfig) -> int:
 class OffloadKVCache:
     """KV cache with host-resident K/V and a per-layer GPU block cache.
 
-    Same ``append``/``view`` interface as :class:`~sparda.cache.device.DeviceKVCache`;
-    ``view`` of an offloaded layer in decode copies the whole layer from the host (a
-    slow path for methods that do not fetch). Offload-aware methods call
-    :meth:`fetch` (diff + copy of the misses), :meth:`wait` and :meth:`attend`.
+    Same ``append``/``view`` interface as :class:`~sparda.cache.device.DeviceKVCache`,
+    but ``view`` exposes an offloaded layer's K/V only during its prefill; in decode the
+    offload-aware methods call :meth:`fetch` (diff + copy of the misses), :meth:`wait`
+    and :meth:`attend`.
 
     Args:
         num_layers, batch, num_kv_heads, head_dim, capacity, selection, dtype, device:
@@ -170,16 +170,7 @@ class OffloadKVCache:
                 self.engine.store_tokens(chunk, k[:, :, 0], v[:, :, 0], pos)
         ring = self.ring[layer]
         ring[rows, :, pos % cfg.kernel_size] = k[:, :, 0]
-        # A compressed window completes when (pos + 1 - kernel) % stride == 0 (as DeviceKVCache).
-        done = pos + 1 - cfg.kernel_size
-        ready = (done >= 0) & (done % cfg.kernel_stride == 0)
-        j = torch.where(ready, done // cfg.kernel_stride, 0)
-        start = torch.where(ready, j * cfg.kernel_stride, 0)
-        index = (start.view(-1, 1) + torch.arange(cfg.kernel_size, device=pos.device)) % cfg.kernel_size
-        window = ring[rows.view(-1, 1), :, index]  # [B, k, H, d], oldest first
-        new_ck = window.float().mean(1).to(self.ck[layer].dtype)
-        old = self.ck[layer][rows, :, j]
-        self.ck[layer][rows, :, j] = torch.where(ready.view(-1, 1, 1), new_ck, old)
+        ref.update_compressed_keys(self.ck[layer], ring, rows, pos, cfg.kernel_size, cfg.kernel_stride, ring=True)
         if layer == self.num_layers - 1:
             self.lengths[rows] = pos + 1
 
@@ -197,8 +188,6 @@ class OffloadKVCache:
         Raises:
             SpardaError: a step that does not cover every cache row.
         """
-        from sparda import kernels
-
         if step.rows.numel() != self.batch:
             raise SpardaError("offloaded decode steps must cover every cache row")
         self._stash = None
@@ -265,7 +254,7 @@ class OffloadKVCache:
             self.v_slots[layer][row, :, self.slots, :end - first] = values[:, first:end]
         if staging is not None and layer + 1 < self.num_layers:
             staging.prefetch(layer + 1, row, start)  # the next layer's earlier chunks, while this one runs
-        j0, ck = ref.completed_compressed_keys(keys, start, end, cfg.kernel_size, cfg.kernel_stride)
+        j0, ck = kernels.completed_compressed_keys(keys, start, end, cfg.kernel_size, cfg.kernel_stride)
         self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
         pos = torch.arange(max(0, end - cfg.kernel_size), end, device=k.device)
         self.ring[layer][row, :, pos % cfg.kernel_size] = keys[:, pos]
@@ -299,12 +288,14 @@ class OffloadKVCache:
     def view(self, layer: int, rows: torch.Tensor, num_tokens: int):
         """K, V ``[b, H, num_tokens, d]`` and compressed keys ``[b, H, C, d]`` of ``rows``.
 
-        Offloaded layers: in prefill the prompt's own K/V; in decode a full copy from the
-        host (slow path, synchronises; offload-aware methods use :meth:`attend`).
+        Offloaded layers: only while their prefill chunk runs (the layer's K/V so far, from
+        :meth:`append`); in decode their K/V are read through :meth:`fetch` / :meth:`attend`
+        (the offload-aware methods of :mod:`sparda.attention.offload`), never whole.
         ``rows``: ``[b]`` int64; ``num_tokens`` in tokens; ``C = num_compressed(num_tokens)``.
 
         Raises:
-            SpardaError: ``num_tokens`` exceeds the capacity.
+            SpardaError: ``num_tokens`` exceeds the capacity, or the K/V of an offloaded layer
+                outside its prefill.
         """
         if num_tokens > self.capacity:
             raise SpardaError(f"{num_tokens} tokens exceed the cache capacity {self.capacity}")
@@ -316,15 +307,8 @@ class OffloadKVCache:
         if num_tokens == 0:
             empty = self.ck[layer].new_zeros(rows.numel(), self.ck[layer].shape[1], 0, self.ck[layer].shape[-1])
             return empty, empty, ck
-        nb = -(-num_tokens // self.block_size)
-        ks, vs = [], []
-        for chunk in self.host.chunks[layer]:
-            ks.append(chunk.k[:, :, :nb].flatten(2, 3))
-            vs.append(chunk.v[:, :, :nb].flatten(2, 3))
-        idx = rows.cpu()
-        k = torch.cat(ks)[idx, :, :num_tokens].to(self.device)
-        v = torch.cat(vs)[idx, :, :num_tokens].to(self.device)
-        return k, v, ck
+        raise SpardaError(f"layer {layer} is offloaded: its K/V are read through fetch/attend (an "
+                          "offload-aware method such as sparse-offload or sparda --offload), not view")
 
     # ---------------------------------------------------------- fetch/attend
     def fetch(self, layer: int, selection: torch.Tensor, pos: torch.Tensor, prefetch: bool = False,

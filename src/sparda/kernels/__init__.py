@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = [
     "HAS_TRITON",
     "add_rmsnorm",
+    "completed_compressed_keys",
     "compress_keys",
     "decode_attention",
     "decode_attention_slots",
@@ -45,7 +46,6 @@ __all__ = [
     "select_prefill_blocks",
     "silu_mul",
     "slot_diff",
-    "update_compressed_keys",
 ]
 
 
@@ -216,39 +216,39 @@ def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     """Compressed keys: mean of each complete window of ``kernel`` keys every ``stride`` (design §3.1).
 
     Args:
-        k: ``[B, H, T, d]`` post-RoPE keys, fp16/bf16/fp32 (the twin takes any ``[..., T, d]``).
+        k: ``[B, H, T, d]`` or ``[H, T, d]`` post-RoPE keys, fp16/bf16/fp32 (the twin takes
+            any ``[..., T, d]``); the last dim contiguous for the kernel (else copied).
         kernel, stride: window length and step in tokens.
     Returns:
-        ``[B, H, C, d]`` in ``k``'s dtype, ``C = reference.num_compressed(T, kernel, stride)``;
+        ``[..., C, d]`` in ``k``'s dtype, ``C = reference.num_compressed(T, kernel, stride)``;
         the mean is taken in fp32.
     Raises:
-        SpardaError: ``k`` not 4-D or an unsupported dtype (Triton path).
+        SpardaError: an unsupported dtype (Triton path).
     """
-    if _on_triton(k) and k.dim() == 4 and supported_head_dim(k.shape[-1]):
+    if _on_triton(k) and k.dim() in (3, 4) and supported_head_dim(k.shape[-1]):
+        if k.dim() == 3:
+            return _compress.compress_keys_triton(k[None], kernel, stride)[0]
         return _compress.compress_keys_triton(k, kernel, stride)
     return reference.compress_keys(k, kernel, stride)
 
 
-def update_compressed_keys(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
-                           kernel: int, stride: int) -> None:
-    """After a decode append, write the compressed key the newest token completes, in place.
-
-    For each sequence, if the token at ``kv_len[b] - 1`` ends window
-    ``j = (kv_len[b] - kernel) / stride`` (an integer ``>= 0`` and ``< C_max``),
-    ``ck[b, :, j]`` becomes the mean of ``k[b, :, j*stride : j*stride + kernel]``;
-    other entries are untouched. No host sync.
+def completed_compressed_keys(keys: torch.Tensor, start: int, end: int, kernel: int,
+                              stride: int) -> tuple[int, torch.Tensor]:
+    """The compressed keys that tokens ``start .. end - 1`` complete (design §3.1): windows
+    ``j0 .. j1 - 1`` with ``j0 = num_compressed(start)``, ``j1 = num_compressed(end)``
+    (a prefill chunk; ``start = 0``: every window of the prompt). The caches' prefill
+    ``append`` calls it.
 
     Args:
-        k: ``[B, H, T, d]`` keys, the new token already appended.
-        ck: ``[B, H, C_max, d]`` compressed-key buffer, dtype of ``k``.
-        kv_len: ``[B]`` keys per sequence including the new token.
-    Raises:
-        SpardaError: mismatched shapes (Triton path).
+        keys: ``[H, T, d]`` or ``[B, H, T, d]`` post-RoPE keys of positions ``0 .. T-1``,
+            ``T >= end`` (only ``keys[..., j0*stride:end, :]`` is read).
+        kernel, stride: window length and step in tokens.
+    Returns:
+        ``(j0, ck)`` with ``ck [..., j1 - j0, d]`` in ``keys``' dtype (:func:`compress_keys`:
+        the Triton kernel on CUDA, :func:`reference.compress_keys` otherwise).
     """
-    if _on_triton(k, ck, kv_len) and supported_head_dim(k.shape[-1]):
-        _compress.update_compressed_keys_triton(k, ck, kv_len, kernel, stride)
-    else:
-        twins.update_compressed_keys_reference(k, ck, kv_len, kernel, stride)
+    j0 = reference.num_compressed(start, kernel, stride)
+    return j0, compress_keys(keys[..., j0 * stride:end, :], kernel, stride)
 
 
 def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,

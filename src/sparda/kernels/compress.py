@@ -1,10 +1,11 @@
 """Compressed-key construction in Triton (design §3.1).
 
 ``compress_keys_triton`` builds all complete windows (mean over ``kernel`` keys every
-``stride`` keys) of a prefilled cache; ``update_compressed_keys_triton`` writes, after
-a decode append, the one window that the newest token completes (per sequence, no
-host sync). The twins are :func:`sparda.kernels.reference.compress_keys` and
-``twins.update_compressed_keys_reference``.
+``stride`` keys) of a prefilled chunk; the caches' prefill calls it through
+:func:`sparda.kernels.completed_compressed_keys`. Its twin is
+:func:`sparda.kernels.reference.compress_keys`. The decode-time update of the one window
+a new token completes is part of the fused RoPE + append kernel
+(:mod:`sparda.kernels.rope_append`; PyTorch: :func:`sparda.kernels.reference.update_compressed_keys`).
 """
 
 from __future__ import annotations
@@ -41,29 +42,6 @@ def _compress_kernel(
              out.to(CK.dtype.element_ty), mask=ok[:, None])
 
 
-@triton.jit
-def _update_kernel(
-    K, CK, KV_LEN, H, C_MAX,
-    stride_kb, stride_kh, stride_kt, stride_cb, stride_ch, stride_cc,
-    D: tl.constexpr, KER: tl.constexpr, STR: tl.constexpr, KER_P: tl.constexpr,
-):
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    n = tl.load(KV_LEN + b).to(tl.int64) - KER  # start of the window ending at the newest token
-    n_safe = tl.maximum(n, 0)
-    j = n_safe // STR
-    do = (n >= 0) & (n_safe % STR == 0) & (j < C_MAX)
-    offs_r = tl.arange(0, KER_P)
-    offs_d = tl.arange(0, D)
-    rows = n_safe + offs_r
-    win = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_kt + offs_d[None, :],
-                  mask=(offs_r[:, None] < KER) & do, other=0.0).to(tl.float32)
-    out = tl.sum(win, 0) / KER
-    tl.store(CK + b * stride_cb + h * stride_ch + j * stride_cc + offs_d, out.to(CK.dtype.element_ty),
-             mask=do & (offs_d < D))
-
-
 def _check_k(k: torch.Tensor) -> None:
     tl_float_dtype_ok(k, "k")
     if k.dim() != 4:
@@ -92,27 +70,3 @@ def compress_keys_triton(k: torch.Tensor, kernel: int, stride: int) -> torch.Ten
         ck.stride(0), ck.stride(1), ck.stride(2),
         D=d, KER=kernel, STR=stride, CK_T=_CK_TILE, num_warps=4)
     return ck
-
-
-def update_compressed_keys_triton(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
-                                  kernel: int, stride: int) -> None:
-    """In place: write ``ck[b, h, j]`` if the token at ``kv_len[b] - 1`` completes window ``j`` (design §3.1).
-
-    ``k [B, H, T, d]`` fp16/bf16/fp32; ``ck [B, H, C_max, d]`` buffer; ``kv_len [B]`` int
-    tokens including the new one; ``kernel``/``stride`` in tokens.
-
-    Raises:
-        SpardaError: bad ``k`` (rank, dtype, head dim) or ``ck`` not a matching buffer
-            with a contiguous last dim.
-    """
-    _check_k(k)
-    if ck.dim() != 4 or ck.shape[:2] != k.shape[:2] or ck.shape[-1] != k.shape[-1] or ck.stride(-1) != 1:
-        raise SpardaError(f"ck must be a [B, H, C_max, d] buffer (last dim contiguous) matching k "
-                          f"{tuple(k.shape)}, got {tuple(ck.shape)}")
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    bsz, heads, _, d = k.shape
-    _update_kernel[(bsz * heads,)](
-        k, ck, kv_len.contiguous(), heads, ck.shape[2], k.stride(0), k.stride(1), k.stride(2),
-        ck.stride(0), ck.stride(1), ck.stride(2),
-        D=d, KER=kernel, STR=stride, KER_P=max(2, 1 << (kernel - 1).bit_length()), num_warps=4)

@@ -67,20 +67,36 @@ def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     return windows.mean(-1).to(k.dtype)
 
 
-def completed_compressed_keys(keys: torch.Tensor, start: int, end: int, kernel: int,
-                              stride: int) -> tuple[int, torch.Tensor]:
-    """The compressed keys that tokens ``start .. end - 1`` complete (design §3.1): windows
-    ``j0 .. j1 - 1`` with ``j0 = num_compressed(start)``, ``j1 = num_compressed(end)``
-    (a prefill chunk; ``start = 0``: every window of the prompt).
+def update_compressed_keys(ck: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                           kernel: int, stride: int, ring: bool = False) -> None:
+    """After a decode append, write the compressed key that each row's new token completes,
+    in place (design §3.1; no host sync, static shapes).
+
+    The token at ``pos`` completes window ``j`` when ``pos + 1 - kernel = j * stride`` with
+    ``0 <= j < C_cap``; then ``ck[row, :, j]`` becomes the fp32 mean of the window's
+    ``kernel`` keys (oldest first, as :func:`compress_keys` averages them), cast to ``ck``'s
+    dtype. Other entries, and rows whose token completes no window, are left as they are.
+    The one PyTorch form of this update: both caches' decode ``append`` and the twin of the
+    fused RoPE + append kernel (:func:`sparda.kernels.twins.rope_append_reference`) call it.
 
     Args:
-        keys: ``[..., T, d]`` post-RoPE keys of positions ``0 .. T-1``, ``T >= end`` (only
-            ``keys[..., j0*stride:end, :]`` is read).
-    Returns:
-        ``(j0, ck)`` with ``ck [..., j1 - j0, d]`` in ``keys``' dtype (:func:`compress_keys`).
+        ck: ``[B_all, H, C_cap, d]`` compressed-key buffer, written in place.
+        keys: the layer's keys with this step's token already written, ``[B_all, H, T, d]``
+            (the window is read at positions ``j*stride ..``, clamped to ``T - 1``), or with
+            ``ring`` the last ``kernel`` keys ``[B_all, H, kernel, d]``, key ``t`` at
+            ``t % kernel``.
+        rows: ``[B]`` int64 cache rows of this step; pos: ``[B]`` int64 token positions.
+        kernel, stride: window length and step in tokens.
     """
-    j0 = num_compressed(start, kernel, stride)
-    return j0, compress_keys(keys[..., j0 * stride:end, :], kernel, stride)
+    done = pos + 1 - kernel  # the window's first token
+    j = done.clamp(min=0) // stride
+    ready = (done >= 0) & (done % stride == 0) & (j < ck.shape[2])
+    j = torch.where(ready, j, 0)
+    index = (j * stride).view(-1, 1) + torch.arange(kernel, device=pos.device)
+    index = index % kernel if ring else index.clamp(max=keys.shape[2] - 1)
+    window = keys[rows.view(-1, 1), :, index]  # [B, kernel, H, d], oldest first
+    new = window.float().mean(1).to(ck.dtype)  # [B, H, d]
+    ck[rows, :, j] = torch.where(ready.view(-1, 1, 1), new, ck[rows, :, j])
 
 
 def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """PyTorch twins of the kernels whose interface differs from :mod:`reference`.
 
 Everything here is built from :mod:`sparda.kernels.reference` (decode selection, decode
-attention from a block-id list) or is a small fp32 twin of its own (the slot-buffer
-decode and the incremental compressed-key update). No Triton: the CPU runtime and the
+attention from a block-id list, the compressed-key update of the fused append) or is a
+small fp32 twin of its own (the slot-buffer decode). No Triton: the CPU runtime and the
 dispatch fallbacks in :mod:`sparda.kernels` use these directly.
 """
 
@@ -165,26 +165,6 @@ def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: t
     return torch.einsum("bhgk,bhkd->bhgd", probs, v_sel).to(q.dtype)
 
 
-def update_compressed_keys_reference(k: torch.Tensor, ck: torch.Tensor, kv_len: torch.Tensor,
-                                     kernel: int, stride: int) -> None:
-    """PyTorch twin of :func:`update_compressed_keys_triton` (in place, no host sync, design §3.1).
-
-    ``k [B, H, T, d]``, ``ck [B, H, C_max, d]`` (written in place, its dtype),
-    ``kv_len [B]`` int tokens including the new one; ``kernel``/``stride`` in tokens.
-    No shape checks.
-    """
-    n = kv_len.long() - kernel
-    j = n.clamp(min=0) // stride
-    do = (n >= 0) & (n.clamp(min=0) % stride == 0) & (j < ck.shape[2])
-    rows = (n.clamp(min=0).view(-1, 1) + torch.arange(kernel, device=k.device)).clamp(max=k.shape[2] - 1)
-    idx = rows.view(-1, 1, kernel, 1).expand(-1, k.shape[1], -1, k.shape[3])
-    win = torch.gather(k, 2, idx).float().mean(2).to(ck.dtype)  # [B, H, d]
-    jc = j.clamp(max=ck.shape[2] - 1).view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
-    old = torch.gather(ck, 2, jc)[:, :, 0]
-    new = torch.where(do.view(-1, 1, 1), win, old)
-    ck.scatter_(2, jc, new[:, :, None])
-
-
 def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
     """Diff a selection against the resident slots (device-side, static shapes).
 
@@ -275,19 +255,10 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         r, blk, off = rows.to(hd), (pos // block_size).to(hd), (pos % block_size).to(hd)
         host[0][r, :, blk, off] = k.to(hd, host[0].dtype)
         host[1][r, :, blk, off] = v.to(hd, host[1].dtype)
-    done = pos + 1 - kernel
-    j = done.clamp(min=0) // stride
-    ready = (done >= 0) & (done % stride == 0) & (j < ck.shape[2])
     if ring is not None:
         ring[rows, :, pos % kernel] = k.to(ring.dtype)
-        window = ring.float()  # [B, H, kernel, d]: the last `kernel` keys
-    else:
-        start = (j * stride).view(-1, 1) + torch.arange(kernel, device=pos.device)
-        start = start.clamp(max=k_dst.shape[2] - 1)
-        window = k_dst[rows.view(-1, 1), :, start].float().transpose(1, 2)  # [B, H, kernel, d]
-    new = window.mean(2).to(ck.dtype)
-    jc = j.clamp(max=ck.shape[2] - 1)
-    ck[rows, :, jc] = torch.where(ready.view(-1, 1, 1), new, ck[rows, :, jc])
+    reference.update_compressed_keys(ck, k_dst if ring is None else ring, rows, pos, kernel, stride,
+                                     ring=ring is not None)
     if lengths is not None:
         lengths.copy_(pos + 1)
 

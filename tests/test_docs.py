@@ -1,0 +1,47 @@
+"""The code, ``--help`` and docs cite the project's own design document (U10).
+
+Every ``§N`` / ``§N.M`` citation in the package, README.md and docs/*.md must name a
+section heading of docs/design.md, and nothing may cite the SPEC that users do not have.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CITATION = re.compile(r"§\s?(\d+(?:\.\d+)?)(?:\s?[-–]\s?(\d+(?:\.\d+)?))?")
+
+
+def _texts():
+    files = sorted((ROOT / "src" / "sparda").rglob("*.py")) + [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    assert len(files) > 20
+    return [(path.relative_to(ROOT), path.read_text(encoding="utf-8")) for path in files]
+
+
+def _design_sections() -> set[str]:
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    return set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", text, flags=re.M))
+
+
+def test_design_sections_are_numbered():
+    sections = _design_sections()
+    assert {"1", "3", "3.1", "3.4", "3.6", "4", "5", "6", "8"} <= sections
+
+
+def test_no_spec_citations():
+    found = [f"{path}:{text[:m.start()].count(chr(10)) + 1}"
+             for path, text in _texts() for m in re.finditer(r"\bSPEC\b", text)]
+    assert not found, found
+
+
+def test_every_citation_names_a_design_section():
+    sections = _design_sections()
+    bad, seen = [], 0
+    for path, text in _texts():
+        for m in CITATION.finditer(text):
+            seen += 1
+            for number in filter(None, m.groups()):
+                if number.rstrip(".") not in sections:
+                    bad.append(f"{path}:{text[:m.start()].count(chr(10)) + 1}: §{number}")
+    assert seen > 100 and not bad, bad  # about 280 citations today
