@@ -10,7 +10,7 @@ Derived columns (:func:`derived`), for one decode step:
 
 * ``launches_per_layer`` = ``kernels_per_step / num_layers`` (embedding, final norm and
   LM head included, so a lower bound is a little above the per-layer count);
-* ``roof_x`` = ``tpot_ms / roofline_tpot_ms`` (design §10's roofline, bench/roofline.py);
+* ``roof_x`` = ``tpot_ms / roofline_tpot_ms`` (the roofline of bench/roofline.py, docs/bench.md);
 * ``tpot_per_kernel`` = ``tpot_ms / gpu_kernel_ms`` (below 1 where the copy stream overlaps);
 * ``exposed_pct`` = ``100 * exposed_wait_ms / tpot_ms``;
 * ``overlap_efficiency`` = ``(compute + transfer - tpot) / min(compute, transfer)`` with
