@@ -114,7 +114,8 @@ def tiny(make_tiny):
 
 
 def _lockstep(ref_llm, off_llm, prompt: list[int], steps: int):
-    """Greedy decode feeding the reference's tokens to both; worst logits rel. error, same argmax."""
+    """Greedy decode feeding the reference's tokens to both: worst logits rel. error, the
+    fraction of steps whose argmax agrees, the second cache."""
     caches, firsts = [], []
     for llm in (ref_llm, off_llm):
         llm.method.reset()
@@ -122,19 +123,69 @@ def _lockstep(ref_llm, off_llm, prompt: list[int], steps: int):
         firsts.append(llm.prefill(cache, 0, prompt)[-1:])
         caches.append(cache)
     rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
-    worst, same = rel(firsts[1], firsts[0]), True
+    worst, agree = rel(firsts[1], firsts[0]), 0
     tokens, positions = firsts[0].argmax(-1), torch.tensor([len(prompt)])
     for _ in range(steps):
         a, b = ref_llm.decode(caches[0], tokens, positions), off_llm.decode(caches[1], tokens, positions)
-        worst, same = max(worst, rel(b, a)), same and bool((a.argmax(-1) == b.argmax(-1)).all())
+        worst, agree = max(worst, rel(b, a)), agree + int((a.argmax(-1) == b.argmax(-1)).all())
         tokens, positions = a.argmax(-1), positions + 1
-    return worst, same, caches[1]
+    return worst, agree / steps, caches[1]
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_offloaded_attention_equals_on_device(kv_dtype):
+    """The same K/V appended to an on-device and an offloaded cache (two prefill chunks,
+    then decode steps), the same random selections: decode attention over the fetched
+    slots (host store -> gather of data and scales -> dequantising attention) equals
+    attention over the on-device cache, and the host holds the on-device bytes."""
+    from sparda import kernels
+
+    cfg = SelectionConfig(**SMALL)
+    b, h, g, d, cap, prompt, steps = 2, 2, 3, 16, 200, 70, 60
+    dev = DeviceKVCache(1, b, h, d, cap, cfg, torch.float32, "cpu", kv_dtype=kv_dtype)
+    off = OffloadKVCache(1, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync", kv_dtype=kv_dtype)
+    k_all, v_all = _awkward((b, h, cap, d)), _awkward((b, h, cap, d))
+    for cache in (dev, off):
+        for row in range(b):
+            for start, end in ((0, 45), (45, prompt)):
+                cache.append(0, k_all[row:row + 1, :, start:end], v_all[row:row + 1, :, start:end],
+                             _step("prefill", torch.tensor([row]), torch.arange(start, end).view(1, -1), end))
+    rows = torch.arange(b)
+    worst = 0.0
+    for pos in range(prompt, prompt + steps):
+        step = _step("decode", rows, torch.full((b, 1), pos), cap)
+        for cache in (dev, off):
+            cache.append(0, k_all[:, :, pos:pos + 1], v_all[:, :, pos:pos + 1], step)
+        cur = pos // cfg.block_size
+        ids = torch.full((b, h, off.slots), -1, dtype=torch.long)
+        for r in range(b):
+            for head in range(h):
+                chosen = torch.randperm(cur)[:off.slots - 1].sort().values
+                ids[r, head, :len(chosen) + 1] = torch.cat([chosen, torch.tensor([cur])])
+        q = torch.randn(b, h, g, d)
+        kv_len, p = torch.full((b,), pos + 1), torch.full((b,), pos)
+        off.fetch(0, ids, p)
+        got = off.attend(0, q, kv_len, p)
+        want = kernels.decode_attention(q, dev.k[0], dev.v[0], ids, kv_len, cfg.block_size)
+        worst = max(worst, ((got.double() - want.double()).norm() / want.double().norm()).item())
+    assert worst <= 1e-5
+    assert off.prefetcher.stats(steps)["misses"] > 0
+    n = prompt + steps
+    for store, full in ((off.host.chunks[0][0].k, dev.k[0]), (off.host.chunks[0][0].v, dev.v[0])):
+        host = store.flatten(2, 3)[:, :, :n]
+        host, full = quant.as_float(host, torch.float32), quant.as_float(full[:, :, :n], torch.float32)
+        assert torch.equal(host, full)  # the host store holds the on-device bytes
 
 
 @pytest.mark.parametrize("kv_dtype,resident", [("bf16", ()), ("int8", ()), ("int4", (0,))])
-def test_offloaded_equals_on_device(tiny, kv_dtype, resident):
-    """sparse-offload (host store, slots, gather of data + scales; chunked prefill) gives
-    the on-device sparse logits for every KV dtype (fp32)."""
+def test_offloaded_model_follows_on_device(tiny, kv_dtype, resident):
+    """sparse-offload (host store, slots, gather of data + scales; chunked prefill) on a
+    tiny model against on-device sparse, greedy tokens fed to both. bf16: equal logits
+    (fp32). Quantised: the two paths' attention twins sum in different orders (~1e-7),
+    and a value that lands within that of a rounding boundary of the quantiser is stored
+    one step apart in the next layer (seen in 2 of 12 int8 runs), so the bound is that of
+    a few such steps and most greedy tokens must agree; the exact equality of the stored
+    bytes and of the attention over them is the test above."""
     from sparda.engine.llm import LLM
 
     common = dict(device="cpu", sparse_prefill=True, kv_dtype=kv_dtype, prefill_chunk_tokens=56, **SMALL)
@@ -142,13 +193,12 @@ def test_offloaded_equals_on_device(tiny, kv_dtype, resident):
     off = LLM(str(tiny), method="sparse-offload", **common)
     off.method.resident_layers = resident
     prompt = torch.randint(100, 20000, (150,)).tolist()
-    worst, same, cache = _lockstep(on_device, off, prompt, 80)
-    # Typically <= 1e-6; the two paths' attention twins sum in different orders, and once
-    # in about 20 runs that flips a near-tie of block scores (8e-5 seen): hence 1e-4. The
-    # stored bytes themselves are compared exactly above.
-    assert worst <= 1e-4 and same
-    stats = cache.offload_stats(80)
-    assert stats["misses"] > 0
+    worst, agree, cache = _lockstep(on_device, off, prompt, 80)
+    if kv_dtype == "bf16":
+        assert worst <= 1e-5 and agree == 1.0
+    else:
+        assert worst <= 2e-2 and agree >= 0.9, (worst, agree)
+    assert cache.offload_stats(80)["misses"] > 0
     token = quant.token_bytes(off.shape.head_dim, kv_dtype, torch.float32)
     assert cache.host.block_bytes == SMALL["block_size"] * token  # the bytes the gather moves per block
 
