@@ -12,7 +12,7 @@ import sys
 import click
 
 from sparda import __version__
-from sparda.config import METHODS, PRESETS
+from sparda.config import KV_DTYPES, METHODS, PRESETS
 from sparda.errors import SpardaError
 from sparda.io import os_reason, read_text
 
@@ -90,6 +90,9 @@ def model_options(func):
                           "sparda-no-prefetch always offload]."),
         click.option("--forecast", default=None,
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
+        click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+                     help="KV-cache storage: bf16 (the model dtype), or int8/int4 quantised per token and head "
+                          "(docs/kv_quant.md) [default: bf16]."),
         click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
                      help="Block-sparse methods: select blocks in prefill too, or prefill densely and "
                           "select in decode only [default: dense at --preset small, block-sparse at paper]."),
@@ -238,6 +241,8 @@ def _print_stream(deltas, count: int) -> None:
 @click.option("--offload/--no-offload", default=None,
               help="KV cache in host memory, selected blocks on the device (design §6) [default: as generate].")
 @click.option("--forecast", default=None, help="Forecast weights (.safetensors) for method sparda.")
+@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+              help="KV-cache storage: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md) [default: bf16].")
 @click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
               help="Block-sparse methods: select in prefill too, or prefill densely [default: dense at "
                    "--preset small, block-sparse at paper].")
@@ -258,7 +263,7 @@ def _print_stream(deltas, count: int) -> None:
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def serve(model, method, preset, offload, forecast, sparse_prefill, device, dtype, eager, host, port, max_batch,
+def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, device, dtype, eager, host, port, max_batch,
           max_model_len, max_waiting, served_model_name, drain_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.attention.forecast import model_name
@@ -267,7 +272,7 @@ def serve(model, method, preset, offload, forecast, sparse_prefill, device, dtyp
 
     sock = bind_socket(host, port)  # a busy port fails before the model loads
     llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype, eager=eager,
-                    offload=offload, forecast=forecast, sparse_prefill=sparse_prefill)
+                    offload=offload, forecast=forecast, sparse_prefill=sparse_prefill, kv_dtype=kv_dtype)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
     name = served_model_name or model_name(llm.model_dir) or model or "sparda"
     bound_host, bound_port = sock.getsockname()[:2]
@@ -344,6 +349,9 @@ def _csv(kind):
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None)
+@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+              help="KV-cache storage of every method: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md) "
+                   "[default: bf16].")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
               help="Block-sparse methods in the generation tasks: select in prefill too, or prefill densely "

@@ -30,6 +30,10 @@ METHODS = (
     "shallow",
 )
 
+#: KV-cache storage types (docs/kv_quant.md): ``bf16`` = the model dtype (no quantisation),
+#: ``int8`` / ``int4`` = quantised per token and head (:mod:`sparda.kernels.quant`).
+KV_DTYPES = ("bf16", "int8", "int4")
+
 #: Named selection presets, design §3.
 PRESETS: dict[str, dict[str, int]] = {
     "paper": dict(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1,

@@ -84,8 +84,7 @@ def is_oom(exc: BaseException) -> bool:
 def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` the KV cache of a point needs (K and V only)."""
     s, cfg = llm.shape, llm.config.selection
-    elem = torch.empty((), dtype=llm.dtype).element_size()
-    per_layer = 2 * batch * s.num_kv_heads * s.head_dim * elem
+    per_layer = batch * llm.kv_bytes_per_token() // s.num_layers  # K and V of one layer, in kv_dtype
     if llm.config.method in HOST_KV:
         blocks = -(-capacity // cfg.block_size)
         host = (s.num_layers - 1) * per_layer * blocks * cfg.block_size

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from sparda.kernels import quant
+
 
 class PrefillStaging:
     """Device buffers and host writes of one chunked prefill (see the module docstring).
@@ -32,11 +34,14 @@ class PrefillStaging:
         dtype, device: of the buffers.
         asynchronous: on CUDA, copy on a side stream (else on the compute stream,
             synchronously, as the CPU).
+        kv_dtype: ``bf16``, or ``int8``/``int4``: the buffers hold the host's quantised
+            bytes (:class:`~sparda.kernels.quant.QuantizedKV`) and :meth:`write` takes them.
     """
 
     def __init__(self, host, offloaded, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device, asynchronous: bool) -> None:
+                 dtype: torch.dtype, device: torch.device, asynchronous: bool, kv_dtype: str = "bf16") -> None:
         self.host = host
+        self.kv_dtype = kv_dtype
         self.offloaded = tuple(offloaded)
         self.shape = (num_kv_heads, capacity, head_dim)
         self.dtype, self.device = dtype, device
@@ -49,8 +54,12 @@ class PrefillStaging:
         without a side stream), allocated on first use."""
         count = 2 if self.stream is not None else 1
         while len(self.buffers) < count:
-            self.buffers.append((torch.empty(self.shape, dtype=self.dtype, device=self.device),
-                                 torch.empty(self.shape, dtype=self.dtype, device=self.device)))
+            if quant.is_quantized(self.kv_dtype):
+                self.buffers.append((quant.QuantizedKV.zeros(self.shape, self.kv_dtype, self.device),
+                                     quant.QuantizedKV.zeros(self.shape, self.kv_dtype, self.device)))
+            else:
+                self.buffers.append((torch.empty(self.shape, dtype=self.dtype, device=self.device),
+                                     torch.empty(self.shape, dtype=self.dtype, device=self.device)))
         return self.buffers[self.offloaded.index(layer) % count]
 
     def _read(self, layer: int, row: int, start: int) -> None:

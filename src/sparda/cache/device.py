@@ -11,7 +11,35 @@ import torch
 from sparda import kernels
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
+from sparda.kernels import quant
 from sparda.kernels import reference as ref
+
+
+def window_keys(ring: torch.Tensor, keys: torch.Tensor, start: int, end: int, kernel: int,
+                stride: int) -> tuple[int, torch.Tensor]:
+    """:func:`~sparda.kernels.reference.completed_compressed_keys` of a prefill chunk from
+    full-precision keys only (a quantised cache, docs/kv_quant.md): the keys of tokens
+    ``j0 * stride .. start - 1`` that the chunk's windows reach back to come from ``ring``
+    (the row's last ``kernel`` keys, token ``p`` at ``p % kernel``), the rest from the chunk.
+
+    Args:
+        ring: ``[H, kernel, d]`` one row's ring (full precision, filled up to ``start``).
+        keys: ``[H, end - start, d]`` the chunk's post-RoPE keys.
+        start, end, kernel, stride: tokens.
+    Returns:
+        ``(j0, ck [H, C, d])`` in ``keys``' dtype.
+    """
+    j0 = ref.num_compressed(start, kernel, stride)
+    lo = min(j0 * stride, start)
+    before = ring[:, torch.arange(lo, start, device=ring.device) % kernel]
+    return j0, ref.compress_keys(torch.cat([before.to(keys.dtype), keys], -2), kernel, stride)
+
+
+def fill_ring(ring: torch.Tensor, keys: torch.Tensor, start: int, end: int, kernel: int) -> None:
+    """Write a prefill chunk's last ``kernel`` keys (``keys [H, end - start, d]``, tokens
+    ``start .. end - 1``) into one row's ring ``[H, kernel, d]`` (token ``p`` at ``p % kernel``)."""
+    pos = torch.arange(max(start, end - kernel), end, device=ring.device)
+    ring[:, pos % kernel] = keys[:, pos - start].to(ring.dtype)
 
 
 class DeviceKVCache:
@@ -24,25 +52,35 @@ class DeviceKVCache:
         num_layers, batch, num_kv_heads, head_dim: shape.
         capacity: tokens per row.
         selection: kernel/stride of the compressed keys.
-        dtype, device: storage.
+        dtype, device: storage (``dtype``: of the compressed keys and of what :meth:`view` returns).
+        kv_dtype: ``bf16`` (K/V in ``dtype``) or ``int8``/``int4``: K/V quantised on append
+            (:class:`~sparda.kernels.quant.QuantizedKV`, docs/kv_quant.md), dequantised by
+            :meth:`view`; the compressed keys are computed from the unquantised keys (a ring
+            ``[B, H, kernel, d]`` of the last ``kernel`` keys per row, in ``dtype``).
     Raises:
         SpardaError: if the cache does not fit in memory (bytes needed are named).
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, kv_dtype: str = "bf16") -> None:
         self.selection = selection
+        self.kv_dtype = kv_dtype = quant.check_kv_dtype(kv_dtype)
+        self.dtype = dtype
         self.capacity = capacity
         self.num_ck_capacity = ref.num_compressed(capacity, selection.kernel_size, selection.kernel_stride)
         shape = (batch, num_kv_heads, capacity, head_dim)
         ck_shape = (batch, num_kv_heads, max(self.num_ck_capacity, 1), head_dim)
         try:
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.k = [quant.kv_zeros(shape, kv_dtype, dtype, device) for _ in range(num_layers)]
+            self.v = [quant.kv_zeros(shape, kv_dtype, dtype, device) for _ in range(num_layers)]
             self.ck = [torch.zeros(ck_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            #: quantised caches: per layer ``[B, H, kernel, d]`` the last ``kernel`` unquantised keys
+            self.ring = None if not quant.is_quantized(kv_dtype) else [
+                torch.zeros(batch, num_kv_heads, selection.kernel_size, head_dim, dtype=dtype, device=device)
+                for _ in range(num_layers)]
         except (RuntimeError, MemoryError) as exc:
-            need = 2 * num_layers * batch * num_kv_heads * capacity * head_dim * torch.finfo(dtype).bits // 8
+            need = 2 * num_layers * batch * num_kv_heads * capacity * quant.token_bytes(head_dim, kv_dtype, dtype)
             raise SpardaError(
                 f"KV cache of {need / 2**30:.2f} GiB does not fit on {device}; use a smaller batch or context"
             ) from exc
@@ -51,12 +89,13 @@ class DeviceKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by K and V (compressed keys excluded)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes held by K and V (compressed keys excluded; quantised data and scales)."""
+        return sum(t.nbytes for t in self.k + self.v)
 
     def used_bytes(self) -> int:
         """Bytes of K and V actually filled, summed over rows and layers."""
-        per_token = 2 * len(self.k) * self.k[0].shape[1] * self.k[0].shape[3] * self.k[0].element_size()
+        heads, d = self.k[0].shape[1], self.k[0].shape[3]
+        per_token = 2 * len(self.k) * heads * quant.token_bytes(d, self.kv_dtype, self.dtype)
         return int(self.lengths.sum().item()) * per_token
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
@@ -80,8 +119,12 @@ class DeviceKVCache:
             start = end - k.shape[-2]
             self.k[layer][row, :, start:end] = k[0]
             self.v[layer][row, :, start:end] = v[0]
-            j0, ck = kernels.completed_compressed_keys(self.k[layer][row], start, end, cfg.kernel_size,
-                                                      cfg.kernel_stride)
+            if self.ring is not None:  # quantised: compressed keys from the unquantised keys
+                j0, ck = window_keys(self.ring[layer][row], k[0], start, end, cfg.kernel_size, cfg.kernel_stride)
+                fill_ring(self.ring[layer][row], k[0], start, end, cfg.kernel_size)
+            else:
+                j0, ck = kernels.completed_compressed_keys(self.k[layer][row], start, end, cfg.kernel_size,
+                                                           cfg.kernel_stride)
             self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
             if layer == len(self.k) - 1:
                 self.lengths[row] = end
@@ -90,7 +133,12 @@ class DeviceKVCache:
         pos = step.q_pos[:, 0]
         self.k[layer][rows, :, pos] = k[:, :, 0]
         self.v[layer][rows, :, pos] = v[:, :, 0]
-        ref.update_compressed_keys(self.ck[layer], self.k[layer], rows, pos, cfg.kernel_size, cfg.kernel_stride)
+        if self.ring is not None:  # quantised: compressed keys from the ring of unquantised keys
+            self.ring[layer][rows, :, pos % cfg.kernel_size] = k[:, :, 0].to(self.dtype)
+            ref.update_compressed_keys(self.ck[layer], self.ring[layer], rows, pos, cfg.kernel_size,
+                                       cfg.kernel_stride, ring=True)
+        else:
+            ref.update_compressed_keys(self.ck[layer], self.k[layer], rows, pos, cfg.kernel_size, cfg.kernel_stride)
         if layer == len(self.k) - 1:
             self.lengths[rows] = pos + 1
 
@@ -102,6 +150,9 @@ class DeviceKVCache:
 
         Returns ``(q [B, H_q, d], f [B, num_f, H_kv, d] or None)`` in the cache dtype.
         """
+        if self.ring is not None:
+            raise SpardaError("the fused decode step does not write a quantised KV cache yet; "
+                              "use fused_decode=False or kv_dtype='bf16'")
         cfg = self.selection
         bsz, heads, _, d = self.k[layer].shape
         q = qkv.new_empty(bsz, heads * group, d)
@@ -123,7 +174,7 @@ class DeviceKVCache:
             layer: layer index. rows: ``[b]`` int64 cache rows (all rows: views, no copy).
             num_tokens: tokens to expose; ``C = num_compressed(num_tokens)``.
         Returns:
-            ``(k, v, ck)`` in the cache dtype.
+            ``(k, v, ck)`` in the cache dtype (a quantised cache: K/V dequantised, a copy).
         Raises:
             SpardaError: ``num_tokens`` exceeds the capacity.
         """
@@ -131,7 +182,7 @@ class DeviceKVCache:
             raise SpardaError(f"{num_tokens} tokens exceed the cache capacity {self.capacity}")
         num_ck = self.num_compressed(num_tokens)
         if rows.numel() == self.k[layer].shape[0]:
-            return (self.k[layer][:, :, :num_tokens], self.v[layer][:, :, :num_tokens],
-                    self.ck[layer][:, :, :num_ck])
-        return (self.k[layer][rows, :, :num_tokens], self.v[layer][rows, :, :num_tokens],
-                self.ck[layer][rows, :, :num_ck])
+            k, v, ck = self.k[layer][:, :, :num_tokens], self.v[layer][:, :, :num_tokens], self.ck[layer][:, :, :num_ck]
+        else:
+            k, v, ck = self.k[layer][rows, :, :num_tokens], self.v[layer][rows, :, :num_tokens], self.ck[layer][rows, :, :num_ck]
+        return quant.as_float(k, self.dtype), quant.as_float(v, self.dtype), ck

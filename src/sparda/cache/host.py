@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from sparda.errors import SpardaError
+from sparda.kernels import quant
 
 #: Default upper bound of one allocation (bytes).
 DEFAULT_CHUNK_BYTES = 4 << 30
@@ -38,13 +39,23 @@ class HostChunk:
 
     Attributes:
         row0, row1: the rows it holds (cache row indices).
-        k, v: ``[row1 - row0, H_kv, num_blocks, block_size, d]`` host tensors.
+        k, v: ``[row1 - row0, H_kv, num_blocks, block_size, d]`` host tensors, or
+            :class:`~sparda.kernels.quant.QuantizedKV` of that logical shape (quantised cache).
     """
 
     row0: int
     row1: int
     k: torch.Tensor
     v: torch.Tensor
+
+    def planes(self) -> list["HostChunk"]:
+        """The chunk as plain-tensor chunks, one per stored plane: itself (unquantised), or
+        the quantised data ``[R, H, N, bs, d']`` uint8 then the scales ``[R, H, N, bs, 2]``
+        fp32 (what the transfer engines move, one plane at a time)."""
+        if isinstance(self.k, quant.QuantizedKV):
+            return [HostChunk(self.row0, self.row1, self.k.data, self.v.data),
+                    HostChunk(self.row0, self.row1, self.k.scale, self.v.scale)]
+        return [self]
 
 
 def available_host_bytes() -> int | None:
@@ -116,6 +127,8 @@ class HostKVStore:
         num_blocks: blocks per row (``ceil(capacity / block_size)``). block_size: tokens.
         dtype: element type. pin: page-lock the memory (for a CUDA device).
         chunk_bytes: largest single allocation; a row larger than this gets its own chunk.
+        kv_dtype: ``bf16`` (``dtype`` elements) or ``int8``/``int4``: blocks stored quantised
+            with their scales (:mod:`sparda.kernels.quant`; every size counts those bytes).
     Raises:
         SpardaError: if the memory is not available; the message names the bytes needed
             and available and suggests a smaller batch or context.
@@ -123,25 +136,32 @@ class HostKVStore:
 
     def __init__(self, layers, batch: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, pin: bool,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, kv_dtype: str = "bf16") -> None:
         self.layers = tuple(layers)
+        self.kv_dtype = kv_dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.pinned = pin
-        elem = torch.empty((), dtype=dtype).element_size()
-        #: bytes of one block of one head (K or V alone)
-        self.block_bytes = block_size * head_dim * elem
+        #: bytes of one block of one head (K or V alone; data and scales if quantised)
+        self.block_bytes = block_size * quant.token_bytes(head_dim, kv_dtype, dtype)
         row_bytes = num_kv_heads * num_blocks * self.block_bytes
         need = 2 * len(self.layers) * batch * row_bytes
         free = available_host_bytes()
         if free is not None and need > (0.95 * free if pin else free):  # refuse rather than be killed by the OS
             raise SpardaError(self._message(need, free))
-        spans = chunk_rows(batch, row_bytes, chunk_bytes, row_bytes // elem)
+        data_dim = quant.packed_dim(head_dim, kv_dtype)  # elements per token: the largest plane's
+        spans = chunk_rows(batch, row_bytes, chunk_bytes, num_kv_heads * num_blocks * block_size * data_dim)
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.chunks: dict[int, list[HostChunk]] = {}
 
-        def zeros(rows: int) -> torch.Tensor:
-            return pinned_zeros((rows, *shape), dtype) if pin else torch.zeros((rows, *shape), dtype=dtype)
+        def plane(shape, dtype) -> torch.Tensor:
+            return pinned_zeros(shape, dtype) if pin else torch.zeros(shape, dtype=dtype)
+
+        def zeros(rows: int):  # quantised: a data plane and a scale plane (sparda.kernels.quant)
+            if not quant.is_quantized(kv_dtype):
+                return plane((rows, *shape), dtype)
+            return quant.QuantizedKV(plane((rows, *shape[:-1], data_dim), torch.uint8),
+                                     plane((rows, *shape[:-1], quant.SCALE_DIM), quant.SCALE_DTYPE), kv_dtype)
 
         try:
             for layer in self.layers:
@@ -163,17 +183,19 @@ class HostKVStore:
                 "or --no-offload (offload=False) to keep the KV cache on the GPU")
 
     def write_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
-        """Write ``k, v [H_kv, T, d]`` (any device) as tokens ``start .. start+T-1`` of ``row``
+        """Write ``k, v [H_kv, T, d]`` (any device; quantised here if the store is) as tokens ``start .. start+T-1`` of ``row``
         (prefill, synchronously; a chunked prefill passes the chunk's ``start``).
 
         Raises:
             SpardaError: ``row`` is outside the cache (internal error).
         """
         t = k.shape[-2]
+        if quant.is_quantized(self.kv_dtype) and not isinstance(k, quant.QuantizedKV):  # on the source device
+            k, v = quant.QuantizedKV.quantize(k, self.kv_dtype), quant.QuantizedKV.quantize(v, self.kv_dtype)
         for dst, src in zip(self.token_views(layer, row), (k, v)):
             for head in range(dst.shape[0]):  # contiguous per head: one direct DMA each
-                dst[head, start:start + t].copy_(src[head], non_blocking=src.is_cuda and dst.is_pinned())
-        if k.is_cuda:
+                dst[head, start:start + t].copy_(src[head], non_blocking=src.device.type == "cuda" and self.pinned)
+        if k.device.type == "cuda":
             torch.cuda.current_stream(k.device).synchronize()  # the source may be freed next
 
     def token_views(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,12 +23,14 @@ import contextlib
 
 import torch
 
+from sparda.cache.device import fill_ring, window_keys
 from sparda.cache.host import DEFAULT_CHUNK_BYTES, HostKVStore
 from sparda.cache.prefetch import Prefetcher
 from sparda.cache.transfer import make_engine
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
 from sparda import kernels
+from sparda.kernels import quant
 from sparda.kernels import reference as ref
 
 
@@ -54,6 +56,9 @@ class OffloadKVCache:
         chunk_bytes: largest host allocation.
         engine_options: passed to the engine (``num_ctas``, ``num_warps``, ``tile``).
         timing: measure copy and exposed-wait time (:class:`~sparda.cache.prefetch.Prefetcher`).
+        kv_dtype: ``bf16`` or ``int8``/``int4``: the host store, the slot buffers and the
+            resident layers hold quantised K/V plus scales (docs/kv_quant.md); the gather
+            moves those bytes; compressed keys and the ring stay in ``dtype``.
     Raises:
         SpardaError: host or device memory does not suffice (bytes named), bad engine.
     """
@@ -62,8 +67,10 @@ class OffloadKVCache:
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
-                 timing: bool = False) -> None:
+                 timing: bool = False, kv_dtype: str = "bf16") -> None:
         self.device = torch.device(device)
+        self.kv_dtype = kv_dtype = quant.check_kv_dtype(kv_dtype)
+        self.dtype = dtype
         self.selection = cfg = selection
         self.capacity = capacity
         self.num_layers = num_layers
@@ -77,7 +84,7 @@ class OffloadKVCache:
         self.engine = make_engine(engine, self.device, **(engine_options or {}))
         self.host = HostKVStore(self.offloaded, batch, num_kv_heads, head_dim, self.num_blocks,
                                 cfg.block_size, dtype, pin=self.device.type == "cuda",
-                                chunk_bytes=chunk_bytes)
+                                chunk_bytes=chunk_bytes, kv_dtype=kv_dtype)
         shape = (batch, num_kv_heads, self.slots + 1, cfg.block_size, head_dim)
         ck_shape = (batch, num_kv_heads, max(self.num_ck_capacity, 1), head_dim)
         full = (batch, num_kv_heads, capacity, head_dim)
@@ -88,20 +95,20 @@ class OffloadKVCache:
             self.k_slots, self.v_slots, self.slot_map, self.k_full, self.v_full = {}, {}, {}, {}, {}
             self.load, self.attn_ids = {}, {}  # per layer: the slot diff's outputs (static buffers)
             for layer in self.offloaded:
-                self.k_slots[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
-                self.v_slots[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
+                self.k_slots[layer] = quant.kv_zeros(shape, kv_dtype, dtype, self.device)
+                self.v_slots[layer] = quant.kv_zeros(shape, kv_dtype, dtype, self.device)
                 self.slot_map[layer] = torch.full((batch, num_kv_heads, self.slots), -1, dtype=torch.long,
                                                   device=self.device)
                 self.load[layer] = torch.full_like(self.slot_map[layer], -1)
                 self.attn_ids[layer] = torch.full((batch, num_kv_heads, self.slots + 1), -1, dtype=torch.int32,
                                                   device=self.device)
             for layer in self.resident:
-                self.k_full[layer] = torch.zeros(full, dtype=dtype, device=self.device)
-                self.v_full[layer] = torch.zeros(full, dtype=dtype, device=self.device)
+                self.k_full[layer] = quant.kv_zeros(full, kv_dtype, dtype, self.device)
+                self.v_full[layer] = quant.kv_zeros(full, kv_dtype, dtype, self.device)
         except (RuntimeError, MemoryError) as exc:
-            elem = torch.empty((), dtype=dtype).element_size()
-            need = elem * (2 * len(self.offloaded) * batch * num_kv_heads * (self.slots + 1) * cfg.block_size
-                           + 2 * len(self.resident) * batch * num_kv_heads * capacity) * head_dim
+            tok = quant.token_bytes(head_dim, kv_dtype, dtype)
+            need = tok * (2 * len(self.offloaded) * batch * num_kv_heads * (self.slots + 1) * cfg.block_size
+                          + 2 * len(self.resident) * batch * num_kv_heads * capacity)
             raise SpardaError(f"offload slot buffers of {need / 2**30:.2f} GiB do not fit on {self.device}; "
                               "use a smaller batch, context or budget, or --no-offload") from exc
         self.prefetcher = Prefetcher(self.engine, self.device, num_layers, self.host.block_bytes,
@@ -117,7 +124,7 @@ class OffloadKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V for the full capacity (host plus resident layers)."""
-        res = sum(t.numel() * t.element_size() for t in list(self.k_full.values()) + list(self.v_full.values()))
+        res = sum(t.nbytes for t in list(self.k_full.values()) + list(self.v_full.values()))
         return self.host.nbytes + res
 
     @property
@@ -125,7 +132,7 @@ class OffloadKVCache:
         """Bytes of the GPU side: slot buffers, resident layers, compressed keys, rings."""
         tensors = (list(self.k_slots.values()) + list(self.v_slots.values()) + list(self.k_full.values())
                    + list(self.v_full.values()) + self.ck + self.ring)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.nbytes for t in tensors)
 
     def is_offloaded(self, layer: int) -> bool:
         """True if ``layer``'s K/V live on the host."""
@@ -164,10 +171,10 @@ class OffloadKVCache:
             self.v_full[layer][rows, :, pos] = v[:, :, 0]
         else:  # no prefetch wait: the gather writes slots < S only (wait in attend, design §6)
             off = pos % cfg.block_size
-            self.k_slots[layer][rows, :, self.slots, off] = k[:, :, 0]
-            self.v_slots[layer][rows, :, self.slots, off] = v[:, :, 0]
-            for chunk in self.host.chunks[layer]:
-                self.engine.store_tokens(chunk, k[:, :, 0], v[:, :, 0], pos)
+            k_tok, v_tok = self._quantized(k[:, :, 0]), self._quantized(v[:, :, 0])  # once, for slot and host
+            self.k_slots[layer][rows, :, self.slots, off] = k_tok
+            self.v_slots[layer][rows, :, self.slots, off] = v_tok
+            self._store_tokens(layer, k_tok, v_tok, pos)
         ring = self.ring[layer]
         ring[rows, :, pos % cfg.kernel_size] = k[:, :, 0]
         ref.update_compressed_keys(self.ck[layer], ring, rows, pos, cfg.kernel_size, cfg.kernel_stride, ring=True)
@@ -190,6 +197,9 @@ class OffloadKVCache:
         """
         if step.rows.numel() != self.batch:
             raise SpardaError("offloaded decode steps must cover every cache row")
+        if quant.is_quantized(self.kv_dtype):
+            raise SpardaError("the fused decode step does not write a quantised KV cache yet; "
+                              "use fused_decode=False or kv_dtype='bf16'")
         self._stash = None
         cfg = self.selection
         heads, d = self.ring[layer].shape[1], self.ring[layer].shape[3]
@@ -216,6 +226,28 @@ class OffloadKVCache:
                 self.engine.store_tokens(chunk, k_tok, v_tok, pos)
         return q, f
 
+    def _quantized(self, x: torch.Tensor):
+        """``x`` as stored: quantised once (:class:`~sparda.kernels.quant.QuantizedKV`) for a
+        quantised cache, else itself."""
+        return quant.QuantizedKV.quantize(x, self.kv_dtype) if quant.is_quantized(self.kv_dtype) else x
+
+    def _store_tokens(self, layer: int, k_tok, v_tok, pos: torch.Tensor) -> None:
+        """Write one decoded token per row (``[B, H, d]``, as stored) to the host store:
+        one engine call per chunk and stored plane (data, then scales if quantised)."""
+        planes = [(k_tok, v_tok)] if not isinstance(k_tok, quant.QuantizedKV) else [
+            (k_tok.data, v_tok.data), (k_tok.scale, v_tok.scale)]
+        for chunk in self.host.chunks[layer]:
+            for part, (kt, vt) in zip(chunk.planes(), planes):
+                self.engine.store_tokens(part, kt, vt, pos)
+
+    def _slot_planes(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``layer``'s K/V slot buffers as plain tensors, one pair per stored plane (as
+        :meth:`~sparda.cache.host.HostChunk.planes`)."""
+        k, v = self.k_slots[layer], self.v_slots[layer]
+        if isinstance(k, quant.QuantizedKV):
+            return [(k.data, v.data), (k.scale, v.scale)]
+        return [(k, v)]
+
     def _append_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
         """Prefill append of one row: tokens ``start .. end-1`` with ``end = step.max_kv_len``
         (a chunk, :mod:`sparda.cache.chunked_prefill`; ``start = 0`` unless chunked).
@@ -232,32 +264,39 @@ class OffloadKVCache:
         staging = self._staging
         if staging is None and start > 0:  # chunks outside chunked_prefill(): synchronous copies
             staging = self._staging = self._new_staging(asynchronous=False)
+        kq, vq = self._quantized(k[0]), self._quantized(v[0])  # as stored (quantised once)
         if layer in self.resident:
-            self.k_full[layer][row, :, start:end] = k[0]
-            self.v_full[layer][row, :, start:end] = v[0]
+            self.k_full[layer][row, :, start:end] = kq
+            self.v_full[layer][row, :, start:end] = vq
             keys = self.k_full[layer][row]
         else:
             if staging is None:
-                self.host.write_tokens(layer, row, k[0], v[0], start)
+                self.host.write_tokens(layer, row, kq, vq, start)
             else:
-                staging.write(layer, row, k[0], v[0], start)
+                staging.write(layer, row, kq, vq, start)
             self.slot_map[layer][row] = -1
             if start == 0:
-                keys, values = k[0], v[0]
+                keys, values = kq, vq
             else:
                 keys, values = staging.history(layer, row, start)
-                keys[:, start:end] = k[0]
-                values[:, start:end] = v[0]
-            self._stash = (layer, keys[None, :, :end], values[None, :, :end])
+                keys[:, start:end] = kq
+                values[:, start:end] = vq
+            self._stash = (layer, quant.as_float(keys[:, :end], self.dtype)[None],
+                           quant.as_float(values[:, :end], self.dtype)[None])
             first = (end - 1) // cfg.block_size * cfg.block_size
             self.k_slots[layer][row, :, self.slots, :end - first] = keys[:, first:end]
             self.v_slots[layer][row, :, self.slots, :end - first] = values[:, first:end]
         if staging is not None and layer + 1 < self.num_layers:
             staging.prefetch(layer + 1, row, start)  # the next layer's earlier chunks, while this one runs
-        j0, ck = kernels.completed_compressed_keys(keys, start, end, cfg.kernel_size, cfg.kernel_stride)
-        self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
-        pos = torch.arange(max(0, end - cfg.kernel_size), end, device=k.device)
-        self.ring[layer][row, :, pos % cfg.kernel_size] = keys[:, pos]
+        if isinstance(kq, quant.QuantizedKV):  # compressed keys and ring from the unquantised keys
+            j0, ck = window_keys(self.ring[layer][row], k[0], start, end, cfg.kernel_size, cfg.kernel_stride)
+            self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
+            fill_ring(self.ring[layer][row], k[0], start, end, cfg.kernel_size)
+        else:
+            j0, ck = kernels.completed_compressed_keys(keys, start, end, cfg.kernel_size, cfg.kernel_stride)
+            self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
+            pos = torch.arange(max(0, end - cfg.kernel_size), end, device=k.device)
+            self.ring[layer][row, :, pos % cfg.kernel_size] = keys[:, pos]
         if layer == self.num_layers - 1:
             self.lengths[row] = end
 
@@ -266,7 +305,7 @@ class OffloadKVCache:
 
         _, heads, _, dim = self.ck[0].shape
         return PrefillStaging(self.host, self.offloaded, heads, dim, self.capacity, self.ck[0].dtype,
-                              self.device, asynchronous)
+                              self.device, asynchronous, kv_dtype=self.kv_dtype)
 
     @contextlib.contextmanager
     def chunked_prefill(self):
@@ -301,7 +340,8 @@ class OffloadKVCache:
             raise SpardaError(f"{num_tokens} tokens exceed the cache capacity {self.capacity}")
         ck = self.ck[layer][rows, :, :self.num_compressed(num_tokens)]
         if layer in self.resident:
-            return self.k_full[layer][rows, :, :num_tokens], self.v_full[layer][rows, :, :num_tokens], ck
+            return (quant.as_float(self.k_full[layer][rows, :, :num_tokens], self.dtype),
+                    quant.as_float(self.v_full[layer][rows, :, :num_tokens], self.dtype), ck)
         if self._stash is not None and self._stash[0] == layer and self._stash[1].shape[-2] >= num_tokens:
             return self._stash[1][..., :num_tokens, :], self._stash[2][..., :num_tokens, :], ck
         if num_tokens == 0:
@@ -341,12 +381,13 @@ class OffloadKVCache:
         load = self.load[layer]
         kernels.slot_diff(ids, self.slot_map[layer], pos, self.block_size, self.num_blocks, load,
                           self.attn_ids[layer], (pref.hits, pref.misses, read, valid))
-        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
+        planes = self._slot_planes(layer)
         chunks = self.host.chunks[layer]
 
-        def copy() -> None:
+        def copy() -> None:  # quantised: the data, then the scales (the bytes actually stored)
             for chunk in chunks:
-                self.engine.gather(chunk, k_slots, v_slots, load)
+                for part, (k_slots, v_slots) in zip(chunk.planes(), planes):
+                    self.engine.gather(part, k_slots, v_slots, load)
 
         pref.fetch(layer, copy, None, None, keep=(), prefetch=prefetch)
 

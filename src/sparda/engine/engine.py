@@ -103,8 +103,7 @@ class Engine:
         llm.method.reset()  # once: from here on, per-row counters are zeroed at admission
         self.scheduler = Scheduler(max_batch, max_model_len, max_waiting)
         self.eos_ids = llm._eos_ids()
-        s = llm.shape
-        self._kv_bytes_per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(llm.dtype).bits // 8
+        self._kv_bytes_per_token = llm.kv_bytes_per_token()
         self._tokens = [0] * max_batch      # next input token per row (free rows: 0)
         self._positions = [0] * max_batch   # its position (free rows: 0)
         self._lock = threading.RLock()

@@ -20,6 +20,7 @@ from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.sampler import sample
 from sparda.engine.validate import check_request
 from sparda.errors import SpardaError
+from sparda.kernels.quant import check_kv_dtype, token_bytes
 from sparda.model.llama import StepInfo
 from sparda.model.loader import load_model
 
@@ -116,6 +117,8 @@ class LLM:
             ``dense_prefill`` (its inverse, kept for compatibility) / ``offload``
             (``None``: on for ``sparda`` on CUDA, off otherwise) / ``transfer``
             (offload copy engine: ``auto``, ``uva``, ``copy``, ``sync``; docs/offload.md) /
+            ``kv_dtype`` (``bf16``, the default: K/V in the model dtype; ``int8`` / ``int4``: K/V
+            quantised per token and head on append, dequantised on read; docs/kv_quant.md) /
             ``cuda_graphs`` (default True: on CUDA every decode step replays a captured CUDA
             graph; False runs the same static-shape step eagerly; docs/cuda_graphs.md) /
             ``offload_timing`` (default False: also time the offload copies, adding
@@ -148,6 +151,8 @@ class LLM:
         offload = overrides.pop("offload", None)
         #: offload transfer engine: auto, uva, copy or sync (design §6)
         self.transfer = overrides.pop("transfer", None) or "auto"
+        #: KV-cache storage: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md)
+        self.kv_dtype = check_kv_dtype(overrides.pop("kv_dtype", None))
         options = {key: overrides.pop(key) for key in METHOD_OPTIONS if key in overrides}
         selection = SelectionConfig.from_preset(preset, **overrides)
         self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,
@@ -178,7 +183,7 @@ class LLM:
         """An LLM around an in-memory :class:`~sparda.model.llama.CausalLM` (benchmarks, tests).
 
         Device and dtype are the model's. ``forecast`` (a :class:`Forecast`) is handed to the
-        ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``/
+        ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``/``kv_dtype``/
         ``sparse_prefill``/``dense_prefill``/``prefill_chunk_tokens`` as in :class:`LLM`, except that ``offload``
         defaults to off on every device (the caller builds the model and decides where its
         cache lives) and ``sparse_prefill`` to on at every preset (benchmarks time the
@@ -192,6 +197,7 @@ class LLM:
                                                                      DEFAULT_PREFILL_CHUNK_TOKENS))
         offload = overrides.pop("offload", None)
         llm.transfer = overrides.pop("transfer", None) or "auto"
+        llm.kv_dtype = check_kv_dtype(overrides.pop("kv_dtype", None))
         prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
         sparse_prefill = True if prefill == (None, None) else resolve_sparse_prefill(preset, *prefill)
         options = {key: overrides.pop(key) for key in METHOD_OPTIONS if key in overrides}
@@ -241,16 +247,24 @@ class LLM:
         return StepInfo(phase=phase, rows=rows, q_pos=q_pos, kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin,
                         max_kv_len=max_kv_len, live_len=live_len)
 
-    def new_cache(self, batch: int, capacity: int):
-        """An empty KV cache for ``batch`` rows of ``capacity`` tokens."""
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token takes in the KV cache: K and V of every layer and KV head, in
+        ``kv_dtype`` (quantised: the packed data plus the fp32 scales, docs/kv_quant.md)."""
         s = self.shape
+        return 2 * s.num_layers * s.num_kv_heads * token_bytes(s.head_dim, getattr(self, "kv_dtype", "bf16"),
+                                                               self.dtype)
+
+    def new_cache(self, batch: int, capacity: int):
+        """An empty KV cache for ``batch`` rows of ``capacity`` tokens (``kv_dtype`` storage)."""
+        s = self.shape
+        kv_dtype = getattr(self, "kv_dtype", "bf16")
         if self.config.offload or getattr(self.method, "offloaded", False):
             return OffloadKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                                   self.config.selection, self.dtype, self.device, engine=self.transfer,
                                   resident_layers=getattr(self.method, "resident_layers", ()),
-                                  timing=self.offload_timing)
+                                  timing=self.offload_timing, kv_dtype=kv_dtype)
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
-                             self.config.selection, self.dtype, self.device)
+                             self.config.selection, self.dtype, self.device, kv_dtype=kv_dtype)
 
     @torch.inference_mode()
     def prefill(self, cache, row: int, ids: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -290,7 +304,8 @@ class LLM:
     def _fused_decoder(self):
         """The :class:`~sparda.model.fused.FusedDecoder` of this model and method on CUDA
         (built once, stacking the weights outside inference mode), or ``None``: CPU, no
-        Triton, ``fused_decode=False`` or a model the fused step does not cover."""
+        Triton, ``fused_decode=False``, a quantised KV cache (its fused append is not written
+        yet) or a model the fused step does not cover."""
         fused = self.__dict__.get("_fused")
         if fused is None and self.__dict__.get("_fused_checked") is None:
             self._fused_checked = True
@@ -298,7 +313,7 @@ class LLM:
             from sparda.model.fused import FusedDecoder
 
             if (getattr(self, "fused_decode", True) and self.device.type == "cuda" and kernels.HAS_TRITON
-                    and FusedDecoder.supports(self.model)):
+                    and getattr(self, "kv_dtype", "bf16") == "bf16" and FusedDecoder.supports(self.model)):
                 with torch.inference_mode(False), torch.no_grad():
                     fused = self._fused = FusedDecoder(self.model, self.method)
         return fused
@@ -407,8 +422,7 @@ class LLM:
         self._sync()
         decode_s = time.perf_counter() - start
         out = [self._cut(row, eos, max_new_tokens) for row in history[:, :steps + 1].tolist()]
-        s = self.shape  # K and V of every layer, whichever memory holds them (offload: see stats["offload"])
-        per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+        per_token = self.kv_bytes_per_token()  # whichever memory holds them (offload: see stats["offload"])
         step_rate = steps / decode_s if steps and decode_s > 0 else 0.0
         results = []
         for b, ids in enumerate(prompt_token_ids):

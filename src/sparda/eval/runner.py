@@ -64,6 +64,8 @@ class EvalPlan:
         batch_size: samples of one task x length per generate call (``None``:
             :data:`DEFAULT_BATCH` of the device). Changes no result, so it is not part of
             the fingerprint: a run may resume with another batch size.
+        kv_dtype: KV-cache storage of every method, ``bf16`` (the model dtype), ``int8`` or
+            ``int4`` (docs/kv_quant.md); part of the fingerprint unless ``bf16``.
     """
 
     tasks: tuple[str, ...]
@@ -83,6 +85,7 @@ class EvalPlan:
     overrides: dict = field(default_factory=dict)
     sparse_prefill: bool | None = None
     batch_size: int | None = None
+    kv_dtype: str = "bf16"
 
     def resolved_batch_size(self) -> int:
         """:attr:`batch_size`, or the default of the device (:data:`DEFAULT_BATCH`)."""
@@ -105,6 +108,8 @@ class EvalPlan:
                     text=self.text, seed=self.seed, overrides=self.overrides, ppl_windows=self.ppl_windows)
         if not self.prefill_is_sparse:  # a key only for dense prefill, as older run directories had
             keys["dense_prefill"] = True
+        if self.kv_dtype != "bf16":  # likewise only for a quantised KV cache
+            keys["kv_dtype"] = self.kv_dtype
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -178,7 +183,7 @@ class _Models:
 
         self.plan = plan
         self.base = LLM(plan.model, method="dense", preset=plan.preset, device=plan.device, dtype=plan.dtype,
-                        **plan.overrides)
+                        kv_dtype=plan.kv_dtype, **plan.overrides)
         self._cache: dict = {}
 
     def get(self, spec: MethodSpec, length: int, sparse_prefill: bool | None = None):
@@ -417,10 +422,12 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
 
 def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budgets=None, depths=None,
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
-                      device="cpu", dtype=None, seed=0, sparse_prefill=None, batch_size=None) -> EvalPlan:
+                      device="cpu", dtype=None, seed=0, sparse_prefill=None, batch_size=None,
+                      kv_dtype=None) -> EvalPlan:
     """An :class:`EvalPlan` from CLI options: unset ones come from the ``--quick`` or full
     defaults; methods default to every registered one. Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
+    from sparda.kernels.quant import check_kv_dtype
 
     base = QUICK if quick else FULL
     if methods is None:
@@ -431,4 +438,5 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     lengths=tuple(lengths or base["lengths"]), samples=base["samples"] if samples is None else samples, out=out,
                     budgets=tuple(budgets or ()), depths=tuple(depths or DEPTHS),
                     ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
-                    dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill, batch_size=batch_size)
+                    dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill, batch_size=batch_size,
+                    kv_dtype=check_kv_dtype(kv_dtype))

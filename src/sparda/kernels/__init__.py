@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from sparda.config import SelectionConfig
-from sparda.kernels import reference, twins
+from sparda.kernels import quant, reference, twins
 from sparda.kernels._common import supported_head_dim
 
 try:  # Triton is optional: without it every call takes the PyTorch twin.
@@ -64,7 +64,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
 
     Args:
         q: ``[B, H, G, d]`` fp16/bf16/fp32.
-        k, v: ``[B, H, T, d]``, same dtype, the full on-device cache.
+        k, v: ``[B, H, T, d]``, same dtype, the full on-device cache; or a quantised cache
+            (:class:`~sparda.kernels.quant.QuantizedKV` of that logical shape), dequantised
+            in registers on CUDA, by :func:`~sparda.kernels.quant.dequantize` in the twin.
         block_ids: ``[B, H, W]`` int32/int64 block ids, ``-1`` = padding, each id at most
             once per row (as from ``reference.block_mask_to_indices`` or
             :func:`select_decode_blocks`); order does not matter.
@@ -76,6 +78,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
+    if isinstance(k, quant.QuantizedKV):
+        if _on_triton(q, k.data, v.data, block_ids, kv_len) and supported_head_dim(q.shape[-1]):
+            return _decode.decode_attention_quantized_triton(q, k, v, block_ids, kv_len, block_size)
+        return twins.decode_attention_reference(q, k.dequantize(q.dtype), v.dequantize(q.dtype), block_ids,
+                                                kv_len, block_size)
     if _on_triton(q, k, v, block_ids, kv_len) and supported_head_dim(q.shape[-1]):
         return _decode.decode_attention_triton(q, k, v, block_ids, kv_len, block_size)
     return twins.decode_attention_reference(q, k, v, block_ids, kv_len, block_size)
@@ -91,7 +98,9 @@ def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torc
 
     Args:
         q: ``[B, H, G, d]``.
-        k_slots, v_slots: ``[B, H, S, block_size, d]``, one KV block per slot.
+        k_slots, v_slots: ``[B, H, S, block_size, d]``, one KV block per slot, or quantised
+            (:class:`~sparda.kernels.quant.QuantizedKV`; dequantised on read, as
+            :func:`decode_attention`).
         block_ids: ``[B, H, W]`` logical block ids (``-1`` = skip); positions and the
             ``kv_len`` mask are computed from them.
         slot_ids: ``[B, H, W]`` (or broadcastable) physical slot of each entry. With a
@@ -103,6 +112,13 @@ def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torc
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
+    if isinstance(k_slots, quant.QuantizedKV):
+        if (_on_triton(q, k_slots.data, v_slots.data, block_ids, slot_ids, kv_len)
+                and supported_head_dim(q.shape[-1])):
+            return _decode.decode_attention_slots_quantized_triton(q, k_slots, v_slots, block_ids, slot_ids,
+                                                                   kv_len)
+        return twins.slots_attention_reference(q, k_slots.dequantize(), v_slots.dequantize(), block_ids,
+                                               slot_ids, kv_len)
     if _on_triton(q, k_slots, v_slots, block_ids, slot_ids, kv_len) and supported_head_dim(q.shape[-1]):
         return _decode.decode_attention_slots_triton(q, k_slots, v_slots, block_ids, slot_ids, kv_len)
     return twins.slots_attention_reference(q, k_slots, v_slots, block_ids, slot_ids, kv_len)

@@ -13,9 +13,15 @@ Two cache layouts share the kernel:
   table gives the physical slot of each selected logical block. Token positions (and
   so the ``kv_len`` mask) always come from the logical block id.
 
+A quantised cache (``int8``/``int4``, :mod:`sparda.kernels.quant`) takes the same kernel
+with ``QBITS`` set: it loads the ``uint8`` data (int4: the byte of column ``c`` is
+``c // 2``, its nibble ``c % 2``) and the ``(step, lo)`` pair of each token, and
+dequantises in registers (``q * step + lo``, fp32) before the dots.
+
 The PyTorch twins are :func:`sparda.kernels.reference.block_sparse_attention`
 (dense cache, via ``twins.decode_attention_reference``) and
-``twins.slots_attention_reference`` (slot buffer).
+``twins.slots_attention_reference`` (slot buffer); for a quantised cache, the same on
+the dequantised buffers.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import triton
 import triton.language as tl
 
 from sparda.errors import SpardaError
+from sparda.kernels import quant
 from sparda.kernels._common import check_head_dim, next_pow2, num_sms, tl_float_dtype_ok
 
 _LOG2E = 1.4426950408889634
@@ -35,15 +42,18 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, LOGICAL, PHYS, KV_LEN, O, LSE,
+    Q, K, V, LOGICAL, PHYS, KV_LEN, O, LSE, KS, VS,
     stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_kblk, stride_kt,
     stride_vb, stride_vh, stride_vblk, stride_vt,
+    stride_ksb, stride_ksh, stride_ksblk, stride_kst,
+    stride_vsb, stride_vsh, stride_vsblk, stride_vst,
     stride_ib, stride_ih, stride_pb, stride_ph,
     stride_ob, stride_oh, stride_os, stride_og,
     H, W, token_limit, blocks_per_split, qk_scale,
     G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BS_P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    QBITS: tl.constexpr = 0,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -57,8 +67,11 @@ def _decode_split_kernel(
     g_ok = offs_g < G
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
                 mask=g_ok[:, None], other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh + offs_t[:, None] * stride_kt + offs_d[None, :]
-    v_base = V + b * stride_vb + h * stride_vh + offs_t[:, None] * stride_vt + offs_d[None, :]
+    offs_c = offs_d // 2 if QBITS == 4 else offs_d  # int4: two columns per byte
+    k_base = K + b * stride_kb + h * stride_kh + offs_t[:, None] * stride_kt + offs_c[None, :]
+    v_base = V + b * stride_vb + h * stride_vh + offs_t[:, None] * stride_vt + offs_c[None, :]
+    ks_base = KS + b * stride_ksb + h * stride_ksh + offs_t * stride_kst
+    vs_base = VS + b * stride_vsb + h * stride_vsh + offs_t * stride_vst
     ids_base = LOGICAL + b * stride_ib + h * stride_ih
     phys_base = PHYS + b * stride_pb + h * stride_ph
 
@@ -73,6 +86,14 @@ def _decode_split_kernel(
         pos = blk * BS + offs_t
         tok_ok = (offs_t < BS) & (pos < kv_len) & (blk >= 0)
         k = tl.load(k_base + phys * stride_kblk, mask=tok_ok[:, None], other=0.0)
+        if QBITS > 0:  # dequantise in registers: q * step + lo (sparda.kernels.quant)
+            if QBITS == 4:
+                k = (k >> ((offs_d % 2) * 4)[None, :]) & 15
+            k_step = tl.load(ks_base + phys * stride_ksblk, mask=tok_ok, other=0.0)
+            k_lo = tl.load(ks_base + phys * stride_ksblk + 1, mask=tok_ok, other=0.0)
+            k = k.to(tl.float32) * k_step[:, None] + k_lo[:, None]
+            if not IEEE:
+                k = k.to(Q.dtype.element_ty)
         if IEEE:
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -84,6 +105,14 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + phys * stride_vblk, mask=tok_ok[:, None], other=0.0)
+        if QBITS > 0:
+            if QBITS == 4:
+                v = (v >> ((offs_d % 2) * 4)[None, :]) & 15
+            v_step = tl.load(vs_base + phys * stride_vsblk, mask=tok_ok, other=0.0)
+            v_lo = tl.load(vs_base + phys * stride_vsblk + 1, mask=tok_ok, other=0.0)
+            v = v.to(tl.float32) * v_step[:, None] + v_lo[:, None]
+            if not IEEE:
+                v = v.to(Q.dtype.element_ty)
         if IEEE:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -156,8 +185,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ids: torch.T
 
 
 def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, num_splits,
-            num_warps, num_stages):
-    """k_view/v_view strides: (b, h, block, token-in-block); last dim contiguous."""
+            num_warps, num_stages, ks_view=None, vs_view=None, qbits=0):
+    """k_view/v_view strides: (b, h, block, token-in-block); last dim contiguous.
+    ``ks_view``/``vs_view``: the same for the ``[..., 2]`` fp32 scales of a quantised
+    cache (``qbits`` 8 or 4); ``None`` unquantised."""
     bsz, heads, groups, d = q.shape
     width = logical.shape[-1]
     out = torch.empty_like(q)
@@ -178,14 +209,17 @@ def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, n
     ieee = q.dtype == torch.float32 or not q.is_cuda  # interpreter: no bf16 dot
     qk_scale = _LOG2E / math.sqrt(d)
     ks, vs = k_view, v_view
-    common = dict(G=groups, G_P=g_p, D=d, BS=block_size, BS_P=bs_p, IEEE=ieee,
+    if ks_view is None:  # unquantised: the scale pointers are unused
+        ks_view, vs_view = (k_view[0], (0, 0, 0, 0)), (v_view[0], (0, 0, 0, 0))
+    scales = (ks_view[0], vs_view[0], *ks_view[1], *vs_view[1])
+    common = dict(G=groups, G_P=g_p, D=d, BS=block_size, BS_P=bs_p, IEEE=ieee, QBITS=qbits,
                   num_warps=num_warps, num_stages=num_stages)
     grid = (bsz * heads, num_splits)
     if num_splits == 1:
         _decode_split_kernel[grid](
-            q, ks[0], vs[0], logical, phys, kv_len, out, out,
+            q, ks[0], vs[0], logical, phys, kv_len, out, out, scales[0], scales[1],
             q.stride(0), q.stride(1), q.stride(2),
-            *ks[1], *vs[1],
+            *ks[1], *vs[1], *scales[2:],
             logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1),
             out.stride(0), out.stride(1), 0, out.stride(2),
             heads, width, token_limit, per_split, qk_scale, SPLIT=False, **common)
@@ -193,9 +227,9 @@ def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, n
     part = torch.empty(bsz * heads, num_splits, groups, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(bsz * heads, num_splits, g_p, device=q.device, dtype=torch.float32)
     _decode_split_kernel[grid](
-        q, ks[0], vs[0], logical, phys, kv_len, part, lse,
+        q, ks[0], vs[0], logical, phys, kv_len, part, lse, scales[0], scales[1],
         q.stride(0), q.stride(1), q.stride(2),
-        *ks[1], *vs[1],
+        *ks[1], *vs[1], *scales[2:],
         logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1),
         heads * part.stride(0), part.stride(0), part.stride(1), part.stride(2),
         heads, width, token_limit, per_split, qk_scale, SPLIT=True, **common)
@@ -272,3 +306,79 @@ def decode_attention_slots_triton(q: torch.Tensor, k_slots: torch.Tensor, v_slot
     vs = (v_slots, (v_slots.stride(0), v_slots.stride(1), v_slots.stride(2), v_slots.stride(3)))
     return _launch(q, ks, vs, block_ids, slot_ids, kv_len, block_size, 2**62, num_splits,
                    num_warps, num_stages)
+
+
+def _check_quantized(q: torch.Tensor, k, v, block_ids: torch.Tensor, kv_len: torch.Tensor) -> int:
+    """:func:`_check` for a quantised cache (``k, v``: :class:`~sparda.kernels.quant.QuantizedKV`
+    of logical shape ``[B, H, ..., d]``); returns the bits per value (8 or 4)."""
+    if not isinstance(k, quant.QuantizedKV) or not isinstance(v, quant.QuantizedKV) or k.kv_dtype != v.kv_dtype:
+        raise SpardaError("k and v must both be QuantizedKV of one kv_dtype")
+    if k.shape != v.shape or k.data.dtype != torch.uint8 or k.scale.dtype != quant.SCALE_DTYPE:
+        raise SpardaError(f"quantised k/v must be uint8 data + fp32 scales of one shape, got "
+                          f"{tuple(k.shape)}/{tuple(v.shape)}")
+    tl_float_dtype_ok(q, "q")
+    if q.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
+        raise SpardaError(f"k/v shapes {tuple(k.shape)} do not match q {tuple(q.shape)}")
+    check_head_dim(q.shape[-1])
+    if block_ids.dim() != 3 or block_ids.shape[:2] != q.shape[:2]:
+        raise SpardaError(f"block_ids must be [B, H_kv, W], got {tuple(block_ids.shape)}")
+    if block_ids.dtype not in (torch.int32, torch.int64):
+        raise SpardaError(f"block_ids must be int32 or int64, got {block_ids.dtype}")
+    if kv_len.shape != (q.shape[0],):
+        raise SpardaError(f"kv_len must be [B]={q.shape[0]}, got {tuple(kv_len.shape)}")
+    return quant.BITS[k.kv_dtype]
+
+
+def decode_attention_quantized_triton(q: torch.Tensor, k, v, block_ids: torch.Tensor, kv_len: torch.Tensor,
+                                      block_size: int, num_splits: int | None = None, *,
+                                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """:func:`decode_attention_triton` over a quantised full cache, dequantised in registers.
+
+    Args:
+        q: ``[B, H_kv, G, d]`` fp16/bf16/fp32.
+        k, v: :class:`~sparda.kernels.quant.QuantizedKV` of logical shape ``[B, H_kv, T, d]``
+            (``data [B, H_kv, T, d']`` uint8, ``scale [B, H_kv, T, 2]`` fp32).
+        block_ids, kv_len, block_size, num_splits, num_warps, num_stages: as
+            :func:`decode_attention_triton`.
+    Returns:
+        ``[B, H_kv, G, d]`` in ``q``'s dtype; equals :func:`decode_attention_triton` on the
+        dequantised cache (fp32 accumulation).
+    Raises:
+        SpardaError: on a shape/dtype mismatch or an unsupported head dim.
+    """
+    qbits = _check_quantized(q, k, v, block_ids, kv_len)
+    k, v = k.contiguous(), v.contiguous()
+    views = [(t, (t.stride(0), t.stride(1), block_size * t.stride(2), t.stride(2)))
+             for t in (k.data, v.data, k.scale, v.scale)]
+    return _launch(q, views[0], views[1], block_ids, block_ids, kv_len, block_size, k.shape[2], num_splits,
+                   num_warps, num_stages, views[2], views[3], qbits)
+
+
+def decode_attention_slots_quantized_triton(q: torch.Tensor, k_slots, v_slots, block_ids: torch.Tensor,
+                                            slot_ids: torch.Tensor, kv_len: torch.Tensor,
+                                            num_splits: int | None = None, *, num_warps: int = 4,
+                                            num_stages: int = 2) -> torch.Tensor:
+    """:func:`decode_attention_slots_triton` over quantised slot buffers (design §6),
+    dequantised in registers.
+
+    Args:
+        q: ``[B, H_kv, G, d]``.
+        k_slots, v_slots: :class:`~sparda.kernels.quant.QuantizedKV` of logical shape
+            ``[B, H_kv, S, block_size, d]`` (``data [..., d']`` uint8, ``scale [..., 2]`` fp32).
+        block_ids, slot_ids, kv_len, num_splits, num_warps, num_stages: as
+            :func:`decode_attention_slots_triton`.
+    Returns:
+        ``[B, H_kv, G, d]`` in ``q``'s dtype.
+    Raises:
+        SpardaError: on a shape/dtype mismatch or an unsupported head dim.
+    """
+    if k_slots.dim() != 5:
+        raise SpardaError(f"k_slots/v_slots must be [B, H_kv, S, block_size, d], got {tuple(k_slots.shape)}")
+    qbits = _check_quantized(q, k_slots, v_slots, block_ids, kv_len)
+    if slot_ids.shape != block_ids.shape:
+        slot_ids = slot_ids.expand(block_ids.shape)
+    k_slots, v_slots = k_slots.contiguous(), v_slots.contiguous()
+    views = [(t, (t.stride(0), t.stride(1), t.stride(2), t.stride(3)))
+             for t in (k_slots.data, v_slots.data, k_slots.scale, v_slots.scale)]
+    return _launch(q, views[0], views[1], block_ids, slot_ids, kv_len, k_slots.shape[3], 2**62, num_splits,
+                   num_warps, num_stages, views[2], views[3], qbits)
