@@ -56,7 +56,7 @@ class _NoText:
         return ""
 
 
-def check(out: Path, budget: float) -> list[dict]:
+def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
     from sparda.bench.models import random_forecast
     from sparda.cache.host import available_host_bytes, pinned_zeros
     from sparda.cache.host import HostChunk
@@ -65,7 +65,7 @@ def check(out: Path, budget: float) -> list[dict]:
 
     rows = []
     free0 = available_host_bytes()
-    for rep in range(3 if DEV == "cuda" else 0):  # allocate, use, free: re-registering the same pages must work
+    for rep in range((1 if quick else 3) if DEV == "cuda" else 0):  # allocate, use, free: re-registering the same pages must work
         k = pinned_zeros((2, 2, 512, 64, 128), torch.bfloat16)  # 33.5 MB: [rows, H, blocks, 64, 128]
         v = pinned_zeros(k.shape, torch.bfloat16)
         big = pinned_zeros((3, 1 << 28), torch.bfloat16)  # 1.5 GiB, one registration
@@ -95,7 +95,7 @@ def check(out: Path, budget: float) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import prefill_gpu
 
-    for row in prefill_gpu.kernel_check() if DEV == "cuda" else []:  # the prefill selection kernel on the GPU
+    for row in prefill_gpu.kernel_check() if DEV == "cuda" and not quick else []:  # the prefill selection kernel on the GPU
         rows.append({"check": "prefill selection bf16 vs twin", **row})
 
     from transformers import LlamaConfig
@@ -105,7 +105,7 @@ def check(out: Path, budget: float) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (1500, 2300, 700)]
     budget_sel = dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=512)
-    for dtype in (torch.bfloat16, torch.float32) if DEV == "cuda" else (torch.float32,):
+    for dtype in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)) if DEV == "cuda" else (torch.float32,):
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                           num_key_value_heads=2, head_dim=128, vocab_size=2048, max_position_embeddings=8192,
                           rms_norm_eps=1e-5)
@@ -116,10 +116,13 @@ def check(out: Path, budget: float) -> list[dict]:
         model.eval()
         forecast = random_forecast(model)
         toks = {}
-        for name, method, graphs in (("sparda", "sparda", True), ("sparda-eager", "sparda", False),
-                                     ("sparda-no-prefetch", "sparda-no-prefetch", True)):
+        runs = [("sparda", "sparda", True, "bf16"), ("sparda-eager", "sparda", False, "bf16"),
+                ("sparda-no-prefetch", "sparda-no-prefetch", True, "bf16")]
+        if quick:
+            runs.append(("sparda-int8", "sparda", True, "int8"))
+        for name, method, graphs, kv in runs:
             llm = LLM.from_model(model, method=method, preset="small", forecast=forecast, offload=True,
-                                 cuda_graphs=graphs, **budget_sel)
+                                 cuda_graphs=graphs, kv_dtype=kv, **budget_sel)
             llm.tokenizer = _NoText()
             out_ = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=64, ignore_eos=True)
             toks[name] = [o.token_ids for o in out_]
@@ -128,6 +131,9 @@ def check(out: Path, budget: float) -> list[dict]:
                "graph_equal_eager": toks["sparda"] == toks["sparda-eager"],
                "mismatches_vs_no_prefetch": sum(a != b for x, y in zip(toks["sparda"], toks["sparda-no-prefetch"])
                                                 for a, b in zip(x, y))}
+        if "sparda-int8" in toks:
+            same = [a == b for x, y in zip(toks["sparda"], toks["sparda-int8"]) for a, b in zip(x, y)]
+            row["int8_token_agreement"] = round(sum(same) / len(same), 3)
         rows.append(row)
         log(row)
         del model, forecast
@@ -200,7 +206,7 @@ def grid(out: Path, budget: float) -> list[dict]:
     return recs
 
 
-PARTS = {"check": check, "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid}
+PARTS = {"check": check, "quick": lambda out, budget: check(out, budget, quick=True), "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid}
 
 if __name__ == "__main__":
     out_dir, budget_s, parts = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
