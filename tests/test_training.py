@@ -84,22 +84,23 @@ def test_loss_zero_iff_student_matches_teacher_on_restricted_set():
     assert abs(restricted_kl(teacher, moved, entries).item()) < 1e-5
 
 
-def test_thirty_steps_reduce_the_loss(make_tiny, tmp_path):
+def test_forty_steps_reduce_the_loss(make_tiny, tmp_path):
     from sparda.data import bundled_text
     from sparda.training.trainer import train_forecast
 
     text = tmp_path / "train.txt"
     text.write_text(bundled_text("persuasion")[:20000])
     out = tmp_path / "f.safetensors"
-    result = train_forecast(str(make_tiny("llama")), [str(text)], seq_len=384, steps=30, batch_size=2,
+    result = train_forecast(str(make_tiny("llama")), [str(text)], seq_len=384, steps=40, batch_size=2,
                             lr=3e-3, out=out, device="cpu", save_every=15, queries=96, init="random",
                             progress=False, selection=CFG)
-    assert result["step"] == 30 and out.is_file()
+    assert result["step"] == 40 and out.is_file()
+    # the mean loss of steps 21-40 against step 1 (one noisy step: the 30-step version fell to 0.82x once)
     assert result["loss"] < 0.8 * result["first_loss"], result
     # resume continues from the checkpoint
-    again = train_forecast(str(make_tiny("llama")), [str(text)], seq_len=384, steps=32, batch_size=2, out=out,
+    again = train_forecast(str(make_tiny("llama")), [str(text)], seq_len=384, steps=42, batch_size=2, out=out,
                            device="cpu", resume=True, queries=96, init="random", progress=False, selection=CFG)
-    assert again["step"] == 32
+    assert again["step"] == 42
 
 
 def test_weights_round_trip(tmp_path):
