@@ -13,6 +13,19 @@ def _hf(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def _assert_greedy_match(hf, ids, ours, ref):
+    """``ours`` == ``ref`` (transformers' greedy tokens after ``ids``) up to a near-tie: at the
+    first token that differs, our choice scores within 1e-4 (relative to the largest logit)
+    of transformers' best on that prefix (fp32 sums in another order flip exact ties)."""
+    if ours == ref:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    with torch.no_grad():
+        step = hf(torch.tensor([ids + ref[:i]])).logits[0, -1].float()
+    gap = float(step.max() - step[ours[i]])
+    assert gap <= 1e-4 * float(step.abs().max()), (i, ours[i], ref[i], gap)
+
+
 def _check_parity(llm, hf, ids):
     ours = llm.logits(ids)[-1]
     with torch.no_grad():
@@ -23,7 +36,7 @@ def _check_parity(llm, hf, ids):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, min_new_tokens=64,
                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    assert out.token_ids == ref
+    _assert_greedy_match(hf, ids, out.token_ids, ref)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -114,7 +127,7 @@ def test_sliding_window_models_match_transformers(arch, make_tiny, monkeypatch):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, min_new_tokens=40,
                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    assert out.token_ids == ref
+    _assert_greedy_match(hf, ids, out.token_ids, ref)
 
 
 def test_window_as_long_as_the_context_changes_nothing(make_tiny):
