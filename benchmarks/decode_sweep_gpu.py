@@ -47,15 +47,6 @@ def log(line: str) -> None:
     print(f"[{time.perf_counter() - T0:6.0f} s] {line}", flush=True)
 
 
-class _NoText:
-    """Stands in for a tokenizer: token ids only."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
 def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
     from sparda.bench.models import random_forecast
     from sparda.cache.host import available_host_bytes, pinned_zeros
@@ -98,22 +89,13 @@ def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
     for row in prefill_gpu.kernel_check() if DEV == "cuda" and not quick else []:  # the prefill selection kernel on the GPU
         rows.append({"check": "prefill selection bf16 vs twin", **row})
 
-    from transformers import LlamaConfig
-
-    from sparda.model.llama import CausalLM
+    from cuda_graphs_gpu import _NoText, _random_model  # the same random 4-layer model and token-only tokenizer
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (1500, 2300, 700)]
     budget_sel = dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=512)
     for dtype in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)) if DEV == "cuda" else (torch.float32,):
-        cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                          num_key_value_heads=2, head_dim=128, vocab_size=2048, max_position_embeddings=8192,
-                          rms_norm_eps=1e-5)
-        torch.manual_seed(0)
-        with torch.device(DEV):
-            model = CausalLM(cfg).to(dtype)
-        model.rotary.inv_freq.data = model.rotary.inv_freq.float()
-        model.eval()
+        model = _random_model(dtype)
         forecast = random_forecast(model)
         toks = {}
         runs = [("sparda", "sparda", True, "bf16"), ("sparda-eager", "sparda", False, "bf16"),

@@ -267,14 +267,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     if offloaded:
         cache.prefetcher.reset()
     timed_from = state["i"]  # the replayed steps the TPOT covers (overlap_timing measures the same)
-    tpots = []
-    for _ in range(opts.repeats):
-        sync(dev)
-        start = time.perf_counter()
-        for _ in range(opts.decode_steps):
-            step()
-        sync(dev)
-        tpots.append((time.perf_counter() - start) / opts.decode_steps * 1e3)
+    tpots = _timed_repeats(step, opts, dev)
     timed_steps = opts.decode_steps * opts.repeats
     stats = cache.offload_stats(timed_steps * batch) if offloaded else {}
     profile = {"kernels_per_step": None, "gpu_kernel_ms": None}
@@ -397,6 +390,12 @@ def timed_run(step, state: dict, cache, opts, dev) -> list[float]:
     sync(dev)
     if hasattr(cache, "prefetcher"):
         cache.prefetcher.reset()
+    return _timed_repeats(step, opts, dev)
+
+
+def _timed_repeats(step, opts, dev) -> list[float]:
+    """``repeats`` x ``decode_steps`` steps, each repeat timed between device syncs; the
+    per-repeat TPOTs (ms)."""
     tpots = []
     for _ in range(opts.repeats):
         sync(dev)

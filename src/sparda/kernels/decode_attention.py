@@ -41,6 +41,18 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
+def _dequantize(x, scale_ptr, tok_ok, offs_d, QBITS: tl.constexpr):
+    """Quantised ``[tokens, d]`` tile -> fp32 ``q * step + lo`` (``QBITS`` 8, or 4: two values
+    per byte, the even dim in the low nibble); ``scale_ptr`` points at each token's
+    ``(step, lo)`` pair (sparda.kernels.quant)."""
+    if QBITS == 4:
+        x = (x >> ((offs_d % 2) * 4)[None, :]) & 15
+    step = tl.load(scale_ptr, mask=tok_ok, other=0.0)
+    lo = tl.load(scale_ptr + 1, mask=tok_ok, other=0.0)
+    return x.to(tl.float32) * step[:, None] + lo[:, None]
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, LOGICAL, PHYS, KV_LEN, O, LSE, KS, VS,
     stride_qb, stride_qh, stride_qg,
@@ -86,12 +98,8 @@ def _decode_split_kernel(
         pos = blk * BS + offs_t
         tok_ok = (offs_t < BS) & (pos < kv_len) & (blk >= 0)
         k = tl.load(k_base + phys * stride_kblk, mask=tok_ok[:, None], other=0.0)
-        if QBITS > 0:  # dequantise in registers: q * step + lo (sparda.kernels.quant)
-            if QBITS == 4:
-                k = (k >> ((offs_d % 2) * 4)[None, :]) & 15
-            k_step = tl.load(ks_base + phys * stride_ksblk, mask=tok_ok, other=0.0)
-            k_lo = tl.load(ks_base + phys * stride_ksblk + 1, mask=tok_ok, other=0.0)
-            k = k.to(tl.float32) * k_step[:, None] + k_lo[:, None]
+        if QBITS > 0:  # dequantise in registers (sparda.kernels.quant)
+            k = _dequantize(k, ks_base + phys * stride_ksblk, tok_ok, offs_d, QBITS)
             if not IEEE:
                 k = k.to(Q.dtype.element_ty)
         if IEEE:
@@ -106,11 +114,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + phys * stride_vblk, mask=tok_ok[:, None], other=0.0)
         if QBITS > 0:
-            if QBITS == 4:
-                v = (v >> ((offs_d % 2) * 4)[None, :]) & 15
-            v_step = tl.load(vs_base + phys * stride_vsblk, mask=tok_ok, other=0.0)
-            v_lo = tl.load(vs_base + phys * stride_vsblk + 1, mask=tok_ok, other=0.0)
-            v = v.to(tl.float32) * v_step[:, None] + v_lo[:, None]
+            v = _dequantize(v, vs_base + phys * stride_vsblk, tok_ok, offs_d, QBITS)
             if not IEEE:
                 v = v.to(Q.dtype.element_ty)
         if IEEE:
