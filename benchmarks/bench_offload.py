@@ -28,6 +28,7 @@ import torch
 
 from sparda.attention.forecast import Forecast
 from sparda.attention.registry import build_method
+from sparda.bench.timing import cuda_ms
 from sparda.cache.host import HostKVStore
 from sparda.cache.transfer import CopyEngine, UvaEngine
 from sparda.config import SelectionConfig, SpardaConfig
@@ -66,18 +67,6 @@ def make_llm(model, method, sel, offload=None, transfer="uva", forecast=None, re
     if hasattr(llm.method, "resident_layers"):
         llm.method.resident_layers = resident
     return llm
-
-
-def cuda_ms(fn, reps=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 # ------------------------------------------------------------------ 1. copy

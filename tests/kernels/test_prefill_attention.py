@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from sparda.errors import SpardaError  # noqa: E402
 from sparda.kernels import prefill_attention, reference  # noqa: E402
-from sparda.kernels.prefill_attention import prefill_attention_triton  # noqa: E402
+from sparda.kernels.prefill_attention import prefill_attention_triton, tile_block_lists  # noqa: E402
 
 
 def _inputs(groups, dtype=torch.float32, d=32, num_keys=150, num_q=45, block_size=16, seed=0):
@@ -52,6 +52,35 @@ def test_sparse_prefill_matches_reference(groups, rel_err):
     ref = reference.block_sparse_attention(q, k, v, mask, q_pos, kv_len, 16)
     out = prefill_attention_triton(q, k, v, mask, q_pos, kv_len, 16, block_m=16)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("groups,block_m", [(16, 16), (16, 64), (5, 32), (32, 16)])
+def test_packed_heads_match_brute_force(groups, block_m, rel_err):
+    """Rows pack tokens x all G heads of a KV head (G = 16: one token per 16-row tile; G = 5:
+    padding heads; G = 32 > block_m: one token per program) -- against float64 loops."""
+    q, k, v, mask, q_pos, kv_len = _inputs(groups, d=16, num_keys=70, num_q=13, seed=20 + groups + block_m)
+    want = _brute_attention(q, k, v, mask, q_pos, kv_len, 16)
+    out = prefill_attention_triton(q, k, v, mask, q_pos, kv_len, 16, block_m=block_m)
+    assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("tokens_per_tile", [1, 3, 8])
+def test_tile_block_lists_are_the_ascending_union(tokens_per_tile):
+    """Each tile lists, ascending, exactly the blocks some of its tokens selected and can reach."""
+    _, _, _, mask, q_pos, kv_len = _inputs(1, seed=40 + tokens_per_tile)
+    ids, counts = tile_block_lists(mask, q_pos, kv_len, 2, 150, 16, tokens_per_tile)
+    num_q, num_blocks = q_pos.shape[1], mask.shape[-1]
+    num_m = -(-num_q // tokens_per_tile)
+    for b in range(2):
+        for h in range(2):
+            for m in range(num_m):
+                toks = range(m * tokens_per_tile, min(num_q, (m + 1) * tokens_per_tile))
+                last = max(int(q_pos[b, t]) for t in toks)
+                want = [j for j in range(num_blocks) if any(mask[b, h, t, j] for t in toks)
+                        and j * 16 <= last and j * 16 < int(kv_len[b])]
+                row = (b * 2 + h) * num_m + m
+                assert int(counts[row]) == len(want)
+                assert ids[row, :len(want)].tolist() == want
 
 
 def test_dense_prefill_and_default_tile(rel_err):

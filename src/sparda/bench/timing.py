@@ -128,3 +128,17 @@ class ComponentTimer:
                 out["total"] += inclusive[i]
         steps = max(self.steps, 1)
         return {k: round(out.get(k, 0.0) / steps, 4) for k in COMPONENTS + ("total",)}
+
+
+def cuda_ms(fn, reps: int = 20) -> float:
+    """Mean milliseconds of one ``fn()`` on the current CUDA stream: one untimed call
+    (compilation, caches), then ``reps`` calls between two CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps

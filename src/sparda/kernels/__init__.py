@@ -130,8 +130,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Block-sparse (or dense) causal prefill attention (design §3.5).
 
     Same signature and result as ``reference.block_sparse_attention`` (without its
-    ``chunk``). On CUDA: a FlashAttention-2-style kernel over 64-query tiles that
-    visits the union of the tile rows' selected blocks and masks each row exactly.
+    ``chunk``). On CUDA: a FlashAttention-2-style kernel whose 64-row tiles pack a few
+    query tokens x all ``G`` query heads of a KV head (they share each token's
+    selection), visit the union of those tokens' selected blocks, load each block once
+    for all heads and mask each token exactly.
 
     Args:
         q: ``[B, H, G, Tq, d]`` fp16/bf16/fp32.

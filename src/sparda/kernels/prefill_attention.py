@@ -1,11 +1,20 @@
 """Block-sparse prefill attention in Triton (design §3.5), FlashAttention-2 style.
 
-Each program owns ``BLOCK_M`` query rows of one query head and walks the key blocks
-that any of its rows selected (the union over the tile, built once per call by
-:func:`tile_block_lists`); inside a block it applies the exact per-row mask (block
-selected by that row, causal ``key <= q_pos``, ``key < kv_len``), so the result equals
-:func:`sparda.kernels.reference.block_sparse_attention` up to fp rounding. Key
-blocks nobody in the tile selected are never read.
+A KV head's ``G`` query heads share each query token's block selection, so one program
+packs them: its ``BLOCK_M`` rows are ``TT = BLOCK_M // G_P`` consecutive query tokens x
+the ``G_P = next_pow2(G)`` query heads of one KV head (rows of padding heads are
+masked). It walks the key blocks that any of its ``TT`` tokens selected (the union over
+the tile, built once per call by :func:`tile_block_lists`) and loads each block once for
+all ``G`` heads; inside a block it applies the exact per-token mask (block selected by
+that token, causal ``key <= q_pos``, ``key < kv_len``), so the result equals
+:func:`sparda.kernels.reference.block_sparse_attention` up to fp rounding. Key blocks
+no token of the tile selected are never read.
+
+Why packed: selections are per query token, so the union over a tile grows with the
+tokens in it; a tile of 64 tokens of one head (the first version of this kernel) walked
+several times the blocks each token needs and read every block once per query head.
+With ``G = 16`` (MiniCPM-8B) a 64-row tile is 4 tokens, whose lists differ in a few
+top-k blocks only.
 """
 
 from __future__ import annotations
@@ -30,26 +39,28 @@ def _prefill_kernel(
     stride_ob, stride_oh, stride_og, stride_ot,
     stride_pb, stride_mb, stride_mh, stride_mt,
     H, Tq, T, num_m, tile_width, qk_scale,
-    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-    HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    g = (pid % G).to(tl.int64)
-    pid_m = pid // G
+    pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < Tq
+    offs_r = tl.arange(0, BM)
+    tok = pid_m * (BM // G_P) + offs_r // G_P  # query token of each row
+    g = (offs_r % G_P).to(tl.int64)  # its query head within the KV head's group
+    tok_ok = tok < Tq
+    row_ok = tok_ok & (g < G)
+    tok64 = tok.to(tl.int64)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
-    qpos = tl.load(QPOS + b * stride_pb + rows, mask=row_ok, other=-1).to(tl.int64)
+    qpos = tl.load(QPOS + b * stride_pb + tok64, mask=tok_ok, other=-1).to(tl.int64)
     kv_len = tl.minimum(tl.load(KV_LEN + b).to(tl.int64), T)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + g * stride_qg + rows[:, None].to(tl.int64) * stride_qt
+    q = tl.load(Q + b * stride_qb + h * stride_qh + g[:, None] * stride_qg + tok64[:, None] * stride_qt
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     k_base = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
     v_base = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
-    mask_base = MASK + b * stride_mb + h * stride_mh + rows.to(tl.int64) * stride_mt
+    mask_base = MASK + b * stride_mb + h * stride_mh + tok64 * stride_mt
     tile = pid_bh.to(tl.int64) * num_m + pid_m
     count = tl.load(TILE_CNT + tile)
     ids_base = TILE_IDS + tile * tile_width
@@ -68,7 +79,7 @@ def _prefill_kernel(
             qk = tl.dot(q, tl.trans(k))
         allowed = col_ok[None, :] & (pos[None, :] <= qpos[:, None])
         if HAS_MASK:
-            sel = tl.load(mask_base + blk, mask=row_ok, other=0)
+            sel = tl.load(mask_base + blk, mask=tok_ok, other=0)
             allowed = allowed & (sel != 0)[:, None]
         qk = tl.where(allowed, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -84,13 +95,13 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + b * stride_ob + h * stride_oh + g * stride_og + rows[:, None].to(tl.int64) * stride_ot
+    tl.store(O + b * stride_ob + h * stride_oh + g[:, None] * stride_og + tok64[:, None] * stride_ot
              + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
 def tile_block_lists(block_mask: torch.Tensor | None, q_pos: torch.Tensor, kv_len: torch.Tensor,
-                     num_heads: int, num_keys: int, block_size: int, block_m: int):
-    """Per query tile, the key blocks any of its rows may need.
+                     num_heads: int, num_keys: int, block_size: int, tokens_per_tile: int):
+    """Per tile of ``tokens_per_tile`` consecutive query tokens, the key blocks any of them may need.
 
     Args:
         block_mask: ``[B, H, Tq, N]`` bool or ``None`` (dense causal).
@@ -100,10 +111,10 @@ def tile_block_lists(block_mask: torch.Tensor | None, q_pos: torch.Tensor, kv_le
         ids of each row are the blocks to visit, ascending.
     """
     bsz, num_q = q_pos.shape
-    num_m = -(-num_q // block_m)
+    num_m = -(-num_q // tokens_per_tile)
     num_blocks = -(-num_keys // block_size)
-    pad = num_m * block_m - num_q
-    pos = torch.nn.functional.pad(q_pos.long(), (0, pad), value=-1).view(bsz, num_m, block_m)
+    pad = num_m * tokens_per_tile - num_q
+    pos = torch.nn.functional.pad(q_pos.long(), (0, pad), value=-1).view(bsz, num_m, tokens_per_tile)
     last = pos.amax(-1)  # [B, num_m] largest query position in the tile
     blocks = torch.arange(num_blocks, device=q_pos.device)
     reach = (blocks.view(1, 1, -1) * block_size <= last.unsqueeze(-1)) & (
@@ -116,11 +127,15 @@ def tile_block_lists(block_mask: torch.Tensor | None, q_pos: torch.Tensor, kv_le
             bm = torch.nn.functional.pad(bm, (0, num_blocks - bm.shape[-1]))
         if pad:
             bm = torch.nn.functional.pad(bm, (0, 0, 0, pad))
-        need = bm.view(bsz, num_heads, num_m, block_m, num_blocks).any(3) & reach.unsqueeze(1)
+        need = bm.view(bsz, num_heads, num_m, tokens_per_tile, num_blocks).any(3) & reach.unsqueeze(1)
     need = need.reshape(bsz * num_heads * num_m, num_blocks)
     counts = need.sum(-1, dtype=torch.int32)
-    ids = torch.argsort((~need).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    return ids, counts
+    # compaction without a sort: the needed block j goes to column (needed blocks before j);
+    # the others all go to a spare last column, dropped
+    slot = torch.where(need, need.cumsum(-1) - 1, num_blocks)
+    ids = torch.zeros(need.shape[0], num_blocks + 1, dtype=torch.int32, device=need.device)
+    ids.scatter_(1, slot, torch.arange(num_blocks, dtype=torch.int32, device=need.device).expand_as(slot))
+    return ids[:, :num_blocks].contiguous(), counts
 
 
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -132,8 +147,9 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``q [B, H_kv, G, Tq, d]``, ``k, v [B, H_kv, T, d]`` (same fp16/bf16/fp32 dtype),
     ``block_mask [B, H_kv, Tq, N]`` bool or None, ``q_pos [B, Tq]`` int, ``kv_len [B]``
     int (tokens), ``block_size`` in tokens -> ``[B, H_kv, G, Tq, d]`` in ``q``'s dtype.
-    ``block_m`` query rows per program (a power of two >= 16); ``num_warps`` and
-    ``num_stages`` are Triton launch parameters (tuning).
+    ``block_m`` rows per program (a power of two >= 16): ``block_m // next_pow2(G)``
+    query tokens x all ``G`` query heads of one KV head (at least one token); ``num_warps``
+    and ``num_stages`` are Triton launch parameters (tuning).
 
     Raises:
         SpardaError: a bad dtype, rank or shape mismatch, or a head dim not a power
@@ -158,8 +174,11 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     q_pos, kv_len = q_pos.contiguous(), kv_len.contiguous()
-    ids, counts = tile_block_lists(block_mask, q_pos, kv_len, heads, num_keys, block_size, block_m)
-    num_m = -(-num_q // block_m)
+    g_p = next_pow2(groups)
+    rows = max(block_m, g_p)  # rows per program: tokens_per_tile tokens x g_p heads
+    tokens_per_tile = rows // g_p
+    ids, counts = tile_block_lists(block_mask, q_pos, kv_len, heads, num_keys, block_size, tokens_per_tile)
+    num_m = -(-num_q // tokens_per_tile)
     if block_mask is not None:
         mask_u8 = block_mask.view(torch.uint8)
         if mask_u8.shape[-1] < num_blocks:
@@ -168,12 +187,12 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         mask_u8, ms = counts, (0, 0, 0, 0)
     ieee = q.dtype == torch.float32 or not q.is_cuda  # interpreter: no bf16 dot
-    _prefill_kernel[(num_m * groups, bsz * heads)](
+    _prefill_kernel[(num_m, bsz * heads)](
         q, k, v, out, q_pos, kv_len, mask_u8, ids, counts,
         *q.stride()[:4], k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         *out.stride()[:4], q_pos.stride(0), ms[0], ms[1], ms[2],
         heads, num_q, num_keys, num_m, ids.shape[-1], _LOG2E / math.sqrt(d),
-        G=groups, D=d, BS=block_size, BN=max(16, next_pow2(block_size)), BM=block_m,
+        G=groups, G_P=g_p, D=d, BS=block_size, BN=max(16, next_pow2(block_size)), BM=rows,
         HAS_MASK=block_mask is not None, IEEE=ieee,
-        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages or (2 if ieee else 3))
+        num_warps=num_warps or (4 if rows <= 64 else 8), num_stages=num_stages or (2 if ieee else 3))
     return out

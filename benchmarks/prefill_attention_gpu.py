@@ -1,0 +1,124 @@
+"""Block-sparse prefill attention on the GPU (issue #11): the packed-heads kernel in bf16
+against its PyTorch twin, and its time at 128K against the previous kernel and flash SDPA.
+
+Usage (one CUDA GPU, from the repository root):
+
+    PYTHONPATH=src python3 benchmarks/prefill_attention_gpu.py OUT [--old PATH]
+
+1. ``check``: ``kernels.prefill_attention`` (bf16, real ``tl.dot``) vs
+   ``reference.block_sparse_attention`` in fp32 on a 4K context, G = 1, 4, 16, with
+   the masks of the prefill selection kernel (``paper`` preset): max relative error.
+2. ``timing``: one layer-chunk of a 128K prefill, MiniCPM-8B shape (2 KV heads, G = 16)
+   and Llama-8B shape (8 KV heads, G = 4): the last 8,192 query tokens over 131,072
+   keys, masks from the prefill selection kernel on random bf16 queries and compressed
+   keys; ms of the packed kernel, of the previous kernel (``--old``: a copy of the
+   earlier ``prefill_attention.py``, if given), the packed kernel's estimate for the whole
+   layer (16 such chunks; earlier chunks reach fewer blocks) against causal flash SDPA over
+   the whole 128K layer; the mean number of blocks a tile walks against the blocks a token
+   selected.
+
+Writes ``OUT/prefill_attention_gpu.json`` and prints a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from sparda.bench.timing import cuda_ms  # noqa: E402
+from sparda.config import SelectionConfig  # noqa: E402
+from sparda.kernels import prefill_attention, reference  # noqa: E402
+from sparda.kernels.prefill_attention import tile_block_lists  # noqa: E402
+from sparda.kernels.prefill_selection import select_prefill_blocks_triton  # noqa: E402
+
+
+def _inputs(heads: int, groups: int, num_keys: int, num_q: int, cfg, d: int = 128, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, heads, groups, num_q, d, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(1, heads, num_keys, d, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(1, heads, num_keys, d, device="cuda", generator=gen).bfloat16()
+    num_ck = reference.num_compressed(num_keys, cfg.kernel_size, cfg.kernel_stride)
+    ck = torch.randn(1, heads, num_ck, d, device="cuda", generator=gen).bfloat16()
+    q_pos = torch.arange(num_keys - num_q, num_keys, device="cuda").view(1, -1)
+    mask = select_prefill_blocks_triton((q * 0.3).bfloat16(), ck, q_pos, -(-num_keys // cfg.block_size), cfg)
+    kv_len = torch.tensor([num_keys], device="cuda")
+    return q, k, v, mask, q_pos, kv_len
+
+
+def check(cfg) -> list[dict]:
+    rows = []
+    for groups in (1, 4, 16):
+        q, k, v, mask, q_pos, kv_len = _inputs(2, groups, 4096, 1024, cfg, seed=groups)
+        out = prefill_attention(q, k, v, mask, q_pos, kv_len, cfg.block_size).float()
+        ref = reference.block_sparse_attention(q.float(), k.float(), v.float(), mask, q_pos, kv_len, cfg.block_size)
+        rows.append({"groups": groups, "max_rel_err": float((out - ref).abs().max() / ref.abs().max()),
+                     "rel_err": float((out - ref).norm() / ref.norm())})
+        print("check", rows[-1], flush=True)
+    return rows
+
+
+def timing(cfg, old) -> list[dict]:
+    rows = []
+    for shape, heads, groups in (("minicpm-8b", 2, 16), ("llama-8b", 8, 4)):
+        q, k, v, mask, q_pos, kv_len = _inputs(heads, groups, 131072, 8192, cfg)
+        row = {"shape": shape, "kv_heads": heads, "groups": groups, "keys": 131072, "queries": 8192,
+               "blocks_per_token": float(mask.sum(-1).float().mean())}
+        g_p = 1 << (groups - 1).bit_length()
+        for label, tokens in (("packed", max(1, 64 // g_p)), ("old", 64)):
+            _, counts = tile_block_lists(mask, q_pos, kv_len, heads, 131072, cfg.block_size, tokens)
+            row[f"blocks_per_tile_{label}"] = float(counts.float().mean())
+        row["packed_ms"] = cuda_ms(lambda: prefill_attention(q, k, v, mask, q_pos, kv_len, cfg.block_size), reps=5)
+        if old is not None:
+            row["old_ms"] = cuda_ms(lambda: old.prefill_attention_triton(q, k, v, mask, q_pos, kv_len, cfg.block_size),
+                                    reps=5)
+        del q, k, v, mask
+        torch.cuda.empty_cache()
+        # flash SDPA over the whole causal 128K prompt of one layer (dense prefill's cost per layer)
+        qkv = [torch.randn(1, heads * groups if i == 0 else heads, 131072, 128, device="cuda").bfloat16()
+               for i in range(3)]
+        row["sdpa_layer_ms"] = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+            *qkv, is_causal=True, enable_gqa=True), reps=2)
+        row["packed_layer_ms_est"] = row["packed_ms"] * 131072 / 8192  # 16 chunks, each at most this chunk's
+        del qkv
+        rows.append({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()})
+        print("timing", rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--old", default=None, help="path of the previous prefill_attention.py (timed too)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (the interpreter tests cover the CPU: tests/kernels/test_prefill_attention.py)")
+    old = None
+    if args.old:
+        spec = importlib.util.spec_from_file_location("old_prefill_attention", args.old)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    cfg = SelectionConfig.from_preset("paper")
+    report = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__, "check": check(cfg), "timing": timing(cfg, old)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_attention_gpu.json").write_text(json.dumps(report, indent=1))
+    print(f"{'shape':<11} {'G':>3} {'blk/token':>9} {'blk/tile':>9} {'old blk/tile':>12} {'chunk ms':>9} "
+          f"{'old ms':>8} {'layer ms':>9} {'sdpa layer':>10}")
+    for r in report["timing"]:
+        print(f"{r['shape']:<11} {r['groups']:>3} {r['blocks_per_token']:>9.1f} {r['blocks_per_tile_packed']:>9.1f} "
+              f"{r['blocks_per_tile_old']:>12.1f} {r['packed_ms']:>9.2f} {r.get('old_ms', 0):>8.2f} "
+              f"{r['packed_layer_ms_est']:>9.1f} {r['sdpa_layer_ms']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
