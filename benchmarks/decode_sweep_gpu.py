@@ -23,6 +23,11 @@ printed last:
   ``sparse`` at B8..B16 and offloaded ``sparda`` at B16, B24, MiniCPM-8B shape, 128K.
 * ``grid``: the rest of the grid (Llama-3-8B and MiniCPM-8B shapes, 32K / 64K / 128K,
   B1..B24, every method), shortest contexts first, no parity.
+* ``early``: offloaded ``sparda`` attending to its resident blocks before the prefetch
+  wait (``early_attention``, design §6): the overlapped slot attention in bf16 against the
+  fp32 twin; greedy tokens with it on vs off vs ``sparda-no-prefetch`` and graph vs eager
+  (random 4-layer model, bf16 + fp32); then TPOT and overlap off vs on, MiniCPM-8B shape,
+  128K at B4 / B16 and 32K at B24 (the balanced points), parity 32.
 """
 
 from __future__ import annotations
@@ -188,7 +193,75 @@ def grid(out: Path, budget: float) -> list[dict]:
     return recs
 
 
-PARTS = {"check": check, "quick": lambda out, budget: check(out, budget, quick=True), "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid}
+def early(out: Path, budget: float) -> list[dict]:
+    from cuda_graphs_gpu import _NoText, _random_model  # noqa: F401 (the random 4-layer model)
+
+    from sparda.bench.models import random_forecast
+    from sparda.engine.llm import LLM
+    from sparda.kernels import slot_diff, twins
+    from sparda.kernels.decode_attention import decode_attention_slots_triton
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    rows = []
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    bsz, heads, groups, d, slots, bs = (4, 2, 16, 128, 96, 64) if DEV == "cuda" else (2, 2, 4, 16, 12, 16)
+    slot_map = torch.full((bsz, heads, slots), -1, dtype=torch.long, device=DEV)
+    load, attn = torch.full_like(slot_map, -1), torch.full((bsz, heads, slots + 1), -1, dtype=torch.int32, device=DEV)
+    pos = torch.full((bsz,), 2047 * bs + 5, dtype=torch.long, device=DEV)
+    keep = slots * 5 // 6
+    for step in range(2):  # two selections: the second keeps ~5/6 of the first (hits) and adds misses
+        ids = torch.stack([torch.randperm(2047, generator=gen, device=DEV)[:slots - 1]
+                           for _ in range(bsz * heads)]).view(bsz, heads, -1)
+        if step:
+            ids[..., :keep] = prev[..., :keep]
+        prev = ids
+        ids = torch.cat([ids.sort(-1).values, torch.full((bsz, heads, 1), 2047, device=DEV)], -1)
+        slot_diff(ids, slot_map, pos, bs, 2048, load, attn)
+    q = torch.randn(bsz, heads, groups, d, device=DEV, generator=gen).bfloat16()
+    k = torch.randn(bsz, heads, slots + 1, bs, d, device=DEV, generator=gen).bfloat16()
+    v = torch.randn_like(k)
+    sid = torch.arange(slots + 1, device=DEV).view(1, 1, -1)
+    ref = twins.slots_attention_reference(q.float(), k.float(), v.float(), attn, sid, pos + 1)
+    for label, late in (("plain", None), ("overlapped", load)) if DEV == "cuda" else ():  # CPU: interpreter tests
+        o = decode_attention_slots_triton(q, k, v, attn, sid, pos + 1, late=late).float()
+        rows.append({"check": f"slot attention bf16 vs fp32 twin ({label})", "late_slots": int((load >= 0).sum()),
+                     "rel_err": float((o - ref).norm() / ref.norm())})
+        log(rows[-1])
+    prompts = [torch.randint(0, 2048, (n,)).tolist() for n in (1500, 2300, 700)]
+    sel = dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=512)
+    for dtype in (torch.bfloat16, torch.float32) if DEV == "cuda" else (torch.float32,):
+        model = _random_model(dtype)
+        forecast = random_forecast(model)
+        toks = {}
+        for name, method, graphs, early_on in (("on", "sparda", True, True), ("on-eager", "sparda", False, True),
+                                               ("off", "sparda", True, False),
+                                               ("no-prefetch", "sparda-no-prefetch", True, False)):
+            llm = LLM.from_model(model, method=method, preset="small", forecast=forecast, offload=True,
+                                 cuda_graphs=graphs, early_attention=early_on, **sel)
+            llm.tokenizer = _NoText()
+            toks[name] = [o.token_ids for o in llm.generate(None, prompt_token_ids=prompts, max_new_tokens=64,
+                                                             ignore_eos=True)]
+        flat = lambda a: [t for x in toks[a] for t in x]  # noqa: E731
+        rows.append({"check": f"early attention tokens ({str(dtype).replace('torch.', '')})",
+                     "graph_equal_eager": toks["on"] == toks["on-eager"],
+                     "agreement_vs_off": round(sum(a == b for a, b in zip(flat("on"), flat("off"))) / len(flat("on")), 4),
+                     "agreement_vs_no_prefetch": round(sum(a == b for a, b in zip(flat("on"), flat("no-prefetch")))
+                                                       / len(flat("on")), 4)})
+        log(rows[-1])
+        del model, forecast
+    (out / "early-check.json").write_text(json.dumps(rows, indent=1))
+    recs = []
+    for name, kw in (("early-off-128k", dict(batches=[4, 16])), ("early-on-128k", dict(batches=[4, 16], early_attention=True)),
+                     ("early-off-32k", dict(batches=[24], contexts=[32768])),
+                     ("early-on-32k", dict(batches=[24], contexts=[32768], early_attention=True))):
+        left = budget - (time.perf_counter() - T0)
+        if left < 60:
+            break
+        recs += _sweep(out / name, left, methods=["sparda"], parity_steps=32, overlap_steps=8, **kw)
+    return rows + recs
+
+
+PARTS = {"check": check, "early": early, "quick": lambda out, budget: check(out, budget, quick=True), "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid}
 
 if __name__ == "__main__":
     out_dir, budget_s, parts = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]

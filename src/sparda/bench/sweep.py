@@ -61,6 +61,8 @@ class SweepConfig:
         overlap_steps: offloaded methods on CUDA: steps of the compute-alone and
             transfer-alone runs behind ``overlap_efficiency``
             (:func:`sparda.bench.point.overlap_timing`); 0 = off.
+        early_attention: offloaded methods attend to resident blocks before the prefetch
+            wait (``LLM(early_attention=True)``, design §6).
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -86,6 +88,7 @@ class SweepConfig:
     parity_steps: int = 0
     hit_rates: list = field(default_factory=list)
     overlap_steps: int = 8
+    early_attention: bool = False
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -197,6 +200,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
         for context in cfg.contexts:
             for method in cfg.methods:
                 llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager)
+                llm.early_attention = cfg.early_attention
                 prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
                 failed = None
                 rates = cfg.hit_rates if method in pt.HOST_KV else []
@@ -204,7 +208,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                     base = {**_blank(model_name, method, context, batch, "ok"), **prefill,
                             "device": env["device"], "dtype": str(dtype).replace("torch.", ""),
                             "decode_steps": cfg.decode_steps, "repeats": cfg.repeats,
-                            "hbm_gbps": env["hbm_gbps"], "pcie_gbps": env["pcie_gbps"]}
+                            "hbm_gbps": env["hbm_gbps"], "pcie_gbps": env["pcie_gbps"],
+                            "early_attention": cfg.early_attention and method in pt.HOST_KV}
                     if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
                         base.update(status="skipped", error="time budget")
                     elif failed is not None:

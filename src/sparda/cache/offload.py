@@ -59,6 +59,9 @@ class OffloadKVCache:
         kv_dtype: ``bf16`` or ``int8``/``int4``: the host store, the slot buffers and the
             resident layers hold quantised K/V plus scales (docs/kv_quant.md); the gather
             moves those bytes; compressed keys and the ring stay in ``dtype``.
+        early_attention: in :meth:`attend`, a layer whose prefetch is pending attends to
+            its resident blocks first, waits for the copy, then attends to the copied ones
+            and combines (CUDA; same result; design §6).
     Raises:
         SpardaError: host or device memory does not suffice (bytes named), bad engine.
     """
@@ -67,8 +70,9 @@ class OffloadKVCache:
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
-                 timing: bool = False, kv_dtype: str = "bf16") -> None:
+                 timing: bool = False, kv_dtype: str = "bf16", early_attention: bool = False) -> None:
         self.device = torch.device(device)
+        self.early_attention = bool(early_attention)
         self.kv_dtype = kv_dtype = quant.check_kv_dtype(kv_dtype)
         self.dtype = dtype
         self.selection = cfg = selection
@@ -407,6 +411,11 @@ class OffloadKVCache:
             SpardaError: shape/dtype mismatch (Triton path of
                 :func:`sparda.kernels.decode_attention_slots`).
         """
+        if self.early_attention and self.prefetcher.pending.get(layer) is not None:
+            # resident blocks first, then wait for the copy, then the missed blocks (design §6)
+            return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer],
+                                                  self.attn_ids[layer], self._slot_ids, kv_len,
+                                                  late=self.load[layer], between=lambda: self.wait(layer))
         self.wait(layer)
         return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer], self.attn_ids[layer],
                                               self._slot_ids, kv_len)

@@ -123,6 +123,9 @@ class LLM:
             graph; False runs the same static-shape step eagerly; docs/cuda_graphs.md) /
             ``offload_timing`` (default False: also time the offload copies, adding
             ``copy_ms``, ``exposed_wait_ms``, ``hidden_fraction`` to ``stats["offload"]``) /
+            ``early_attention`` (default False: an offloaded layer with a pending prefetch
+            attends to its resident blocks before waiting for the copy, then to the copied
+            ones; same result; design §6) /
             ``fused_decode`` (default True: on CUDA a decode step runs the fused kernels of
             :mod:`sparda.model.fused`; False runs the model's plain modules) /
             ``prefill_chunk_tokens`` (default :data:`DEFAULT_PREFILL_CHUNK_TOKENS`: prompts are
@@ -142,6 +145,8 @@ class LLM:
         self.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         #: time offload copies (copy_ms, exposed_wait_ms in stats["offload"]); off by default
         self.offload_timing = bool(overrides.pop("offload_timing", False))
+        #: offloaded decode attends to resident blocks before the prefetch wait (design §6)
+        self.early_attention = bool(overrides.pop("early_attention", False))
         #: on CUDA, decode through the fused kernels (sparda.model.fused); False: the plain modules
         self.fused_decode = bool(overrides.pop("fused_decode", True))
         #: prompt tokens per prefill chunk (0: the whole prompt at once)
@@ -192,6 +197,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         llm.offload_timing = bool(overrides.pop("offload_timing", False))
+        llm.early_attention = bool(overrides.pop("early_attention", False))
         llm.fused_decode = bool(overrides.pop("fused_decode", True))
         llm.prefill_chunk_tokens = check_prefill_chunk(overrides.pop("prefill_chunk_tokens",
                                                                      DEFAULT_PREFILL_CHUNK_TOKENS))
@@ -262,7 +268,8 @@ class LLM:
             return OffloadKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                                   self.config.selection, self.dtype, self.device, engine=self.transfer,
                                   resident_layers=getattr(self.method, "resident_layers", ()),
-                                  timing=self.offload_timing, kv_dtype=kv_dtype)
+                                  timing=self.offload_timing, kv_dtype=kv_dtype,
+                                  early_attention=getattr(self, "early_attention", False))
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                              self.config.selection, self.dtype, self.device, kv_dtype=kv_dtype)
 

@@ -89,8 +89,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
 
 
 def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                           block_ids: torch.Tensor, slot_ids: torch.Tensor,
-                           kv_len: torch.Tensor) -> torch.Tensor:
+                           block_ids: torch.Tensor, slot_ids: torch.Tensor, kv_len: torch.Tensor, *,
+                           late: torch.Tensor | None = None, between=None) -> torch.Tensor:
     """Decode attention reading the offload runtime's slot buffer (design §6).
 
     Same result as :func:`decode_attention` on a cache whose logical block
@@ -107,20 +107,27 @@ def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torc
             slot map ``[B, H, S]`` (logical block held by each slot, ``-1`` free), pass
             it as ``block_ids`` and ``torch.arange(S)`` as ``slot_ids``.
         kv_len: ``[B]`` valid keys per sequence.
+        late, between: overlap with a pending copy (design §6). ``late [B, H, S]``: the
+            logical block being copied into slot ``s`` this step (``-1`` none; entry
+            ``s < S`` of ``block_ids`` must be slot ``s``, as the slot diff writes them).
+            On CUDA the resident entries are attended first, then ``between()`` (the wait
+            for the copy) runs, then the ``late`` slots are attended and combined in one
+            kernel; elsewhere ``between()`` runs first. Same result either way.
     Returns:
         ``[B, H, G, d]`` in ``q``'s dtype.
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
-    if isinstance(k_slots, quant.QuantizedKV):
-        if (_on_triton(q, k_slots.data, v_slots.data, block_ids, slot_ids, kv_len)
-                and supported_head_dim(q.shape[-1])):
-            return _decode.decode_attention_slots_quantized_triton(q, k_slots, v_slots, block_ids, slot_ids,
-                                                                   kv_len)
-        return twins.slots_attention_reference(q, k_slots.dequantize(), v_slots.dequantize(), block_ids,
-                                               slot_ids, kv_len)
-    if _on_triton(q, k_slots, v_slots, block_ids, slot_ids, kv_len) and supported_head_dim(q.shape[-1]):
-        return _decode.decode_attention_slots_triton(q, k_slots, v_slots, block_ids, slot_ids, kv_len)
+    quantized = isinstance(k_slots, quant.QuantizedKV)
+    data = (k_slots.data, v_slots.data) if quantized else (k_slots, v_slots)
+    if _on_triton(q, *data, block_ids, slot_ids, kv_len) and supported_head_dim(q.shape[-1]):
+        fn = (_decode.decode_attention_slots_quantized_triton if quantized
+              else _decode.decode_attention_slots_triton)
+        return fn(q, k_slots, v_slots, block_ids, slot_ids, kv_len, late=late, between=between)
+    if between is not None:
+        between()
+    if quantized:
+        k_slots, v_slots = k_slots.dequantize(), v_slots.dequantize()
     return twins.slots_attention_reference(q, k_slots, v_slots, block_ids, slot_ids, kv_len)
 
 

@@ -53,26 +53,12 @@ def _dequantize(x, scale_ptr, tok_ok, offs_d, QBITS: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(
-    Q, K, V, LOGICAL, PHYS, KV_LEN, O, LSE, KS, VS,
-    stride_qb, stride_qh, stride_qg,
-    stride_kb, stride_kh, stride_kblk, stride_kt,
-    stride_vb, stride_vh, stride_vblk, stride_vt,
-    stride_ksb, stride_ksh, stride_ksblk, stride_kst,
-    stride_vsb, stride_vsh, stride_vsblk, stride_vst,
-    stride_ib, stride_ih, stride_pb, stride_ph,
-    stride_ob, stride_oh, stride_os, stride_og,
-    H, W, token_limit, blocks_per_split, qk_scale,
-    G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BS_P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    QBITS: tl.constexpr = 0,
-):
-    pid_bh = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    kv_len = tl.minimum(tl.load(KV_LEN + b).to(tl.int64), token_limit)
-
+def _row_setup(Q, K, V, KS, VS, b, h, stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_kt,
+               stride_vb, stride_vh, stride_vt, stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh,
+               stride_vst, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BS_P: tl.constexpr,
+               QBITS: tl.constexpr):
+    """One (row, KV head)'s query ``[G_P, D]`` (padding heads 0) and the base pointers of its
+    K/V (and scale) tiles, to which a block's offset is added."""
     offs_g = tl.arange(0, G_P)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BS_P)
@@ -84,8 +70,70 @@ def _decode_split_kernel(
     v_base = V + b * stride_vb + h * stride_vh + offs_t[:, None] * stride_vt + offs_c[None, :]
     ks_base = KS + b * stride_ksb + h * stride_ksh + offs_t * stride_kst
     vs_base = VS + b * stride_vsb + h * stride_vsh + offs_t * stride_vst
+    return offs_g, offs_d, offs_t, g_ok, q, k_base, v_base, ks_base, vs_base
+
+
+@triton.jit
+def _accumulate_block(q, m_i, l_i, acc, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, tok_ok, offs_d, qk_scale,
+                      QBITS: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax update of ``(m_i, l_i, acc)`` (log2 domain) with one KV block:
+    ``k_ptrs``/``v_ptrs`` ``[BS_P, d]`` pointers, ``tok_ok`` its valid tokens."""
+    k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0)
+    if QBITS > 0:  # dequantise in registers (sparda.kernels.quant)
+        k = _dequantize(k, ks_ptrs, tok_ok, offs_d, QBITS)
+        if not IEEE:
+            k = k.to(q.dtype)
+    if IEEE:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(tok_ok[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0)
+    if QBITS > 0:
+        v = _dequantize(v, vs_ptrs, tok_ok, offs_d, QBITS)
+        if not IEEE:
+            v = v.to(q.dtype)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, LOGICAL, PHYS, KV_LEN, O, LSE, KS, VS, SKIP,
+    stride_qb, stride_qh, stride_qg,
+    stride_kb, stride_kh, stride_kblk, stride_kt,
+    stride_vb, stride_vh, stride_vblk, stride_vt,
+    stride_ksb, stride_ksh, stride_ksblk, stride_kst,
+    stride_vsb, stride_vsh, stride_vsblk, stride_vst,
+    stride_ib, stride_ih, stride_pb, stride_ph, stride_skb, stride_skh,
+    stride_ob, stride_oh, stride_os, stride_og,
+    H, W, token_limit, blocks_per_split, qk_scale, skip_width,
+    G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BS_P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    QBITS: tl.constexpr = 0, HAS_SKIP: tl.constexpr = False,
+):
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    kv_len = tl.minimum(tl.load(KV_LEN + b).to(tl.int64), token_limit)
+
+    offs_g, offs_d, offs_t, g_ok, q, k_base, v_base, ks_base, vs_base = _row_setup(
+        Q, K, V, KS, VS, b, h, stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+        G, G_P, D, BS_P, QBITS)
     ids_base = LOGICAL + b * stride_ib + h * stride_ih
     phys_base = PHYS + b * stride_pb + h * stride_ph
+    skip_base = SKIP + b * stride_skb + h * stride_skh
 
     m_i = tl.full([G_P], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P], tl.float32)
@@ -95,34 +143,15 @@ def _decode_split_kernel(
         i = start + j
         blk = tl.load(ids_base + i, mask=i < W, other=-1).to(tl.int64)
         phys = tl.load(phys_base + i, mask=i < W, other=0).to(tl.int64)
+        if HAS_SKIP:  # phase 1 of the overlapped path: slots that receive a miss come later
+            late = tl.load(skip_base + i, mask=i < skip_width, other=-1)
+            blk = tl.where(late >= 0, -1, blk)
         pos = blk * BS + offs_t
         tok_ok = (offs_t < BS) & (pos < kv_len) & (blk >= 0)
-        k = tl.load(k_base + phys * stride_kblk, mask=tok_ok[:, None], other=0.0)
-        if QBITS > 0:  # dequantise in registers (sparda.kernels.quant)
-            k = _dequantize(k, ks_base + phys * stride_ksblk, tok_ok, offs_d, QBITS)
-            if not IEEE:
-                k = k.to(Q.dtype.element_ty)
-        if IEEE:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(tok_ok[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + phys * stride_vblk, mask=tok_ok[:, None], other=0.0)
-        if QBITS > 0:
-            v = _dequantize(v, vs_base + phys * stride_vsblk, tok_ok, offs_d, QBITS)
-            if not IEEE:
-                v = v.to(Q.dtype.element_ty)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _accumulate_block(
+            q, m_i, l_i, acc, k_base + phys * stride_kblk, v_base + phys * stride_vblk,
+            ks_base + phys * stride_ksblk, vs_base + phys * stride_vsblk, tok_ok, offs_d, qk_scale,
+            QBITS, IEEE)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = O + b * stride_ob + h * stride_oh + pid_s * stride_os + offs_g[:, None] * stride_og + offs_d[None, :]
@@ -161,6 +190,60 @@ def _decode_combine_kernel(
              out.to(O.dtype.element_ty))
 
 
+@triton.jit
+def _decode_late_combine_kernel(
+    Q, K, V, LOAD, KV_LEN, PART, LSE, O, KS, VS,
+    stride_qb, stride_qh, stride_qg,
+    stride_kb, stride_kh, stride_kblk, stride_kt,
+    stride_vb, stride_vh, stride_vblk, stride_vt,
+    stride_ksb, stride_ksh, stride_ksblk, stride_kst,
+    stride_vsb, stride_vsh, stride_vsblk, stride_vst,
+    stride_lb, stride_lh, stride_pbh, stride_ps, stride_pg,
+    stride_ob, stride_oh, stride_og,
+    H, S, num_splits, qk_scale,
+    G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BS_P: tl.constexpr, IEEE: tl.constexpr, QBITS: tl.constexpr = 0,
+):
+    """Phase 2 of the overlapped slot attention: one program per (row, KV head) attends to
+    the slots that received a miss this step (``LOAD[s] >= 0``, the logical block copied
+    into slot ``s``), then merges the phase-1 splits' partial outputs and log-sum-exps."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    kv_len = tl.load(KV_LEN + b).to(tl.int64)
+    offs_g, offs_d, offs_t, g_ok, q, k_base, v_base, ks_base, vs_base = _row_setup(
+        Q, K, V, KS, VS, b, h, stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+        G, G_P, D, BS_P, QBITS)
+    load_base = LOAD + b * stride_lb + h * stride_lh
+
+    m_i = tl.full([G_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_P], tl.float32)
+    acc = tl.zeros([G_P, D], tl.float32)
+    for i in range(0, S):
+        blk = tl.load(load_base + i).to(tl.int64)
+        if blk >= 0:  # most slots hit: a scalar test, no block work
+            tok_ok = (offs_t < BS) & (blk * BS + offs_t < kv_len)
+            m_i, l_i, acc = _accumulate_block(
+                q, m_i, l_i, acc, k_base + i * stride_kblk, v_base + i * stride_vblk,
+                ks_base + i * stride_ksblk, vs_base + i * stride_vsblk, tok_ok, offs_d, qk_scale,
+                QBITS, IEEE)
+    for sp in range(0, num_splits):  # merge phase 1: (o_s, lse_s) counts 2^lse_s, o_s * 2^lse_s
+        lse_s = tl.load(LSE + (pid_bh * num_splits + sp) * G_P + offs_g)
+        o_s = tl.load(PART + pid_bh.to(tl.int64) * stride_pbh + sp * stride_ps + offs_g[:, None] * stride_pg
+                      + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(lse_s - m_safe)
+        l_i = l_i * alpha + beta
+        acc = acc * alpha[:, None] + o_s * beta[:, None]
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=g_ok[:, None])
+
+
 def choose_num_splits(batch_heads: int, width: int, device: torch.device) -> int:
     """Splits per (sequence, KV head) so that the grid fills the GPU about four times."""
     target = 4 * num_sms(device)
@@ -189,10 +272,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ids: torch.T
 
 
 def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, num_splits,
-            num_warps, num_stages, ks_view=None, vs_view=None, qbits=0):
+            num_warps, num_stages, ks_view=None, vs_view=None, qbits=0, late=None, between=None):
     """k_view/v_view strides: (b, h, block, token-in-block); last dim contiguous.
     ``ks_view``/``vs_view``: the same for the ``[..., 2]`` fp32 scales of a quantised
-    cache (``qbits`` 8 or 4); ``None`` unquantised."""
+    cache (``qbits`` 8 or 4); ``None`` unquantised. ``late``: ``[B, H, S]`` logical block
+    copied into each slot this step (``-1`` none; slot ``s`` = entry ``s`` of ``logical``):
+    the split kernel skips those slots, ``between()`` runs, then one kernel attends to them
+    and combines (the overlapped path of :func:`decode_attention_slots_overlapped_triton`)."""
     bsz, heads, groups, d = q.shape
     width = logical.shape[-1]
     out = torch.empty_like(q)
@@ -202,6 +288,8 @@ def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, n
     phys = phys.contiguous()
     kv_len = kv_len.contiguous()
     if width == 0:
+        if between is not None:
+            between()
         return out.zero_()
     if num_splits is None:
         num_splits = choose_num_splits(bsz * heads, width, q.device)
@@ -219,24 +307,41 @@ def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, n
     common = dict(G=groups, G_P=g_p, D=d, BS=block_size, BS_P=bs_p, IEEE=ieee, QBITS=qbits,
                   num_warps=num_warps, num_stages=num_stages)
     grid = (bsz * heads, num_splits)
-    if num_splits == 1:
+    if late is not None:
+        late = late.contiguous()
+        skip = (late, late.stride(0), late.stride(1), late.shape[-1])
+    else:
+        skip = (logical, 0, 0, 0)
+    if num_splits == 1 and late is None:
         _decode_split_kernel[grid](
-            q, ks[0], vs[0], logical, phys, kv_len, out, out, scales[0], scales[1],
+            q, ks[0], vs[0], logical, phys, kv_len, out, out, scales[0], scales[1], skip[0],
             q.stride(0), q.stride(1), q.stride(2),
             *ks[1], *vs[1], *scales[2:],
-            logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1),
+            logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1), skip[1], skip[2],
             out.stride(0), out.stride(1), 0, out.stride(2),
-            heads, width, token_limit, per_split, qk_scale, SPLIT=False, **common)
+            heads, width, token_limit, per_split, qk_scale, skip[3], SPLIT=False, **common)
         return out
     part = torch.empty(bsz * heads, num_splits, groups, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(bsz * heads, num_splits, g_p, device=q.device, dtype=torch.float32)
     _decode_split_kernel[grid](
-        q, ks[0], vs[0], logical, phys, kv_len, part, lse, scales[0], scales[1],
+        q, ks[0], vs[0], logical, phys, kv_len, part, lse, scales[0], scales[1], skip[0],
         q.stride(0), q.stride(1), q.stride(2),
         *ks[1], *vs[1], *scales[2:],
-        logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1),
+        logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1), skip[1], skip[2],
         heads * part.stride(0), part.stride(0), part.stride(1), part.stride(2),
-        heads, width, token_limit, per_split, qk_scale, SPLIT=True, **common)
+        heads, width, token_limit, per_split, qk_scale, skip[3], SPLIT=True, HAS_SKIP=late is not None,
+        **common)
+    if late is not None:
+        if between is not None:
+            between()
+        _decode_late_combine_kernel[(bsz * heads,)](
+            q, ks[0], vs[0], late, kv_len, part, lse, out, scales[0], scales[1],
+            q.stride(0), q.stride(1), q.stride(2),
+            *ks[1], *vs[1], *scales[2:],
+            late.stride(0), late.stride(1), part.stride(0), part.stride(1), part.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            heads, late.shape[-1], num_splits, qk_scale, **common)
+        return out
     _decode_combine_kernel[(bsz * heads, groups)](
         part, lse, out,
         part.stride(0), part.stride(1), part.stride(2),
@@ -279,7 +384,8 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def decode_attention_slots_triton(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                                   block_ids: torch.Tensor, slot_ids: torch.Tensor,
                                   kv_len: torch.Tensor, num_splits: int | None = None, *,
-                                  num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                                  num_warps: int = 4, num_stages: int = 2, late: torch.Tensor | None = None,
+                                  between=None) -> torch.Tensor:
     """Triton decode attention reading the offload slot buffer (design §6).
 
     Args:
@@ -292,6 +398,11 @@ def decode_attention_slots_triton(q: torch.Tensor, k_slots: torch.Tensor, v_slot
             (logical block per slot, ``-1`` free) works too: pass it as ``block_ids``
             with ``slot_ids = arange(S)`` broadcast.
         kv_len: ``[B]`` valid keys per sequence.
+        late, between: the overlapped path (design §6): ``late [B, H_kv, S]`` int64, the
+            logical block being copied into slot ``s`` this step (``-1``: none), where entry
+            ``s < S`` of ``block_ids`` is slot ``s``. The split kernel attends to every
+            other entry, ``between()`` runs (the wait for the copy), then one kernel attends
+            to the ``late`` slots and combines. Same result as without ``late``.
     Returns:
         ``[B, H_kv, G, d]`` in ``q``'s dtype.
     Raises:
@@ -308,8 +419,9 @@ def decode_attention_slots_triton(q: torch.Tensor, k_slots: torch.Tensor, v_slot
     block_size = k_slots.shape[3]
     ks = (k_slots, (k_slots.stride(0), k_slots.stride(1), k_slots.stride(2), k_slots.stride(3)))
     vs = (v_slots, (v_slots.stride(0), v_slots.stride(1), v_slots.stride(2), v_slots.stride(3)))
+    _check_late(late, k_slots, block_ids)
     return _launch(q, ks, vs, block_ids, slot_ids, kv_len, block_size, 2**62, num_splits,
-                   num_warps, num_stages)
+                   num_warps, num_stages, late=late, between=between)
 
 
 def _check_quantized(q: torch.Tensor, k, v, block_ids: torch.Tensor, kv_len: torch.Tensor) -> int:
@@ -361,7 +473,8 @@ def decode_attention_quantized_triton(q: torch.Tensor, k, v, block_ids: torch.Te
 def decode_attention_slots_quantized_triton(q: torch.Tensor, k_slots, v_slots, block_ids: torch.Tensor,
                                             slot_ids: torch.Tensor, kv_len: torch.Tensor,
                                             num_splits: int | None = None, *, num_warps: int = 4,
-                                            num_stages: int = 2) -> torch.Tensor:
+                                            num_stages: int = 2, late: torch.Tensor | None = None,
+                                            between=None) -> torch.Tensor:
     """:func:`decode_attention_slots_triton` over quantised slot buffers (design §6),
     dequantised in registers.
 
@@ -369,7 +482,7 @@ def decode_attention_slots_quantized_triton(q: torch.Tensor, k_slots, v_slots, b
         q: ``[B, H_kv, G, d]``.
         k_slots, v_slots: :class:`~sparda.kernels.quant.QuantizedKV` of logical shape
             ``[B, H_kv, S, block_size, d]`` (``data [..., d']`` uint8, ``scale [..., 2]`` fp32).
-        block_ids, slot_ids, kv_len, num_splits, num_warps, num_stages: as
+        block_ids, slot_ids, kv_len, num_splits, num_warps, num_stages, late, between: as
             :func:`decode_attention_slots_triton`.
     Returns:
         ``[B, H_kv, G, d]`` in ``q``'s dtype.
@@ -384,5 +497,18 @@ def decode_attention_slots_quantized_triton(q: torch.Tensor, k_slots, v_slots, b
     k_slots, v_slots = k_slots.contiguous(), v_slots.contiguous()
     views = [(t, (t.stride(0), t.stride(1), t.stride(2), t.stride(3)))
              for t in (k_slots.data, v_slots.data, k_slots.scale, v_slots.scale)]
+    _check_late(late, k_slots, block_ids)
     return _launch(q, views[0], views[1], block_ids, slot_ids, kv_len, k_slots.shape[3], 2**62, num_splits,
-                   num_warps, num_stages, views[2], views[3], qbits)
+                   num_warps, num_stages, views[2], views[3], qbits, late=late, between=between)
+
+
+def _check_late(late: torch.Tensor | None, k_slots, block_ids: torch.Tensor) -> None:
+    """``late`` must be ``[B, H, S']`` integer with ``S'`` at most the slots and the entries
+    of ``block_ids`` (slot ``s`` = entry ``s``)."""
+    if late is None:
+        return
+    bsz, heads, slots = k_slots.shape[:3]
+    if (late.dim() != 3 or late.shape[:2] != (bsz, heads) or late.shape[-1] > min(slots, block_ids.shape[-1])
+            or late.dtype not in (torch.int32, torch.int64)):
+        raise SpardaError(f"late must be int32/int64 [B, H_kv, S'] with B, H_kv = {bsz, heads} and S' <= "
+                          f"{min(slots, block_ids.shape[-1])} (slots and entries), got {tuple(late.shape)} {late.dtype}")
