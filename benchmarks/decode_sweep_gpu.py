@@ -28,6 +28,11 @@ printed last:
   fp32 twin; greedy tokens with it on vs off vs ``sparda-no-prefetch`` and graph vs eager
   (random 4-layer model, bf16 + fp32); then TPOT and overlap off vs on, MiniCPM-8B shape,
   128K at B4 / B16 and 32K at B24 (the balanced points), parity 32.
+* ``tune``: inside the replayed step of offloaded ``sparda`` (MiniCPM-8B shape, trace; 128K
+  B16 and 32K B24), TPOT for each UVA gather grid (CTAs x warps), side-stream priority
+  (high / normal) and early attention off / on; every configuration replays the same
+  steps from empty slots (``bench.point.restart``), the first one again at the end to show
+  the drift.
 """
 
 from __future__ import annotations
@@ -261,7 +266,72 @@ def early(out: Path, budget: float) -> list[dict]:
     return rows + recs
 
 
-PARTS = {"check": check, "early": early, "quick": lambda out, budget: check(out, budget, quick=True), "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid}
+def tune(out: Path, budget: float) -> list[dict]:
+    from sparda.bench import point as pt
+    from sparda.bench.models import build_model, random_forecast, selection_config
+    from sparda.bench.traces import SHIPPED_TRACE, Replayer, load_traces, replay_masks, trace_for
+    from sparda.engine.graph_runner import DecodeRunner
+
+    points = [(131072, 16), (32768, 24)] if not SMOKE else [(2048, 2)]
+    configs = [(ctas, warps, prio, early) for ctas, warps in ((32, 8), (16, 8), (64, 8), (32, 4))
+               for prio in (-1, 0) for early in (False, True)]
+    if SMOKE:
+        configs = configs[:2]
+    rows = []
+    traces = load_traces(SHIPPED_TRACE)
+    for context, batch in points:
+        name = "tiny" if SMOKE else "minicpm-8b"
+        model = build_model(name, DEV, torch.bfloat16 if DEV == "cuda" else torch.float32, context + 1024)
+        selection = selection_config(name)
+        llm = pt.make_llm(model, "sparda", selection, random_forecast(model))
+        steps, warm, timed = 3 + 12, 3, 12
+        cache = llm.new_cache(batch, context + steps + 2)
+        pt.fill_cache(cache, model.shape, batch, context, llm.device, llm.dtype)
+        masks = replay_masks(trace_for(traces, "sparda"), model.shape.num_layers, model.shape.num_kv_heads,
+                             selection, [context] * batch, steps, cache.num_blocks).to(llm.device)
+        replayer = Replayer(masks)
+        replayer.install(cache)
+        state = {"i": 0}
+        for ctas, warps, prio, early_on in configs + configs[:1]:
+            if time.perf_counter() - T0 > budget - 30:
+                break
+            cache.engine.num_ctas, cache.engine.num_warps = ctas, warps
+            cache.early_attention = early_on
+            if DEV == "cuda":
+                cache.prefetcher.stream = torch.cuda.Stream(device=llm.device, priority=prio)
+                cache.prefetcher.select_stream = torch.cuda.Stream(device=llm.device, priority=prio)
+            runner = DecodeRunner(llm, cache)
+            runner.load(torch.zeros(batch, dtype=torch.long, device=llm.device),
+                        torch.full((batch,), context, device=llm.device))
+            def step():
+                i = state["i"]
+                replayer.step = i
+                runner.positions.fill_(context + i)
+                runner.step(context + i + 1)
+                state["i"] = i + 1
+
+            pt.restart(state, cache)
+            for _ in range(warm):
+                step()
+            pt.sync(llm.device)
+            t = time.perf_counter()
+            for _ in range(timed):
+                step()
+            pt.sync(llm.device)
+            rows.append({"part": "tune", "model": name, "context": context, "batch": batch, "num_ctas": ctas,
+                         "num_warps": warps, "stream_priority": prio, "early_attention": early_on,
+                         "tpot_ms": round((time.perf_counter() - t) / timed * 1e3, 3)})
+            log(rows[-1])
+            del runner
+        del cache, llm, model
+        gc.collect()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    (out / "tune.json").write_text(json.dumps(rows, indent=1))
+    return [{"check": r} for r in rows]
+
+
+PARTS = {"check": check, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True), "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid}
 
 if __name__ == "__main__":
     out_dir, budget_s, parts = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
