@@ -3,7 +3,6 @@
 Usage (on a CUDA machine, from the repository root):
 
     python3 benchmarks/profile_decode_gpu.py OUT [CONTEXT [BATCH [METHOD ...]]]
-    python3 benchmarks/profile_decode_gpu.py tune OUT CONTEXT BATCH   # UVA gather settings, in the real step
 
 Builds the ``sparda bench`` setup of one point (MiniCPM-8B shape, random weights, bf16, KV
 filled directly, the shipped trace replayed by offloaded methods, CUDA graphs on), runs a
@@ -117,59 +116,5 @@ def main() -> None:
             print(f"  {k['us_per_step']:9.1f} us {k['per_step']:7.1f}x  {k['name'][:90]}")
 
 
-if __name__ == "__main__" and sys.argv[1:2] != ["tune"]:
+if __name__ == "__main__":
     main()
-
-
-def tune_gather(out: Path, context: int, batch: int, configs: list[tuple[int, int, int]]) -> list[dict]:
-    """TPOT of offloaded ``sparda`` with the UVA gather at several (CTAs, warps, tile) settings,
-    measured inside the real replayed step (the gather competes with compute for SMs)."""
-    from sparda.engine.graph_runner import DecodeRunner
-
-    model = build_model("minicpm-8b", "cuda", torch.bfloat16, context + 1024)
-    forecast = random_forecast(model)
-    traces = load_traces(SHIPPED_TRACE)
-    selection = selection_config("minicpm-8b")
-    llm = pt.make_llm(model, "sparda", selection, forecast)
-    steps = 12 * (len(configs) + 1) + 4
-    cache = llm.new_cache(batch, context + steps + 2)
-    pt.fill_cache(cache, model.shape, batch, context, llm.device, llm.dtype)
-    masks = replay_masks(trace_for(traces, "sparda"), model.shape.num_layers, model.shape.num_kv_heads, selection,
-                         [context] * batch, steps, cache.num_blocks).to(llm.device)
-    replayer = Replayer(masks)
-    replayer.install(cache)
-    state = {"i": 0}
-    rows = []
-    for ctas, warps, tile in configs:
-        cache.engine.num_ctas, cache.engine.num_warps, cache.engine.tile = ctas, warps, tile
-        runner = DecodeRunner(llm, cache)
-        runner.load(torch.zeros(batch, dtype=torch.long, device=llm.device),
-                    torch.full((batch,), context + state["i"], device=llm.device))
-
-        def step():
-            i = state["i"]
-            replayer.step = i
-            runner.positions.fill_(context + i)
-            runner.step(context + i + 1)
-            state["i"] = i + 1
-
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(8):
-            step()
-        torch.cuda.synchronize()
-        rows.append({"batch": batch, "num_ctas": ctas, "num_warps": warps, "tile": tile,
-                     "tpot_ms": round((time.perf_counter() - t) / 8 * 1e3, 3)})
-        print(rows[-1], flush=True)
-        del runner
-    (out / f"tune-gather-b{batch}.json").write_text(json.dumps(rows, indent=1))
-    return rows
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["tune"]:  # tune OUT CONTEXT BATCH
-    _out = Path(sys.argv[2])
-    _out.mkdir(parents=True, exist_ok=True)
-    tune_gather(_out, int(sys.argv[3]), int(sys.argv[4]),
-                [(16, 8, 2048), (16, 8, 8192), (32, 8, 8192), (64, 8, 8192), (132, 8, 8192), (32, 4, 8192)])
