@@ -5,8 +5,10 @@ fused step's structure (stacked QKV(+F) and gate/up GEMMs, RoPE + append through
 caches' ``rope_append``, fused norms, Forecast queries handed over in
 ``step.projections``) end to end: same logits (fp32, <= 1e-5 relative), same block
 counters and hit/miss counts as the unfused step, over a batch of three lengths that
-crosses the dense fallback. The Triton kernels themselves are tested under the
-interpreter (tests/kernels/) and in bf16 on the GPU (benchmarks/fused_decode_gpu.py).
+crosses the dense fallback; with quantised KV caches too (int8/int4: the fused append
+quantises each token, the unfused one in PyTorch). The Triton kernels themselves are
+tested under the interpreter (tests/kernels/, the quantised fused step end to end in
+tests/kernels/test_fused_decode_quant.py) and in bf16 on the GPU (benchmarks/fused_decode_gpu.py).
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ def _force_fused(llm):
     return llm
 
 
-@pytest.mark.parametrize("method,extra", METHODS, ids=[m + ("-offload" if e.get("offload") else "")
-                                                       for m, e in METHODS])
+# quantised KV caches (docs/kv_quant.md): the fused append quantises each token itself
+QUANTIZED = [("sparse", {"kv_dtype": "int8"}), ("sparda", {"offload": False, "kv_dtype": "int4"}),
+             ("sparda", {"offload": True, "kv_dtype": "int8"}), ("sparse-offload", {"kv_dtype": "int4"})]
+
+
+@pytest.mark.parametrize("method,extra", METHODS + QUANTIZED,
+                         ids=[m + ("-offload" if e.get("offload") else "") + (f"-{e['kv_dtype']}" if "kv_dtype" in e
+                                                                              else "")
+                              for m, e in METHODS + QUANTIZED])
 def test_fused_step_equals_unfused_step(tiny, forecast_file, method, extra, fresh_seed):
     fused = _force_fused(_llm(tiny, forecast_file, method, extra))
     plain = _llm(tiny, forecast_file, method, dict(extra, fused_decode=False))

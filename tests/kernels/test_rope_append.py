@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 from sparda.cache.device import DeviceKVCache  # noqa: E402
 from sparda.cache.offload import OffloadKVCache  # noqa: E402
 from sparda.config import SelectionConfig  # noqa: E402
+from sparda.kernels import quant  # noqa: E402
 from sparda.kernels import reference as ref  # noqa: E402
 from sparda.kernels import twins  # noqa: E402
 from sparda.kernels.rope_append import rope_append_triton  # noqa: E402
@@ -104,3 +105,177 @@ def test_rope_append_device_cache_matches_cache_append(g, nf, d, fresh_seed):
         torch.testing.assert_close(ck, cache.ck[0], rtol=1e-5, atol=1e-6)
         if fn is twins.rope_append_reference:  # one PyTorch compressed-key update: bit-identical
             assert torch.equal(ck, cache.ck[0])
+
+
+# ----------------------------------------------------------------- quantised caches (docs/kv_quant.md)
+def _decode_inputs(gen, b, hk, g, nf, d, pos):
+    """A random stacked projection row per cache row and the RoPE tables of ``pos [B]``."""
+    qkv = torch.randn(b, (hk * g + (2 + nf) * hk) * d, generator=gen) * 3
+    theta = pos.view(-1, 1).float() * (1.0 / 100.0 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([theta, theta], -1)
+    return qkv, emb.cos().view(b, 1, 1, d), emb.sin().view(b, 1, 1, d)
+
+
+def _prefill(caches, layers, gen, b, hk, d, lengths):
+    """The same random K/V prefill (one row at a time) into every cache."""
+    for layer in range(layers):
+        for row in range(b):
+            n = int(lengths[row])
+            kk, vv = torch.randn(1, hk, n, d, generator=gen), torch.randn(1, hk, n, d, generator=gen)
+            step = StepInfo("prefill", torch.tensor([row]), torch.arange(n).view(1, -1), torch.tensor([n]),
+                            None, None, n)
+            for cache in caches:
+                cache.append(layer, kk, vv, step)
+
+
+def _assert_same_quantized(got, want, what):
+    """Codes and ``(step, lo)`` bit-identical: the kernel rounds RoPE like PyTorch and
+    quantises with IEEE divisions and ties-to-even, so from the same key it computes the
+    same codes. (Where the compiler contracts fp32 RoPE into FMAs on the GPU, a key can
+    differ by an ulp and its code by one step; bf16 RoPE rounds after every operation.)"""
+    assert torch.equal(got.data, want.data), f"{what}: codes differ"
+    assert torch.equal(got.scale, want.scale), f"{what}: scales differ"
+
+
+def _dispatch_to(monkeypatch, fn, calls: dict):
+    """Route :func:`sparda.kernels.rope_append` to ``fn`` (the Triton launcher, run by the
+    interpreter on CPU tensors, or the twin), counting calls in ``calls[fn.__name__]``."""
+    from sparda import kernels
+
+    def run(*args, **kw):
+        calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+        fn(*args, **kw)
+
+    monkeypatch.setattr(kernels, "rope_append", run)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("g,nf,d", [(1, 0, 64), (3, 1, 128), (4, 2, 64)])
+def test_quantized_offload_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed, monkeypatch):
+    """A quantised offloaded cache, resident layer 0 and offloaded layer 1, 12 decode steps
+    from lengths 13 / 30 / 47 (every row crosses a block boundary of 16 and completes
+    compression windows): the fused append -- ``fused_append.offload_rope_append`` with
+    the Triton kernel (host write-back by the engine), the same with the twin, and the
+    kernel writing the host store itself (``host=``) -- leaves the slot, resident and host
+    codes and scales bit-identical to the unfused ``append`` (quantise in PyTorch), and the
+    ring and compressed keys of the full-precision keys."""
+    from sparda.cache import fused_append
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    b, hk, layers, cap, steps = 3, 2, 2, 64, 12
+    lengths = torch.tensor([13, 30, 47])
+    make = lambda: OffloadKVCache(layers, b, hk, d, cap, CFG, torch.float32, "cpu", engine="sync",  # noqa: E731
+                                  resident_layers=(0,), kv_dtype=kv_dtype)
+    ref_c, tri_c, twin_c, host_c = caches = [make() for _ in range(4)]
+    _prefill(caches, layers, gen, b, hk, d, lengths)
+    for c in caches[1:]:
+        c.lengths.copy_(ref_c.lengths)
+    calls = {}
+    for i in range(steps):
+        pos = lengths + i
+        step = StepInfo("decode", torch.arange(b), pos.view(-1, 1), pos + 1, None, None, cap)
+        for layer in range(layers):
+            qkv, step.cos, step.sin = _decode_inputs(gen, b, hk, g, nf, d, pos)
+            q, k, v, f = _split(qkv, b, hk, g, nf, d, step.cos, step.sin)
+            ref_c.append(layer, k, v, step)
+            for cache, fn in ((tri_c, rope_append_triton), (twin_c, twins.rope_append_reference)):
+                _dispatch_to(monkeypatch, fn, calls)
+                q_out, f_out = fused_append.rope_append(cache, layer, qkv, step, g, nf)
+                torch.testing.assert_close(q_out, q, rtol=1e-6, atol=1e-6)
+                if nf:
+                    torch.testing.assert_close(f_out, f, rtol=1e-6, atol=1e-6)
+            # the kernel writing the host store itself (UVA on the GPU)
+            q_out = torch.empty(b, hk * g, d)
+            f_out = torch.empty(b, nf, hk, d) if nf else None
+            common = dict(num_kv_heads=hk, group=g, num_f=nf, block_size=CFG.block_size, kernel=CFG.kernel_size,
+                          stride=CFG.kernel_stride, ring=host_c.ring[layer],
+                          lengths=host_c.lengths if layer == layers - 1 else None)
+            if layer in host_c.resident:
+                rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, host_c.k_full[layer],
+                                   host_c.v_full[layer], host_c.ck[layer], **common)
+            else:
+                chunk = host_c.host.chunks[layer][0]
+                rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, host_c.k_slots[layer],
+                                   host_c.v_slots[layer], host_c.ck[layer], slot=host_c.slots,
+                                   host=(chunk.k, chunk.v), **common)
+    assert calls == {"rope_append_triton": steps * layers, "rope_append_reference": steps * layers}
+    for name, cache in (("triton", tri_c), ("twin", twin_c), ("triton host=", host_c)):
+        what = f"{name} {kv_dtype} g={g} d={d} seed={fresh_seed}"
+        _assert_same_quantized(cache.k_full[0], ref_c.k_full[0], f"{what} resident K")
+        _assert_same_quantized(cache.v_full[0], ref_c.v_full[0], f"{what} resident V")
+        _assert_same_quantized(cache.k_slots[1], ref_c.k_slots[1], f"{what} slot K")
+        _assert_same_quantized(cache.v_slots[1], ref_c.v_slots[1], f"{what} slot V")
+        chunk, want = cache.host.chunks[1][0], ref_c.host.chunks[1][0]
+        _assert_same_quantized(chunk.k, want.k, f"{what} host K")
+        _assert_same_quantized(chunk.v, want.v, f"{what} host V")
+        for layer in range(layers):
+            torch.testing.assert_close(cache.ring[layer], ref_c.ring[layer], rtol=0, atol=0)
+            torch.testing.assert_close(cache.ck[layer], ref_c.ck[layer], rtol=1e-5, atol=1e-6)
+        assert torch.equal(cache.lengths, lengths + steps)
+    # the partial slot and the host hold codes, not zeros; compressed keys are not from dequantised keys
+    assert ref_c.k_slots[1].scale[:, :, ref_c.slots].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("g,nf,d", [(4, 0, 128), (3, 1, 64), (1, 2, 64)])
+def test_quantized_device_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed, monkeypatch):
+    """A quantised on-device cache (``DeviceKVCache.rope_append``, Triton kernel): 18 decode
+    steps across block boundaries leave codes, scales, ring and compressed keys as the
+    unfused ``append``; values half-way between two codes round to the even one
+    (``torch.round``), a constant row stores step 0 and comes back exactly; the
+    compressed keys are the full-precision keys' means."""
+    gen = torch.Generator().manual_seed(fresh_seed)
+    b, hk, cap, steps = 3, 2, 64, 18
+    lengths = torch.tensor([9, 16, 31])
+    ref_c, tri_c = caches = [DeviceKVCache(1, b, hk, d, cap, CFG, torch.float32, "cpu", kv_dtype=kv_dtype)
+                             for _ in range(2)]
+    _prefill(caches, 1, gen, b, hk, d, lengths)
+    calls = {}
+    _dispatch_to(monkeypatch, rope_append_triton, calls)
+    keys = []
+    levels = 2 ** quant.BITS[kv_dtype] - 1
+    ties = torch.arange(d, dtype=torch.float32) % (levels - 1) + 0.5  # lo 0, step 1: (x - lo) / step = n + 1/2
+    ties[0], ties[1] = 0.0, float(levels)
+    v_off = (hk * g + hk) * d
+    for i in range(steps):
+        pos = lengths + i
+        step = StepInfo("decode", torch.arange(b), pos.view(-1, 1), pos + 1, None, None, cap)
+        qkv, step.cos, step.sin = _decode_inputs(gen, b, hk, g, nf, d, pos)
+        qkv[0, v_off:v_off + d] = ties  # row 0, head 0: values half-way between codes
+        qkv[1, v_off + d:v_off + 2 * d] = 2.5  # row 1, head 1: a constant row (step 0)
+        q, k, v, f = _split(qkv, b, hk, g, nf, d, step.cos, step.sin)
+        keys.append(k[:, :, 0])
+        ref_c.append(0, k, v, step)
+        q_out, f_out = tri_c.rope_append(0, qkv, step, g, nf)
+        torch.testing.assert_close(q_out, q, rtol=1e-6, atol=1e-6)
+    assert calls == {"rope_append_triton": steps}
+    what = f"{kv_dtype} g={g} d={d} seed={fresh_seed}"
+    _assert_same_quantized(tri_c.k[0], ref_c.k[0], f"{what} K")
+    _assert_same_quantized(tri_c.v[0], ref_c.v[0], f"{what} V")
+    assert torch.equal(tri_c.ring[0], ref_c.ring[0])
+    torch.testing.assert_close(tri_c.ck[0], ref_c.ck[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(tri_c.lengths, lengths + steps)
+    decoded = slice(int(lengths[0]), int(lengths[0]) + steps)
+    tie_codes = tri_c.v[0][0, 0, decoded].dequantize()
+    assert torch.equal(tie_codes, torch.round(ties).expand_as(tie_codes))  # ties to even, as torch.round
+    assert not torch.equal(torch.round(ties), torch.floor(ties + 0.5))  # (the test has ties that matter)
+    const = tri_c.v[0][1, 1, int(lengths[1]):int(lengths[1]) + steps]
+    assert torch.equal(const.scale, torch.tensor([0.0, 2.5]).expand_as(const.scale))
+    assert torch.equal(const.dequantize(), torch.full((steps, d), 2.5))
+    # row 2's last window (tokens 40..47) is all decoded: its compressed key is the mean of the fp32 keys
+    j = (47 + 1 - CFG.kernel_size) // CFG.kernel_stride
+    want = torch.stack([keys[p - 31][2] for p in range(40, 48)]).mean(0)
+    torch.testing.assert_close(tri_c.ck[0][2, :, j], want, rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_append_needs_the_ring():
+    from sparda import kernels
+    from sparda.errors import SpardaError
+
+    b, hk, d = 1, 1, 16
+    kd, vd = (quant.QuantizedKV.zeros((b, hk, 32, d), "int8") for _ in range(2))
+    qkv, cos, sin = _decode_inputs(torch.Generator().manual_seed(0), b, hk, 1, 0, d, torch.tensor([5]))
+    with pytest.raises(SpardaError, match="ring"):
+        kernels.rope_append(qkv, cos, sin, torch.tensor([5]), torch.empty(b, hk, d), None, kd, vd,
+                            torch.zeros(b, hk, 8, d), num_kv_heads=hk, group=1, num_f=0, block_size=16,
+                            kernel=8, stride=4)

@@ -146,13 +146,12 @@ class DeviceKVCache:
         """Fused decode append (design §6): RoPE of this step's queries, keys and ``num_f``
         Forecast heads from the stacked projection ``qkv [B, (H_q + (2 + num_f) H_kv) d]``,
         the K/V write at ``step.q_pos`` and the compressed-key update, in one kernel
-        (:func:`sparda.kernels.rope_append`). Every cache row, in order.
+        (:func:`sparda.kernels.rope_append`). A quantised cache gets the token's codes and
+        scales, and its ring of full-precision keys feeds the compressed keys (as
+        :meth:`append`). Every cache row, in order.
 
         Returns ``(q [B, H_q, d], f [B, num_f, H_kv, d] or None)`` in the cache dtype.
         """
-        if self.ring is not None:
-            raise SpardaError("the fused decode step does not write a quantised KV cache yet; "
-                              "use fused_decode=False or kv_dtype='bf16'")
         cfg = self.selection
         bsz, heads, _, d = self.k[layer].shape
         q = qkv.new_empty(bsz, heads * group, d)
@@ -160,6 +159,7 @@ class DeviceKVCache:
         kernels.rope_append(qkv, step.cos, step.sin, step.q_pos[:, 0], q, f, self.k[layer], self.v[layer],
                             self.ck[layer], num_kv_heads=heads, group=group, num_f=num_f,
                             block_size=cfg.block_size, kernel=cfg.kernel_size, stride=cfg.kernel_stride,
+                            ring=None if self.ring is None else self.ring[layer],
                             lengths=self.lengths if layer == len(self.k) - 1 else None)
         return q, f
 

@@ -311,8 +311,8 @@ class LLM:
     def _fused_decoder(self):
         """The :class:`~sparda.model.fused.FusedDecoder` of this model and method on CUDA
         (built once, stacking the weights outside inference mode), or ``None``: CPU, no
-        Triton, ``fused_decode=False``, a quantised KV cache (its fused append is not written
-        yet) or a model the fused step does not cover."""
+        Triton, ``fused_decode=False`` or a model the fused step does not cover. Every
+        ``kv_dtype`` is fused (a quantised cache is quantised inside the RoPE + append kernel)."""
         fused = self.__dict__.get("_fused")
         if fused is None and self.__dict__.get("_fused_checked") is None:
             self._fused_checked = True
@@ -320,7 +320,7 @@ class LLM:
             from sparda.model.fused import FusedDecoder
 
             if (getattr(self, "fused_decode", True) and self.device.type == "cuda" and kernels.HAS_TRITON
-                    and getattr(self, "kv_dtype", "bf16") == "bf16" and FusedDecoder.supports(self.model)):
+                    and FusedDecoder.supports(self.model)):
                 with torch.inference_mode(False), torch.no_grad():
                     fused = self._fused = FusedDecoder(self.model, self.method)
         return fused

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from sparda.config import SelectionConfig
+from sparda.errors import SpardaError
 from sparda.kernels import quant, reference, twins
 from sparda.kernels._common import supported_head_dim
 
@@ -307,11 +308,10 @@ def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, bloc
 
 
 def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst: torch.Tensor, v_dst: torch.Tensor,
+                q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst, v_dst,
                 ck: torch.Tensor, *, num_kv_heads: int, group: int, num_f: int, block_size: int,
                 kernel: int, stride: int, slot: int | None = None, ring: torch.Tensor | None = None,
-                host: tuple[torch.Tensor, torch.Tensor] | None = None,
-                lengths: torch.Tensor | None = None) -> None:
+                host: tuple | None = None, lengths: torch.Tensor | None = None) -> None:
     """RoPE + KV append + compressed-key update of one decode token per row, in place (design §3.1, §6).
 
     Args:
@@ -323,22 +323,33 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: to
             output, rotated Forecast heads (``None`` if ``num_f == 0``).
         k_dst, v_dst: the full cache ``[B, H_kv, T, d]`` (``slot is None``) or an offload
             slot buffer ``[B, H_kv, S + 1, block_size, d]`` whose slot ``slot`` is the
-            partial block (the token goes to ``pos % block_size`` there).
+            partial block (the token goes to ``pos % block_size`` there). Tensors in the
+            storage dtype, or :class:`~sparda.kernels.quant.QuantizedKV` of that logical
+            shape (a quantised cache, docs/kv_quant.md): K and V are quantised once per
+            token and head (:func:`~sparda.kernels.quant.quantize`) and the codes and
+            ``(step, lo)`` written; ``ring`` is then required.
         ck: ``[B, H_kv, C_cap, d]`` compressed keys, updated when the token completes a window.
         num_kv_heads, group: ``H_kv`` and ``G``. num_f: Forecast heads per KV head.
         block_size, kernel, stride: tokens (selection config).
         ring: ``[B, H_kv, kernel, d]`` the last ``kernel`` keys (offload cache), updated;
             ``None``: the window is read from ``k_dst`` (full cache only).
         host: optional ``(k, v)`` host store ``[B, H_kv, N, block_size, d]`` (pinned) that
-            also receives the token.
+            also receives the token (the same bytes; quantised like ``k_dst``).
         lengths: optional ``[B]`` int64, set to ``pos + 1`` (the model's last layer).
     The Triton kernel runs on CUDA tensors with a power-of-two head dim >= 16; otherwise
     the twin (:func:`sparda.kernels.twins.rope_append_reference`).
+
+    Raises:
+        SpardaError: a quantised ``k_dst`` without ``ring``.
     """
+    quantized = isinstance(k_dst, quant.QuantizedKV)
+    if quantized and ring is None:
+        raise SpardaError("rope_append of a quantised cache needs the ring of full-precision keys "
+                          "(the compressed keys are computed from unquantised keys, docs/kv_quant.md)")
     args = (qkv, cos, sin, pos, q_out, f_out, k_dst, v_dst, ck)
     kw = dict(num_kv_heads=num_kv_heads, group=group, num_f=num_f, block_size=block_size, kernel=kernel,
               stride=stride, slot=slot, ring=ring, host=host, lengths=lengths)
-    if _on_triton(qkv, k_dst, ck) and supported_head_dim(q_out.shape[-1]):
+    if _on_triton(qkv, k_dst.data if quantized else k_dst, ck) and supported_head_dim(q_out.shape[-1]):
         _rope_append.rope_append_triton(*args, **kw)
     else:
         twins.rope_append_reference(*args, **kw)

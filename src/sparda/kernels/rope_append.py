@@ -11,6 +11,13 @@ heads per KV head. One program per (row, KV head):
   ``[B, H, T, d]`` (device cache, resident layers) or into the partial slot of the
   offload slot buffer ``[B, H, S + 1, bs, d]`` (position ``pos % bs`` of slot ``S``);
   optionally also into the host store ``[B, H, N, bs, d]`` (pinned, through UVA);
+* a quantised cache (``QBITS`` 8 or 4, docs/kv_quant.md): the key (after RoPE, rounded
+  to the storage dtype) and the value are quantised once per token and head by the rule
+  of :func:`sparda.kernels.quant.quantize` (asymmetric, fp32 ``(step, lo)``; IEEE
+  divisions and round-half-to-even, so the codes and scales are those PyTorch computes
+  from the same values), and the ``uint8`` codes (int4: two per byte, element ``2i`` in
+  the low nibble) and the ``(step, lo)`` pair go to every destination (slot or full
+  cache, host store); the ring and the compressed keys take the full-precision key;
 * keeps the compressed keys current (design §3.1): when the token completes window
   ``j`` (``(pos + 1 - kernel) % stride == 0``), ``ck[j]`` becomes the fp32 mean of the
   window's ``kernel`` keys, read from a ring of the last ``kernel`` keys (offload) or
@@ -26,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparda.errors import SpardaError
+from sparda.kernels import quant
 from sparda.kernels._common import next_pow2
 
 
@@ -40,14 +49,51 @@ def _rope(X, offs, offs_rot, sign, c, s, mask, DT: tl.constexpr):
 
 
 @triton.jit
+def _round_half_even(x):
+    """``x >= 0`` (fp32) rounded to the nearest integer, ties to even (``torch.round``);
+    exact: ``x - floor(x)`` and ``floor(f / 2)`` are exact in binary floating point."""
+    f = tl.floor(x)
+    frac = x - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _quantize(x, D: tl.constexpr, QBITS: tl.constexpr):
+    """One head's ``x [D]`` (fp32) quantised as :func:`sparda.kernels.quant.quantize`:
+    returns ``(codes [D] (int8) or [D // 2] (int4, element 2i in the low nibble) uint8,
+    step, lo)``, ``step`` and ``lo`` fp32 scalars."""
+    LEVELS: tl.constexpr = (1 << QBITS) - 1
+    lo = tl.min(x, 0)
+    step = tl.math.div_rn(tl.max(x, 0) - lo, tl.full((), LEVELS, tl.float32))
+    safe = tl.where(step > 0, step, 1.0)  # a constant row: every code 0, dequantised to lo exactly
+    q = _round_half_even(tl.math.div_rn(x - lo, tl.broadcast_to(safe, x.shape)))
+    q = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.uint8)
+    if QBITS == 4:
+        even, odd = tl.split(tl.reshape(q, (D // 2, 2)))
+        q = even | (odd << 4)
+    return q, step, lo
+
+
+@triton.jit
+def _store_quantized(DATA, SCALE, dst, sdst, q, step, lo, DQ: tl.constexpr):
+    """Write codes ``q [DQ]`` at ``DATA + dst`` and ``(step, lo)`` at ``SCALE + sdst``."""
+    tl.store(DATA + dst + tl.arange(0, DQ), q)
+    two = tl.arange(0, 2)
+    tl.store(SCALE + sdst + two, tl.where(two == 0, step, lo))
+
+
+@triton.jit
 def _rope_append_kernel(
-    QKV, COS, SIN, POS, QOUT, FOUT, KDST, VDST, RING, CK, HK, HV, LENGTHS,
+    QKV, COS, SIN, POS, QOUT, FOUT, KDST, VDST, KSC, VSC, RING, CK, HK, HV, HKS, HVS, LENGTHS,
     stride_qkv, stride_cos,
-    k_sb, k_sh, k_base, k_st, r_sb, r_sh, c_sb, c_sh, h_sb, h_sh, h_blk,
+    k_sb, k_sh, k_base, k_st, s_sb, s_sh, s_base, s_st, r_sb, r_sh, c_sb, c_sh,
+    h_sb, h_sh, h_blk, h_st, hs_sb, hs_sh, hs_blk, hs_st,
     H, C_CAP,
     G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, NF: tl.constexpr,
     BS: tl.constexpr, KER: tl.constexpr, KER_P: tl.constexpr, STR: tl.constexpr,
     SLOT_MOD: tl.constexpr, USE_RING: tl.constexpr, HOST: tl.constexpr, LAST: tl.constexpr,
+    QBITS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -80,13 +126,26 @@ def _rope_append_kernel(
         tok = pos % BS
     else:
         tok = pos
-    dst = b * k_sb + h * k_sh + k_base + tok * k_st + offs_d
-    tl.store(KDST + dst, k)
-    tl.store(VDST + dst, v)
-    if HOST:
-        hdst = b * h_sb + h * h_sh + (pos // BS) * h_blk + (pos % BS) * D + offs_d
-        tl.store(HK + hdst, k)
-        tl.store(HV + hdst, v)
+    dst = b * k_sb + h * k_sh + k_base + tok * k_st
+    if QBITS == 0:
+        tl.store(KDST + dst + offs_d, k)
+        tl.store(VDST + dst + offs_d, v)
+        if HOST:
+            hdst = b * h_sb + h * h_sh + (pos // BS) * h_blk + (pos % BS) * h_st + offs_d
+            tl.store(HK + hdst, k)
+            tl.store(HV + hdst, v)
+    else:  # quantise once, store to the slot (or full cache) and the host store
+        DQ: tl.constexpr = D if QBITS == 8 else D // 2
+        kq, k_step, k_lo = _quantize(k.to(tl.float32), D, QBITS)
+        vq, v_step, v_lo = _quantize(v.to(tl.float32), D, QBITS)
+        sdst = b * s_sb + h * s_sh + s_base + tok * s_st
+        _store_quantized(KDST, KSC, dst, sdst, kq, k_step, k_lo, DQ)
+        _store_quantized(VDST, VSC, dst, sdst, vq, v_step, v_lo, DQ)
+        if HOST:
+            hdst = b * h_sb + h * h_sh + (pos // BS) * h_blk + (pos % BS) * h_st
+            hsdst = b * hs_sb + h * hs_sh + (pos // BS) * hs_blk + (pos % BS) * hs_st
+            _store_quantized(HK, HKS, hdst, hsdst, kq, k_step, k_lo, DQ)
+            _store_quantized(HV, HVS, hdst, hsdst, vq, v_step, v_lo, DQ)
     # compressed key completed by this token (design §3.1): mean of the window's keys
     done = pos + 1 - KER
     j = tl.maximum(done, 0) // STR
@@ -99,7 +158,7 @@ def _rope_append_kernel(
         old = tl.load(ring + offs_w[:, None] * D + offs_d[None, :], mask=w_ok[:, None], other=0.0).to(tl.float32)
         win = tl.where((offs_w == slot)[:, None], k.to(tl.float32)[None, :], old)
         tl.store(ring + slot * D + offs_d, k)
-    else:
+    else:  # unquantised full cache only (the launcher checks)
         wpos = j * STR + offs_w  # window positions, the last one is pos
         prev = w_ok & (wpos != pos) & ready
         old = tl.load(KDST + b * k_sb + h * k_sh + wpos[:, None] * k_st + offs_d[None, :],
@@ -112,29 +171,68 @@ def _rope_append_kernel(
             tl.store(LENGTHS + b, pos + 1)
 
 
+def _planes(buf):
+    """``(data, scale or None, bits)`` of a cache buffer: a tensor (unquantised, bits 0)
+    or a :class:`~sparda.kernels.quant.QuantizedKV`."""
+    if isinstance(buf, quant.QuantizedKV):
+        return buf.data, buf.scale, quant.BITS[buf.kv_dtype]
+    return buf, None, 0
+
+
+def _dst_strides(t: torch.Tensor, slot: int | None) -> tuple[int, int, int, int]:
+    """``(row, head, base, token)`` element strides of a full cache ``[B, H, T, x]`` or of
+    slot ``slot`` of a slot buffer ``[B, H, S + 1, bs, x]``."""
+    if slot is None:
+        return t.stride(0), t.stride(1), 0, t.stride(2)
+    return t.stride(0), t.stride(1), slot * t.stride(2), t.stride(3)
+
+
 def rope_append_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                       q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst: torch.Tensor, v_dst: torch.Tensor,
+                       q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst, v_dst,
                        ck: torch.Tensor, *, num_kv_heads: int, group: int, num_f: int, block_size: int,
                        kernel: int, stride: int, slot: int | None = None, ring: torch.Tensor | None = None,
-                       host: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       lengths: torch.Tensor | None = None) -> None:
-    """Launch :func:`_rope_append_kernel` (see :func:`sparda.kernels.rope_append`)."""
+                       host: tuple | None = None, lengths: torch.Tensor | None = None) -> None:
+    """Launch :func:`_rope_append_kernel` (see :func:`sparda.kernels.rope_append`).
+
+    ``k_dst, v_dst`` (and ``host``'s pair) are tensors or, for a quantised cache,
+    :class:`~sparda.kernels.quant.QuantizedKV` (data and scale planes; K and V alike).
+
+    Raises:
+        SpardaError: a quantised cache without ``ring`` (its window cannot be read back at
+            full precision), K and V (or their planes) of different strides, or a host store
+            of another quantisation than the cache.
+    """
     bsz = qkv.shape[0]
     d = q_out.shape[-1]
-    if slot is None:  # full cache [B, H, T, d]
-        k_sb, k_sh, k_st, k_base = k_dst.stride(0), k_dst.stride(1), k_dst.stride(2), 0
-    else:  # slot buffer [B, H, S + 1, bs, d]: the partial slot
-        k_sb, k_sh, k_st, k_base = k_dst.stride(0), k_dst.stride(1), k_dst.stride(3), slot * k_dst.stride(2)
+    kd, ks, bits = _planes(k_dst)
+    vd, vs, _ = _planes(v_dst)
+    if bits and ring is None:
+        raise SpardaError("rope_append of a quantised cache needs the ring of full-precision keys")
+    if kd.stride() != vd.stride() or (ks is not None and ks.stride() != vs.stride()):
+        raise SpardaError("rope_append: K and V buffers must have the same strides")
+    k_strides = _dst_strides(kd, slot)
+    s_strides = _dst_strides(ks, slot) if ks is not None else (0, 0, 0, 0)
     use_ring = ring is not None
     ring_t = ring if use_ring else ck
-    hk, hv = host if host is not None else (k_dst, v_dst)
-    h_strides = (hk.stride(0), hk.stride(1), hk.stride(2)) if host is not None else (0, 0, 0)
+    if host is not None:
+        hk, hks, hbits = _planes(host[0])
+        hv, hvs, _ = _planes(host[1])
+        if hbits != bits:
+            raise SpardaError("rope_append: the host store and the cache must hold the same kv_dtype")
+        h_strides = (hk.stride(0), hk.stride(1), hk.stride(2), hk.stride(3))
+        hs_strides = (hks.stride(0), hks.stride(1), hks.stride(2), hks.stride(3)) if hks is not None else (0,) * 4
+    else:
+        hk, hv, hks, hvs = kd, vd, ks, vs
+        h_strides = hs_strides = (0, 0, 0, 0)
+    ksc, vsc = (ks, vs) if ks is not None else (kd, vd)
+    hks, hvs = (hks, hvs) if hks is not None else (hk, hv)
     _rope_append_kernel[(bsz, num_kv_heads)](
-        qkv, cos, sin, pos, q_out, f_out if f_out is not None else q_out, k_dst, v_dst, ring_t, ck, hk, hv,
-        lengths if lengths is not None else pos,
+        qkv, cos, sin, pos, q_out, f_out if f_out is not None else q_out, kd, vd, ksc, vsc, ring_t, ck,
+        hk, hv, hks, hvs, lengths if lengths is not None else pos,
         qkv.stride(0), cos.stride(0),
-        k_sb, k_sh, k_base, k_st, ring_t.stride(0), ring_t.stride(1), ck.stride(0), ck.stride(1), *h_strides,
+        *k_strides, *s_strides, ring_t.stride(0), ring_t.stride(1), ck.stride(0), ck.stride(1),
+        *h_strides, *hs_strides,
         num_kv_heads, ck.shape[2],
         G=group, G_P=next_pow2(max(group, 2)), D=d, NF=num_f, BS=block_size, KER=kernel,
         KER_P=next_pow2(max(kernel, 2)), STR=stride, SLOT_MOD=slot is not None, USE_RING=use_ring,
-        HOST=host is not None, LAST=lengths is not None, num_warps=4)
+        HOST=host is not None, LAST=lengths is not None, QBITS=bits, num_warps=4)

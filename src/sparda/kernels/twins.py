@@ -14,7 +14,7 @@ import torch
 
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
-from sparda.kernels import reference
+from sparda.kernels import quant, reference
 from sparda.kernels._common import check_head_dim, tl_float_dtype_ok
 
 
@@ -225,13 +225,16 @@ def slot_diff_reference(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Te
 
 
 def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                          q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst: torch.Tensor,
-                          v_dst: torch.Tensor, ck: torch.Tensor, *, num_kv_heads: int, group: int, num_f: int,
-                          block_size: int, kernel: int, stride: int, slot: int | None = None,
-                          ring: torch.Tensor | None = None, host=None, lengths: torch.Tensor | None = None) -> None:
+                          q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst, v_dst, ck: torch.Tensor, *,
+                          num_kv_heads: int, group: int, num_f: int, block_size: int, kernel: int, stride: int,
+                          slot: int | None = None, ring: torch.Tensor | None = None, host=None,
+                          lengths: torch.Tensor | None = None) -> None:
     """PyTorch twin of :func:`sparda.kernels.rope_append` (in place; the arguments' meaning
     is documented there). Built from ``reference.apply_rope`` and advanced indexing, the
-    way the caches' own decode ``append`` writes (design §3.1, §6). No shape checks."""
+    way the caches' own decode ``append`` writes (design §3.1, §6); a quantised ``k_dst``
+    (:class:`~sparda.kernels.quant.QuantizedKV`) gets the token quantised once by
+    :func:`~sparda.kernels.quant.quantize`, the same codes going to the host store. No
+    shape checks."""
     bsz = qkv.shape[0]
     d = q_out.shape[-1]
     hq, hk = num_kv_heads * group, num_kv_heads
@@ -243,18 +246,23 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if num_f:
         f = reference.apply_rope(parts[:, hq + 2 * hk:], c, s)[:, :, 0]
         f_out.copy_(f.view(bsz, num_f, hk, d))
+    if isinstance(k_dst, quant.QuantizedKV):  # as stored: quantised once, from the storage-dtype values
+        k_tok = quant.QuantizedKV.quantize(k.to(q_out.dtype), k_dst.kv_dtype)
+        v_tok = quant.QuantizedKV.quantize(v.to(q_out.dtype), k_dst.kv_dtype)
+    else:
+        k_tok, v_tok = k.to(k_dst.dtype), v.to(v_dst.dtype)
     rows = torch.arange(bsz, device=qkv.device)
     if slot is None:
-        k_dst[rows, :, pos] = k.to(k_dst.dtype)
-        v_dst[rows, :, pos] = v.to(v_dst.dtype)
+        k_dst[rows, :, pos] = k_tok
+        v_dst[rows, :, pos] = v_tok
     else:
-        k_dst[rows, :, slot, pos % block_size] = k.to(k_dst.dtype)
-        v_dst[rows, :, slot, pos % block_size] = v.to(v_dst.dtype)
+        k_dst[rows, :, slot, pos % block_size] = k_tok
+        v_dst[rows, :, slot, pos % block_size] = v_tok
     if host is not None:  # the host store may live in (pinned) host memory
         hd = host[0].device
         r, blk, off = rows.to(hd), (pos // block_size).to(hd), (pos % block_size).to(hd)
-        host[0][r, :, blk, off] = k.to(hd, host[0].dtype)
-        host[1][r, :, blk, off] = v.to(hd, host[1].dtype)
+        host[0][r, :, blk, off] = k_tok.to(hd)
+        host[1][r, :, blk, off] = v_tok.to(hd)
     if ring is not None:
         ring[rows, :, pos % kernel] = k.to(ring.dtype)
     reference.update_compressed_keys(ck, k_dst if ring is None else ring, rows, pos, kernel, stride,
