@@ -310,3 +310,98 @@ def test_hit_rates_on_one_cache_count_like_fresh_points():
         fresh = pt.decode_point(llm, "tiny", 2, 1024, cfg, env, None, hit_rate=rate)
         assert got["hit_rate"] == fresh["hit_rate"] and got["pcie_bytes_per_token"] == fresh["pcie_bytes_per_token"]
     assert together["hit_rate_points"][0]["hit_rate"] > together["hit_rate"]
+
+
+# ------------------------------------------------------------------ --kv-dtype (docs/kv_quant.md)
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quick_sweep_with_a_quantised_cache(tmp_path, kv_dtype):
+    """``kv_dtype`` reaches every point: records carry it, the host store holds (and the
+    gather moves) the quantised bytes, and the roofline reads them."""
+    cfg = sweep.quick_config(str(tmp_path / "out"), methods=["sparse", "sparda"], contexts=[1024], batches=[2],
+                             decode_steps=1, repeats=1, warmup_steps=1, breakdown_steps=0, kv_dtype=kv_dtype,
+                             trace="none", prefill_tokens=300)
+    records = sweep.run_sweep(cfg, log=lambda _: None)
+    assert [(r["method"], r["status"], r["kv_dtype"]) for r in records] == [("sparse", "ok", kv_dtype),
+                                                                            ("sparda", "ok", kv_dtype)]
+    # tiny: 4 layers, 2 KV heads, d 32 (fp32 model): per token and head, codes + 8 bytes of (step, lo)
+    token = {"int8": 32, "int4": 16}[kv_dtype] + 8
+    sparda = records[1]
+    cap = pt.point_capacity(1024, cfg)
+    blocks = -(-cap // 64)  # tiny's blocks hold 64 tokens
+    assert sparda["host_kv_bytes"] == 3 * 2 * 2 * 2 * blocks * 64 * token  # layers 1..3 x K,V x B x H
+    assert sparda["pcie_bytes_per_token"] % (64 * token) == 0  # whole quantised blocks
+    sel = selection_config("tiny")
+    num_ck = (1024 - sel.kernel_size) // sel.kernel_stride + 1
+    assert records[0]["kv_read_bytes_per_step"] == 2 * 4 * 2 * (2 * sel.budget_blocks * 64 * token + num_ck * 32 * 4)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"| sparda {kv_dtype} | host | 2 | ok |" in report
+
+
+def test_host_limit_counts_quantised_bytes(tmp_path):
+    """A host cap between a point's int8 and bf16 host KV: bf16 is out of memory, int8 runs."""
+    model = build_model("tiny", "cpu", torch.float32)
+    sel = selection_config("tiny")
+    opts = sweep.quick_config("unused", decode_steps=1, repeats=1, breakdown_steps=0)
+    cap = pt.point_capacity(1024, opts)
+    need = {kv: pt.kv_need_bytes("sparse-offload", model.shape, sel, kv, torch.float32, 2, cap)[1]
+            for kv in ("bf16", "int8")}
+    assert need["int8"] * 32 * 4 == need["bf16"] * (32 + 8)  # fp32 values vs codes + scales per token and head
+    limit_gb = (need["int8"] + need["bf16"]) / 2 / 2**30
+    status = {}
+    for kv in ("bf16", "int8"):
+        cfg = sweep.quick_config(str(tmp_path / kv), methods=["sparse-offload"], contexts=[1024], batches=[2],
+                                 decode_steps=1, repeats=1, breakdown_steps=0, host_mem_gb=limit_gb, trace="none",
+                                 prefill_tokens=300, kv_dtype=kv)
+        (rec,) = sweep.run_sweep(cfg, log=lambda _: None)
+        status[kv] = rec["status"]
+    assert status == {"bf16": "oom", "int8": "ok"}
+
+
+def test_largest_batch_at_128k_by_hand():
+    """MiniCPM-8B shape (32 layers, 2 KV heads, d 128), 128K tokens, 96 GiB of host KV:
+    per token and KV head K (or V) takes 256 B in bf16, 128 + 8 in int8, 64 + 8 in int4;
+    31 offloaded layers hold K and V of every whole block of 64 tokens."""
+    from sparda.bench.models import MODEL_SPECS
+
+    spec = MODEL_SPECS["minicpm-8b"]
+    shape = ModelShape(spec.layers, spec.q_heads, spec.kv_heads, spec.head_dim, spec.hidden, 131072)
+    sel = selection_config("minicpm-8b")
+    cap = 131072 + 100
+    tokens = -(-cap // 64) * 64
+    got = {}
+    for kv, token in (("bf16", 256), ("int8", 136), ("int4", 72)):
+        row = 31 * 2 * 2 * token * tokens
+        got[kv] = pt.largest_batch("sparda", shape, sel, kv, torch.bfloat16, cap, 96 * 2**30)
+        assert got[kv] == 96 * 2**30 // row
+        assert pt.kv_need_bytes("sparda", shape, sel, kv, torch.bfloat16, got[kv], cap)[1] <= 96 * 2**30
+        assert pt.kv_need_bytes("sparda", shape, sel, kv, torch.bfloat16, got[kv] + 1, cap)[1] > 96 * 2**30
+    assert got == {"bf16": 24, "int8": 46, "int4": 88}
+    # on-device methods are bounded by device memory only
+    dev_row = 32 * 2 * 2 * 136 * cap
+    assert pt.largest_batch("sparse", shape, sel, "int8", torch.bfloat16, cap, 96 * 2**30, 80 * 2**30) == \
+        80 * 2**30 // dev_row
+    with pytest.raises(SpardaError, match="no memory limit"):
+        pt.largest_batch("sparse", shape, sel, "int8", torch.bfloat16, cap, host_limit_bytes=96 * 2**30)
+
+
+def test_kv_dtype_option():
+    assert sweep.config_from_options(kv_dtype="int4").kv_dtype == "int4"
+    assert sweep.config_from_options().kv_dtype == "bf16"
+    with pytest.raises(SpardaError, match="unknown kv_dtype"):
+        sweep.SweepConfig(kv_dtype="fp8")
+
+
+def test_records_of_two_kv_dtypes_are_two_points():
+    """Dedup and the sparda / sparse-offload pairs keep KV dtypes apart; a record without
+    ``kv_dtype`` (older runs) is bf16."""
+    from sparda.bench.records import dedup, method_label, speedups
+
+    base = dict(model="minicpm-8b", context=131072, batch=24, status="ok", selection_source="trace:x", kv="host")
+    recs = [dict(base, method="sparda", decode_tok_s=100.0),  # an older record: no kv_dtype
+            dict(base, method="sparda", decode_tok_s=110.0, kv_dtype="bf16"),
+            dict(base, method="sparda", decode_tok_s=150.0, kv_dtype="int8"),
+            dict(base, method="sparse-offload", decode_tok_s=50.0, kv_dtype="int8")]
+    kept, dropped = dedup([{"record": r, "rank": (str(i),), "file": "f"} for i, r in enumerate(recs)])
+    assert dropped == 1 and [r["decode_tok_s"] for r in kept] == [110.0, 150.0, 50.0]
+    assert [p["speedup"] for p in speedups(kept)] == [3.0]  # int8 pairs with int8 only
+    assert method_label(kept[1]) == "sparda int8" and method_label(recs[0]) == "sparda"

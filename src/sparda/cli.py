@@ -517,6 +517,9 @@ def calibrate_shallow_cmd(model, text, length, queries, candidates, preset, out,
 @click.option("--time-budget-s", type=float, default=None, help="Points after this many seconds are recorded as skipped.")
 @click.option("--hit-rate", "hit_rates", default=None, help="Comma list in [0,1]: offloaded methods also run a synthetic selection keeping this fraction of the previous step's top-k blocks (records carry target_hit_rate).")
 @click.option("--eager", is_flag=True, default=None, help="CUDA: eager decode steps instead of CUDA-graph replay.")
+@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+              help="KV-cache storage of every point: bf16 (the model dtype) or int8/int4 quantised per token and "
+                   "head (docs/kv_quant.md); records carry kv_dtype, memory checks count its bytes [default: bf16].")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
 @click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")
 def bench_cmd(quick, record_trace, **opts):

@@ -23,6 +23,7 @@ from sparda.cache.host import available_host_bytes
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.llm import LLM
 from sparda.errors import SpardaError
+from sparda.kernels.quant import token_bytes
 from sparda.model.llama import StepInfo
 
 #: methods whose KV cache lives in host memory (design §6)
@@ -43,14 +44,17 @@ def check_deadline(deadline: float | None) -> None:
         raise TimeBudgetExceeded("time budget ran out inside the point")
 
 
-def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cuda_graphs: bool = True) -> LLM:
+def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cuda_graphs: bool = True,
+             kv_dtype: str = "bf16") -> LLM:
     """The LLM a sweep method runs: ``sparda`` is the offloaded, prefetching SparDA;
     ``dense``, ``sparse``, ``infinigen`` keep the KV cache on the device. ``cuda_graphs``:
-    decode steps replay CUDA graphs on CUDA (docs/cuda_graphs.md)."""
+    decode steps replay CUDA graphs on CUDA (docs/cuda_graphs.md). ``kv_dtype``: the KV
+    cache's storage (``bf16`` or ``int8``/``int4``, docs/kv_quant.md)."""
     fields = {f: getattr(selection, f) for f in ("block_size", "kernel_size", "kernel_stride", "init_blocks",
                                                  "local_blocks", "topk_blocks", "dense_len")}
     return LLM.from_model(model, method=method, preset="small", forecast=forecast, transfer=transfer,
-                          offload=True if method == "sparda" else None, cuda_graphs=cuda_graphs, **fields)
+                          offload=True if method == "sparda" else None, cuda_graphs=cuda_graphs,
+                          kv_dtype=kv_dtype, **fields)
 
 
 def release_memory(device: torch.device) -> None:
@@ -81,15 +85,54 @@ def is_oom(exc: BaseException) -> bool:
                                                              or "memory" in msg and "host" in msg)
 
 
-def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
-    """``(device_bytes, host_bytes)`` the KV cache of a point needs (K and V only)."""
-    s, cfg = llm.shape, llm.config.selection
-    per_layer = batch * llm.kv_bytes_per_token() // s.num_layers  # K and V of one layer, in kv_dtype
-    if llm.config.method in HOST_KV:
-        blocks = -(-capacity // cfg.block_size)
-        host = (s.num_layers - 1) * per_layer * blocks * cfg.block_size
+def kv_need_bytes(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int,
+                  capacity: int) -> tuple[int, int]:
+    """``(device_bytes, host_bytes)`` of the K and V of a point's cache (``capacity`` tokens
+    per row), in ``kv_dtype`` (a quantised cache: codes plus fp32 scales,
+    :func:`sparda.kernels.quant.token_bytes`). Offloaded methods (:data:`HOST_KV`) keep
+    layer 0 on the device and the other layers' whole blocks on the host; the others keep
+    every layer on the device."""
+    per_layer = 2 * batch * shape.num_kv_heads * token_bytes(shape.head_dim, kv_dtype, dtype)  # per token
+    if method in HOST_KV:
+        blocks = -(-capacity // selection.block_size)
+        host = (shape.num_layers - 1) * per_layer * blocks * selection.block_size
         return per_layer * capacity, host  # layer 0 stays resident
-    return s.num_layers * per_layer * capacity, 0
+    return shape.num_layers * per_layer * capacity, 0
+
+
+def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
+    """``(device_bytes, host_bytes)`` the KV cache of a point needs (K and V only, in the
+    LLM's ``kv_dtype``: :func:`kv_need_bytes`)."""
+    return kv_need_bytes(llm.config.method, llm.shape, llm.config.selection, llm.kv_dtype, llm.dtype, batch,
+                         capacity)
+
+
+def largest_batch(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, capacity: int,
+                  host_limit_bytes: float | None = None, device_limit_bytes: float | None = None) -> int:
+    """The largest batch whose KV cache (:func:`kv_need_bytes`, linear in the batch) fits
+    in ``host_limit_bytes`` of host memory and ``device_limit_bytes`` of device memory
+    (``None``: no limit on that side; at least one must be given). 0 if not even one row fits.
+
+    Raises:
+        SpardaError: neither limit given, or no limit bounds this method's cache.
+    """
+    dev_row, host_row = kv_need_bytes(method, shape, selection, kv_dtype, dtype, 1, capacity)
+    bounds = [int(limit // row) for limit, row in ((host_limit_bytes, host_row), (device_limit_bytes, dev_row))
+              if limit is not None and row > 0]
+    if not bounds:
+        raise SpardaError(f"largest_batch: no memory limit bounds the KV cache of {method} "
+                          "(give host_limit_bytes for offloaded methods, device_limit_bytes otherwise)")
+    return max(0, min(bounds))
+
+
+def point_capacity(context: int, opts) -> int:
+    """Tokens per row of the cache :func:`decode_point` allocates: ``context`` plus every
+    step it runs (warm-up, timed repeats, breakdown, profile, copy timing, parity, overlap
+    runs and their warm-ups/captures) plus one. ``opts`` as :func:`decode_point`'s."""
+    extra = (getattr(opts, "profile_steps", 0) + getattr(opts, "timing_steps", 0) + 2  # + timed warm-up/capture
+             + getattr(opts, "parity_steps", 0) + getattr(opts, "overlap_steps", 0) + 3)
+    total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps + extra
+    return context + total_steps + 1
 
 
 def check_memory(llm: LLM, batch: int, capacity: int, host_limit: float | None) -> None:
@@ -188,10 +231,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     ``deadline`` has passed.
     """
     dev, s, cfg = llm.device, llm.shape, llm.config.selection
-    extra = (getattr(opts, "profile_steps", 0) + getattr(opts, "timing_steps", 0) + 2  # + timed warm-up/capture
-             + getattr(opts, "parity_steps", 0) + getattr(opts, "overlap_steps", 0) + 3)
-    total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps + extra
-    capacity = context + total_steps + 1
+    capacity = point_capacity(context, opts)
+    total_steps = capacity - context - 1
     check_memory(llm, batch, capacity, opts.host_limit_bytes)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -295,7 +336,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         overlap = overlap_timing(llm, cache, step, steps_overlap, tpot, state, timed_from)
     elem = torch.empty((), dtype=llm.dtype).element_size()
     w_bytes = weight_bytes(llm.model) + method_extra_bytes(llm)
-    kv_bytes = kv_read_bytes(llm.config.method, s, cfg, batch, context, elem)
+    kv_bytes = kv_read_bytes(llm.config.method, s, cfg, batch, context, elem,
+                             token_bytes(s.head_dim, llm.kv_dtype, llm.dtype))
 
     def speed(tpot, stats, timing, overlap) -> dict:
         missed = stats.get("bytes_per_token", 0.0) * batch
@@ -338,7 +380,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "selection_ms": breakdown.get("selection"), "breakdown_ms": breakdown,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "peak_host_bytes": host_peak, "host_kv_bytes": cache.host.nbytes if offloaded else 0,
-        "kv": "host" if offloaded else "device", "selection_source": source if offloaded else "native",
+        "kv": "host" if offloaded else "device", "kv_dtype": llm.kv_dtype, "selection_source": source if offloaded else "native",
         "target_hit_rate": hit_rate if offloaded else None,
         "read_fraction": round(llm.method.read_fraction(), 4),
     }

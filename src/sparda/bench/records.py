@@ -29,7 +29,9 @@ from sparda.errors import SpardaError
 
 #: fields that say which point a record measured; records equal on all of them are one point
 POINT_FIELDS = ("model", "method", "context", "batch", "selection_source", "target_hit_rate", "gpu_mem_cap_gb",
-                "cuda_graph", "kv", "dtype", "device")
+                "cuda_graph", "kv", "dtype", "device", "kv_dtype")
+#: the value of a field that older records do not carry (``kv_dtype``: they all ran bf16 caches)
+FIELD_DEFAULTS = {"kv_dtype": "bf16"}
 #: a record list's items carry at least these
 RECORD_FIELDS = ("model", "method", "context", "batch", "status")
 
@@ -108,9 +110,22 @@ def load_runs(paths) -> tuple[list[dict], list[dict]]:
     return entries, runs
 
 
+def record_field(rec: dict, key: str):
+    """``rec[key]``, or its :data:`FIELD_DEFAULTS` value (else ``None``) when missing."""
+    value = rec.get(key)
+    return FIELD_DEFAULTS.get(key) if value is None else value
+
+
 def point_key(rec: dict) -> tuple:
-    """The point a record measured: its :data:`POINT_FIELDS` values (missing ones as ``None``)."""
-    return tuple(json.dumps(rec.get(k), sort_keys=True) for k in POINT_FIELDS)
+    """The point a record measured: its :data:`POINT_FIELDS` values (missing ones as
+    :func:`record_field` gives them)."""
+    return tuple(json.dumps(record_field(rec, k), sort_keys=True) for k in POINT_FIELDS)
+
+
+def method_label(rec: dict) -> str:
+    """The record's method, with its KV dtype when quantised (``sparda int8``)."""
+    kv = record_field(rec, "kv_dtype")
+    return rec["method"] if kv == "bf16" else f"{rec['method']} {kv}"
 
 
 def dedup(entries: list[dict]) -> tuple[list[dict], int]:
@@ -204,6 +219,8 @@ def point_label(rec: dict) -> str:
         parts.append(f"cap {rec['gpu_mem_cap_gb']:g} GB")
     if rec.get("cuda_graph") is False:
         parts.append("eager")
+    if record_field(rec, "kv_dtype") != "bf16":
+        parts.append(f"KV {record_field(rec, 'kv_dtype')}")
     return " ".join(str(p) for p in parts if p)
 
 
@@ -216,15 +233,15 @@ def speedups(records: list[dict], fast: str = "sparda", slow: str = "sparse-offl
     """``fast``'s decode tok/s over ``slow``'s at the same point but for the method.
 
     Pairs are matched on model, context, batch, selection kind (trace / synthetic),
-    ``target_hit_rate``, ``gpu_mem_cap_gb``, ``cuda_graph`` and dtype (the two methods'
-    trace names differ: ``trace:sparda`` vs ``trace:sparse``). Returns one dict per pair:
+    ``target_hit_rate``, ``gpu_mem_cap_gb``, ``cuda_graph``, dtype and KV dtype (the two
+    methods' trace names differ: ``trace:sparda`` vs ``trace:sparse``). Returns one dict per pair:
     the pair's fields, ``fast_tok_s``, ``slow_tok_s``, ``speedup`` and ``label``, sorted by
     model, context, target hit rate (trace first) and batch.
     """
-    fields = ("model", "context", "batch", "target_hit_rate", "gpu_mem_cap_gb", "cuda_graph", "dtype")
+    fields = ("model", "context", "batch", "target_hit_rate", "gpu_mem_cap_gb", "cuda_graph", "dtype", "kv_dtype")
 
     def key(r):
-        return tuple(json.dumps(r.get(k)) for k in fields) + (selection_kind(r),)
+        return tuple(json.dumps(record_field(r, k)) for k in fields) + (selection_kind(r),)
 
     slow_by = {key(r): r for r in ok(records) if r["method"] == slow}
     out = []
@@ -232,8 +249,8 @@ def speedups(records: list[dict], fast: str = "sparda", slow: str = "sparse-offl
         other = slow_by.get(key(r)) if r["method"] == fast else None
         if other is None or not other["decode_tok_s"]:
             continue
-        out.append({**{k: r.get(k) for k in fields}, "selection": selection_kind(r), "fast_tok_s": r["decode_tok_s"],
-                    "slow_tok_s": other["decode_tok_s"], "speedup": r["decode_tok_s"] / other["decode_tok_s"],
+        out.append({**{k: record_field(r, k) for k in fields}, "selection": selection_kind(r),
+                    "fast_tok_s": r["decode_tok_s"], "slow_tok_s": other["decode_tok_s"], "speedup": r["decode_tok_s"] / other["decode_tok_s"],
                     "label": point_label(r)})
     h = lambda p: -1.0 if p["target_hit_rate"] is None else p["target_hit_rate"]  # noqa: E731
     return sorted(out, key=lambda p: (str(p["model"]), p["context"], h(p), p["batch"]))

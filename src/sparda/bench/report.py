@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparda.bench.criteria import ISSUE20, check_issue20
-from sparda.bench.records import capped_best, derived, ok, selection_kind, speedups
+from sparda.bench.records import capped_best, derived, method_label, ok, record_field, selection_kind, speedups
 from sparda.io import atomic_output, atomic_write
 
 #: the paper's decode throughput (tok/s), H100, MiniCPM4.1-8B, 128K context: batch -> (sparda, sparse-offload)
@@ -58,7 +58,7 @@ def _points_table(recs: list[dict]) -> list[str]:
     for r in recs:
         gpu, host = r.get("peak_gpu_bytes"), r.get("peak_host_bytes")
         lines.append("| " + " | ".join([
-            r["method"], r.get("kv") or "-", str(r["batch"]), r["status"], r.get("selection_source") or "-",
+            method_label(r), r.get("kv") or "-", str(r["batch"]), r["status"], r.get("selection_source") or "-",
             _fmt(r.get("prefill_tok_s")), _fmt(r.get("ttft_ms")), _fmt(r.get("selection_ms"), 2),
             "-" if r.get("pcie_bytes_per_token") is None else f"{r['pcie_bytes_per_token'] / 2**20:.2f}",
             "-" if gpu is None else f"{gpu / 2**30:.1f}", "-" if host is None else f"{host / 2**30:.1f}"]) + " |")
@@ -67,7 +67,7 @@ def _points_table(recs: list[dict]) -> list[str]:
 
 #: the decode table's columns: (header, function of (record, derived columns) -> text)
 DECODE_COLUMNS = (
-    ("method", lambda r, d: r["method"]),
+    ("method", lambda r, d: method_label(r)),
     ("B", lambda r, d: str(r["batch"])),
     ("tok/s", lambda r, d: _fmt(r.get("decode_tok_s"))),
     ("TPOT ms", lambda r, d: _fmt(r.get("tpot_ms"), 2)),
@@ -163,12 +163,13 @@ def _capped_section(records: list[dict]) -> list[str]:
 
 
 def _ours(records: list[dict]) -> dict[int, dict[str, float]]:
-    """Our best tok/s per batch and method at the paper's shape (trace selection, no cap)."""
+    """Our best tok/s per batch and method at the paper's shape (trace selection, no cap, bf16 KV)."""
     model, ctx = PAPER_SHAPE
     best: dict[int, dict[str, float]] = {}
     for r in ok(records):
         if (r["model"], r["context"]) != (model, ctx) or r.get("gpu_mem_cap_gb") is not None \
-                or selection_kind(r) != "trace" or r["method"] not in ("sparda", "sparse-offload"):
+                or selection_kind(r) != "trace" or r["method"] not in ("sparda", "sparse-offload") \
+                or record_field(r, "kv_dtype") != "bf16":  # the paper's cache
             continue
         at = best.setdefault(r["batch"], {})
         at[r["method"]] = max(at.get(r["method"], 0.0), r["decode_tok_s"])

@@ -34,23 +34,28 @@ def roofline_ms(weight_bytes: float, kv_bytes: float, missed_bytes: float,
     return max((weight_bytes + kv_bytes) / (hbm_gbps * 1e6), missed_bytes / (pcie_gbps * 1e6))
 
 
-def kv_read_bytes(method: str, shape, selection, batch: int, context: int, elem_bytes: int) -> int:
+def kv_read_bytes(method: str, shape, selection, batch: int, context: int, elem_bytes: int,
+                  kv_token_bytes: int | None = None) -> int:
     """KV bytes one decode step reads from device memory (design §3).
 
     ``dense``: all ``context`` keys and values. Block-sparse methods: per layer and KV head,
     ``min(budget, blocks)`` blocks of K and V plus the ``C(context)`` compressed keys that
     selection scores (one pass per KV head); all blocks under the dense fallback.
-    Returns bytes (int) for the whole batch and all layers.
+    ``elem_bytes``: bytes of one model-dtype element (the compressed keys');
+    ``kv_token_bytes``: bytes of one token of one KV head in K (or V) as stored (a
+    quantised cache: codes plus scales, :func:`sparda.kernels.quant.token_bytes`;
+    default ``head_dim * elem_bytes``). Returns bytes (int) for the whole batch and all layers.
     """
-    per_head_token = shape.head_dim * elem_bytes
+    ck_token = shape.head_dim * elem_bytes
+    kv_token = ck_token if kv_token_bytes is None else kv_token_bytes
     lh = batch * shape.num_layers * shape.num_kv_heads
     if method == "dense" or context < selection.dense_len:
-        return 2 * lh * context * per_head_token
+        return 2 * lh * context * kv_token
     blocks = -(-context // selection.block_size)
     read = min(selection.budget_blocks, blocks) * selection.block_size
     kern, stride = selection.kernel_size, selection.kernel_stride
     num_ck = max(0, (context - kern) // stride + 1)
-    return lh * (2 * read + num_ck) * per_head_token
+    return lh * (2 * read * kv_token + num_ck * ck_token)
 
 
 def _time(fn, device: torch.device, reps: int) -> float:

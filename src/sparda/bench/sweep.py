@@ -27,6 +27,7 @@ from sparda.bench.traces import SHIPPED_TRACE, load_traces, reuse_stats
 from sparda.engine.llm import resolve_device, resolve_dtype
 from sparda.errors import SpardaError
 from sparda.io import atomic_write, check_output_dir
+from sparda.kernels.quant import check_kv_dtype
 
 SWEEP_METHODS = ("dense", "sparse", "sparse-offload", "infinigen", "sparda-no-prefetch", "sparda")
 #: the seeds' selectors (issue #13): accepted by ``--methods``, not in the default sweep
@@ -63,6 +64,9 @@ class SweepConfig:
             (:func:`sparda.bench.point.overlap_timing`); 0 = off.
         early_attention: offloaded methods attend to resident blocks before the prefetch
             wait (``LLM(early_attention=True)``, design §6).
+        kv_dtype: KV-cache storage of every point, ``bf16`` (the model dtype) or
+            ``int8``/``int4`` (docs/kv_quant.md); records carry it, and the memory checks
+            count its bytes (:func:`sparda.bench.point.kv_need_bytes`).
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -89,8 +93,10 @@ class SweepConfig:
     hit_rates: list = field(default_factory=list)
     overlap_steps: int = 8
     early_attention: bool = False
+    kv_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
+        self.kv_dtype = check_kv_dtype(self.kv_dtype)
         for m in self.models:
             model_spec(m)
         bad = [m for m in self.methods if m not in SWEEP_METHODS + BASELINE_METHODS]
@@ -142,9 +148,10 @@ def environment(device: torch.device) -> dict:
             "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
 
 
-def _blank(model, method, context, batch, status, error=None) -> dict:
+def _blank(model, method, context, batch, status, error=None, kv_dtype: str = "bf16") -> dict:
     rec = {k: None for k in REQUIRED_KEYS}
-    rec.update(model=model, method=method, context=context, batch=batch, status=status, error=error)
+    rec.update(model=model, method=method, context=context, batch=batch, status=status, error=error,
+               kv_dtype=kv_dtype)
     return rec
 
 
@@ -185,27 +192,28 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
 
     for model_name in cfg.models:
         if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
-            records += [_blank(model_name, m, c, b, "skipped", "time budget") for c in cfg.contexts
+            records += [_blank(model_name, m, c, b, "skipped", "time budget", cfg.kv_dtype) for c in cfg.contexts
                         for m in cfg.methods for b in cfg.batches]
             continue
         selection = selection_config(model_name)
         try:
             model = build_model(model_name, device, dtype, max(cfg.contexts) + 1024)
         except SpardaError as exc:
-            records += [_blank(model_name, m, c, b, "oom", str(exc)) for c in cfg.contexts
+            records += [_blank(model_name, m, c, b, "oom", str(exc), cfg.kv_dtype) for c in cfg.contexts
                         for m in cfg.methods for b in cfg.batches]
             save()
             continue
         forecast = random_forecast(model)
         for context in cfg.contexts:
             for method in cfg.methods:
-                llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager)
+                llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager,
+                                  kv_dtype=cfg.kv_dtype)
                 llm.early_attention = cfg.early_attention
                 prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
                 failed = None
                 rates = cfg.hit_rates if method in pt.HOST_KV else []
                 for batch in sorted(cfg.batches):
-                    base = {**_blank(model_name, method, context, batch, "ok"), **prefill,
+                    base = {**_blank(model_name, method, context, batch, "ok", kv_dtype=cfg.kv_dtype), **prefill,
                             "device": env["device"], "dtype": str(dtype).replace("torch.", ""),
                             "decode_steps": cfg.decode_steps, "repeats": cfg.repeats,
                             "hbm_gbps": env["hbm_gbps"], "pcie_gbps": env["pcie_gbps"],
@@ -264,7 +272,8 @@ def _cleanup(device: torch.device) -> None:
 
 
 def _line(rec: dict) -> str:
-    head = f"{rec['model']} {rec['method']:<18} ctx {rec['context']:>6} B {rec['batch']:>3}: {rec['status']}"
+    method = rec["method"] if rec.get("kv_dtype", "bf16") == "bf16" else f"{rec['method']} {rec['kv_dtype']}"
+    head = f"{rec['model']} {method:<18} ctx {rec['context']:>6} B {rec['batch']:>3}: {rec['status']}"
     if rec["status"] != "ok":
         return f"{head} ({rec.get('error')})"
     hit = "-" if rec["hit_rate"] is None else f"{rec['hit_rate']:.3f}"
