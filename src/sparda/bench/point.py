@@ -380,7 +380,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "selection_ms": breakdown.get("selection"), "breakdown_ms": breakdown,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "peak_host_bytes": host_peak, "host_kv_bytes": cache.host.nbytes if offloaded else 0,
-        "kv": "host" if offloaded else "device", "kv_dtype": llm.kv_dtype, "selection_source": source if offloaded else "native",
+        "kv": "host" if offloaded else "device", "kv_dtype": llm.kv_dtype,
+        "selection_source": source if offloaded else "native",
         "target_hit_rate": hit_rate if offloaded else None,
         "read_fraction": round(llm.method.read_fraction(), 4),
     }

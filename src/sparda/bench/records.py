@@ -250,8 +250,8 @@ def speedups(records: list[dict], fast: str = "sparda", slow: str = "sparse-offl
         if other is None or not other["decode_tok_s"]:
             continue
         out.append({**{k: record_field(r, k) for k in fields}, "selection": selection_kind(r),
-                    "fast_tok_s": r["decode_tok_s"], "slow_tok_s": other["decode_tok_s"], "speedup": r["decode_tok_s"] / other["decode_tok_s"],
-                    "label": point_label(r)})
+                    "fast_tok_s": r["decode_tok_s"], "slow_tok_s": other["decode_tok_s"],
+                    "speedup": r["decode_tok_s"] / other["decode_tok_s"], "label": point_label(r)})
     h = lambda p: -1.0 if p["target_hit_rate"] is None else p["target_hit_rate"]  # noqa: E731
     return sorted(out, key=lambda p: (str(p["model"]), p["context"], h(p), p["batch"]))
 
