@@ -154,12 +154,11 @@ def _dispatch_to(monkeypatch, fn, calls: dict):
 def test_quantized_offload_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed, monkeypatch):
     """A quantised offloaded cache, resident layer 0 and offloaded layer 1, 12 decode steps
     from lengths 13 / 30 / 47 (every row crosses a block boundary of 16 and completes
-    compression windows): the fused append -- ``fused_append.offload_rope_append`` with
+    compression windows): the fused append -- ``OffloadKVCache.rope_append`` with
     the Triton kernel (host write-back by the engine), the same with the twin, and the
     kernel writing the host store itself (``host=``) -- leaves the slot, resident and host
     codes and scales bit-identical to the unfused ``append`` (quantise in PyTorch), and the
     ring and compressed keys of the full-precision keys."""
-    from sparda.cache import fused_append
 
     gen = torch.Generator().manual_seed(fresh_seed)
     b, hk, layers, cap, steps = 3, 2, 2, 64, 12
@@ -180,7 +179,7 @@ def test_quantized_offload_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed
             ref_c.append(layer, k, v, step)
             for cache, fn in ((tri_c, rope_append_triton), (twin_c, twins.rope_append_reference)):
                 _dispatch_to(monkeypatch, fn, calls)
-                q_out, f_out = fused_append.rope_append(cache, layer, qkv, step, g, nf)
+                q_out, f_out = cache.rope_append(layer, qkv, step, g, nf)
                 torch.testing.assert_close(q_out, q, rtol=1e-6, atol=1e-6)
                 if nf:
                     torch.testing.assert_close(f_out, f, rtol=1e-6, atol=1e-6)

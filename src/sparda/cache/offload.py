@@ -191,7 +191,9 @@ class OffloadKVCache:
         the K/V write (resident layer: full buffer; offloaded layer: the partial slot and
         the host store), the ring and the compressed-key update, in one kernel
         (:func:`sparda.kernels.rope_append`; a host store of several chunks takes one UVA
-        store per chunk after it). Does not wait for the layer's prefetch: the gather
+        store per chunk and stored plane after it). A quantised cache (``kv_dtype``
+        int8/int4) stores each token's codes and ``(step, lo)``, quantised once in the
+        kernel; the ring and compressed keys keep the full-precision key. Does not wait for the layer's prefetch: the gather
         writes only slots ``< S`` and this only slot ``S`` (the wait is just before
         attention, design §6 step order). Every cache row, in order.
 
@@ -201,9 +203,6 @@ class OffloadKVCache:
         """
         if step.rows.numel() != self.batch:
             raise SpardaError("offloaded decode steps must cover every cache row")
-        if quant.is_quantized(self.kv_dtype):
-            raise SpardaError("the fused decode step does not write a quantised KV cache yet; "
-                              "use fused_decode=False or kv_dtype='bf16'")
         self._stash = None
         cfg = self.selection
         heads, d = self.ring[layer].shape[1], self.ring[layer].shape[3]
@@ -225,9 +224,7 @@ class OffloadKVCache:
         if host is None:
             rows = torch.arange(self.batch, device=pos.device)
             off = pos % cfg.block_size
-            k_tok, v_tok = k_slots[rows, :, self.slots, off], v_slots[rows, :, self.slots, off]
-            for chunk in chunks:
-                self.engine.store_tokens(chunk, k_tok, v_tok, pos)
+            self._store_tokens(layer, k_slots[rows, :, self.slots, off], v_slots[rows, :, self.slots, off], pos)
         return q, f
 
     def _quantized(self, x: torch.Tensor):

@@ -6,7 +6,7 @@
 * one GEMM for Q, K, V and the method's extra heads (the Forecast ``F_l`` scoring layer
   ``l+1``, and ``W^C_0`` at layer 0: design §4) on weights stacked once;
 * one kernel for RoPE of q, k and the Forecast heads + the KV append + the compressed-key
-  update (:func:`sparda.kernels.rope_append`, through :func:`sparda.cache.fused_append.rope_append`);
+  update (:func:`sparda.kernels.rope_append`, through the cache's ``rope_append``);
   a quantised cache (``kv_dtype`` int8/int4) gets each token quantised in the same kernel
   (docs/kv_quant.md), the compressed keys still from the full-precision keys;
 * residual add + RMSNorm fused (:func:`sparda.kernels.add_rmsnorm`), gate and up as one
@@ -30,7 +30,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from sparda import kernels
-from sparda.cache import fused_append
 
 
 def _stack(mods_weights: list[tuple[nn.Module, str]]) -> torch.Tensor:
@@ -120,7 +119,7 @@ class FusedDecoder:
             attn = layer.self_attn
             qkv = F.linear(h, self.qkv_w[index], self.qkv_b[index])
             targets = self.targets[index]
-            q, f = fused_append.rope_append(cache, index, qkv, step, s.group_size, len(targets))
+            q, f = cache.rope_append(index, qkv, step, s.group_size, len(targets))
             for i, target in enumerate(targets):
                 step.projections[target] = f[:, i]
             out = method.attend(index, q.view(b, s.num_kv_heads, s.group_size, 1, s.head_dim),
