@@ -150,6 +150,19 @@ def test_each_criterion_fails_alone_when_its_threshold_is_missed(key):
     assert got == {k: FAIL if k == key else PASS for k in ISSUE20}
 
 
+@pytest.mark.parametrize("key", sorted(FAILS))
+def test_quantised_records_do_not_count_for_the_bf16_criteria(key):
+    """A failing point stored with an int8 KV cache leaves every verdict as it was."""
+    recs = copy.deepcopy(_passing())
+    failing = copy.deepcopy(recs)
+    FAILS[key](failing)
+    before = {json.dumps(r, sort_keys=True) for r in recs}
+    extra = [dict(r, kv_dtype="int8") for r in failing if json.dumps(r, sort_keys=True) not in before]
+    assert extra  # the mutation changed or added some record
+    got = {k: v.verdict for k, v in _verdicts(recs + extra).items()}
+    assert got == {k: PASS for k in ISSUE20}
+
+
 def test_criteria_not_measured_without_records_or_with_part_of_them():
     assert {v.verdict for v in check_issue20([])} == {NOT_MEASURED}
     part = [r for r in _passing() if not (r["batch"] == 16 and r["target_hit_rate"] == 0.7)]
