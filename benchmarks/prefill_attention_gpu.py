@@ -17,6 +17,11 @@ Usage (one CUDA GPU, from the repository root):
    the whole 128K layer; the mean number of blocks a tile walks against the blocks a token
    selected.
 
+3. ``selection``: the prefill selection kernel alone on the same chunk (last 8,192 tokens of
+   128K): query-based with G = 16 and G = 4 and the Forecast (one head), ms per chunk and x16
+   per layer, to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
+   (which also counts the Forecast projection, the compressed keys and the glue).
+
 Writes ``OUT/prefill_attention_gpu.json`` and prints a short table.
 """
 
@@ -94,6 +99,26 @@ def timing(cfg, old) -> list[dict]:
     return rows
 
 
+def selection(cfg) -> list[dict]:
+    rows = []
+    num_keys, num_q, d = 131072, 8192, 128
+    num_ck = reference.num_compressed(num_keys, cfg.kernel_size, cfg.kernel_stride)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q_pos = torch.arange(num_keys - num_q, num_keys, device="cuda").view(1, -1)
+    for label, heads, groups in (("query G=16", 2, 16), ("forecast (MiniCPM)", 2, None),
+                                 ("query G=4", 8, 4), ("forecast (Llama)", 8, None)):
+        ck = torch.randn(1, heads, num_ck, d, device="cuda", generator=gen).bfloat16()
+        shape = (1, heads, num_q, d) if groups is None else (1, heads, groups, num_q, d)
+        query = (torch.randn(shape, device="cuda", generator=gen) * 0.3).bfloat16()
+        ms = cuda_ms(lambda: select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
+                                                          lookahead=groups is None), reps=5)
+        rows.append({"selector": label, "kv_heads": heads, "chunk_ms": round(ms, 3),
+                     "layer_ms_est": round(ms * num_keys / num_q, 1)})
+        print("selection", rows[-1], flush=True)
+        del ck, query
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
@@ -108,7 +133,8 @@ def main() -> None:
         spec.loader.exec_module(old)
     cfg = SelectionConfig.from_preset("paper")
     report = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "check": check(cfg), "timing": timing(cfg, old)}
+              "torch": torch.__version__, "check": check(cfg), "timing": timing(cfg, old),
+              "selection": selection(cfg)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_attention_gpu.json").write_text(json.dumps(report, indent=1))
@@ -118,6 +144,8 @@ def main() -> None:
         print(f"{r['shape']:<11} {r['groups']:>3} {r['blocks_per_token']:>9.1f} {r['blocks_per_tile_packed']:>9.1f} "
               f"{r['blocks_per_tile_old']:>12.1f} {r['packed_ms']:>9.2f} {r.get('old_ms', 0):>8.2f} "
               f"{r['packed_layer_ms_est']:>9.1f} {r['sdpa_layer_ms']:>10.1f}")
+    for r in report["selection"]:
+        print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk, ~{r['layer_ms_est']:.1f} ms per layer")
 
 
 if __name__ == "__main__":
