@@ -283,7 +283,10 @@ def test_prefill_masks_equal_decode_masks_at_every_position(tiny, name, cfg_name
         for head in range(tiny.shape.num_kv_heads):
             if _near_tie(scores[(t, layer)][head], t, cfg):
                 continue
-            assert torch.equal(got[head][:valid], prefill[(t, layer)][head][:valid]), (name, cfg_name, t, layer, head)
+            row = scores[(t, layer)][head][:valid]
+            differ = torch.nonzero(got[head][:valid] != prefill[(t, layer)][head][:valid]).flatten().tolist()
+            assert torch.equal(got[head][:valid], prefill[(t, layer)][head][:valid]), (
+                name, cfg_name, t, layer, head, {b: float(row[b]) for b in differ}, sorted(row.tolist())[-6:])
             compared += 1
     assert len(decode) == (len(ids) - split) * tiny.shape.num_layers
     assert compared >= 0.9 * len(decode) * tiny.shape.num_kv_heads
