@@ -85,5 +85,5 @@ class Batches:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output."""
-        self.gen.set_state(state["gen"])
+        self.gen.set_state(state["gen"].cpu())  # a state loaded onto CUDA: set_state needs a CPU ByteTensor
         self.order = list(state["order"])
