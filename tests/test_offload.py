@@ -441,3 +441,19 @@ def test_host_chunks_are_even_and_fewest(fresh_seed):
         assert max(sizes) - min(sizes) <= 1
     # the 128K MiniCPM-8B layer of the H200 sweep at B24 (1.6 GB of bf16) is one chunk
     assert chunk_rows(24, 67_207_168, 4 << 30, 67_207_168 // 2) == [(0, 24)]
+
+
+def test_gather_grid_follows_the_measured_batch_rule(monkeypatch):
+    """The uva engine's CTA count comes from ``gather_ctas(batch)`` unless given: 32 below
+    B16, 64 from B16 on (docs/benchmarks/fused-decode-2026-12-01c-h200.md)."""
+    from sparda.cache import transfer
+
+    assert [transfer.gather_ctas(b) for b in (1, 4, 15, 16, 24, 88)] == [32, 32, 32, 64, 64, 64]
+    if not transfer.HAS_TRITON:
+        pytest.skip("triton missing")
+    cuda = torch.device("cuda")  # make_engine only checks the device type: nothing is allocated
+    assert transfer.make_engine("uva", cuda, batch=4).num_ctas == 32
+    assert transfer.make_engine("uva", cuda, batch=16).num_ctas == 64
+    assert transfer.make_engine("uva", cuda, batch=16, num_ctas=8).num_ctas == 8
+    assert transfer.make_engine("uva", cuda).num_ctas == 32  # no batch: the constructor's default
+    assert isinstance(transfer.make_engine("sync", cuda, batch=16), transfer.SyncEngine)

@@ -54,7 +54,8 @@ class OffloadKVCache:
         engine: transfer engine name (``auto``, ``uva``, ``copy``, ``sync``).
         resident_layers: layers kept whole on the device (not offloaded).
         chunk_bytes: largest host allocation.
-        engine_options: passed to the engine (``num_ctas``, ``num_warps``, ``tile``).
+        engine_options: passed to the engine (``num_ctas``, ``num_warps``, ``tile``; the
+            ``uva`` grid defaults to :func:`~sparda.cache.transfer.gather_ctas` of ``batch``).
         timing: measure copy and exposed-wait time (:class:`~sparda.cache.prefetch.Prefetcher`).
         kv_dtype: ``bf16`` or ``int8``/``int4``: the host store, the slot buffers and the
             resident layers hold quantised K/V plus scales (docs/kv_quant.md); the gather
@@ -85,7 +86,7 @@ class OffloadKVCache:
         self.resident = frozenset(l for l in resident_layers if 0 <= l < num_layers)
         self.offloaded = tuple(l for l in range(num_layers) if l not in self.resident)
         self.slots = num_slots(capacity, cfg)
-        self.engine = make_engine(engine, self.device, **(engine_options or {}))
+        self.engine = make_engine(engine, self.device, batch=batch, **(engine_options or {}))
         self.host = HostKVStore(self.offloaded, batch, num_kv_heads, head_dim, self.num_blocks,
                                 cfg.block_size, dtype, pin=self.device.type == "cuda",
                                 chunk_bytes=chunk_bytes, kv_dtype=kv_dtype)

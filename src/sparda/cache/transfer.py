@@ -246,14 +246,35 @@ class UvaEngine(TransferEngine):
             D=d, D_P=next_pow2(max(d, 16)), BS=chunk.k.shape[3], num_warps=1)
 
 
-def make_engine(name: str, device: torch.device, **kwargs) -> TransferEngine:
+#: (smallest batch, CTAs) of the UVA gather grid, largest batch first: measured inside the
+#: replayed decode step of offloaded ``sparda`` on the H200 (MiniCPM-8B shape; 8 warps):
+#: 64 CTAs beat 32 by 6-7 % at 128K B16 and 32K B24, 16 CTAs were slowest
+#: (docs/benchmarks/fused-decode-2026-12-01c-h200.md). Below B16 the gather shares the SMs
+#: with a lighter step and was not tuned: it keeps 32.
+GATHER_CTAS = ((16, 64), (1, 32))
+
+
+def gather_ctas(batch: int) -> int:
+    """CTAs of the UVA gather grid for a cache of ``batch`` rows (:data:`GATHER_CTAS`)."""
+    for smallest, ctas in GATHER_CTAS:
+        if batch >= smallest:
+            return ctas
+    return GATHER_CTAS[-1][1]
+
+
+def make_engine(name: str, device: torch.device, batch: int | None = None, **kwargs) -> TransferEngine:
     """Build a transfer engine. ``auto``: ``uva`` on CUDA with Triton, else ``sync``.
+
+    ``batch`` (rows of the cache it serves) picks the ``uva`` gather grid
+    (:func:`gather_ctas`) unless ``num_ctas`` is given; other engines ignore it.
 
     Raises:
         SpardaError: an unknown name, or ``uva``/``copy`` requested off CUDA.
     """
     if name == "auto":
         name = "uva" if device.type == "cuda" and HAS_TRITON else "sync"
+    if name == "uva" and batch is not None and "num_ctas" not in kwargs:
+        kwargs["num_ctas"] = gather_ctas(batch)
     if name not in ENGINES:
         raise SpardaError(f"unknown transfer engine {name!r}; choose one of auto, {', '.join(ENGINES)}")
     if name in ("uva", "copy") and device.type != "cuda":
