@@ -203,10 +203,15 @@ def _decode_late_combine_kernel(
     H, S, num_splits, qk_scale,
     G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BS_P: tl.constexpr, IEEE: tl.constexpr, QBITS: tl.constexpr = 0,
+    S_P: tl.constexpr = 16,
 ):
     """Phase 2 of the overlapped slot attention: one program per (row, KV head) attends to
     the slots that received a miss this step (``LOAD[s] >= 0``, the logical block copied
-    into slot ``s``), then merges the phase-1 splits' partial outputs and log-sum-exps."""
+    into slot ``s``), then merges the phase-1 splits' partial outputs and log-sum-exps.
+
+    The row's ``S`` load entries are read as one vector and the loop runs over the late
+    slots only (their rank by a prefix sum), so a step that misses ``m`` of ``S`` slots pays
+    ``m`` block updates and no chain of ``S`` dependent scalar loads."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -220,14 +225,20 @@ def _decode_late_combine_kernel(
     m_i = tl.full([G_P], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P], tl.float32)
     acc = tl.zeros([G_P, D], tl.float32)
-    for i in range(0, S):
-        blk = tl.load(load_base + i).to(tl.int64)
-        if blk >= 0:  # most slots hit: a scalar test, no block work
-            tok_ok = (offs_t < BS) & (blk * BS + offs_t < kv_len)
-            m_i, l_i, acc = _accumulate_block(
-                q, m_i, l_i, acc, k_base + i * stride_kblk, v_base + i * stride_vblk,
-                ks_base + i * stride_ksblk, vs_base + i * stride_vsblk, tok_ok, offs_d, qk_scale,
-                QBITS, IEEE)
+    offs_s = tl.arange(0, S_P)
+    loads = tl.load(load_base + offs_s, mask=offs_s < S, other=-1).to(tl.int64)
+    is_late = (loads >= 0).to(tl.int32)
+    rank = tl.cumsum(is_late, 0)  # 1-based rank of each late slot among the late slots
+    num_late = tl.sum(is_late, 0)
+    for j in range(0, num_late):
+        pick = (is_late > 0) & (rank == j + 1)
+        i = tl.sum(tl.where(pick, offs_s, 0), 0).to(tl.int64)
+        blk = tl.sum(tl.where(pick, loads, 0), 0)
+        tok_ok = (offs_t < BS) & (blk * BS + offs_t < kv_len)
+        m_i, l_i, acc = _accumulate_block(
+            q, m_i, l_i, acc, k_base + i * stride_kblk, v_base + i * stride_vblk,
+            ks_base + i * stride_ksblk, vs_base + i * stride_vsblk, tok_ok, offs_d, qk_scale,
+            QBITS, IEEE)
     for sp in range(0, num_splits):  # merge phase 1: (o_s, lse_s) counts 2^lse_s, o_s * 2^lse_s
         lse_s = tl.load(LSE + (pid_bh * num_splits + sp) * G_P + offs_g)
         o_s = tl.load(PART + pid_bh.to(tl.int64) * stride_pbh + sp * stride_ps + offs_g[:, None] * stride_pg
@@ -340,7 +351,7 @@ def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, n
             *ks[1], *vs[1], *scales[2:],
             late.stride(0), late.stride(1), part.stride(0), part.stride(1), part.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            heads, late.shape[-1], num_splits, qk_scale, **common)
+            heads, late.shape[-1], num_splits, qk_scale, S_P=max(16, next_pow2(late.shape[-1])), **common)
         return out
     _decode_combine_kernel[(bsz * heads, groups)](
         part, lse, out,
