@@ -125,7 +125,8 @@ class LLM:
             ``copy_ms``, ``exposed_wait_ms``, ``hidden_fraction`` to ``stats["offload"]``) /
             ``early_attention`` (default False: an offloaded layer with a pending prefetch
             attends to its resident blocks before waiting for the copy, then to the copied
-            ones; same result; design §6) /
+            ones; the same result up to summation order; measured slower on the H200, 2-25 %
+            fewer tok/s, docs/benchmarks/fused-decode-2026-12-01c-h200.md; design §6) /
             ``fused_decode`` (default True: on CUDA a decode step runs the fused kernels of
             :mod:`sparda.model.fused`; False runs the model's plain modules) /
             ``prefill_chunk_tokens`` (default :data:`DEFAULT_PREFILL_CHUNK_TOKENS`: prompts are
