@@ -22,6 +22,11 @@ Usage (one CUDA GPU, from the repository root):
    per layer, to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
    (which also counts the Forecast projection, the compressed keys and the glue).
 
+4. ``tune``: launch shapes for the next defaults, on the same chunk: the attention kernel over
+   ``block_m`` 16-128 (tokens per tile x G) x ``num_warps`` 4/8, the selection kernel over
+   tokens per program 8-128 x ``num_warps`` 4/8, for both shapes and both selectors.
+
+``--parts`` picks some of them (default: all four).
 Writes ``OUT/prefill_attention_gpu.json`` and prints a short table.
 """
 
@@ -41,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from sparda.bench.timing import cuda_ms  # noqa: E402
 from sparda.config import SelectionConfig  # noqa: E402
 from sparda.kernels import prefill_attention, reference  # noqa: E402
-from sparda.kernels.prefill_attention import tile_block_lists  # noqa: E402
+from sparda.kernels.prefill_attention import prefill_attention_triton, tile_block_lists  # noqa: E402
 from sparda.kernels.prefill_selection import select_prefill_blocks_triton  # noqa: E402
 
 
@@ -119,11 +124,71 @@ def selection(cfg) -> list[dict]:
     return rows
 
 
+def tune(cfg) -> list[dict]:
+    """Launch shapes for the next defaults: the prefill attention kernel over ``block_m`` (rows
+    per program = tokens per tile x G) x ``num_warps`` on the same 8K chunk at 128K, and the
+    selection kernel over ``block_m`` (tokens per program for the Forecast, tokens x G for the
+    query-based selector) x ``num_warps``; ms per chunk of each, blocks walked per tile."""
+    rows = []
+    for shape, heads, groups in (("minicpm-8b", 2, 16), ("llama-8b", 8, 4)):
+        q, k, v, mask, q_pos, kv_len = _inputs(heads, groups, 131072, 8192, cfg)
+        g_p = 1 << (groups - 1).bit_length()
+        for block_m in (16, 32, 64, 128):
+            if block_m < g_p:
+                continue
+            _, counts = tile_block_lists(mask, q_pos, kv_len, heads, 131072, cfg.block_size, block_m // g_p)
+            for warps in (4, 8):
+                try:
+                    ms = cuda_ms(lambda: prefill_attention_triton(q, k, v, mask, q_pos, kv_len, cfg.block_size,
+                                                                  block_m=block_m, num_warps=warps), reps=5)
+                except Exception as exc:  # e.g. out of shared memory at this shape: record, go on
+                    ms = None
+                    print("tune attention", shape, block_m, warps, "failed:", str(exc).splitlines()[0], flush=True)
+                rows.append({"kernel": "attention", "shape": shape, "groups": groups, "block_m": block_m,
+                             "tokens_per_tile": block_m // g_p, "num_warps": warps,
+                             "blocks_per_tile": round(float(counts.float().mean()), 1),
+                             "chunk_ms": None if ms is None else round(ms, 3)})
+                print("tune", rows[-1], flush=True)
+        del q, k, v, mask
+        torch.cuda.empty_cache()
+    num_keys, num_q, d = 131072, 8192, 128
+    num_ck = reference.num_compressed(num_keys, cfg.kernel_size, cfg.kernel_stride)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q_pos = torch.arange(num_keys - num_q, num_keys, device="cuda").view(1, -1)
+    for label, heads, groups in (("forecast (MiniCPM)", 2, None), ("forecast (Llama)", 8, None),
+                                 ("query G=16", 2, 16), ("query G=4", 8, 4)):
+        ck = torch.randn(1, heads, num_ck, d, device="cuda", generator=gen).bfloat16()
+        shape = (1, heads, num_q, d) if groups is None else (1, heads, groups, num_q, d)
+        query = (torch.randn(shape, device="cuda", generator=gen) * 0.3).bfloat16()
+        g_p = 1 if groups is None else 1 << (groups - 1).bit_length()
+        for tokens in (8, 16, 32, 64, 128):
+            if tokens * g_p > 256 or tokens * g_p < 16:
+                continue
+            for warps in (4, 8):
+                try:
+                    ms = cuda_ms(lambda: select_prefill_blocks_triton(
+                        query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None,
+                        block_m=tokens, num_warps=warps), reps=5)
+                except Exception as exc:
+                    ms = None
+                    print("tune selection", label, tokens, warps, "failed:", str(exc).splitlines()[0], flush=True)
+                rows.append({"kernel": "selection", "selector": label, "block_m": tokens, "rows": tokens * g_p,
+                             "num_warps": warps, "chunk_ms": None if ms is None else round(ms, 3)})
+                print("tune", rows[-1], flush=True)
+        del ck, query
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--old", default=None, help="path of the previous prefill_attention.py (timed too)")
+    ap.add_argument("--parts", default="check,timing,selection,tune",
+                    help="comma list of check, timing, selection, tune [default: all]")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    if any(p not in ("check", "timing", "selection", "tune") for p in parts):
+        ap.error(f"--parts: unknown part in {args.parts!r}; choose from check, timing, selection, tune")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the interpreter tests cover the CPU: tests/kernels/test_prefill_attention.py)")
     old = None
@@ -133,8 +198,11 @@ def main() -> None:
         spec.loader.exec_module(old)
     cfg = SelectionConfig.from_preset("paper")
     report = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "check": check(cfg), "timing": timing(cfg, old),
-              "selection": selection(cfg)}
+              "torch": torch.__version__}
+    report["check"] = check(cfg) if "check" in parts else []
+    report["timing"] = timing(cfg, old) if "timing" in parts else []
+    report["selection"] = selection(cfg) if "selection" in parts else []
+    report["tune"] = tune(cfg) if "tune" in parts else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_attention_gpu.json").write_text(json.dumps(report, indent=1))
@@ -146,6 +214,10 @@ def main() -> None:
               f"{r['packed_layer_ms_est']:>9.1f} {r['sdpa_layer_ms']:>10.1f}")
     for r in report["selection"]:
         print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk, ~{r['layer_ms_est']:.1f} ms per layer")
+    for r in report["tune"]:
+        name = r.get("shape") or r.get("selector")
+        print(f"tune {r['kernel']:<9} {name:<20} block_m {r['block_m']:>3} warps {r['num_warps']} "
+              f"{'-' if r['chunk_ms'] is None else r['chunk_ms']:>8} ms per chunk")
 
 
 if __name__ == "__main__":

@@ -190,14 +190,16 @@ def _default_block_m(rows_per_token: int, on_gpu: bool) -> int:
 
 def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                                  num_blocks: int, cfg: SelectionConfig, *, lookahead: bool = False,
-                                 block_m: int | None = None, return_scores: bool = False):
+                                 block_m: int | None = None, return_scores: bool = False,
+                                 num_warps: int | None = None):
     """Triton twin of :func:`sparda.kernels.twins.select_prefill_reference` (see
     :func:`sparda.kernels.select_prefill_blocks` for the arguments).
 
     ``block_m``: query tokens per program (a power of two; default 128 / ``G_P`` on the
     GPU, 64 / ``G_P`` elsewhere, at least 1, with ``G_P`` the group padded to a power of two).
     ``return_scores``: also return the ``[B, H, Tq, N]`` fp32 block scores; entries past a
-    query's own block are unspecified (the rule never reads them).
+    query's own block are unspecified (the rule never reads them). ``num_warps``: Triton
+    launch parameter (tuning; default 8 on the GPU for 128-row tiles, else 4).
 
     Returns:
         ``mask [B, H, Tq, N]`` bool, or ``(mask, scores)``.
@@ -257,7 +259,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             BS=cfg.block_size, R=r, PAD=pad, NB=nb, CK_T=64 if query.is_cuda else 16,
             INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks,
             DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee,
-            num_warps=8 if query.is_cuda and block_m * g_p >= 128 else 4,
+            num_warps=num_warps or (8 if query.is_cuda and block_m * g_p >= 128 else 4),
             num_stages=1)  # no software pipelining: the unpipelined tiles fit Hopper's 227 KiB
     if return_scores:
         scores = scratch
