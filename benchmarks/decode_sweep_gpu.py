@@ -33,9 +33,14 @@ printed last:
   (high / normal) and early attention off / on; every configuration replays the same
   steps from empty slots (``bench.point.restart``), the first one again at the end to show
   the drift.
-* ``kvquant``: quantised KV caches (issue #14, docs/kv_quant.md). First the fused decode
-  step with int8 / int4 caches against the unfused one on the GPU (random 4-layer bf16
-  model, offloaded ``sparda``: greedy-token agreement over 3 x 64 tokens), then
+* ``kvquant``: quantised KV caches (issue #14, docs/kv_quant.md). First the fused RoPE +
+  append kernel alone against the unfused append (PyTorch RoPE + quantise) on the same
+  projection rows, MiniCPM4.1-8B's attention shape, bf16 and fp32: codes and scales that
+  differ, and by how many codes (a correct kernel: none); then the fused decode step
+  against the unfused one (random 4-layer model, offloaded ``sparda``, greedy-token
+  agreement over 3 x 64 tokens) with unquantised, int8 and int4 caches, bf16 and fp32:
+  the unquantised cache is the control (the stacked GEMMs round differently from the
+  separate projections in bf16, so bf16 tokens drift without any quantiser), then
   MiniCPM-8B shape, 128K, ``sparda`` and ``sparse-offload``: bf16 at its largest batch,
   int8 at that batch and at its own largest, int4 (``sparda`` only) at its largest, each
   largest batch computed from the per-token bytes for <= 96 GiB of pinned host KV
@@ -371,12 +376,93 @@ def kvquant_batches(model: str = "minicpm-8b", context: int = 131072) -> dict:
     return out
 
 
+def _codes(buf) -> torch.Tensor:
+    """The integer codes ``[..., d]`` int16 of a :class:`~sparda.kernels.quant.QuantizedKV`
+    (int4 unpacked: element ``2i`` from the low nibble)."""
+    x = buf.data
+    if buf.kv_dtype == "int4":
+        x = torch.stack([x & 15, x >> 4], -1).flatten(-2)
+    return x.to(torch.int16)
+
+
+def kvquant_codes_check(quick: bool = False) -> list[dict]:
+    """The fused RoPE + append kernel (``DeviceKVCache.rope_append``: Triton on CUDA)
+    against the unfused append (``apply_rope`` in the model dtype, then
+    ``DeviceKVCache.append``: quantised by PyTorch) fed the **same** stacked projection
+    rows: no GEMM in between, so any difference is the kernel's. MiniCPM4.1-8B's attention
+    shape (2 KV heads, G = 16, d = 128, one Forecast head), B = 8, 16 decode steps from
+    lengths around 200 across block boundaries, keys with a per-channel offset and one
+    outlier channel; bf16 and fp32, int8 and int4. Reports the fraction of decoded codes
+    that differ, the largest code difference, whether the ``(step, lo)`` scales and the
+    rotated queries are equal. A correct kernel in bf16: 0 codes, equal scales and queries
+    (its RoPE rounds to bf16 after each operation, as PyTorch; tests/kernels/test_rope_append.py
+    checks the same under the interpreter, made to round to nearest even as the GPU does).
+    In fp32 the compiler may contract the RoPE into an FMA, so a key may differ by an ulp
+    and a code by one, rarely; more than one code, or any difference in bf16, is a defect."""
+    from sparda.cache.device import DeviceKVCache
+    from sparda.config import SelectionConfig
+    from sparda.kernels.reference import apply_rope
+    from sparda.model.llama import StepInfo
+
+    b, hk, g, d, nf, steps = (8, 2, 16, 128, 1, 16) if not quick else (2, 2, 4, 64, 1, 6)
+    cfg = SelectionConfig(block_size=64, kernel_size=32, kernel_stride=16, local_blocks=2)
+    cap = 512
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for kv in ("int8", "int4"):
+            gen = torch.Generator().manual_seed(7)
+            lengths = torch.randint(180, 260, (b,), generator=gen)
+            fused_c, ref_c = (DeviceKVCache(1, b, hk, d, cap, cfg, dtype, DEV, kv_dtype=kv) for _ in range(2))
+            for row in range(b):  # the same random prefill (unfused append) into both
+                n = int(lengths[row])
+                kk, vv = (torch.randn(1, hk, n, d, generator=gen).to(DEV, dtype) for _ in range(2))
+                step = StepInfo("prefill", torch.tensor([row], device=DEV), torch.arange(n, device=DEV).view(1, -1),
+                                torch.tensor([n], device=DEV), None, None, n)
+                for c in (fused_c, ref_c):
+                    c.append(0, kk, vv, step)
+            offset = torch.randn(d, generator=gen) * 2
+            offset[5] = 40.0  # an outlier channel
+            q_equal = True
+            for i in range(steps):
+                pos = (lengths + i).to(DEV)
+                qkv = torch.randn(b, (hk * g + (2 + nf) * hk) * d, generator=gen) * 3
+                k_at = hk * g * d
+                qkv[:, k_at:k_at + hk * d] += offset.repeat(hk)
+                theta = pos.view(-1, 1).float().cpu() * (1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d))
+                emb = torch.cat([theta, theta], -1)
+                qkv = qkv.to(DEV, dtype)
+                cos, sin = (t.view(b, 1, 1, d).to(DEV, dtype) for t in (emb.cos(), emb.sin()))
+                step = StepInfo("decode", torch.arange(b, device=DEV), pos.view(-1, 1), pos + 1, cos, sin, cap)
+                parts = qkv.view(b, hk * g + (2 + nf) * hk, 1, d)
+                q = apply_rope(parts[:, :hk * g], cos, sin)[:, :, 0]
+                k = apply_rope(parts[:, hk * g:hk * g + hk], cos, sin)
+                ref_c.append(0, k, parts[:, hk * g + hk:hk * g + 2 * hk], step)
+                q_out, _ = fused_c.rope_append(0, qkv, step, g, nf)
+                q_equal &= bool(torch.equal(q_out, q))
+            row = {"check": f"fused RoPE + {kv} append kernel == unfused append, same inputs "
+                            f"({str(dtype).replace('torch.', '')}, G={g}, d={d})"}
+            for name, got, want in (("k", fused_c.k[0], ref_c.k[0]), ("v", fused_c.v[0], ref_c.v[0])):
+                diff = (_codes(got).int() - _codes(want).int()).abs()
+                row[f"{name}_codes_differing"] = round(diff.gt(0).float().mean().item(), 6)
+                row[f"{name}_max_code_diff"] = int(diff.max())
+                row[f"{name}_scales_equal"] = bool(torch.equal(got.scale, want.scale))
+            row["queries_equal"] = q_equal
+            row["equal"] = q_equal and all(row[f"{n}_max_code_diff"] == 0 and row[f"{n}_scales_equal"]
+                                           for n in ("k", "v"))
+            rows.append(row)
+            log(row)
+    return rows
+
+
 def kvquant_check(quick: bool = False) -> list[dict]:
-    """Fused vs unfused decode with quantised caches: offloaded ``sparda`` on the random
-    4-layer model, greedy tokens of each (the fused step's RoPE + append kernel quantises
-    each token; the unfused step quantises in PyTorch). The GEMMs differ (stacked vs
-    separate projections), so a value near a rounding boundary of the quantiser may land
-    one code apart: agreement is reported, not required."""
+    """Fused vs unfused decode: offloaded ``sparda`` on the random 4-layer model, greedy
+    tokens of each (the fused step's RoPE + append kernel quantises each token; the
+    unfused step quantises in PyTorch), with an unquantised cache as the control, bf16 and
+    fp32 (fp32 only off CUDA). The GEMMs differ (stacked vs separate projections), so a
+    bf16 value near a rounding boundary of the quantiser may land one code apart:
+    agreement is reported, not required; compare it with the control's. In fp32 the
+    unquantised fused step gave the unfused tokens on the H200
+    (docs/benchmarks/fused-decode-2026-12-01-h200.md section 5)."""
     from sparda.bench.models import random_forecast
     from sparda.engine.llm import LLM
     from sparda.model.fused import FusedDecoder
@@ -391,10 +477,10 @@ def kvquant_check(quick: bool = False) -> list[dict]:
                                                     dense_len=128)))
     prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in lengths]
     rows = []
-    for dtype in (torch.bfloat16,) if DEV == "cuda" else (torch.float32,):
+    for dtype in (torch.bfloat16, torch.float32) if DEV == "cuda" else (torch.float32,):
         model = _random_model(dtype)
         forecast = random_forecast(model)
-        for kv in ("int8", "int4"):
+        for kv in ("bf16", "int8", "int4"):  # bf16: the unquantised cache (the model dtype), the control
             toks, used = {}, {}
             for fused in (True, False):
                 llm = LLM.from_model(model, method="sparda", preset="small", forecast=forecast, offload=True,
@@ -408,7 +494,8 @@ def kvquant_check(quick: bool = False) -> list[dict]:
             same = [a == b for x, y in zip(toks[True], toks[False]) for a, b in zip(x, y)]
             first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                      for x, y in zip(toks[True], toks[False])]
-            row = {"check": f"fused == unfused decode, sparda offloaded, KV {kv} ({str(dtype).replace('torch.', '')})",
+            row = {"check": f"fused == unfused decode, sparda offloaded, KV {kv if kv != 'bf16' else 'unquantised'} "
+                            f"({str(dtype).replace('torch.', '')})",
                    "fused_step_used": used[True] and not used[False], "tokens_equal": all(same),
                    "token_agreement": round(sum(same) / len(same), 4), "first_mismatch_per_prompt": first}
             rows.append(row)
@@ -437,7 +524,7 @@ def kvquant_verdict(recs: list[dict], batches: dict) -> dict:
 
 def kvquant(out: Path, budget: float) -> list[dict]:
     t0 = time.perf_counter()
-    rows = kvquant_check(quick=SMOKE)
+    rows = kvquant_codes_check(quick=SMOKE) + kvquant_check(quick=SMOKE)
     batches = kvquant_batches()
     for kv in ("bf16", "int8", "int4"):
         b = batches[kv]

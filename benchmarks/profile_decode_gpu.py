@@ -3,17 +3,20 @@
 Usage (on a CUDA machine, from the repository root):
 
     python3 benchmarks/profile_decode_gpu.py OUT [CONTEXT [BATCH [METHOD ...]]]
+    KV_DTYPE=int8 python3 benchmarks/profile_decode_gpu.py OUT 131072 24 sparda   # a quantised cache
 
 Builds the ``sparda bench`` setup of one point (MiniCPM-8B shape, random weights, bf16, KV
 filled directly, the shipped trace replayed by offloaded methods, CUDA graphs on), runs a
 few decode steps, then profiles 3 replayed steps with ``torch.profiler`` and writes
-``OUT/profile-<method>-b<B>.json``: every kernel name with its launches and GPU time per
+``OUT/profile-<method>-b<B>.json`` (``-<kv_dtype>`` appended for ``KV_DTYPE`` int8 / int4,
+docs/kv_quant.md): every kernel name with its launches and GPU time per
 step, and the time of each set-up phase. Prints the top kernels per method.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -28,11 +31,11 @@ from sparda.bench.models import build_model, random_forecast, selection_config  
 from sparda.bench.traces import SHIPPED_TRACE, Replayer, load_traces, replay_masks, trace_for  # noqa: E402
 
 
-def profile_point(model, forecast, method: str, batch: int, context: int, traces) -> dict:
+def profile_point(model, forecast, method: str, batch: int, context: int, traces, kv_dtype: str = "bf16") -> dict:
     phases = {}
     t = time.perf_counter()
     selection = selection_config("minicpm-8b")
-    llm = pt.make_llm(model, method, selection, forecast)
+    llm = pt.make_llm(model, method, selection, forecast, kv_dtype=kv_dtype)
     steps = 24
     cache = llm.new_cache(batch, context + steps + 2)
     torch.cuda.synchronize()
@@ -87,7 +90,7 @@ def profile_point(model, forecast, method: str, batch: int, context: int, traces
         by_name[ev.name][1] += ev.time_range.elapsed_us()
     kernels = sorted(({"name": k[:120], "per_step": v[0] / 3, "us_per_step": round(v[1] / 3, 1)}
                       for k, v in by_name.items()), key=lambda r: -r["us_per_step"])
-    rec = {"method": method, "batch": batch, "context": context, "tpot_ms": round(tpot, 3),
+    rec = {"method": method, "batch": batch, "context": context, "kv_dtype": kv_dtype, "tpot_ms": round(tpot, 3),
            "kernels_per_step": sum(k["per_step"] for k in kernels),
            "gpu_kernel_ms": round(sum(k["us_per_step"] for k in kernels) / 1e3, 3),
            "phases": {k: round(v, 2) for k, v in phases.items()}, "kernels": kernels}
@@ -102,15 +105,17 @@ def main() -> None:
     context = int(sys.argv[2]) if len(sys.argv) > 2 else 131072
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     methods = sys.argv[4:] or ["sparda", "sparse-offload", "dense"]
+    kv_dtype = os.environ.get("KV_DTYPE", "bf16")
+    suffix = "" if kv_dtype == "bf16" else f"-{kv_dtype}"
     t = time.perf_counter()
     model = build_model("minicpm-8b", "cuda", torch.bfloat16, context + 1024)
     forecast = random_forecast(model)
     traces = load_traces(SHIPPED_TRACE)
     print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
     for method in methods:
-        rec = profile_point(model, forecast, method, batch, context, traces)
-        (out / f"profile-{method}-b{batch}.json").write_text(json.dumps(rec, indent=1))
-        print(f"\n== {method} B{batch} {context}: TPOT {rec['tpot_ms']} ms, {rec['kernels_per_step']:.0f} kernels, "
+        rec = profile_point(model, forecast, method, batch, context, traces, kv_dtype)
+        (out / f"profile-{method}-b{batch}{suffix}.json").write_text(json.dumps(rec, indent=1))
+        print(f"\n== {method} B{batch} {context} KV {kv_dtype}: TPOT {rec['tpot_ms']} ms, {rec['kernels_per_step']:.0f} kernels, "
               f"{rec['gpu_kernel_ms']} ms kernel time; phases {rec['phases']}", flush=True)
         for k in rec["kernels"][:28]:
             print(f"  {k['us_per_step']:9.1f} us {k['per_step']:7.1f}x  {k['name'][:90]}")

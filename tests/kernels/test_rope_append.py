@@ -278,3 +278,108 @@ def test_quantized_append_needs_the_ring():
         kernels.rope_append(qkv, cos, sin, torch.tensor([5]), torch.empty(b, hk, d), None, kd, vd,
                             torch.zeros(b, hk, 8, d), num_kv_heads=hk, group=1, num_f=0, block_size=16,
                             kernel=8, stride=4)
+
+
+@pytest.fixture
+def interpreter_bf16_rtne(monkeypatch):
+    """Make the Triton 3.6 interpreter convert fp32 -> bf16 as compiled Triton does.
+
+    ``x.to(tl.bfloat16)`` defaults to round-to-nearest-even (``semantic.cast``: "for fp
+    downcasting default rounding mode should be RTNE"; on the GPU ``cvt.rn.bf16.f32``), but
+    the interpreter's ``cast_impl`` truncates the mantissa, so every bf16 rounding in a
+    kernel run on the CPU is up to one ulp off PyTorch's. Here the conversion goes through
+    ``torch.Tensor.to(torch.bfloat16)`` (RTNE) instead; every other cast is untouched."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    original = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            out = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interp.TensorHandle(out.numpy().view(np.uint16).reshape(src.data.shape), tl.bfloat16)
+        return original(self, src, dst_type)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "cast_impl", cast_impl)
+
+
+def test_interpreter_bf16_rounding_patch(interpreter_bf16_rtne, fresh_seed):
+    """The patch above rounds a Triton fp32 -> bf16 cast exactly as PyTorch (products of two
+    bf16, so fp32 holds them exactly and every tie and carry is PyTorch's to decide)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mul(X, Y, O, N: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(O + o, (tl.load(X + o).to(tl.float32) * tl.load(Y + o).to(tl.float32)).to(tl.bfloat16))
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, y = (torch.randn(4096, generator=gen) * 3).bfloat16(), torch.rand(4096, generator=gen).bfloat16()
+    out = torch.empty(4096, dtype=torch.bfloat16)
+    mul[(1,)](x, y, out, N=4096)
+    assert torch.equal(out, x * y), f"seed={fresh_seed}"
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("g,d", [(4, 128), (16, 128), (3, 64)])
+def test_quantized_append_in_bf16_matches_unfused(kv_dtype, g, d, fresh_seed, monkeypatch, interpreter_bf16_rtne):
+    """The GPU's configuration, which the fp32 tests above do not reach: a **bf16** model
+    (``q/k/v`` and the RoPE tables in bf16, so the kernel rounds RoPE to bf16 after each
+    operation) with a quantised cache. 10 decode steps into an on-device cache and into an
+    offloaded one (slot and host store written by the kernel through ``host=``, resident
+    layer 0), keys with a per-channel offset and an outlier channel (as real keys): the
+    codes and ``(step, lo)`` are bit-identical to the unfused ``append`` of
+    ``apply_rope`` in bf16 quantised by PyTorch, and the rotated queries equal PyTorch's.
+    ``g = 16`` is the MiniCPM4.1-8B group (32 query heads on 2 KV heads). A difference here
+    would be a kernel defect, not the stacked GEMM rounding a key differently."""
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(fresh_seed)
+    b, hk, cap, steps, nf = 3, 2, 64, 10, 1
+    lengths = torch.tensor([5, 16, 40])
+    offset = torch.randn(d, generator=gen) * 2
+    offset[int(torch.randint(d, (1,), generator=gen))] = 40.0  # an outlier channel
+    dev_ref, dev_tri = (DeviceKVCache(1, b, hk, d, cap, CFG, bf, "cpu", kv_dtype=kv_dtype) for _ in range(2))
+    off_ref, off_tri = (OffloadKVCache(2, b, hk, d, cap, CFG, bf, "cpu", engine="sync", resident_layers=(0,),
+                                       kv_dtype=kv_dtype) for _ in range(2))
+    _prefill([dev_ref, dev_tri], 1, gen, b, hk, d, lengths)
+    _prefill([off_ref, off_tri], 2, gen, b, hk, d, lengths)
+    for c in (dev_tri, off_tri):
+        c.lengths.copy_(lengths)
+    calls = {}
+    _dispatch_to(monkeypatch, rope_append_triton, calls)
+    k_off = hk * g * d
+    for i in range(steps):
+        pos = lengths + i
+        step = StepInfo("decode", torch.arange(b), pos.view(-1, 1), pos + 1, None, None, cap)
+        for layer, (ref_c, tri_c) in ((0, (dev_ref, dev_tri)), (0, (off_ref, off_tri)), (1, (off_ref, off_tri))):
+            qkv, cos, sin = _decode_inputs(gen, b, hk, g, nf, d, pos)
+            qkv[:, k_off:k_off + hk * d] += offset.repeat(hk)
+            qkv, step.cos, step.sin = qkv.to(bf), cos.to(bf), sin.to(bf)
+            q, k, v, f = _split(qkv, b, hk, g, nf, d, step.cos, step.sin)
+            assert k.dtype == bf
+            ref_c.append(layer, k, v, step)
+            if layer == 0:  # the on-device cache, or the offloaded cache's resident layer
+                q_out, _ = tri_c.rope_append(layer, qkv, step, g, nf)
+            else:  # the kernel writes the host store itself (UVA on the GPU)
+                q_out, f_out = torch.empty(b, hk * g, d, dtype=bf), torch.empty(b, nf, hk, d, dtype=bf)
+                chunk = tri_c.host.chunks[layer][0]
+                rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, tri_c.k_slots[layer],
+                                   tri_c.v_slots[layer], tri_c.ck[layer], num_kv_heads=hk, group=g, num_f=nf,
+                                   block_size=CFG.block_size, kernel=CFG.kernel_size, stride=CFG.kernel_stride,
+                                   slot=tri_c.slots, ring=tri_c.ring[layer], host=(chunk.k, chunk.v),
+                                   lengths=tri_c.lengths)
+                assert torch.equal(f_out, f), f"Forecast heads differ, seed={fresh_seed}"
+            assert torch.equal(q_out, q), f"rotated queries differ from PyTorch's bf16 RoPE, seed={fresh_seed}"
+    what = f"bf16 {kv_dtype} g={g} d={d} seed={fresh_seed}"
+    _assert_same_quantized(dev_tri.k[0], dev_ref.k[0], f"{what} device K")
+    _assert_same_quantized(dev_tri.v[0], dev_ref.v[0], f"{what} device V")
+    _assert_same_quantized(off_tri.k_full[0], off_ref.k_full[0], f"{what} resident K")
+    _assert_same_quantized(off_tri.v_full[0], off_ref.v_full[0], f"{what} resident V")
+    _assert_same_quantized(off_tri.k_slots[1], off_ref.k_slots[1], f"{what} slot K")
+    _assert_same_quantized(off_tri.v_slots[1], off_ref.v_slots[1], f"{what} slot V")
+    chunk, want = off_tri.host.chunks[1][0], off_ref.host.chunks[1][0]
+    _assert_same_quantized(chunk.k, want.k, f"{what} host K")
+    _assert_same_quantized(chunk.v, want.v, f"{what} host V")
+    assert calls["rope_append_triton"] == 2 * steps  # the device cache and the resident layer
