@@ -233,6 +233,38 @@ def test_uva_kernels_under_interpreter(tmp_path, fresh_seed):
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
         assert not torch.equal(outs[1][0], init_k)  # something was copied
         assert torch.equal(outs[1][0][:, :, :s][load < 0], init_k[:, :, :s][load < 0])  # hits untouched
+        # many tasks, few misses (several vector loads of load entries per program), and a
+        # quantised cache: both planes (codes, scales) in one launch against plane-by-plane sync
+        from sparda.kernels.quant import QuantizedKV
+        b2, h2, n2, s2 = 4, 3, 40, 37
+        for kv_dtype in ("int8", "int4"):
+            qhost = HostKVStore([0], b2, h2, d, n2, bs, torch.float32, pin=False, kv_dtype=kv_dtype,
+                                chunk_bytes=100000)
+            assert len(qhost.chunks[0]) >= 2
+            for c in qhost.chunks[0]:
+                for buf in (c.k, c.v):
+                    buf.data.random_(0, 256); buf.scale.normal_()
+            qload = torch.where(torch.rand(b2, h2, s2) < 0.15, torch.randint(0, n2, (b2, h2, s2)), -1)
+            qload[0, 0, 0] = n2 - 1  # the last block of the first row
+            qload[-1, -1, -1] = 0
+            got = []
+            for eng in (SyncEngine(), UvaEngine(num_ctas=3, num_warps=2, tile=64)):
+                slots = [QuantizedKV.zeros((b2, h2, s2 + 1, bs, d), kv_dtype) for _ in range(2)]
+                for t in slots:
+                    t.data.fill_(7); t.scale.fill_(-3.0)
+                planes = [(slots[0].data, slots[1].data), (slots[0].scale, slots[1].scale)]
+                for c in qhost.chunks[0]:
+                    eng.gather_planes(c, planes, qload)
+                got.append(planes)
+            for (sd, ss), (ud, us) in zip(got[0], got[1]):
+                assert torch.equal(sd, ud) and torch.equal(ss, us), kv_dtype
+            hit = qload < 0
+            assert (got[1][0][0][:, :, :s2][hit] == 7).all() and (got[1][1][0][:, :, :s2][hit] == -3.0).all()
+            for i, j, k_ in [(0, 0, 0), (b2 - 1, h2 - 1, s2 - 1)]:  # spot check against the host store
+                blk = int(qload[i, j, k_])
+                c = next(c for c in qhost.chunks[0] if c.row0 <= i < c.row1)
+                assert torch.equal(got[1][0][0][i, j, k_], c.k.data[i - c.row0, j, blk])
+                assert torch.equal(got[1][1][1][i, j, k_], c.v.scale[i - c.row0, j, blk])
         kt, vt = torch.randn(b, h, d), torch.randn(b, h, d)
         pos = torch.randint(0, n * bs, (b,))
         eng = UvaEngine(num_ctas=2, num_warps=1, tile=64)

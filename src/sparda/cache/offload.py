@@ -386,10 +386,9 @@ class OffloadKVCache:
         planes = self._slot_planes(layer)
         chunks = self.host.chunks[layer]
 
-        def copy() -> None:  # quantised: the data, then the scales (the bytes actually stored)
+        def copy() -> None:  # quantised: the data and the scales (the bytes actually stored)
             for chunk in chunks:
-                for part, (k_slots, v_slots) in zip(chunk.planes(), planes):
-                    self.engine.gather(part, k_slots, v_slots, load)
+                self.engine.gather_planes(chunk, planes, load)
 
         pref.fetch(layer, copy, None, None, keep=(), prefetch=prefetch)
 

@@ -40,26 +40,46 @@ ENGINES = ("uva", "copy", "sync")
 
 if HAS_TRITON:
     @triton.jit
-    def _uva_gather_kernel(SK, SV, DK, DV, LOAD, num_tasks, S, H,
-                           s_row, s_head, s_blk, d_row, d_head, d_slot, l_row, l_head,
-                           ELEMS: tl.constexpr, TILE: tl.constexpr):
-        """Grid-stride over block tasks ``t = (b*H + h)*S + s``; copy one block of K and V."""
+    def _copy_block(SK, SV, DK, DV, src, dst, ELEMS: tl.constexpr, TILE: tl.constexpr):
+        """Copy ``ELEMS`` contiguous elements of K and of V from offset ``src`` to ``dst``."""
+        offs = tl.arange(0, TILE)
+        for i in range(0, ELEMS, TILE):
+            m = (i + offs) < ELEMS
+            tl.store(DK + dst + i + offs, tl.load(SK + src + i + offs, mask=m), mask=m)
+            tl.store(DV + dst + i + offs, tl.load(SV + src + i + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _uva_gather_kernel(SK, SV, DK, DV, SK2, SV2, DK2, DV2, LOAD, num_tasks, S, H,
+                           s_row, s_head, s_blk, d_row, d_head, d_slot,
+                           s2_row, s2_head, s2_blk, d2_row, d2_head, d2_slot, l_row, l_head,
+                           ELEMS: tl.constexpr, TILE: tl.constexpr, ELEMS2: tl.constexpr,
+                           TILE2: tl.constexpr, TWO: tl.constexpr, TASKS: tl.constexpr):
+        """Block tasks ``t = (b*H + h)*S + s``, program ``p`` taking ``t = p (mod grid)``:
+        ``TASKS`` of them at a time read their load entries as one vector, then only the
+        misses are copied (rank by prefix sum), one block of K and V each, and with ``TWO``
+        the same block of the second plane (a quantised cache's scales) in the same task."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        offs = tl.arange(0, TILE)
-        for t in range(pid, num_tasks, nprog):
-            s = t % S
+        offs_q = tl.arange(0, TASKS)
+        for c0 in range(0, num_tasks, nprog * TASKS):
+            t = c0 + pid + offs_q * nprog
+            t_ok = t < num_tasks
             bh = t // S
-            h = bh % H
-            b = bh // H
-            blk = tl.load(LOAD + b * l_row + h * l_head + s)
-            ok = blk >= 0
-            src = b * s_row + h * s_head + tl.maximum(blk, 0) * s_blk
-            dst = b * d_row + h * d_head + s * d_slot
-            for i in range(0, ELEMS, TILE):
-                m = ((i + offs) < ELEMS) & ok
-                tl.store(DK + dst + i + offs, tl.load(SK + src + i + offs, mask=m), mask=m)
-                tl.store(DV + dst + i + offs, tl.load(SV + src + i + offs, mask=m), mask=m)
+            blks = tl.load(LOAD + (bh // H) * l_row + (bh % H) * l_head + t % S, mask=t_ok, other=-1)
+            miss = (blks >= 0).to(tl.int32)
+            rank = tl.cumsum(miss, 0)
+            for j in range(0, tl.sum(miss, 0)):
+                pick = (miss > 0) & (rank == j + 1)
+                tj = tl.sum(tl.where(pick, t, 0), 0)
+                blk = tl.sum(tl.where(pick, blks, 0), 0)
+                s = tj % S
+                b = tj // S // H
+                h = tj // S % H
+                _copy_block(SK, SV, DK, DV, b * s_row + h * s_head + blk * s_blk,
+                            b * d_row + h * d_head + s * d_slot, ELEMS, TILE)
+                if TWO:
+                    _copy_block(SK2, SV2, DK2, DV2, b * s2_row + h * s2_head + blk * s2_blk,
+                                b * d2_row + h * d2_head + s * d2_slot, ELEMS2, TILE2)
 
     @triton.jit
     def _uva_store_kernel(SK, SV, DK, DV, POS, H, s_row, s_head, d_row, d_head, d_blk,
@@ -96,6 +116,14 @@ class TransferEngine:
                 ``-1`` for none. Only rows ``chunk.row0 .. chunk.row1 - 1`` are read.
         """
         raise NotImplementedError
+
+    def gather_planes(self, chunk, planes: list[tuple[torch.Tensor, torch.Tensor]], load: torch.Tensor) -> None:
+        """:meth:`gather` for every stored plane of ``chunk`` (:meth:`HostChunk.planes`: the
+        data, and a quantised cache's scales) into ``planes`` (the slot buffers, one ``(K, V)``
+        pair per plane, as ``OffloadKVCache._slot_planes``). This default gathers plane by
+        plane; :class:`UvaEngine` moves both planes of a block in one task of one launch."""
+        for part, (dst_k, dst_v) in zip(chunk.planes(), planes):
+            self.gather(part, dst_k, dst_v, load)
 
     def store_tokens(self, chunk, k_tok: torch.Tensor, v_tok: torch.Tensor, pos: torch.Tensor) -> None:
         """``host[b, h, pos[b] // bs, pos[b] % bs] = k_tok[b, h]`` (and V) for the chunk's rows.
@@ -202,6 +230,9 @@ class UvaEngine(TransferEngine):
             raise SpardaError("uva engine: num_ctas, num_warps >= 1 and tile a power of two >= 16")
         self.num_ctas, self.num_warps, self.tile = num_ctas, num_warps, tile
 
+    #: block tasks whose load entries one program reads as one vector before copying its misses
+    TASKS = 64
+
     @staticmethod
     def _check(*tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -216,20 +247,39 @@ class UvaEngine(TransferEngine):
         Raises:
             SpardaError: the host chunk or the slot buffer has ``>= 2^31`` elements.
         """
+        self._launch(chunk, [(dst_k, dst_v)], load)
+
+    def gather_planes(self, chunk, planes, load):
+        """As :meth:`TransferEngine.gather_planes`, in one launch: a block's data and scales
+        are one task (a quantised cache no longer walks the load list twice)."""
+        parts = chunk.planes()
+        if len(parts) > 2 or len(parts) != len(planes):
+            return super().gather_planes(chunk, planes, load)
+        self._launch(chunk, planes, load, parts)
+
+    def _launch(self, chunk, planes, load, parts=None) -> None:
+        parts = parts or [chunk]
         part = load[chunk.row0:chunk.row1]
         rows, heads, slots = part.shape
-        dk, dv = dst_k[chunk.row0:chunk.row1], dst_v[chunk.row0:chunk.row1]
-        self._check(chunk.k, dk)
         if part.stride(-1) != 1:
             part = part.contiguous()
-        elems = chunk.k.shape[3] * chunk.k.shape[4]
+        args, consts = [], []
+        for i in range(2):
+            c, (dk, dv) = (parts[i], planes[i]) if i < len(parts) else (parts[0], planes[0])
+            dk, dv = dk[chunk.row0:chunk.row1], dv[chunk.row0:chunk.row1]
+            self._check(c.k, dk)
+            elems = c.k.shape[3] * c.k.shape[4]
+            args.append((c.k, c.v, dk, dv, (c.k.stride(0), c.k.stride(1), c.k.stride(2)),
+                         (dk.stride(0), dk.stride(1), dk.stride(2))))
+            consts.append((elems, min(self.tile, next_pow2(elems))))
         tasks = rows * heads * slots
         grid = (max(1, min(self.num_ctas, tasks)),)
+        (k1, v1, dk1, dv1, ss1, ds1), (k2, v2, dk2, dv2, ss2, ds2) = args
         _uva_gather_kernel[grid](
-            chunk.k, chunk.v, dk, dv, part, tasks, slots, heads,
-            chunk.k.stride(0), chunk.k.stride(1), chunk.k.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), part.stride(0), part.stride(1),
-            ELEMS=elems, TILE=min(self.tile, next_pow2(elems)), num_warps=self.num_warps)
+            k1, v1, dk1, dv1, k2, v2, dk2, dv2, part, tasks, slots, heads,
+            *ss1, *ds1, *ss2, *ds2, part.stride(0), part.stride(1),
+            ELEMS=consts[0][0], TILE=consts[0][1], ELEMS2=consts[1][0], TILE2=consts[1][1],
+            TWO=len(parts) == 2, TASKS=self.TASKS, num_warps=self.num_warps)
 
     def store_tokens(self, chunk, k_tok, v_tok, pos):
         """As :meth:`TransferEngine.store_tokens` (``k_tok, v_tok [B, H, d]``, ``pos [B]``
