@@ -158,15 +158,17 @@ def _prefill_select_kernel(
         x = tl.where(x == float("-inf"), -1e30, x)
         x = tl.where(x == float("inf"), 3.4028234663852886e38, x)
         bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # order-preserving (_rank_key)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 (_rank_key)
+        # finite scores give keys in [-0x7F800000, 0x7F7FFFFF]: non-candidates sit below them all
         key = tl.where(cand, key, -2147483648)
         n_cand = tl.sum(cand.to(tl.int32), 1)
         kk = tl.minimum(n_cand, TOPK)
-        # per row: the largest tau with count(key >= tau) >= kk is the kk-th largest key
-        lo = tl.full([RS], -2147483647, tl.int64)
-        hi = tl.full([RS], 2147483648, tl.int64)
+        # per row: the largest tau with count(key >= tau) >= kk is the kk-th largest key;
+        # int32 throughout (count(key >= lo) >= kk, count(key >= hi) < kk for kk >= 1)
+        lo = tl.full([RS], -2147483647, tl.int32)
+        hi = tl.full([RS], 0x7F800000, tl.int32)
         for _ in range(32):
-            mid = lo + (hi - lo) // 2
+            mid = (lo >> 1) + (hi >> 1) + (((lo & 1) + (hi & 1)) >> 1)  # floor((lo + hi) / 2), no overflow
             cnt = tl.sum((key >= mid[:, None]).to(tl.int32), 1)
             ok = cnt >= kk
             lo = tl.where(ok, mid, lo)
