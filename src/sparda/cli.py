@@ -68,6 +68,19 @@ def main() -> None:
     """sparda: long-context LLM inference with SparDA (Sparse Decoupled Attention)."""
 
 
+def _dense_heads_option(ctx, param, value):
+    """``--dense-heads`` parsed before the model loads (a malformed value is a usage error)."""
+    from sparda.attention.dense_heads import parse_dense_heads
+
+    if value is None:
+        return None
+    try:
+        parse_dense_heads(value)
+    except SpardaError as exc:
+        raise click.BadParameter(str(exc).replace("--dense-heads: ", "")) from None
+    return value
+
+
 def model_options(func):
     """Options shared by every subcommand that loads a model and picks a method."""
     options = [
@@ -98,6 +111,10 @@ def model_options(func):
                           "select in decode only [default: dense at --preset small, block-sparse at paper]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
+        click.option("--dense-heads", "dense_heads", default=None, callback=_dense_heads_option,
+                     help="Block-sparse decode with the KV cache on the device: (layer, KV head) pairs that read "
+                          "every visible block (design §3.7): auto (the model's calibration, `sparda "
+                          "calibrate-heads`), none, or L:H,... e.g. 7:2,18:2 [default: none]."),
         click.option("--shallow-layers", type=int, default=None,
                      help="Method shallow: dense layers N whose attention picks the deeper layers' blocks "
                           "[default: the model's calibration, `sparda calibrate-shallow`, else 3]."),
@@ -120,7 +137,7 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
     from sparda.engine.llm import LLM
 
     check_offload(method or "sparda", extra.get("offload"))
-    for key in ("shallow_layers", "quest_page_size", "snapkv_window"):
+    for key in ("shallow_layers", "quest_page_size", "snapkv_window", "dense_heads"):
         if extra.get(key, 0) is None:  # not given: the method's default
             extra.pop(key)
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
@@ -497,6 +514,34 @@ def calibrate_shallow_cmd(model, text, length, queries, candidates, preset, out,
 
     result = calibrate_shallow(model, text, length=length, queries=queries, candidates=list(candidates),
                                preset=preset, device=device, out=out)
+    click.echo(json.dumps(result, indent=1) if as_json else format_calibration(result))
+
+
+@main.command("calibrate-heads")
+@click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled].")
+@click.option("--prompts", default=8, show_default=True, type=int, help="Needle prompts (training split of the bundled text).")
+@click.option("--lengths", default="4096,6144", show_default=True, callback=_csv(int),
+              help="Shortest,longest prompt tokens (spread over the prompts).")
+@click.option("--tasks", default="passkey,niah-single", show_default=True, callback=_csv(str),
+              help="Comma-separated needle tasks (passkey, passkey-synth, niah-*).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the prompts and depths.")
+@click.option("--coverage", default=0.6, show_default=True, type=float,
+              help="Share of the summed lost needle mass the chosen heads must hold.")
+@click.option("--max-heads", default=None, type=int, help="At most this many heads [default: ceil(3 %% of the KV heads)].")
+@click.option("--min-share", default=0.1, show_default=True, type=float,
+              help="Skip heads losing less than this share of the top head's loss.")
+@click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
+@click.option("--out", default=None, help="Output JSON [default: sparda_dense_heads.json in the model directory, used by --dense-heads auto].")
+@click.option("--device", default=None, help="cpu or cuda[:N].")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_heads, min_share, preset, out, device,
+                        as_json):
+    """Pick the retrieval heads that the sparse selection blinds, to keep dense in decode (design §3.7)."""
+    from sparda.eval.head_calibration import calibrate_heads, format_calibration
+
+    result = calibrate_heads(model, prompts=prompts, lengths=list(lengths), tasks=list(tasks), seed=seed,
+                             coverage=coverage, max_heads=max_heads, min_share=min_share, preset=preset,
+                             device=device, out=out)
     click.echo(json.dumps(result, indent=1) if as_json else format_calibration(result))
 
 

@@ -201,6 +201,9 @@ class SpardaConfig:
         shallow_layers: ``shallow``'s dense layers ``N`` (``None``: the calibration stored
             for the model, else :data:`sparda.attention.shallow.DEFAULT_LAYERS`).
         shallow_select_once: ``shallow`` selects once at the end of prefill.
+        dense_heads: ``(layer, kv_head)`` pairs that read every visible block in decode
+            (design §3.7; :mod:`sparda.attention.dense_heads`); :class:`~sparda.LLM` resolves
+            ``auto`` / ``none`` / ``"L:H,..."`` into this tuple. Empty: none.
     Raises:
         SpardaError: an unknown method or an invalid method option.
     """
@@ -214,6 +217,7 @@ class SpardaConfig:
     snapkv_window: int = 32
     shallow_layers: int | None = None
     shallow_select_once: bool = False
+    dense_heads: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -226,6 +230,11 @@ class SpardaConfig:
             raise SpardaError(f"snapkv_window must be an integer >= 1, got {self.snapkv_window!r}")
         if self.shallow_layers is not None and (not isinstance(self.shallow_layers, int) or self.shallow_layers < 1):
             raise SpardaError(f"shallow_layers must be an integer >= 1, got {self.shallow_layers!r}")
+        if not isinstance(self.dense_heads, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, int) and x >= 0 for x in p)
+                for p in self.dense_heads):
+            raise SpardaError(f"dense_heads must be a tuple of (layer, kv_head) pairs of integers >= 0, "
+                              f"got {self.dense_heads!r}")
 
 
 #: :class:`SpardaConfig` fields that tune one method (``LLM(..., shallow_layers=3)``)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from sparda.attention.dense_heads import dense_head_mask, widen_to_dense
 from sparda.config import SpardaConfig
 from sparda import kernels
 from sparda.kernels import reference as ref
@@ -237,6 +238,8 @@ class BlockSparseMethod(AttentionMethod):
 
     #: query tokens scored and attended per chunk in prefill (bounds memory)
     chunk_tokens = 1024
+    #: decode goes through :meth:`attend`'s mask, so ``config.dense_heads`` applies (design §3.7)
+    supports_dense_heads = True
 
     def block_scores(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step,
                      k: torch.Tensor, ck: torch.Tensor, chunk: slice) -> torch.Tensor:
@@ -301,13 +304,26 @@ class BlockSparseMethod(AttentionMethod):
             masks.append(ref.select_blocks(scores[..., :num_blocks], step.q_pos[:, chunk], self.selection))
         return torch.cat(masks, dim=2)
 
+    def _dense_heads(self, layer: int, step, device) -> torch.Tensor | None:
+        """``[H_kv]`` bool of ``layer``'s KV heads kept dense in this decode step
+        (``config.dense_heads``, design §3.7), or ``None`` (none, or not a decode step)."""
+        heads = self.config.dense_heads
+        if not heads or step.phase != "decode":
+            return None
+        cached = self.__dict__.setdefault("_dense_head_masks", {})
+        key = (layer, str(device))
+        if key not in cached:
+            cached[key] = dense_head_mask(heads, layer, self.shape.num_kv_heads, device)
+        return cached[key]
+
     def attend(self, layer, q, h, cache, step):
         """Block-sparse attention of one layer (design §3.4-3.6): ``q [B, H_kv, G, Tq, d]`` -> same shape.
 
         Runs :meth:`before_layer`, then dense attention where the dense fallback covers
         every query (or in prefill without ``config.sparse_prefill``); otherwise dense for
         the :meth:`dense_prefix` and :meth:`select` + exact attention over the selected
-        blocks for the rest. ``h [B, Tq, d_model]`` is the attention input. Output in
+        blocks for the rest; in decode the KV heads of ``config.dense_heads`` read every
+        visible block instead (design §3.7). ``h [B, Tq, d_model]`` is the attention input. Output in
         ``q``'s dtype. Raises SpardaError only through ``cache.view`` (tokens over capacity).
         """
         self.before_layer(layer, q, h, cache, step)
@@ -318,8 +334,12 @@ class BlockSparseMethod(AttentionMethod):
             return dense_attention(q, k, v, step)
         first = self.dense_prefix(step)
         mask = self.select(layer, q, h, cache, step, first)
-        self._count(step, mask[..., -1, :])
         ids = self.decode_ids.pop(layer, None) if step.phase == "decode" else None
+        dense = self._dense_heads(layer, step, q.device)
+        if dense is not None:  # design §3.7: these heads read every visible block
+            mask = widen_to_dense(mask, dense, step.q_pos[:, first:], self.selection.block_size)
+            ids = ref.block_mask_to_indices(mask[..., -1, :], mask.shape[-1]) if q.is_cuda else None
+        self._count(step, mask[..., -1, :])
         out = sparse_attention(q[..., first:, :], k, v, mask, step, first, self.selection, ids)
         if first == 0:
             return out

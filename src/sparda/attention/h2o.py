@@ -65,6 +65,8 @@ class H2OAttention(BlockSparseMethod):
     """Method ``h2o``: sinks + local window + heavy-hitter blocks, evicted blocks never return."""
 
     name = "h2o"
+    #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
+    supports_dense_heads = False
 
     def __init__(self, config, shape, model=None, model_dir=None) -> None:
         super().__init__(config, shape, model=model, model_dir=model_dir)

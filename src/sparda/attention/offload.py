@@ -39,6 +39,8 @@ class OffloadDecodeMixin:
     offloaded = True
     #: layers whose K/V stay whole on the device
     resident_layers: tuple[int, ...] = (0,)
+    #: dense heads (design §3.7) are not implemented on the slot buffer: refused, ``auto`` -> none
+    supports_dense_heads = False
 
     def _select(self, query: torch.Tensor, ck: torch.Tensor, pos: torch.Tensor, cache,
                 ck_len: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,6 +75,8 @@ class ShallowAttention(BlockSparseMethod):
     """Method ``shallow``: dense layers ``< N`` fuse their attention into the deep layers' mask."""
 
     name = "shallow"
+    #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
+    supports_dense_heads = False
 
     def __init__(self, config, shape, model=None, model_dir=None) -> None:
         super().__init__(config, shape, model=model, model_dir=model_dir)

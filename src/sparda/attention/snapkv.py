@@ -55,6 +55,8 @@ class SnapKVAttention(BlockSparseMethod):
     """Method ``snapkv``: blocks chosen once from the observation window, then fixed."""
 
     name = "snapkv"
+    #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
+    supports_dense_heads = False
 
     def __init__(self, config, shape, model=None, model_dir=None) -> None:
         super().__init__(config, shape, model=model, model_dir=model_dir)

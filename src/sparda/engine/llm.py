@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparda.attention.forecast import default_forecast_available
+from sparda.attention.dense_heads import parse_dense_heads, resolve_dense_heads
+from sparda.attention.forecast import default_forecast_available, model_identity
 from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_method, check_offload
 from sparda.cache.device import DeviceKVCache
 from sparda.cache.offload import OffloadKVCache
@@ -129,6 +130,9 @@ class LLM:
             fewer tok/s, docs/benchmarks/fused-decode-2026-12-01c-h200.md; design §6) /
             ``fused_decode`` (default True: on CUDA a decode step runs the fused kernels of
             :mod:`sparda.model.fused`; False runs the model's plain modules) /
+            ``dense_heads`` (default ``None`` = none: ``"auto"`` keeps the calibrated retrieval heads
+            stored for the model dense in decode, ``"L:H,..."`` or ``[(layer, kv_head), ...]`` the
+            listed ones; block-sparse methods with the KV cache on the device; design §3.7) /
             ``prefill_chunk_tokens`` (default :data:`DEFAULT_PREFILL_CHUNK_TOKENS`: prompts are
             prefilled that many tokens at a time, so activations are one chunk's; ``0`` or
             ``None`` = the whole prompt at once; same logits either way) /
@@ -142,6 +146,7 @@ class LLM:
                  preset: str = "small", device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, **overrides) -> None:
         forecast = overrides.pop("forecast", None)
+        dense_heads = parse_dense_heads(overrides.pop("dense_heads", None))  # malformed: before the model loads
         #: replay decode steps as CUDA graphs on CUDA (docs/cuda_graphs.md)
         self.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         #: time offload copies (copy_ms, exposed_wait_ms in stats["offload"]); off by default
@@ -182,6 +187,18 @@ class LLM:
             self.config = dataclasses.replace(self.config, offload=default_offload(self.config.method, self.device))
         self.method = build_method(self.config, self.shape, model=self.model,
                                    model_dir=self.model_dir)
+        self._set_dense_heads(dense_heads, model_identity(self.model.config, self.shape))
+
+    def _set_dense_heads(self, value, identity: dict | None) -> None:
+        """Resolve ``dense_heads`` (design §3.7) for the built method and store the pairs in
+        :attr:`config` (which the method reads). Raises SpardaError as
+        :func:`~sparda.attention.dense_heads.resolve_dense_heads`."""
+        offloaded = bool(self.config.offload) or getattr(self.method, "offloaded", False)
+        heads = resolve_dense_heads(value, method=self.method, shape=self.shape, model_dir=self.model_dir,
+                                    identity=identity, offloaded=offloaded)
+        if heads != self.config.dense_heads:
+            self.config = dataclasses.replace(self.config, dense_heads=heads)
+            self.method.config = self.config
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, method: str = "sparse", preset: str = "small",
@@ -190,12 +207,13 @@ class LLM:
 
         Device and dtype are the model's. ``forecast`` (a :class:`Forecast`) is handed to the
         ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``/``kv_dtype``/
-        ``sparse_prefill``/``dense_prefill``/``prefill_chunk_tokens`` as in :class:`LLM`, except that ``offload``
+        ``sparse_prefill``/``dense_prefill``/``prefill_chunk_tokens``/``dense_heads`` as in :class:`LLM`, except that ``offload``
         defaults to off on every device (the caller builds the model and decides where its
         cache lives) and ``sparse_prefill`` to on at every preset (benchmarks time the
         block-sparse prefill). Raises SpardaError for a bad method, preset or budget.
         """
         llm = cls.__new__(cls)
+        dense_heads = parse_dense_heads(overrides.pop("dense_heads", None))
         llm.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         llm.offload_timing = bool(overrides.pop("offload_timing", False))
         llm.early_attention = bool(overrides.pop("early_attention", False))
@@ -216,6 +234,7 @@ class LLM:
         llm.model, llm.tokenizer, llm.model_dir, llm.shape = model.eval(), tokenizer, None, model.shape
         extra = {"forecast": forecast} if method.startswith("sparda") and forecast is not None else {}
         llm.method = build_method(llm.config, llm.shape, model=model, model_dir=None, **extra)
+        llm._set_dense_heads(dense_heads, None)
         return llm
 
     # ----------------------------------------------------------------- prompts
