@@ -180,7 +180,7 @@ def test_calibration_finds_a_planted_retrieval_head(tiny, tmp_path, fresh_seed):
     try:
         out = tmp_path / "heads.json"
         got = calibrate_heads(llm=llm, prompts=3, lengths=(300, 420), tasks=("passkey",), seed=fresh_seed % 1000,
-                              out=str(out), texts=[text])
+                              out=str(out), texts=[text], coverage=0.6, min_share=0.1)
     finally:
         head_calibration.build_prompt = build
     assert json.loads(out.read_text())["heads"] == [[layer, head]] == got["heads"], got["ranking"][:3]

@@ -519,16 +519,16 @@ def calibrate_shallow_cmd(model, text, length, queries, candidates, preset, out,
 
 @main.command("calibrate-heads")
 @click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled].")
-@click.option("--prompts", default=8, show_default=True, type=int, help="Needle prompts (training split of the bundled text).")
+@click.option("--prompts", default=12, show_default=True, type=int, help="Needle prompts (training split of the bundled text).")
 @click.option("--lengths", default="4096,6144", show_default=True, callback=_csv(int),
               help="Shortest,longest prompt tokens (spread over the prompts).")
 @click.option("--tasks", default="passkey,niah-single", show_default=True, callback=_csv(str),
               help="Comma-separated needle tasks (passkey, passkey-synth, niah-*).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the prompts and depths.")
-@click.option("--coverage", default=0.6, show_default=True, type=float,
+@click.option("--coverage", default=0.9, show_default=True, type=float,
               help="Share of the summed lost needle mass the chosen heads must hold.")
 @click.option("--max-heads", default=None, type=int, help="At most this many heads [default: ceil(3 %% of the KV heads)].")
-@click.option("--min-share", default=0.1, show_default=True, type=float,
+@click.option("--min-share", default=0.03, show_default=True, type=float,
               help="Skip heads losing less than this share of the top head's loss.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--out", default=None, help="Output JSON [default: sparda_dense_heads.json in the model directory, used by --dense-heads auto].")
