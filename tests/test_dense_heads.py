@@ -82,8 +82,8 @@ def test_parse_and_resolve(tiny):
         LLM(str(tiny), method="sparse", device="cpu", dense_heads="3:0", **SMALL)
     with pytest.raises(SpardaError, match="h2o"):
         LLM(str(tiny), method="h2o", device="cpu", dense_heads="1:0", **SMALL)
-    with pytest.raises(SpardaError, match="offloaded KV cache.*--no-offload"):
-        LLM(str(tiny), method="sparse", offload=True, device="cpu", dense_heads="1:0", **SMALL)
+    off = LLM(str(tiny), method="sparse", offload=True, device="cpu", dense_heads="1:0", **SMALL)
+    assert off.config.dense_heads == ((1, 0),) and 1 in off.new_cache(1, 64).resident  # its layer stays on the device
     assert LLM(str(tiny), method="dense", device="cpu", dense_heads="1:0").config.dense_heads == ()
     assert LLM(str(tiny), method="sparse", device="cpu", dense_heads="auto", **SMALL).config.dense_heads == ()
 
@@ -101,9 +101,8 @@ def test_auto_reads_the_model_calibration(make_tiny, tmp_path, caplog):
                                                       "model": identity}))
     assert stored_heads(model, identity)[0] == ((0, 0), (2, 1))
     assert LLM(str(model), method="sparse", device="cpu", dense_heads="auto", **SMALL).config.dense_heads == ((0, 0), (2, 1))
-    with caplog.at_level("WARNING", logger="sparda"):  # offloaded: auto is none, said once
-        off = LLM(str(model), method="sparse", offload=True, device="cpu", dense_heads="auto", **SMALL)
-    assert off.config.dense_heads == () and "not applied to the offloaded" in caplog.text
+    off = LLM(str(model), method="sparse", offload=True, device="cpu", dense_heads="auto", **SMALL)
+    assert off.config.dense_heads == ((0, 0), (2, 1))  # offloaded: applied, the layers kept resident
     (model / CALIBRATION_FILE).write_text(json.dumps({"format": "sparda-dense-heads-v1", "heads": [[2, 1]],
                                                       "model": {**identity, "config_hash": "0" * 16}}))
     with pytest.raises(SpardaError, match="made for model"):

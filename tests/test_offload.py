@@ -114,6 +114,29 @@ def test_offloaded_sparda_matches_device_sparda(tiny, forecast_file):
         assert cache.offload_stats(96)["misses"] > 0
 
 
+@pytest.mark.parametrize("method", ["sparse", "sparda"])
+def test_offloaded_dense_heads_match_the_device_path(tiny, forecast_file, method):
+    """Dense heads (design §3.7) on the offloaded cache: their layers stay resident and those
+    heads read every visible block; logits == the on-device method with the same heads
+    (fp32), which differ from the method without them (so the heads really act)."""
+    from sparda.engine.llm import LLM
+
+    shape = LLM(str(tiny), method="dense", device="cpu").shape
+    assert shape.num_layers >= 3  # layer 0 resident anyway, layer 1 for its dense heads, the rest offloaded
+    heads = f"1:0,1:{shape.num_kv_heads - 1}"
+    extra = dict(forecast=forecast_file) if method == "sparda" else {}
+    ref = _llm(tiny, method, dense_heads=heads, **extra)
+    off = _llm(tiny, "sparse-offload" if method == "sparse" else "sparda", resident=(0,), offload=True,
+               dense_heads=heads, **extra)
+    assert off.method.offloaded and off.config.dense_heads == ref.config.dense_heads
+    prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (150, 97)]
+    worst, same, cache = _run_lockstep(ref, off, prompts, 48)
+    assert worst <= 1e-5 and same, worst
+    assert cache.resident == {0, 1} and cache.offload_stats(48)["misses"] > 0
+    plain_worst, _, _ = _run_lockstep(_llm(tiny, method, **extra), off, prompts, 48)
+    assert plain_worst > 1e-4, "the dense heads changed nothing: no test"
+
+
 def test_batch_of_three_lengths_matches_each_alone(tiny):
     llm = _llm(tiny, "sparse-offload")
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (23, 130, 71)]

@@ -112,9 +112,10 @@ def model_options(func):
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
         click.option("--dense-heads", "dense_heads", default=None, callback=_dense_heads_option,
-                     help="Block-sparse decode with the KV cache on the device: (layer, KV head) pairs that read "
-                          "every visible block (design §3.7): auto (the model's calibration, `sparda "
-                          "calibrate-heads`), none, or L:H,... e.g. 7:2,18:2 [default: none]."),
+                     help="Block-sparse decode: (layer, KV head) pairs that read every visible block "
+                          "(design §3.7; offloaded caches keep their layers on the device): auto (the model's "
+                          "calibration, `sparda calibrate-heads`; none if it has none), none, or L:H,... "
+                          "e.g. 7:2,18:2 [default: auto]."),
         click.option("--shallow-layers", type=int, default=None,
                      help="Method shallow: dense layers N whose attention picks the deeper layers' blocks "
                           "[default: the model's calibration, `sparda calibrate-shallow`, else 3]."),

@@ -148,20 +148,25 @@ def resolve_dense_heads(value, *, method, shape, model_dir=None, identity: dict 
             ``supports_dense_heads`` flag and name decide what is allowed).
         shape: the model's ``ModelShape``. model_dir, identity: where ``auto`` looks and
             which model it must match.
-        offloaded: the KV cache lives in host memory (design §6).
+        offloaded: the KV cache lives in host memory (design §6); methods flagged
+            ``supports_offloaded_dense_heads`` (the offloaded ones: they keep the heads'
+            layers resident) count as on the device here.
     Returns:
         Sorted unique pairs (empty: none). ``auto`` resolves to the stored calibration for
-        a method that supports dense heads on a cache on the device, else to none (a
-        one-line warning on logger ``sparda`` when a calibration existed but cannot apply).
+        a method that supports dense heads, else to none (a one-line warning on logger
+        ``sparda`` when a calibration existed but an offloaded cache cannot apply it).
     Raises:
         SpardaError: a malformed value, a pair outside the model, an explicit list for an
-            offloaded cache or a method that does not support it (one line naming the fix).
+            offloaded cache without support or a method that does not support it (one line
+            naming the fix).
     """
     heads = parse_dense_heads(value, option)
     name = getattr(method, "name", "?")
     if getattr(method, "name", None) == "dense":
         return ()  # every head is dense already
     supported = getattr(method, "supports_dense_heads", False)
+    if offloaded and getattr(method, "supports_offloaded_dense_heads", False):
+        offloaded = False  # the method keeps the dense heads' layers resident on the device
     if heads == "auto":
         if not supported and not offloaded:
             return ()

@@ -39,8 +39,9 @@ class OffloadDecodeMixin:
     offloaded = True
     #: layers whose K/V stay whole on the device
     resident_layers: tuple[int, ...] = (0,)
-    #: dense heads (design §3.7) are not implemented on the slot buffer: refused, ``auto`` -> none
-    supports_dense_heads = False
+    #: dense heads (design §3.7): their layers stay resident (:meth:`cache_resident_layers`)
+    #: and read every visible block there (:meth:`_resident_ids`); the slot buffer is untouched
+    supports_dense_heads = True
 
     def _select(self, query: torch.Tensor, ck: torch.Tensor, pos: torch.Tensor, cache,
                 ck_len: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,25 +61,51 @@ class OffloadDecodeMixin:
         return kernels.select_decode_blocks(query, ck, pos, num_blocks, self.selection, ck_len=ck_len,
                                             width=cache.slots)
 
+    supports_offloaded_dense_heads = True
+
     def _fetch_or_count(self, layer: int, ids: torch.Tensor, cache, step, prefetch: bool = False) -> None:
         """Fetch ``ids`` into an offloaded layer's slots (counting in the slot diff), or only
-        count them for a resident layer."""
+        count them for a resident layer (widened for its dense heads, :meth:`_resident_ids`)."""
         if cache.is_offloaded(layer):
             cache.fetch(layer, ids, step.q_pos[:, 0], prefetch=prefetch, counters=self._counters(step))
         else:
-            self._count_ids(step, ids)
+            self._count_ids(step, self._resident_ids(layer, ids, cache, step))
+
+    def _resident_ids(self, layer: int, ids: torch.Tensor, cache, step) -> torch.Tensor:
+        """A resident layer's decode block ids: ``ids [B, H, S]`` (``-1`` padded), with the
+        KV heads of ``config.dense_heads`` in ``layer`` reading every visible block instead
+        (design §3.7): ``[B, H, W]``, ``W = max(S, N)`` with ``N`` the cache's blocks on CUDA
+        (static shape) or the live blocks on the CPU. ``ids`` itself if the layer has none."""
+        dense = self._dense_heads(layer, step, ids.device)
+        if dense is None:
+            return ids
+        bs = self.selection.block_size
+        pos = step.q_pos[:, 0]
+        blocks = cache.num_blocks if ids.is_cuda else int(pos.max()) // bs + 1
+        width = max(blocks, ids.shape[-1])
+        every = torch.arange(width, device=ids.device, dtype=ids.dtype).view(1, 1, -1)
+        every = torch.where(every <= (pos // bs).view(-1, 1, 1).to(ids.dtype), every, -1)
+        wide = torch.nn.functional.pad(ids, (0, width - ids.shape[-1]), value=-1)
+        return torch.where(dense.view(1, -1, 1), every, wide)
 
     def _attend_decode(self, layer: int, q: torch.Tensor, ids: torch.Tensor, cache, step) -> torch.Tensor:
         """Attention ``[B, H, G, 1, d]``: over the slots of an offloaded layer (its fetch
-        already ran), over ``ids [B, H, S]`` of the full buffer of a resident one."""
+        already ran), over ``ids [B, H, S]`` of the full buffer of a resident one (every
+        visible block for its dense heads, :meth:`_resident_ids`)."""
         pos = step.q_pos[:, 0]
         q0 = q[:, :, :, 0]
         if cache.is_offloaded(layer):
             out = cache.attend(layer, q0, step.kv_len, pos)
         else:
-            out = kernels.decode_attention(q0, cache.k_full[layer], cache.v_full[layer], ids,
+            out = kernels.decode_attention(q0, cache.k_full[layer], cache.v_full[layer],
+                                           self._resident_ids(layer, ids, cache, step),
                                            step.kv_len, self.selection.block_size)
         return out.unsqueeze(3)
+
+    def cache_resident_layers(self) -> tuple[int, ...]:
+        """Layers whose K/V stay whole on the device: :attr:`resident_layers` plus every
+        layer with a dense head (``config.dense_heads``, design §3.7)."""
+        return tuple(sorted(set(self.resident_layers) | {lay for lay, _ in self.config.dense_heads}))
 
 
 class SparseOffloadAttention(OffloadDecodeMixin, SparseAttention):

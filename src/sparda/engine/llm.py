@@ -130,9 +130,11 @@ class LLM:
             fewer tok/s, docs/benchmarks/fused-decode-2026-12-01c-h200.md; design §6) /
             ``fused_decode`` (default True: on CUDA a decode step runs the fused kernels of
             :mod:`sparda.model.fused`; False runs the model's plain modules) /
-            ``dense_heads`` (default ``None`` = none: ``"auto"`` keeps the calibrated retrieval heads
-            stored for the model dense in decode, ``"L:H,..."`` or ``[(layer, kv_head), ...]`` the
-            listed ones; block-sparse methods with the KV cache on the device; design §3.7) /
+            ``dense_heads`` (default ``"auto"``: the calibrated retrieval heads stored for the
+            model, if any (the bundled model ships three), read every visible block in decode;
+            ``None``/``"none"`` turns them off, ``"L:H,..."`` or ``[(layer, kv_head), ...]`` lists
+            them; block-sparse methods, the heads' layers kept on the device when the cache is
+            offloaded; design §3.7) /
             ``prefill_chunk_tokens`` (default :data:`DEFAULT_PREFILL_CHUNK_TOKENS`: prompts are
             prefilled that many tokens at a time, so activations are one chunk's; ``0`` or
             ``None`` = the whole prompt at once; same logits either way) /
@@ -146,7 +148,7 @@ class LLM:
                  preset: str = "small", device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, **overrides) -> None:
         forecast = overrides.pop("forecast", None)
-        dense_heads = parse_dense_heads(overrides.pop("dense_heads", None))  # malformed: before the model loads
+        dense_heads = parse_dense_heads(overrides.pop("dense_heads", "auto"))  # malformed: before the model loads
         #: replay decode steps as CUDA graphs on CUDA (docs/cuda_graphs.md)
         self.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         #: time offload copies (copy_ms, exposed_wait_ms in stats["offload"]); off by default
@@ -287,7 +289,9 @@ class LLM:
         if self.config.offload or getattr(self.method, "offloaded", False):
             return OffloadKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                                   self.config.selection, self.dtype, self.device, engine=self.transfer,
-                                  resident_layers=getattr(self.method, "resident_layers", ()),
+                                  resident_layers=self.method.cache_resident_layers()
+                                  if hasattr(self.method, "cache_resident_layers")
+                                  else getattr(self.method, "resident_layers", ()),
                                   timing=self.offload_timing, kv_dtype=kv_dtype,
                                   early_attention=getattr(self, "early_attention", False))
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
