@@ -130,6 +130,31 @@ def test_changed_plan_in_same_dir_is_refused(make_tiny, tmp_path):
         run_eval(plan, progress=False)
 
 
+def test_new_forecast_weights_or_dense_heads_refuse_the_old_dir(make_tiny, tmp_path, monkeypatch):
+    """A run directory made with other Forecast weights or another dense-heads calibration
+    is refused (no silent mix of old and new samples on resume)."""
+    import shutil
+
+    from sparda.attention import forecast as forecast_mod
+    from sparda.attention.dense_heads import CALIBRATION_FILE
+
+    model = tmp_path / "model"
+    shutil.copytree(make_tiny("llama"), model)
+    plan = _plan(model, tmp_path / "run")
+    assert plan.asset_digests() == {}  # a model without either: the fingerprint of older directories
+    run_eval(plan, max_new_items=1, progress=False)
+    (model / CALIBRATION_FILE).write_text(json.dumps({"format": "sparda-dense-heads-v1", "heads": [[1, 0]]}))
+    assert set(plan.asset_digests()) == {"dense_heads"}
+    with pytest.raises(Exception, match="different plan"):
+        run_eval(plan, progress=False)
+    weights = tmp_path / "f.safetensors"
+    weights.write_bytes(b"one")
+    monkeypatch.setattr(forecast_mod, "shipped_path", lambda name: weights)
+    first = plan.fingerprint()
+    weights.write_bytes(b"two, retrained")
+    assert plan.asset_digests()["forecast"] != "" and plan.fingerprint() != first
+
+
 def test_cli_errors_are_one_line(tmp_path):
     result = CliRunner().invoke(main, ["eval", "--methods", "dense,bogus", "--out", str(tmp_path), "--quick"])
     assert result.exit_code == 2

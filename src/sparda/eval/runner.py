@@ -110,7 +110,29 @@ class EvalPlan:
             keys["dense_prefill"] = True
         if self.kv_dtype != "bf16":  # likewise only for a quantised KV cache
             keys["kv_dtype"] = self.kv_dtype
+        keys.update(self.asset_digests())  # only where the model has them, as older directories
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
+
+    def asset_digests(self) -> dict[str, str]:
+        """Digests (:func:`sparda.model.loader.file_digest`) of the per-model files the
+        methods read by default: the shipped Forecast weights (``forecast``) and the first
+        dense-heads calibration found (``dense_heads``, design §3.7); only those that exist.
+        Part of the fingerprint, so a run directory made with other weights or heads is
+        refused instead of resumed into a mix. Raises SpardaError if the model cannot be
+        resolved."""
+        from sparda.attention.dense_heads import calibration_sources
+        from sparda.attention.forecast import model_name, shipped_path
+        from sparda.model.loader import file_digest, resolve_model_dir
+
+        model_dir = resolve_model_dir(self.model)
+        out = {}
+        weights = shipped_path(model_name(model_dir))
+        if weights is not None:
+            out["forecast"] = file_digest(weights)
+        heads = next((p for p in calibration_sources(model_dir) if p.is_file()), None)
+        if heads is not None:
+            out["dense_heads"] = file_digest(heads)
+        return out
 
 
 @dataclass(frozen=True)
@@ -266,8 +288,9 @@ def _check_plan_file(out: Path, plan: EvalPlan) -> None:
     except (OSError, ValueError, AttributeError):
         old = None
     if old != plan.fingerprint():
-        raise SpardaError(f"{out} holds results of a different plan (seed, depths, model, preset, text "
-                          "or the prefill mode differ); use a new --out directory")
+        raise SpardaError(f"{out} holds results of a different plan (seed, depths, model, preset, text, "
+                          "the prefill mode or the model's Forecast weights / dense-heads calibration "
+                          "differ); use a new --out directory")
 
 
 def _write_plan_file(out: Path, plan: EvalPlan) -> None:
