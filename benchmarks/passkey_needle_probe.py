@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="float64 brute force of every decode selection")
     ap.add_argument("--dense-heads", default="", help="L:H,... pairs that read every block in decode")
     args = ap.parse_args()
-    llm = LLM(method=args.method, device="cpu", dtype="float32")
+    llm = LLM(method=args.method, device="cpu", dtype="float32", dense_heads="none")  # the probe forces its own
     cfg = llm.method.selection
     sample = make_sample("passkey", llm.tokenizer, heldout_text(), args.length, args.depth, args.seed)
     ids = llm.encode(sample.prompt, True)

@@ -155,6 +155,30 @@ def test_new_forecast_weights_or_dense_heads_refuse_the_old_dir(make_tiny, tmp_p
     assert plan.asset_digests()["forecast"] != "" and plan.fingerprint() != first
 
 
+def test_eval_methods_get_the_dense_heads_of_llm(make_tiny, tmp_path):
+    """Every evaluated method resolves ``dense_heads`` as ``LLM(model, method=...)`` does
+    (design §3.7): the model's calibration under ``auto``, none under ``none``."""
+    import shutil
+
+    from sparda.attention.dense_heads import CALIBRATION_FILE
+    from sparda.eval.runner import MethodSpec, _Models
+
+    model = tmp_path / "model"
+    shutil.copytree(make_tiny("llama"), model)
+    (model / CALIBRATION_FILE).write_text(json.dumps({"format": "sparda-dense-heads-v1", "heads": [[1, 0]]}))
+    plan = _plan(model, tmp_path / "run")
+    plan.methods = ("dense", "sparse", "oracle")
+    models = _Models(plan)
+    for method in ("sparse", "oracle"):
+        want = LLM(str(model), method=method, device="cpu", **plan.overrides).config.dense_heads
+        assert want == ((1, 0),)
+        assert models.get(MethodSpec(method), 400)[0].config.dense_heads == want, method
+    assert models.get(MethodSpec("dense"), 400)[0].config.dense_heads == ()
+    none = dataclasses.replace(plan, dense_heads="none")
+    assert _Models(none).get(MethodSpec("sparse"), 400)[0].config.dense_heads == ()
+    assert none.fingerprint() != plan.fingerprint()
+
+
 def test_cli_errors_are_one_line(tmp_path):
     result = CliRunner().invoke(main, ["eval", "--methods", "dense,bogus", "--out", str(tmp_path), "--quick"])
     assert result.exit_code == 2

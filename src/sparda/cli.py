@@ -371,6 +371,9 @@ def _csv(kind):
               help="KV-cache storage of every method: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md) "
                    "[default: bf16].")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--dense-heads", "dense_heads", default=None, callback=_dense_heads_option,
+              help="Retrieval heads kept dense in decode by every block-sparse method (design §3.7): auto "
+                   "(the model's calibration), none, or L:H,... [default: auto].")
 @click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
               help="Block-sparse methods in the generation tasks: select in prefill too, or prefill densely "
                    "and select in decode only [default: dense at --preset small, block-sparse at paper]; "

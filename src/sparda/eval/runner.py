@@ -66,6 +66,9 @@ class EvalPlan:
             the fingerprint: a run may resume with another batch size.
         kv_dtype: KV-cache storage of every method, ``bf16`` (the model dtype), ``int8`` or
             ``int4`` (docs/kv_quant.md); part of the fingerprint unless ``bf16``.
+        dense_heads: the ``dense_heads`` setting of every method (design §3.7; default
+            ``auto``, as :class:`sparda.LLM`); part of the fingerprint unless ``auto`` (then
+            the calibration file's digest is, :meth:`asset_digests`).
     """
 
     tasks: tuple[str, ...]
@@ -86,6 +89,7 @@ class EvalPlan:
     sparse_prefill: bool | None = None
     batch_size: int | None = None
     kv_dtype: str = "bf16"
+    dense_heads: str = "auto"
 
     def resolved_batch_size(self) -> int:
         """:attr:`batch_size`, or the default of the device (:data:`DEFAULT_BATCH`)."""
@@ -110,6 +114,8 @@ class EvalPlan:
             keys["dense_prefill"] = True
         if self.kv_dtype != "bf16":  # likewise only for a quantised KV cache
             keys["kv_dtype"] = self.kv_dtype
+        if self.dense_heads != "auto":
+            keys["dense_heads_setting"] = self.dense_heads
         keys.update(self.asset_digests())  # only where the model has them, as older directories
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -130,7 +136,7 @@ class EvalPlan:
         if weights is not None:
             out["forecast"] = file_digest(weights)
         heads = next((p for p in calibration_sources(model_dir) if p.is_file()), None)
-        if heads is not None:
+        if heads is not None and self.dense_heads == "auto":  # read only under auto
             out["dense_heads"] = file_digest(heads)
         return out
 
@@ -204,8 +210,11 @@ class _Models:
         from sparda.engine.llm import LLM
 
         self.plan = plan
+        from sparda.attention.forecast import model_identity
+
         self.base = LLM(plan.model, method="dense", preset=plan.preset, device=plan.device, dtype=plan.dtype,
                         kv_dtype=plan.kv_dtype, **plan.overrides)
+        self._identity = model_identity(self.base.model.config, self.base.shape)
         self._cache: dict = {}
 
     def get(self, spec: MethodSpec, length: int, sparse_prefill: bool | None = None):
@@ -232,6 +241,7 @@ class _Models:
             llm = copy.copy(self.base)
             llm.config = config
             llm.method = build_method(config, llm.shape, model=llm.model, model_dir=llm.model_dir)
+            llm._set_dense_heads(self.plan.dense_heads, self._identity)  # as LLM(method=...) (design §3.7)
             offloaded = bool(config.offload) or getattr(llm.method, "offloaded", False)
             tracker = None if offloaded else HitRateTracker(llm.method)
             self._cache[key] = (llm, tracker, selection.topk_blocks)
@@ -446,7 +456,7 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
 def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budgets=None, depths=None,
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
                       device="cpu", dtype=None, seed=0, sparse_prefill=None, batch_size=None,
-                      kv_dtype=None) -> EvalPlan:
+                      kv_dtype=None, dense_heads=None) -> EvalPlan:
     """An :class:`EvalPlan` from CLI options: unset ones come from the ``--quick`` or full
     defaults; methods default to every registered one. Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
@@ -462,4 +472,15 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     budgets=tuple(budgets or ()), depths=tuple(depths or DEPTHS),
                     ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
                     dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill, batch_size=batch_size,
-                    kv_dtype=check_kv_dtype(kv_dtype))
+                    kv_dtype=check_kv_dtype(kv_dtype), dense_heads=_dense_heads_setting(dense_heads))
+
+
+def _dense_heads_setting(value) -> str:
+    """The plan's ``dense_heads`` string: ``auto`` (``None``), ``none`` or a normalised
+    ``L:H,...`` list. Raises SpardaError on a malformed value."""
+    from sparda.attention.dense_heads import parse_dense_heads
+
+    heads = parse_dense_heads("auto" if value is None else value)
+    if heads == "auto":
+        return "auto"
+    return ",".join(f"{lay}:{h}" for lay, h in heads) or "none"
