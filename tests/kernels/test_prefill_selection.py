@@ -217,3 +217,31 @@ def test_methods_prefill_through_the_kernel(make_tiny, monkeypatch):
         assert ((got - want).norm() / want.norm()).item() < 2e-5, method
     layers = llm.shape.num_layers
     assert calls == [5] * (2 * layers) + [4] * (2 * layers)  # chunks 2 and 3 select (chunk 1 is dense)
+
+
+@pytest.mark.parametrize("mode", ["mixed", "all-equal", "all-inf", "all-nan", "all-neg-inf"])
+def test_top_k_keys_at_the_edges_of_float32(mode):
+    """The top-k search on order-preserving int32 keys (ties, +-inf, NaN, +-FLT_MAX,
+    denormals, -1e30, top-k 0 ... larger than the candidates) selects what the reference
+    rule selects (Forecast scores = one compressed-key coordinate)."""
+    edge = torch.tensor([float("inf"), float("-inf"), float("nan"), 3.4028234663852886e38, -3.4028234663852886e38,
+                         1e-45, -1e-45, 0.0, -0.0, 1.0, 1.0, -1e30, 2.0, -2.0, 1e30, -1.0])
+    bsz, heads, d, num_keys, num_q = 1, 2, 16, 16 * 30, 32
+    num_ck = reference.num_compressed(num_keys, 16, 16)
+    for topk in (0, 1, 3, 7, 40):
+        cfg = SelectionConfig(block_size=16, kernel_size=16, kernel_stride=16, init_blocks=1, local_blocks=1,
+                              topk_blocks=topk, dense_len=0)
+        if mode == "mixed":
+            v = edge[torch.randint(0, len(edge), (bsz, heads, num_ck))]
+        else:
+            v = torch.full((bsz, heads, num_ck), {"all-equal": 0.5, "all-inf": float("inf"), "all-nan": float("nan"),
+                                                  "all-neg-inf": float("-inf")}[mode])
+        ck = torch.zeros(bsz, heads, num_ck, d)
+        ck[..., 0] = v
+        q = torch.zeros(bsz, heads, num_q, d)
+        q[..., 0] = 1.0
+        q_pos = torch.arange(num_keys - num_q, num_keys).view(1, -1)
+        num_blocks = -(-num_keys // 16)
+        got = select_prefill_blocks_triton(q, ck, q_pos, num_blocks, cfg)
+        want = twins.select_prefill_reference(q, ck, q_pos, num_blocks, cfg)
+        assert torch.equal(got, want), (mode, topk, (got != want).nonzero()[:5].tolist())
