@@ -137,6 +137,18 @@ def _assert_same_quantized(got, want, what):
     assert torch.equal(got.scale, want.scale), f"{what}: scales differ"
 
 
+def _assert_offloaded_same(cache, ref, what):
+    """:func:`_assert_same_quantized` on an offloaded cache's resident layer 0 and the slot
+    buffer and first host chunk of layer 1."""
+    _assert_same_quantized(cache.k_full[0], ref.k_full[0], f"{what} resident K")
+    _assert_same_quantized(cache.v_full[0], ref.v_full[0], f"{what} resident V")
+    _assert_same_quantized(cache.k_slots[1], ref.k_slots[1], f"{what} slot K")
+    _assert_same_quantized(cache.v_slots[1], ref.v_slots[1], f"{what} slot V")
+    chunk, want = cache.host.chunks[1][0], ref.host.chunks[1][0]
+    _assert_same_quantized(chunk.k, want.k, f"{what} host K")
+    _assert_same_quantized(chunk.v, want.v, f"{what} host V")
+
+
 def _dispatch_to(monkeypatch, fn, calls: dict):
     """Route :func:`sparda.kernels.rope_append` to ``fn`` (the Triton launcher, run by the
     interpreter on CPU tensors, or the twin), counting calls in ``calls[fn.__name__]``."""
@@ -200,13 +212,7 @@ def test_quantized_offload_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed
     assert calls == {"rope_append_triton": steps * layers, "rope_append_reference": steps * layers}
     for name, cache in (("triton", tri_c), ("twin", twin_c), ("triton host=", host_c)):
         what = f"{name} {kv_dtype} g={g} d={d} seed={fresh_seed}"
-        _assert_same_quantized(cache.k_full[0], ref_c.k_full[0], f"{what} resident K")
-        _assert_same_quantized(cache.v_full[0], ref_c.v_full[0], f"{what} resident V")
-        _assert_same_quantized(cache.k_slots[1], ref_c.k_slots[1], f"{what} slot K")
-        _assert_same_quantized(cache.v_slots[1], ref_c.v_slots[1], f"{what} slot V")
-        chunk, want = cache.host.chunks[1][0], ref_c.host.chunks[1][0]
-        _assert_same_quantized(chunk.k, want.k, f"{what} host K")
-        _assert_same_quantized(chunk.v, want.v, f"{what} host V")
+        _assert_offloaded_same(cache, ref_c, what)
         for layer in range(layers):
             torch.testing.assert_close(cache.ring[layer], ref_c.ring[layer], rtol=0, atol=0)
             torch.testing.assert_close(cache.ck[layer], ref_c.ck[layer], rtol=1e-5, atol=1e-6)
@@ -375,11 +381,5 @@ def test_quantized_append_in_bf16_matches_unfused(kv_dtype, g, d, fresh_seed, mo
     what = f"bf16 {kv_dtype} g={g} d={d} seed={fresh_seed}"
     _assert_same_quantized(dev_tri.k[0], dev_ref.k[0], f"{what} device K")
     _assert_same_quantized(dev_tri.v[0], dev_ref.v[0], f"{what} device V")
-    _assert_same_quantized(off_tri.k_full[0], off_ref.k_full[0], f"{what} resident K")
-    _assert_same_quantized(off_tri.v_full[0], off_ref.v_full[0], f"{what} resident V")
-    _assert_same_quantized(off_tri.k_slots[1], off_ref.k_slots[1], f"{what} slot K")
-    _assert_same_quantized(off_tri.v_slots[1], off_ref.v_slots[1], f"{what} slot V")
-    chunk, want = off_tri.host.chunks[1][0], off_ref.host.chunks[1][0]
-    _assert_same_quantized(chunk.k, want.k, f"{what} host K")
-    _assert_same_quantized(chunk.v, want.v, f"{what} host V")
+    _assert_offloaded_same(off_tri, off_ref, what)
     assert calls["rope_append_triton"] == 2 * steps  # the device cache and the resident layer

@@ -19,7 +19,6 @@ if any) or an explicit ``L:H,...`` list.
 from __future__ import annotations
 
 import json
-import logging
 from importlib import resources
 from pathlib import Path
 
@@ -139,52 +138,39 @@ def stored_heads(model_dir, identity: dict | None = None) -> tuple[Heads, str | 
 
 
 def resolve_dense_heads(value, *, method, shape, model_dir=None, identity: dict | None = None,
-                        offloaded: bool = False, option: str = "--dense-heads") -> Heads:
+                        option: str = "--dense-heads") -> Heads:
     """The (layer, KV head) pairs a method keeps dense in decode.
 
     Args:
         value: the setting (:func:`parse_dense_heads`).
         method: the built :class:`~sparda.attention.base.AttentionMethod` (its
-            ``supports_dense_heads`` flag and name decide what is allowed).
+            ``supports_dense_heads`` flag and name decide what is allowed; the offloaded
+            methods support them by keeping those heads' layers resident, design §3.7).
         shape: the model's ``ModelShape``. model_dir, identity: where ``auto`` looks and
             which model it must match.
-        offloaded: the KV cache lives in host memory (design §6); methods flagged
-            ``supports_offloaded_dense_heads`` (the offloaded ones: they keep the heads'
-            layers resident) count as on the device here.
     Returns:
         Sorted unique pairs (empty: none). ``auto`` resolves to the stored calibration for
-        a method that supports dense heads, else to none (a one-line warning on logger
-        ``sparda`` when a calibration existed but an offloaded cache cannot apply it).
+        a method that supports dense heads, else to none.
     Raises:
-        SpardaError: a malformed value, a pair outside the model, an explicit list for an
-            offloaded cache without support or a method that does not support it (one line
-            naming the fix).
+        SpardaError: a malformed value, a pair outside the model, or an explicit list for a
+            method that does not support it (one line naming the fix).
     """
     heads = parse_dense_heads(value, option)
     name = getattr(method, "name", "?")
-    if getattr(method, "name", None) == "dense":
+    if name == "dense":
         return ()  # every head is dense already
     supported = getattr(method, "supports_dense_heads", False)
-    if offloaded and getattr(method, "supports_offloaded_dense_heads", False):
-        offloaded = False  # the method keeps the dense heads' layers resident on the device
     if heads == "auto":
-        if not supported and not offloaded:
+        if not supported:
             return ()
         found, path = stored_heads(model_dir, identity)
-        if found and offloaded:
-            logging.getLogger("sparda").warning(
-                f"note: dense heads auto: the calibration {Path(path).name} is not applied to the offloaded "
-                f"KV cache of {name} (not implemented there); use --no-offload to apply it")
-            return ()
         return check_heads(found, shape, path or option)
     if not heads:
         return ()
-    if offloaded:
-        raise SpardaError(f"{option} is not implemented for an offloaded KV cache ({name}); add --no-offload "
-                          f"(cache on the device) or drop {option}")
     if not supported:
         raise SpardaError(f"{option} applies to the block-sparse decode of sparse, oracle, sparda, sparda-random, "
-                          f"quest, infinigen and streaming, not {name!r}; drop {option} or pick one of them")
+                          f"quest, infinigen, streaming and the offloaded methods, not {name!r}; drop {option} "
+                          "or pick one of them")
     return check_heads(heads, shape, option)
 
 

@@ -61,15 +61,16 @@ class OffloadDecodeMixin:
         return kernels.select_decode_blocks(query, ck, pos, num_blocks, self.selection, ck_len=ck_len,
                                             width=cache.slots)
 
-    supports_offloaded_dense_heads = True
-
-    def _fetch_or_count(self, layer: int, ids: torch.Tensor, cache, step, prefetch: bool = False) -> None:
+    def _fetch_or_count(self, layer: int, ids: torch.Tensor, cache, step, prefetch: bool = False) -> torch.Tensor:
         """Fetch ``ids`` into an offloaded layer's slots (counting in the slot diff), or only
-        count them for a resident layer (widened for its dense heads, :meth:`_resident_ids`)."""
+        count them for a resident layer; returns the ids :meth:`_attend_decode` reads
+        (``ids``, widened for a resident layer's dense heads by :meth:`_resident_ids`)."""
         if cache.is_offloaded(layer):
             cache.fetch(layer, ids, step.q_pos[:, 0], prefetch=prefetch, counters=self._counters(step))
-        else:
-            self._count_ids(step, self._resident_ids(layer, ids, cache, step))
+            return ids
+        ids = self._resident_ids(layer, ids, cache, step)
+        self._count_ids(step, ids)
+        return ids
 
     def _resident_ids(self, layer: int, ids: torch.Tensor, cache, step) -> torch.Tensor:
         """A resident layer's decode block ids: ``ids [B, H, S]`` (``-1`` padded), with the
@@ -90,15 +91,14 @@ class OffloadDecodeMixin:
 
     def _attend_decode(self, layer: int, q: torch.Tensor, ids: torch.Tensor, cache, step) -> torch.Tensor:
         """Attention ``[B, H, G, 1, d]``: over the slots of an offloaded layer (its fetch
-        already ran), over ``ids [B, H, S]`` of the full buffer of a resident one (every
-        visible block for its dense heads, :meth:`_resident_ids`)."""
+        already ran), over ``ids [B, H, W]`` of the full buffer of a resident one (as
+        :meth:`_fetch_or_count` returned them)."""
         pos = step.q_pos[:, 0]
         q0 = q[:, :, :, 0]
         if cache.is_offloaded(layer):
             out = cache.attend(layer, q0, step.kv_len, pos)
         else:
-            out = kernels.decode_attention(q0, cache.k_full[layer], cache.v_full[layer],
-                                           self._resident_ids(layer, ids, cache, step),
+            out = kernels.decode_attention(q0, cache.k_full[layer], cache.v_full[layer], ids,
                                            step.kv_len, self.selection.block_size)
         return out.unsqueeze(3)
 
@@ -121,7 +121,7 @@ class SparseOffloadAttention(OffloadDecodeMixin, SparseAttention):
         if step.phase != "decode":
             return super().attend(layer, q, h, cache, step)
         ids = self._select(q[:, :, :, 0], cache.compressed(layer), step.q_pos[:, 0], cache)
-        self._fetch_or_count(layer, ids, cache, step)
+        ids = self._fetch_or_count(layer, ids, cache, step)
         return self._attend_decode(layer, q, ids, cache, step)
 
 
@@ -156,11 +156,11 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
         pos = step.q_pos[:, 0]
         if layer == 0:  # W^C_0 scores layer 0's own compressed keys
             ids = self._select(self.forecast_query(0, h, step), cache.compressed(0), pos, cache)
-            self._fetch_or_count(0, ids, cache, step)
+            ids = self._fetch_or_count(0, ids, cache, step)
         else:
             ids = self._next.pop(layer)
             if not self.prefetch:
-                self._fetch_or_count(layer, ids, cache, step)
+                ids = self._fetch_or_count(layer, ids, cache, step)
         if layer + 1 < self.shape.num_layers:
             # layer l+1's compressed keys before this step's token: the windows in [0, pos)
             query, ck_len = self.forecast_query(layer + 1, h, step), self._ck_len_before(step)
@@ -168,11 +168,11 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
                 self._counters(step)  # allocated (first step) on the compute stream
                 with cache.prefetcher.ahead(layer + 1, query, ck_len, pos):  # off the compute stream
                     nxt = self._select(query, cache.compressed(layer + 1), pos, cache, ck_len=ck_len)
-                    self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
+                    nxt = self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
             else:
                 nxt = self._select(query, cache.compressed(layer + 1), pos, cache, ck_len=ck_len)
                 if self.prefetch:
-                    self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
+                    nxt = self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
             self._next[layer + 1] = nxt
         return self._attend_decode(layer, q, ids, cache, step)
 

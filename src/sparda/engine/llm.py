@@ -195,9 +195,8 @@ class LLM:
         """Resolve ``dense_heads`` (design §3.7) for the built method and store the pairs in
         :attr:`config` (which the method reads). Raises SpardaError as
         :func:`~sparda.attention.dense_heads.resolve_dense_heads`."""
-        offloaded = bool(self.config.offload) or getattr(self.method, "offloaded", False)
         heads = resolve_dense_heads(value, method=self.method, shape=self.shape, model_dir=self.model_dir,
-                                    identity=identity, offloaded=offloaded)
+                                    identity=identity)
         if heads != self.config.dense_heads:
             self.config = dataclasses.replace(self.config, dense_heads=heads)
             self.method.config = self.config
