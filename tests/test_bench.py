@@ -405,3 +405,34 @@ def test_records_of_two_kv_dtypes_are_two_points():
     assert dropped == 1 and [r["decode_tok_s"] for r in kept] == [110.0, 150.0, 50.0]
     assert [p["speedup"] for p in speedups(kept)] == [3.0]  # int8 pairs with int8 only
     assert method_label(kept[1]) == "sparda int8" and method_label(recs[0]) == "sparda"
+
+
+def test_compute_alone_engine_implements_every_engine_call():
+    """overlap_timing's engine that copies nothing must answer every call the offloaded
+    cache makes of a TransferEngine (a missing ``gather_planes`` failed every overlap point
+    on the GPU); its gathers leave the slots as they were, its token stores reach the host."""
+    import inspect
+
+    from sparda.cache.host import HostChunk
+    from sparda.cache.transfer import SyncEngine, TransferEngine
+
+    calls = [n for n, f in inspect.getmembers(TransferEngine, inspect.isfunction) if not n.startswith("_")]
+    assert {"gather", "gather_planes", "store_tokens"} <= set(calls)
+    fake = pt._NoGather(SyncEngine())
+    missing = [n for n in calls if not callable(getattr(fake, n, None))]
+    assert not missing, missing
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    gen = torch.Generator().manual_seed(seed)
+    host_k, host_v = torch.randn(2, 2, 5, 4, 3, generator=gen), torch.randn(2, 2, 5, 4, 3, generator=gen)
+    chunk = HostChunk(0, 2, host_k, host_v)
+    dst_k, dst_v = torch.zeros(2, 2, 3, 4, 3), torch.zeros(2, 2, 3, 4, 3)
+    load = torch.randint(-1, 5, (2, 2, 3), generator=gen)
+    load[0, 0, 0] = 2  # at least one block to load
+    fake.gather(chunk, dst_k, dst_v, load)
+    fake.gather_planes(chunk, [(dst_k, dst_v)], load)
+    assert not dst_k.any() and not dst_v.any(), f"seed {seed}"
+    SyncEngine().gather_planes(chunk, [(dst_k, dst_v)], load)  # the real one copies (so the check can fail)
+    assert torch.equal(dst_k[0, 0, 0], host_k[0, 0, 2]), f"seed {seed}"
+    tok_k, tok_v = torch.randn(2, 2, 3, generator=gen), torch.randn(2, 2, 3, generator=gen)
+    fake.store_tokens(chunk, tok_k, tok_v, torch.tensor([6, 9]))
+    assert torch.equal(host_k[1, :, 2, 1], tok_k[1]) and torch.equal(host_v[0, :, 1, 2], tok_v[0]), f"seed {seed}"

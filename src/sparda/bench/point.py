@@ -311,7 +311,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     tpots = _timed_repeats(step, opts, dev)
     timed_steps = opts.decode_steps * opts.repeats
     stats = cache.offload_stats(timed_steps * batch) if offloaded else {}
-    profile = {"kernels_per_step": None, "gpu_kernel_ms": None}
+    profile = {"kernels_per_step": None, "gpu_kernel_ms": None, "kernel_top": None}
     if dev.type == "cuda" and getattr(opts, "profile_steps", 0):
         profile = profile_kernels(step, opts.profile_steps)
     timing = {}
@@ -395,8 +395,9 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
 
 
 def profile_kernels(step, steps: int) -> dict:
-    """``kernels_per_step`` and ``gpu_kernel_ms`` (summed GPU kernel time per step, every
-    stream, ms) of ``steps`` calls of ``step()``, from ``torch.profiler`` (CUDA activity;
+    """``kernels_per_step``, ``gpu_kernel_ms`` (summed GPU kernel time per step, every
+    stream, ms) and ``kernel_top`` (the 12 kernel names with the most time: launches and ms
+    per step) of ``steps`` calls of ``step()``, from ``torch.profiler`` (CUDA activity;
     kernels inside replayed CUDA graphs count one by one). Memcpy/memset records are left out."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -405,15 +406,21 @@ def profile_kernels(step, steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels, total_us = 0, 0.0
+    kernels, total_us, by_name = 0, 0.0, {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         if ev.name.startswith(("Memcpy", "Memset", "cudaMem")):
             continue
         kernels += 1
-        total_us += ev.time_range.elapsed_us()
-    return {"kernels_per_step": round(kernels / steps, 1), "gpu_kernel_ms": round(total_us / steps / 1e3, 4)}
+        us = ev.time_range.elapsed_us()
+        total_us += us
+        calls, name_us = by_name.get(ev.name[:80], (0, 0.0))
+        by_name[ev.name[:80]] = (calls + 1, name_us + us)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"kernels_per_step": round(kernels / steps, 1), "gpu_kernel_ms": round(total_us / steps / 1e3, 4),
+            "kernel_top": [{"name": n, "per_step": round(c / steps, 1), "ms": round(u / steps / 1e3, 4)}
+                           for n, (c, u) in top]}
 
 
 def restart(state: dict, cache, index: int = 0) -> None:
@@ -470,6 +477,9 @@ class _NoGather:
     def gather(self, chunk, dst_k, dst_v, load) -> None:
         return None
 
+    def gather_planes(self, chunk, planes, load) -> None:
+        return None
+
     def store_tokens(self, chunk, k_tok, v_tok, pos) -> None:
         self.engine.store_tokens(chunk, k_tok, v_tok, pos)
 
@@ -514,8 +524,9 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
 
     def gathers() -> None:
         for layer in cache.offloaded:
+            planes = cache._slot_planes(layer)
             for chunk in cache.host.chunks[layer]:
-                real.gather(chunk, cache.k_slots[layer], cache.v_slots[layer], cache.load[layer])
+                real.gather_planes(chunk, planes, cache.load[layer])
 
     restart(state, cache, max(0, start - 3))
     for _ in range(3):  # past the first steps after emptying the slots (every block a miss)
