@@ -46,6 +46,11 @@ printed last:
   largest batch computed from the per-token bytes for <= 96 GiB of pinned host KV
   (printed); no overlap runs (~6 min of GPU time). Checks the issue's criterion: int8
   runs at >= 1.8x the batch of bf16 and its best decode tok/s exceeds bf16's best.
+* ``spare``: spare GPU slots (``slot_factor``, design §6), MiniCPM-8B shape, trace: offloaded
+  ``sparda`` and ``sparse-offload`` at 128K B4 / B16 / B24 with ``slot_factor`` 1 (the
+  buffer holds exactly the widest selection, the behaviour before spare slots) and 1.5
+  (the default), parity 16, overlap timed; ``sparda`` with 2 at B16 / B24; then ``sparda``
+  at 32K B24 with 1 and 1.5.
 """
 
 from __future__ import annotations
@@ -550,9 +555,26 @@ def kvquant(out: Path, budget: float) -> list[dict]:
     return rows + recs
 
 
+def spare(out: Path, budget: float) -> list[dict]:
+    """Spare slots off (``slot_factor`` 1) and on (1.5): the same points, one sweep each."""
+    recs = []
+    plan = [("spare-1.0-128k", 1.0, dict(methods=["sparda", "sparse-offload"], batches=[4, 16, 24])),
+            ("spare-1.5-128k", 1.5, dict(methods=["sparda", "sparse-offload"], batches=[4, 16, 24])),
+            ("spare-2.0-128k", 2.0, dict(methods=["sparda"], batches=[16, 24])),
+            ("spare-1.0-32k", 1.0, dict(methods=["sparda"], batches=[24], contexts=[32768])),
+            ("spare-1.5-32k", 1.5, dict(methods=["sparda"], batches=[24], contexts=[32768]))]
+    for name, factor, kw in plan:
+        left = budget - (time.perf_counter() - T0)
+        if left < 60:
+            log(f"{name}: skipped (budget)")
+            break
+        recs += _sweep(out / name, left, slot_factor=factor, parity_steps=16, overlap_steps=8, **kw)
+    return recs
+
+
 PARTS = {"check": check, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
          "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid,
-         "kvquant": kvquant}
+         "kvquant": kvquant, "spare": spare}
 
 if __name__ == "__main__":
     out_dir, budget_s, parts = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
@@ -576,6 +598,8 @@ if __name__ == "__main__":
                 print(r)
                 continue
             method = r["method"] if r.get("kv_dtype", "bf16") == "bf16" else f"{r['method']} {r['kv_dtype']}"
+            if r.get("slot_factor") not in (None, 1.5):
+                method += f" x{r['slot_factor']:g}"
             print(f"{r['model']:<10} {r['context'] // 1024:>4}K {method:<18} B{r['batch']:<3} "
                   f"{r['status']:<7} {r.get('decode_tok_s') or 0:>8.1f} tok/s  TPOT {r.get('tpot_ms') or 0:>7.2f}"
                   f"  kern {r.get('gpu_kernel_ms') or 0:>6.2f}  n {r.get('kernels_per_step') or 0:>5.0f}"

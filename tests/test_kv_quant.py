@@ -170,10 +170,10 @@ def test_offloaded_attention_equals_on_device(kv_dtype):
         for cache in (dev, off):
             cache.append(0, k_all[:, :, pos:pos + 1], v_all[:, :, pos:pos + 1], step)
         cur = pos // cfg.block_size
-        ids = torch.full((b, h, off.slots), -1, dtype=torch.long)
+        ids = torch.full((b, h, off.select_width), -1, dtype=torch.long)
         for r in range(b):
             for head in range(h):
-                chosen = torch.randperm(cur)[:off.slots - 1].sort().values
+                chosen = torch.randperm(cur)[:off.select_width - 1].sort().values
                 ids[r, head, :len(chosen) + 1] = torch.cat([chosen, torch.tensor([cur])])
         q = torch.randn(b, h, g, d)
         kv_len, p = torch.full((b,), pos + 1), torch.full((b,), pos)

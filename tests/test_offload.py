@@ -7,6 +7,8 @@ at short lengths; counters against a brute-force simulation.
 
 from __future__ import annotations
 
+import math
+
 import os
 import subprocess
 import sys
@@ -165,13 +167,16 @@ def _brute_force(resident: list[set], want: list[set]):
     return hits, misses
 
 
-def test_diff_counters_against_brute_force():
+@pytest.mark.parametrize("slot_factor", [1.0, 1.5])
+def test_diff_counters_against_brute_force(slot_factor):
     """Random selections over many steps: hits/misses equal a set-based count, wanted blocks
-    end up resident, slot contents equal the host blocks, slots get reused."""
+    end up resident, slot contents equal the host blocks, slots get reused; the compact list
+    attention reads is the selected slots in slot order (with and without spare slots)."""
     cfg = SelectionConfig(**SMALL)
     b, h, d, cap = 2, 3, 16, 400
-    cache = OffloadKVCache(2, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync")
-    s, n = cache.slots, cache.num_blocks
+    cache = OffloadKVCache(2, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync", slot_factor=slot_factor)
+    s, n, width = cache.slots, cache.num_blocks, cache.select_width
+    assert s == min(n, math.ceil(slot_factor * width)) and width == min(n, cfg.budget_blocks)
     layer = 1
     for chunk in cache.host.chunks[layer]:
         chunk.k.normal_()
@@ -183,7 +188,7 @@ def test_diff_counters_against_brute_force():
         want = torch.zeros(b, h, n, dtype=torch.bool)
         for i in range(b):
             for j in range(h):
-                k = int(torch.randint(0, s + 1, ()))
+                k = int(torch.randint(0, width + 1, ()))
                 want[i, j, torch.randperm(n - 1)[:k]] = True
         before = [set(x for x in cache.slot_map[layer][i, j].tolist() if x >= 0) for i in range(b) for j in range(h)]
         wanted = [set(torch.nonzero(want[i, j]).flatten().tolist()) for i in range(b) for j in range(h)]
@@ -200,6 +205,13 @@ def test_diff_counters_against_brute_force():
         assert torch.equal(cache.attn_ids[layer][..., :-1] >= 0, torch.stack(
             [torch.tensor([blk in wanted[i * h + j] for blk in cache.slot_map[layer][i, j].tolist()])
              for i in range(b) for j in range(h)]).view(b, h, s))
+        for i in range(b):
+            for j in range(h):
+                pairs = [(blk, slot) for slot, blk in enumerate(cache.slot_map[layer][i, j].tolist())
+                         if blk in wanted[i * h + j]]
+                pad = [(-1, 0)] * (width - len(pairs))
+                got = list(zip(cache.attn_blocks[layer][i, j].tolist(), cache.attn_slots[layer][i, j].tolist()))
+                assert got == pairs + pad + [(n - 1, s)], (i, j)
         for i in range(b):
             for j in range(h):
                 for slot, blk in enumerate(cache.slot_map[layer][i, j].tolist()):

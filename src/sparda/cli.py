@@ -109,6 +109,9 @@ def model_options(func):
         click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
                      help="Block-sparse methods: select blocks in prefill too, or prefill densely and "
                           "select in decode only [default: dense at --preset small, block-sparse at paper]."),
+        click.option("--slot-factor", "slot_factor", type=click.FloatRange(1.0), default=None,
+                     help="Offloaded cache: GPU slots per selected block; the spare ones keep blocks that "
+                          "left the selection, so one that returns is not copied again (design §6) [default: 1.5]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
         click.option("--dense-heads", "dense_heads", default=None, callback=_dense_heads_option,
@@ -138,7 +141,7 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
     from sparda.engine.llm import LLM
 
     check_offload(method or "sparda", extra.get("offload"))
-    for key in ("shallow_layers", "quest_page_size", "snapkv_window", "dense_heads"):
+    for key in ("shallow_layers", "quest_page_size", "snapkv_window", "dense_heads", "slot_factor"):
         if extra.get(key, 0) is None:  # not given: the method's default
             extra.pop(key)
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
@@ -569,6 +572,8 @@ def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_head
 @click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
               help="KV-cache storage of every point: bf16 (the model dtype) or int8/int4 quantised per token and "
                    "head (docs/kv_quant.md); records carry kv_dtype, memory checks count its bytes [default: bf16].")
+@click.option("--slot-factor", "slot_factor", type=click.FloatRange(1.0), default=None,
+              help="Offloaded methods: GPU slots per selected block (design §6); records carry slot_factor [default: 1.5].")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
 @click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")
 def bench_cmd(quick, record_trace, **opts):

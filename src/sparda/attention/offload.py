@@ -59,7 +59,7 @@ class OffloadDecodeMixin:
             num_blocks = -(-live // self.selection.block_size)
             ck = ck[:, :, :cache.num_compressed(live if ck_len is None else live - 1)]
         return kernels.select_decode_blocks(query, ck, pos, num_blocks, self.selection, ck_len=ck_len,
-                                            width=cache.slots)
+                                            width=cache.select_width)
 
     def _fetch_or_count(self, layer: int, ids: torch.Tensor, cache, step, prefetch: bool = False) -> torch.Tensor:
         """Fetch ``ids`` into an offloaded layer's slots (counting in the slot diff), or only

@@ -24,6 +24,7 @@ from sparda.bench import point as pt
 from sparda.bench.models import build_model, check_models_fit, model_spec, random_forecast, selection_config
 from sparda.bench.roofline import measure_bandwidth
 from sparda.bench.traces import SHIPPED_TRACE, load_traces, reuse_stats
+from sparda.cache.offload import DEFAULT_SLOT_FACTOR, check_slot_factor
 from sparda.engine.llm import resolve_device, resolve_dtype
 from sparda.errors import SpardaError
 from sparda.io import atomic_write, check_output_dir
@@ -67,6 +68,8 @@ class SweepConfig:
         kv_dtype: KV-cache storage of every point, ``bf16`` (the model dtype) or
             ``int8``/``int4`` (docs/kv_quant.md); records carry it, and the memory checks
             count its bytes (:func:`sparda.bench.point.kv_need_bytes`).
+        slot_factor: offloaded methods' GPU slots per selected block (``LLM(slot_factor=)``,
+            design §6); records of offloaded methods carry it.
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -94,9 +97,11 @@ class SweepConfig:
     overlap_steps: int = 8
     early_attention: bool = False
     kv_dtype: str = "bf16"
+    slot_factor: float = DEFAULT_SLOT_FACTOR
 
     def __post_init__(self) -> None:
         self.kv_dtype = check_kv_dtype(self.kv_dtype)
+        self.slot_factor = check_slot_factor(self.slot_factor)
         for m in self.models:
             model_spec(m)
         bad = [m for m in self.methods if m not in SWEEP_METHODS + BASELINE_METHODS]
@@ -209,6 +214,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                 llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager,
                                   kv_dtype=cfg.kv_dtype)
                 llm.early_attention = cfg.early_attention
+                llm.slot_factor = cfg.slot_factor
                 prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
                 failed = None
                 rates = cfg.hit_rates if method in pt.HOST_KV else []
@@ -217,7 +223,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                             "device": env["device"], "dtype": str(dtype).replace("torch.", ""),
                             "decode_steps": cfg.decode_steps, "repeats": cfg.repeats,
                             "hbm_gbps": env["hbm_gbps"], "pcie_gbps": env["pcie_gbps"],
-                            "early_attention": cfg.early_attention and method in pt.HOST_KV}
+                            "early_attention": cfg.early_attention and method in pt.HOST_KV,
+                            "slot_factor": cfg.slot_factor if method in pt.HOST_KV else None}
                     if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
                         base.update(status="skipped", error="time budget")
                     elif failed is not None:

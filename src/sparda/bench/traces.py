@@ -287,7 +287,7 @@ class Replayer:
         """Wrap ``cache.fetch`` (instance attribute; the class is untouched)."""
         from sparda.kernels.reference import block_mask_to_indices
 
-        width = min(cache.slots, self.masks.shape[-1])
+        width = min(cache.select_width, self.masks.shape[-1])
         self.ids = torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in self.masks])
         self.masks = None
         original = cache.fetch

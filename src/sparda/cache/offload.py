@@ -12,14 +12,18 @@ What lives where:
   the current (partial) block, written in place as tokens are decoded; resident layers
   (e.g. layer 0) keep their full K/V on the device.
 
-``S = min(N_cap, max(budget_blocks, ceil(dense_len / block_size)))`` slots hold any
-selection, the dense fallback included. The cache moves blocks; the attention method
-chooses them (:meth:`OffloadKVCache.fetch` takes a block mask).
+``W = min(N_cap, max(budget_blocks, ceil(dense_len / block_size)))`` blocks hold any
+selection, the dense fallback included; the slot buffer has ``S = min(N_cap,
+ceil(slot_factor * W))`` slots, so that with ``slot_factor > 1`` the spare ones keep blocks
+that left the selection and a block that returns is a hit, not a copy (design §6). The
+cache moves blocks; the attention method chooses them (:meth:`OffloadKVCache.fetch` takes
+a block mask).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -35,9 +39,33 @@ from sparda.kernels import reference as ref
 
 
 def num_slots(capacity: int, cfg: SelectionConfig) -> int:
-    """Slots per offloaded layer and KV head: enough for any selection (design §3.4, §3.6)."""
+    """Blocks of the widest selection per offloaded layer and KV head (design §3.4, §3.6):
+    the budget, or the dense-fallback prefix, at most the blocks of ``capacity`` tokens."""
     blocks = -(-capacity // cfg.block_size)
     return max(1, min(blocks, max(cfg.budget_blocks, -(-cfg.dense_len // cfg.block_size))))
+
+
+#: default :class:`OffloadKVCache` ``slot_factor`` (design §6).
+DEFAULT_SLOT_FACTOR = 1.5
+
+
+def check_slot_factor(value) -> float:
+    """``value`` as a float ``slot_factor`` (>= 1, finite). Raises SpardaError naming the fix."""
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        factor = float("nan")
+    if not (1.0 <= factor < float("inf")):
+        raise SpardaError(f"slot_factor must be a number >= 1 (GPU slots per selected block), got {value!r}")
+    return factor
+
+
+def spare_slot_count(capacity: int, cfg: SelectionConfig, slot_factor: float) -> int:
+    """``S``: GPU slots per offloaded layer and KV head, ``ceil(slot_factor * W)`` for the
+    selection width ``W`` of :func:`num_slots`, at most the blocks of ``capacity`` tokens."""
+    width = num_slots(capacity, cfg)
+    blocks = -(-capacity // cfg.block_size)
+    return max(width, min(blocks, math.ceil(check_slot_factor(slot_factor) * width - 1e-9)))
 
 
 class OffloadKVCache:
@@ -63,6 +91,11 @@ class OffloadKVCache:
         early_attention: in :meth:`attend`, a layer whose prefetch is pending attends to
             its resident blocks first, waits for the copy, then attends to the copied ones
             and combines (CUDA; same result; design §6).
+        slot_factor: GPU slots per offloaded layer and KV head as a multiple of the
+            selection width (>= 1; :func:`spare_slot_count`). Spare slots hold blocks that
+            left the selection until a miss needs the slot (the slot diff's rule: empty
+            slots first, then stale ones in slot order); attention reads only the selected
+            ones (the slot diff's compact list).
     Raises:
         SpardaError: host or device memory does not suffice (bytes named), bad engine.
     """
@@ -71,7 +104,8 @@ class OffloadKVCache:
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
-                 timing: bool = False, kv_dtype: str = "bf16", early_attention: bool = False) -> None:
+                 timing: bool = False, kv_dtype: str = "bf16", early_attention: bool = False,
+                 slot_factor: float = DEFAULT_SLOT_FACTOR) -> None:
         self.device = torch.device(device)
         self.early_attention = bool(early_attention)
         self.kv_dtype = kv_dtype = quant.check_kv_dtype(kv_dtype)
@@ -85,7 +119,11 @@ class OffloadKVCache:
         self.num_ck_capacity = ref.num_compressed(capacity, cfg.kernel_size, cfg.kernel_stride)
         self.resident = frozenset(l for l in resident_layers if 0 <= l < num_layers)
         self.offloaded = tuple(l for l in range(num_layers) if l not in self.resident)
-        self.slots = num_slots(capacity, cfg)
+        #: ``W``: blocks of the widest selection (the ids :meth:`fetch` takes).
+        self.select_width = num_slots(capacity, cfg)
+        self.slot_factor = check_slot_factor(slot_factor)
+        #: ``S``: slots per offloaded layer and KV head (slot ``S`` is the partial block).
+        self.slots = spare_slot_count(capacity, cfg, self.slot_factor)
         self.engine = make_engine(engine, self.device, batch=batch, **(engine_options or {}))
         self.host = HostKVStore(self.offloaded, batch, num_kv_heads, head_dim, self.num_blocks,
                                 cfg.block_size, dtype, pin=self.device.type == "cuda",
@@ -98,7 +136,9 @@ class OffloadKVCache:
             self.ring = [torch.zeros(batch, num_kv_heads, cfg.kernel_size, head_dim, dtype=dtype,
                                      device=self.device) for _ in range(num_layers)]
             self.k_slots, self.v_slots, self.slot_map, self.k_full, self.v_full = {}, {}, {}, {}, {}
-            self.load, self.attn_ids = {}, {}  # per layer: the slot diff's outputs (static buffers)
+            # per layer: the slot diff's outputs (static buffers); attn_blocks/attn_slots: the
+            # selected slots as a compact [B, H, W + 1] list, what attention reads
+            self.load, self.attn_ids, self.attn_blocks, self.attn_slots = {}, {}, {}, {}
             for layer in self.offloaded:
                 self.k_slots[layer] = quant.kv_zeros(shape, kv_dtype, dtype, self.device)
                 self.v_slots[layer] = quant.kv_zeros(shape, kv_dtype, dtype, self.device)
@@ -107,6 +147,9 @@ class OffloadKVCache:
                 self.load[layer] = torch.full_like(self.slot_map[layer], -1)
                 self.attn_ids[layer] = torch.full((batch, num_kv_heads, self.slots + 1), -1, dtype=torch.int32,
                                                   device=self.device)
+                self.attn_blocks[layer] = torch.full((batch, num_kv_heads, self.select_width + 1), -1,
+                                                     dtype=torch.int32, device=self.device)
+                self.attn_slots[layer] = torch.zeros_like(self.attn_blocks[layer])
             for layer in self.resident:
                 self.k_full[layer] = quant.kv_zeros(full, kv_dtype, dtype, self.device)
                 self.v_full[layer] = quant.kv_zeros(full, kv_dtype, dtype, self.device)
@@ -365,24 +408,30 @@ class OffloadKVCache:
 
         Args:
             selection: ``[B, H, W]`` int32/int64 selected block ids, ascending, ``-1``
-                padded (``W <= S``; as from :func:`sparda.kernels.select_decode_blocks` with
-                ``width = slots``), or a ``[B, H, N']`` bool block mask (converted).
+                padded (``W <= select_width``; as from :func:`sparda.kernels.select_decode_blocks`
+                with ``width = select_width``), or a ``[B, H, N']`` bool block mask (converted).
             pos: ``[B]`` int64 position of this step's token (its block is the current one).
             counters: optional ``(blocks_read, blocks_valid)`` ``[B]`` int64 device counters
                 of the method, incremented by the same kernel.
+        Raises:
+            SpardaError: ids wider than :attr:`select_width`.
         """
         if layer in self.resident:
             return
         ids = selection
         if selection.dtype == torch.bool:
-            ids = ref.block_mask_to_indices(selection, min(self.slots, selection.shape[-1]))
+            ids = ref.block_mask_to_indices(selection, min(self.select_width, selection.shape[-1]))
+        elif ids.shape[-1] > self.select_width:
+            raise SpardaError(f"fetch: {ids.shape[-1]} block ids per row exceed the selection width "
+                              f"{self.select_width} of this cache; select with width=cache.select_width")
         if not ids.is_contiguous():
             ids = ids.contiguous()
         pref = self.prefetcher
         read, valid = counters if counters is not None else (self._scratch_count, self._scratch_count)
         load = self.load[layer]
         kernels.slot_diff(ids, self.slot_map[layer], pos, self.block_size, self.num_blocks, load,
-                          self.attn_ids[layer], (pref.hits, pref.misses, read, valid))
+                          self.attn_ids[layer], (pref.hits, pref.misses, read, valid),
+                          (self.attn_blocks[layer], self.attn_slots[layer]))
         planes = self._slot_planes(layer)
         chunks = self.host.chunks[layer]
 
@@ -414,8 +463,8 @@ class OffloadKVCache:
                                                   self.attn_ids[layer], self._slot_ids, kv_len,
                                                   late=self.load[layer], between=lambda: self.wait(layer))
         self.wait(layer)
-        return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer], self.attn_ids[layer],
-                                              self._slot_ids, kv_len)
+        return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer], self.attn_blocks[layer],
+                                              self.attn_slots[layer], kv_len)
 
     def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
         """Prefetch counters of cache row ``row`` (or the whole batch) over ``tokens`` decoded

@@ -15,7 +15,7 @@ from sparda.attention.dense_heads import parse_dense_heads, resolve_dense_heads
 from sparda.attention.forecast import default_forecast_available, model_identity
 from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_method, check_offload
 from sparda.cache.device import DeviceKVCache
-from sparda.cache.offload import OffloadKVCache
+from sparda.cache.offload import DEFAULT_SLOT_FACTOR, OffloadKVCache, check_slot_factor
 from sparda.config import METHOD_OPTIONS, SelectionConfig, SpardaConfig, resolve_sparse_prefill
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.sampler import sample
@@ -128,6 +128,10 @@ class LLM:
             attends to its resident blocks before waiting for the copy, then to the copied
             ones; the same result up to summation order; measured slower on the H200, 2-25 %
             fewer tok/s, docs/benchmarks/fused-decode-2026-12-01c-h200.md; design §6) /
+            ``slot_factor`` (default 1.5: an offloaded layer keeps ``ceil(1.5 W)`` GPU slots per KV
+            head for a selection of ``W`` blocks; the spare ones hold blocks that left the
+            selection, so one that returns is not copied again; 1 keeps exactly the
+            selection; design §6) /
             ``fused_decode`` (default True: on CUDA a decode step runs the fused kernels of
             :mod:`sparda.model.fused`; False runs the model's plain modules) /
             ``dense_heads`` (default ``"auto"``: the calibrated retrieval heads stored for the
@@ -155,6 +159,8 @@ class LLM:
         self.offload_timing = bool(overrides.pop("offload_timing", False))
         #: offloaded decode attends to resident blocks before the prefetch wait (design §6)
         self.early_attention = bool(overrides.pop("early_attention", False))
+        #: offloaded layers' GPU slots per selected block (design §6; checked before the model loads)
+        self.slot_factor = check_slot_factor(overrides.pop("slot_factor", DEFAULT_SLOT_FACTOR))
         #: on CUDA, decode through the fused kernels (sparda.model.fused); False: the plain modules
         self.fused_decode = bool(overrides.pop("fused_decode", True))
         #: prompt tokens per prefill chunk (0: the whole prompt at once)
@@ -218,6 +224,7 @@ class LLM:
         llm.cuda_graphs = bool(overrides.pop("cuda_graphs", True))
         llm.offload_timing = bool(overrides.pop("offload_timing", False))
         llm.early_attention = bool(overrides.pop("early_attention", False))
+        llm.slot_factor = check_slot_factor(overrides.pop("slot_factor", DEFAULT_SLOT_FACTOR))
         llm.fused_decode = bool(overrides.pop("fused_decode", True))
         llm.prefill_chunk_tokens = check_prefill_chunk(overrides.pop("prefill_chunk_tokens",
                                                                      DEFAULT_PREFILL_CHUNK_TOKENS))
@@ -292,7 +299,8 @@ class LLM:
                                   if hasattr(self.method, "cache_resident_layers")
                                   else getattr(self.method, "resident_layers", ()),
                                   timing=self.offload_timing, kv_dtype=kv_dtype,
-                                  early_attention=getattr(self, "early_attention", False))
+                                  early_attention=getattr(self, "early_attention", False),
+                                  slot_factor=getattr(self, "slot_factor", DEFAULT_SLOT_FACTOR))
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                              self.config.selection, self.dtype, self.device, kv_dtype=kv_dtype)
 

@@ -278,7 +278,8 @@ def completed_compressed_keys(keys: torch.Tensor, start: int, end: int, kernel: 
 
 
 def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
-              num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None) -> None:
+              num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
+              compact=None) -> None:
     """Diff one layer's selection against its GPU slots, in place (design §6; no host sync).
 
     Selected blocks already in a slot are hits and stay; the ``k``-th missed block
@@ -298,13 +299,18 @@ def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, bloc
         counters: optional ``(hits, misses, blocks_read, blocks_valid)``, each ``[B]`` int64,
             incremented: hits and misses summed over heads, blocks read = selected ids
             (the current block included), blocks valid = ``pos // block_size + 1`` per head.
+        compact: optional ``(attn_blocks, attn_slots)`` outputs, each ``[B, H, C]`` int32/int64
+            with ``C >= min(W, S) + 1``: the entries of ``attn_ids`` that are selected, as
+            (logical block, slot) pairs in slot order, then ``(-1, 0)`` padding, and the
+            current block with slot ``S`` last. Attention over them reads ``C`` entries,
+            not ``S + 1`` (spare slots beyond the selection, design §6).
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
     if _on_triton(ids, slot_map, pos, load, attn_ids):
-        _slot_diff.slot_diff_triton(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters)
+        _slot_diff.slot_diff_triton(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact)
     else:
-        twins.slot_diff_reference(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters)
+        twins.slot_diff_reference(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact)
 
 
 def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,

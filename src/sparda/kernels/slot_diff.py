@@ -7,6 +7,10 @@ map and, in registers, produces everything the rest of the step needs:
 * the block map ``slot_map [B, H, S]`` updated in place;
 * ``attn_ids [B, H, S + 1]``: the logical block each slot contributes to this step's
   attention (``-1``: not selected), plus the current (partial) block in the last entry;
+* optionally the same list compacted, ``attn_blocks, attn_slots [B, H, C]``: the selected
+  slots' logical blocks and slot indices in slot order, ``-1`` padded, the current block
+  (slot ``S``) last, so that attention walks ``C`` entries however many slots there are
+  (spare slots, design §6);
 * per-row counters, added atomically: hits, misses, blocks read, blocks valid.
 
 The assignment is that of :func:`sparda.cache.prefetch.diff_slots` (its PyTorch twin):
@@ -28,9 +32,10 @@ from sparda.kernels._common import next_pow2
 
 @triton.jit
 def _slot_diff_kernel(
-    IDS, SLOT_MAP, POS, LOAD, ATTN, HITS, MISSES, READ, VALID,
-    H, W, S,
-    BS: tl.constexpr, W_P: tl.constexpr, S_P: tl.constexpr, COUNT: tl.constexpr,
+    IDS, SLOT_MAP, POS, LOAD, ATTN, HITS, MISSES, READ, VALID, CBLK, CSLOT,
+    H, W, S, C,
+    BS: tl.constexpr, W_P: tl.constexpr, S_P: tl.constexpr, C_P: tl.constexpr, COUNT: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // H
@@ -61,6 +66,18 @@ def _slot_diff_kernel(
     tl.store(SLOT_MAP + row * S + offs_s, new_map, mask=s_ok)
     tl.store(ATTN + row * (S + 1) + offs_s, tl.where(selected, new_map, -1).to(ATTN.dtype.element_ty), mask=s_ok)
     tl.store(ATTN + row * (S + 1) + S, cur.to(ATTN.dtype.element_ty))
+    if COMPACT:  # selected slots in slot order (k-th selected slot -> entry k), then -1, the current block last
+        pick = selected & s_ok
+        rank = tl.cumsum(pick.to(tl.int32), 0) - 1
+        n_sel = tl.sum(pick.to(tl.int32), 0)
+        tl.store(CBLK + row * C + rank, new_map.to(CBLK.dtype.element_ty), mask=pick)
+        tl.store(CSLOT + row * C + rank, offs_s.to(CSLOT.dtype.element_ty), mask=pick)
+        offs_c = tl.arange(0, C_P)
+        tail = (offs_c >= n_sel) & (offs_c < C - 1)
+        tl.store(CBLK + row * C + offs_c, tl.full([C_P], -1, tl.int32).to(CBLK.dtype.element_ty), mask=tail)
+        tl.store(CSLOT + row * C + offs_c, tl.zeros([C_P], tl.int32).to(CSLOT.dtype.element_ty), mask=tail)
+        tl.store(CBLK + row * C + C - 1, cur.to(CBLK.dtype.element_ty))
+        tl.store(CSLOT + row * C + C - 1, (cur * 0 + S).to(CSLOT.dtype.element_ty))  # the partial slot
     if COUNT:
         tl.atomic_add(HITS + b, tl.sum(hit_slot.to(tl.int64), 0))
         tl.atomic_add(MISSES + b, tl.sum(miss.to(tl.int64), 0))
@@ -69,24 +86,28 @@ def _slot_diff_kernel(
 
 
 def slot_diff_triton(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
-                     num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None) -> None:
+                     num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
+                     compact=None) -> None:
     """Triton slot diff (see :func:`sparda.kernels.slot_diff`); writes its outputs in place.
 
     Raises:
         SpardaError: shapes, dtypes or devices that do not match.
     """
-    check_slot_diff(ids, slot_map, pos, load, attn_ids, counters)
+    check_slot_diff(ids, slot_map, pos, load, attn_ids, counters, compact)
     bsz, heads, width = ids.shape
     slots = slot_map.shape[-1]
     count = counters is not None
     hits, misses, read, valid = counters if count else (pos, pos, pos, pos)
+    c_blk, c_slot = compact if compact is not None else (attn_ids, attn_ids)
+    c_width = c_blk.shape[-1] if compact is not None else 1
     _slot_diff_kernel[(bsz * heads,)](
-        ids, slot_map, pos, load, attn_ids, hits, misses, read, valid, heads, width, slots,
-        BS=block_size, W_P=next_pow2(max(width, 2)), S_P=next_pow2(max(slots, 2)), COUNT=count,
+        ids, slot_map, pos, load, attn_ids, hits, misses, read, valid, c_blk, c_slot, heads, width, slots, c_width,
+        BS=block_size, W_P=next_pow2(max(width, 2)), S_P=next_pow2(max(slots, 2)),
+        C_P=next_pow2(max(c_width, 2)), COUNT=count, COMPACT=compact is not None,
         num_warps=4 if slots * width <= 4096 else 8)
 
 
-def check_slot_diff(ids, slot_map, pos, load, attn_ids, counters) -> None:
+def check_slot_diff(ids, slot_map, pos, load, attn_ids, counters, compact=None) -> None:
     """Validate :func:`sparda.kernels.slot_diff` operands (shapes, dtypes, contiguity).
 
     Raises:
@@ -104,7 +125,15 @@ def check_slot_diff(ids, slot_map, pos, load, attn_ids, counters) -> None:
         raise SpardaError(f"attn_ids must be int32/int64 [B, H, S + 1], got {tuple(attn_ids.shape)}")
     if pos.shape != (bsz,):
         raise SpardaError(f"pos must be [B]={bsz}, got {tuple(pos.shape)}")
-    tensors = [ids, slot_map, load, attn_ids, pos] + list(counters or ())
+    if compact is not None:
+        c_blk, c_slot = compact
+        if (c_blk.shape != c_slot.shape or c_blk.dim() != 3 or c_blk.shape[:2] != (bsz, heads)
+                or c_blk.shape[-1] < min(ids.shape[-1], slots) + 1
+                or c_blk.dtype not in (torch.int32, torch.int64) or c_slot.dtype not in (torch.int32, torch.int64)):
+            raise SpardaError(f"compact attention ids must be two int32/int64 [B, H, C] tensors with C >= "
+                              f"min(W, S) + 1 = {min(ids.shape[-1], slots) + 1}, got {tuple(c_blk.shape)} "
+                              f"and {tuple(c_slot.shape)}")
+    tensors = [ids, slot_map, load, attn_ids, pos] + list(counters or ()) + list(compact or ())
     if any(not t.is_contiguous() for t in tensors):
         raise SpardaError("slot diff operands must be contiguous")
     if counters is not None and any(c.shape != (bsz,) or c.dtype != torch.int64 for c in counters):

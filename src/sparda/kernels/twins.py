@@ -203,9 +203,11 @@ def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
 
 
 def slot_diff_reference(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
-                        num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None) -> None:
+                        num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
+                        compact=None) -> None:
     """PyTorch twin of :func:`sparda.kernels.slot_diff` (in place; :func:`diff_slots` on the
-    mask of ``ids`` minus the current block; ``num_blocks`` bounds the block ids). No shape checks."""
+    mask of ``ids`` minus the current block; ``num_blocks`` bounds the block ids; ``compact``
+    from ``attn_ids`` by a stable sort of the selected slots first). No shape checks."""
     cur = (pos // block_size).view(-1, 1, 1)
     want = ids_to_block_mask(ids, num_blocks)
     want &= torch.arange(num_blocks, device=ids.device).view(1, 1, -1) != cur
@@ -216,6 +218,20 @@ def slot_diff_reference(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Te
     slot_map.copy_(new_map)
     attn_ids[..., :-1] = torch.where(selected, new_map, -1).to(attn_ids.dtype)
     attn_ids[..., -1] = cur.view(-1, 1).to(attn_ids.dtype)
+    if compact is not None:
+        c_blk, c_slot = compact
+        width, s = c_blk.shape[-1], slot_map.shape[-1]
+        picked = attn_ids[..., :-1] >= 0
+        order = torch.sort((~picked).to(torch.int8), dim=-1, stable=True).indices[..., :width - 1]
+        keep = torch.gather(picked, -1, order)
+        blocks = torch.where(keep, torch.gather(attn_ids[..., :-1], -1, order), -1)
+        c_blk.fill_(-1)
+        c_slot.zero_()
+        n = blocks.shape[-1]
+        c_blk[..., :n] = blocks.to(c_blk.dtype)
+        c_slot[..., :n] = torch.where(keep, order, 0).to(c_slot.dtype)
+        c_blk[..., -1] = cur.view(-1, 1).to(c_blk.dtype)
+        c_slot[..., -1] = s
     if counters is not None:
         c_hits, c_misses, c_read, c_valid = counters
         c_hits.add_(hits.sum(-1))
