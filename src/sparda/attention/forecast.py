@@ -36,9 +36,11 @@ from sparda.errors import SpardaError
 from sparda.io import atomic_output
 from sparda import kernels
 from sparda.kernels import reference as ref
+from sparda.model.loader import conversion_source, shipped_name
 
 FORMAT = "sparda-forecast-v1"
-#: Shipped weights (files in sparda/assets/forecast), keyed by the base model's display name.
+#: Shipped weights (files in sparda/assets/forecast), keyed by the name the model is
+#: recognised under by content (:func:`sparda.model.loader.shipped_name`).
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.safetensors"}
 _IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "hidden_size", "intermediate_size", "vocab_size", "head_dim", "rope_theta",
@@ -226,7 +228,8 @@ def load_forecast(path: str | Path, config, shape, name: str | None = None) -> t
 
 
 def shipped_path(name: str | None) -> Path | None:
-    """Path of the shipped Forecast weights for a model display name, or None."""
+    """Path of the shipped Forecast weights filed under ``name`` (for a model directory:
+    ``shipped_path(shipped_name(model_dir))``, which recognises the model by content), or None."""
     file = SHIPPED.get(name or "")
     if file is None:
         return None
@@ -235,22 +238,21 @@ def shipped_path(name: str | None) -> Path | None:
 
 
 def default_forecast_available(model_dir) -> bool:
-    """True if shipped Forecast weights exist for the model in ``model_dir``."""
-    return shipped_path(model_name(model_dir)) is not None
+    """True if shipped Forecast weights exist for the model in ``model_dir`` (by content)."""
+    return shipped_path(shipped_name(model_dir)) is not None
 
 
 def model_name(model_dir) -> str | None:
-    """Display name of a model directory (the bundled model's name when it is the bundled one)."""
+    """Display name of a model directory: :data:`~sparda.model.loader.BUNDLED_NAME` for a
+    conversion of the bundled GGUF (recognised by content, :func:`~sparda.model.loader.shipped_name`,
+    whatever the file was called), the GGUF file's stem for another conversion, else the
+    directory's name; None for None."""
     if model_dir is None:
         return None
-    source = Path(model_dir) / "sparda_source.json"
-    try:
-        gguf = json.loads(source.read_text()).get("gguf", "")
-    except (OSError, ValueError):
+    source = conversion_source(model_dir)
+    if source is None:
         return Path(model_dir).name
-    from sparda.model.loader import BUNDLED_GGUF, BUNDLED_NAME
-
-    return BUNDLED_NAME if Path(gguf).name == BUNDLED_GGUF else Path(gguf).stem
+    return shipped_name(model_dir) or Path(source[0]).stem
 
 
 class ForecastAttention(BlockSparseMethod):
@@ -270,7 +272,7 @@ class ForecastAttention(BlockSparseMethod):
         self.meta: dict[str, str] = {}
         if forecast is None:
             display = model_name(model_dir)
-            path = config.forecast_path or shipped_path(display)
+            path = config.forecast_path or shipped_path(shipped_name(model_dir))
             if path is None:
                 raise SpardaError(f"no Forecast weights for {display or 'this model'}; train them with "
                                   "`sparda train-forecast --model ... --out F.safetensors` and pass --forecast F.safetensors, "

