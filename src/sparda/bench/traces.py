@@ -381,9 +381,9 @@ def record_traces(rows: int = 4, prompt_tokens: int = 4096, steps: int = 64, dev
         SpardaError: Emma is too short for ``rows x (prompt_tokens + steps)`` tokens, no
             shipped Forecast for a ``sparda*`` method, or the model fails to load.
     """
-    from sparda.attention.forecast import load_forecast, model_name, shipped_path
+    from sparda.attention.forecast import load_forecast, shipped_path
     from sparda.data import heldout_text
-    from sparda.model.loader import load_model
+    from sparda.model.loader import load_model, shipped_name
 
     model, tokenizer, model_dir = load_model(None, torch.device(device), torch.float32)
     ids = tokenizer.encode(heldout_text())
@@ -394,7 +394,7 @@ def record_traces(rows: int = 4, prompt_tokens: int = 4096, steps: int = 64, dev
     seqs = [ids[r * span: r * span + need] for r in range(rows)]
     forecast = None
     if any(m.startswith("sparda") for m in methods):
-        path = shipped_path(model_name(model_dir))
+        path = shipped_path(shipped_name(model_dir))
         if path is None:
             raise SpardaError("no shipped Forecast weights for the bundled model; record only sparse")
         forecast = load_forecast(path, model.config, model.shape)[0]
