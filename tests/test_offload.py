@@ -524,3 +524,44 @@ def test_gather_grid_follows_the_measured_batch_rule(monkeypatch):
     assert transfer.make_engine("uva", cuda, batch=16, num_ctas=8).num_ctas == 8
     assert transfer.make_engine("uva", cuda).num_ctas == 32  # no batch: the constructor's default
     assert isinstance(transfer.make_engine("sync", cuda, batch=16), transfer.SyncEngine)
+
+
+@pytest.mark.parametrize("slot_factor,prompt_len,steps", [(1.0, 150, 200), (1.5, 150, 200), (2.0, 150, 200),
+                                                         (2.0, 40, 60)])
+def test_spare_slots_keep_offloaded_logits_equal(tiny, slot_factor, prompt_len, steps, fresh_seed, monkeypatch):
+    """Spare GPU slots (design §6) change which blocks are copied, never the logits:
+    sparse-offload with ``slot_factor`` 1 / 1.5 / 2 (and a capacity so short that ``S`` is
+    capped by the cache's blocks) equals on-device sparse (fp32) over many decode steps
+    in which blocks leave the selection and return; with spare slots some block that left
+    the selection is a hit when it returns (a block that slot_factor 1 would have lost)."""
+    from sparda.cache.offload import OffloadKVCache
+
+    ref = _llm(tiny, "sparse")
+    off = _llm(tiny, "sparse-offload", slot_factor=slot_factor)
+    returns = []  # per fetch: blocks selected now, not at the last fetch of the layer, held in a slot
+    last, fetch = {}, OffloadKVCache.fetch
+
+    def spy(self, layer, selection, pos, prefetch=False, counters=None):
+        held = self.slot_map[layer].clone()
+        fetch(self, layer, selection, pos, prefetch, counters)
+        picked = self.attn_ids[layer][..., :-1].long()
+        if layer in last:  # hits of blocks that the last fetch of this (row, head) did not select
+            before = (picked[..., :, None] == last[layer][..., None, :]).any(-1)
+            returns.append(int(((picked >= 0) & (held == picked) & ~before).sum()))
+        last[layer] = torch.where(picked >= 0, picked, -2)
+
+    prompt = torch.randint(100, 20000, (prompt_len,)).tolist()
+    monkeypatch.setattr(OffloadKVCache, "fetch", spy)
+    worst, same, cache = _run_lockstep(ref, off, [prompt], steps)
+    where = f"seed {fresh_seed}, slot_factor {slot_factor}"
+    width, s = cache.select_width, cache.slots
+    assert s == max(width, min(cache.num_blocks, math.ceil(slot_factor * width))), where
+    assert worst <= 1e-5 and same, (worst, where)
+    if prompt_len < 100:  # the short case: S capped by the cache's blocks
+        assert s == cache.num_blocks < math.ceil(slot_factor * width), where
+    else:
+        assert off.method.read_fraction() < 0.6, where  # selection really dropped blocks
+    stats = cache.offload_stats(steps)
+    assert stats["misses"] > 0, where
+    if s > width:
+        assert sum(returns) > 0, where
