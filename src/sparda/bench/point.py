@@ -20,6 +20,7 @@ from sparda.bench.roofline import kv_read_bytes, roofline_ms
 from sparda.bench.timing import ComponentTimer
 from sparda.bench.traces import Replayer, replay_masks, synthetic_masks, trace_for
 from sparda.cache.host import available_host_bytes
+from sparda.cache.offload import DEFAULT_SLOT_FACTOR, spare_slot_count
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.llm import LLM
 from sparda.errors import SpardaError
@@ -86,25 +87,28 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def kv_need_bytes(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int,
-                  capacity: int) -> tuple[int, int]:
+                  capacity: int, slot_factor: float = DEFAULT_SLOT_FACTOR) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` of the K and V of a point's cache (``capacity`` tokens
     per row), in ``kv_dtype`` (a quantised cache: codes plus fp32 scales,
     :func:`sparda.kernels.quant.token_bytes`). Offloaded methods (:data:`HOST_KV`) keep
-    layer 0 on the device and the other layers' whole blocks on the host; the others keep
-    every layer on the device."""
+    layer 0 on the device and the other layers' whole blocks on the host, plus on the
+    device each offloaded layer's slot buffer of ``S + 1`` blocks (``S`` =
+    :func:`~sparda.cache.offload.spare_slot_count` of ``slot_factor``, design §6); the
+    others keep every layer on the device."""
     per_layer = 2 * batch * shape.num_kv_heads * token_bytes(shape.head_dim, kv_dtype, dtype)  # per token
     if method in HOST_KV:
         blocks = -(-capacity // selection.block_size)
         host = (shape.num_layers - 1) * per_layer * blocks * selection.block_size
-        return per_layer * capacity, host  # layer 0 stays resident
+        slot_tokens = (spare_slot_count(capacity, selection, slot_factor) + 1) * selection.block_size
+        return per_layer * (capacity + (shape.num_layers - 1) * slot_tokens), host  # layer 0 stays resident
     return shape.num_layers * per_layer * capacity, 0
 
 
 def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` the KV cache of a point needs (K and V only, in the
-    LLM's ``kv_dtype``: :func:`kv_need_bytes`)."""
+    LLM's ``kv_dtype`` and ``slot_factor``: :func:`kv_need_bytes`)."""
     return kv_need_bytes(llm.config.method, llm.shape, llm.config.selection, llm.kv_dtype, llm.dtype, batch,
-                         capacity)
+                         capacity, getattr(llm, "slot_factor", DEFAULT_SLOT_FACTOR))
 
 
 def largest_batch(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, capacity: int,
