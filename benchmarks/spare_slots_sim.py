@@ -7,9 +7,13 @@ Usage (from the repository root):
 Replays each (row, layer, KV head) of every method's recorded decode selection through the
 slot diff the offloaded cache runs (``kernels.twins.slot_diff_reference``: empty slots first,
 then stale slots in slot order) with ``S = ceil(f * W)`` slots for the trace's own selection
-width ``W`` (its budget), ``f`` = 1, 1.25, 1.5, 2 (design §6: ``slot_factor``), and prints the
+width ``W`` (its budget), ``f`` = 1, 1.25, 1.5, 2, and prints the
 hit rate (selected blocks already in a slot, the current block excluded; after 3 warm-up
 steps), with the hit rate of a least-recently-used rule beside it for comparison.
+
+``f`` here is a multiple of the budget, not the runtime's ``slot_factor`` (design §6), whose
+``W`` includes the dense-fallback prefix: at the ``small`` preset (dense_len 2048, blocks of
+64) ``W`` is 32, so ``slot_factor`` 1 and 1.5 give 32 and 48 slots for this budget of 21.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ class OffloadDecodeMixin:
 
     def _select(self, query: torch.Tensor, ck: torch.Tensor, pos: torch.Tensor, cache,
                 ck_len: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode selection: block ids ``[B, H, S]`` int32, ascending, ``-1`` padded (``S`` =
-        the cache's slots), from ``query`` ([B,H,G,d] or Forecast [B,H,d]).
+        """Decode selection: block ids ``[B, H, W]`` int32, ascending, ``-1`` padded (``W`` =
+        the cache's ``select_width``), from ``query`` ([B,H,G,d] or Forecast [B,H,d]).
 
         On CUDA ``N = N_cap`` and the whole compressed-key buffer is scored (static shapes,
         no host sync). On the CPU, where reading the length costs nothing, ``N`` and the
@@ -73,9 +73,9 @@ class OffloadDecodeMixin:
         return ids
 
     def _resident_ids(self, layer: int, ids: torch.Tensor, cache, step) -> torch.Tensor:
-        """A resident layer's decode block ids: ``ids [B, H, S]`` (``-1`` padded), with the
+        """A resident layer's decode block ids: ``ids [B, H, W]`` (``-1`` padded), with the
         KV heads of ``config.dense_heads`` in ``layer`` reading every visible block instead
-        (design §3.7): ``[B, H, W]``, ``W = max(S, N)`` with ``N`` the cache's blocks on CUDA
+        (design §3.7): ``[B, H, W']``, ``W' = max(W, N)`` with ``N`` the cache's blocks on CUDA
         (static shape) or the live blocks on the CPU. ``ids`` itself if the layer has none."""
         dense = self._dense_heads(layer, step, ids.device)
         if dense is None:

@@ -130,8 +130,9 @@ class LLM:
             fewer tok/s, docs/benchmarks/fused-decode-2026-12-01c-h200.md; design §6) /
             ``slot_factor`` (default 1.5: an offloaded layer keeps ``ceil(1.5 W)`` GPU slots per KV
             head for a selection of ``W`` blocks; the spare ones hold blocks that left the
-            selection, so one that returns is not copied again; 1 keeps exactly the
-            selection; design §6) /
+            selection, so one that returns is not copied again; 1 keeps ``W`` slots, the
+            widest selection with the dense-fallback prefix, already more than the budget
+            at both presets; design §6) /
             ``fused_decode`` (default True: on CUDA a decode step runs the fused kernels of
             :mod:`sparda.model.fused`; False runs the model's plain modules) /
             ``dense_heads`` (default ``"auto"``: the calibrated retrieval heads stored for the

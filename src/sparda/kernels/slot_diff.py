@@ -17,7 +17,8 @@ The assignment is that of :func:`sparda.cache.prefetch.diff_slots` (its PyTorch 
 selected blocks already held stay in their slot (hits); the ``k``-th missed block in
 ascending id order goes to the ``k``-th replaceable slot, empty slots first, then slots
 whose block is no longer selected, each in slot order. Membership is an ``[S, W]``
-comparison matrix (``S, W <= 128`` at the presets), so nothing is sorted.
+comparison matrix (``W <= 128`` at the presets, ``S = ceil(slot_factor * W)`` up to 192 at
+the default ``slot_factor`` 1.5), so nothing is sorted.
 """
 
 from __future__ import annotations
