@@ -120,3 +120,42 @@ def test_bad_inputs_raise():
                                 torch.randn(1, 2, 40, 24), ids, kv_len, 16)
     with pytest.raises(SpardaError):
         decode_attention_triton(q, k, k.half(), ids, kv_len, 16)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_compact_list_narrower_than_the_slot_buffer(kv_dtype, rel_err, fresh_seed):
+    """The offloaded cache's attention input with spare slots (design §6): a compact list of
+    ``C`` (block, slot) entries, ``-1`` padded, the partial slot ``S`` last, over a buffer of
+    ``S + 1 > C`` slots whose unlisted slots hold junk; equals attention over the dense
+    cache's selected blocks (kernel and CPU twin; fp32, or the dequantised slot values)."""
+    from sparda.kernels import quant
+    from sparda.kernels.decode_attention import decode_attention_slots_quantized_triton
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    bsz, heads, groups, d, block_size, slots, width, num_blocks = 2, 3, 4, 16, 8, 11, 4, 20
+    k_slots = torch.randn(bsz, heads, slots + 1, block_size, d, generator=gen)
+    v_slots = torch.randn(bsz, heads, slots + 1, block_size, d, generator=gen)
+    if kv_dtype != "bf16":
+        k_slots, v_slots = (quant.QuantizedKV.quantize(x, kv_dtype) for x in (k_slots, v_slots))
+    k_vals, v_vals = (quant.as_float(x, torch.float32) for x in (k_slots, v_slots))
+    kv_len = torch.tensor([num_blocks * block_size - 3, (num_blocks - 1) * block_size + 1])
+    blocks = torch.full((bsz, heads, width + 1), -1, dtype=torch.int32)
+    where = torch.zeros_like(blocks)
+    k = torch.randn(bsz, heads, num_blocks * block_size, d, generator=gen)  # junk in unselected blocks
+    v = torch.randn(k.shape, generator=gen)
+    for b in range(bsz):
+        cur = int(kv_len[b] - 1) // block_size
+        for h in range(heads):
+            n = int(torch.randint(0, width + 1, (1,), generator=gen))  # 0: only the partial block
+            held = torch.randperm(slots, generator=gen)[:n].sort().values
+            chosen = torch.randperm(cur, generator=gen)[:n]
+            blocks[b, h, :n], where[b, h, :n] = chosen.int(), held.int()
+            blocks[b, h, -1], where[b, h, -1] = cur, slots
+            for blk, s in zip(chosen.tolist() + [cur], held.tolist() + [slots]):
+                k[b, h, blk * block_size:(blk + 1) * block_size] = k_vals[b, h, s]
+                v[b, h, blk * block_size:(blk + 1) * block_size] = v_vals[b, h, s]
+    q = torch.randn(bsz, heads, groups, d, generator=gen)
+    ref = _ref(q, k, v, blocks.long(), kv_len, block_size)
+    fn = decode_attention_slots_triton if kv_dtype == "bf16" else decode_attention_slots_quantized_triton
+    assert rel_err(fn(q, k_slots, v_slots, blocks, where, kv_len, num_splits=2), ref) < 1e-5, fresh_seed
+    assert rel_err(decode_attention_slots(q, k_slots, v_slots, blocks, where, kv_len), ref) < 1e-5, fresh_seed

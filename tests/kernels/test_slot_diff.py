@@ -77,7 +77,7 @@ def _brute(ids, slot_map, pos, block_size, c_width=None):
 
 @pytest.mark.parametrize("b,h,s,n,block_size,width", [(3, 2, 5, 9, 16, None), (2, 3, 12, 40, 8, None),
                                                       (1, 1, 1, 4, 4, None), (2, 2, 11, 40, 8, 6),
-                                                      (3, 1, 20, 60, 4, 9)])
+                                                      (3, 1, 20, 60, 4, 9), (2, 3, 7, 30, 8, 1)])
 def test_slot_diff_kernel_matches_twin_and_brute_force(b, h, s, n, block_size, width, fresh_seed):
     """Every output of the kernel and the twin equals the brute force, with spare slots
     (``width < S``: the selection is narrower than the slot buffer) and without, and the
