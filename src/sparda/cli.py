@@ -110,8 +110,9 @@ def model_options(func):
                      help="Block-sparse methods: select blocks in prefill too, or prefill densely and "
                           "select in decode only [default: dense at --preset small, block-sparse at paper]."),
         click.option("--slot-factor", "slot_factor", type=click.FloatRange(1.0), default=None,
-                     help="Offloaded cache: GPU slots per selected block; the spare ones keep blocks that "
-                          "left the selection, so one that returns is not copied again (design §6) [default: 1.5]."),
+                     help="Offloaded cache: GPU slots per block of the widest selection (dense-fallback prefix "
+                          "included); the spare ones keep blocks that left the selection, so one that returns "
+                          "is not copied again (design §6) [default: 1.5]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
         click.option("--dense-heads", "dense_heads", default=None, callback=_dense_heads_option,
@@ -573,7 +574,8 @@ def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_head
               help="KV-cache storage of every point: bf16 (the model dtype) or int8/int4 quantised per token and "
                    "head (docs/kv_quant.md); records carry kv_dtype, memory checks count its bytes [default: bf16].")
 @click.option("--slot-factor", "slot_factor", type=click.FloatRange(1.0), default=None,
-              help="Offloaded methods: GPU slots per selected block (design §6); records carry slot_factor [default: 1.5].")
+              help="Offloaded methods: GPU slots per block of the widest selection (design §6); records carry "
+                   "slot_factor [default: 1.5].")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
 @click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")
 def bench_cmd(quick, record_trace, **opts):
