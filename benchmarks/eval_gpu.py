@@ -4,7 +4,7 @@ Usage (from the repository root, on a CUDA machine):
 
     python3 benchmarks/eval_gpu.py OUT [--time-budget-s 550] [--commit SHA] [--model GGUF]
 
-Three plans run in order, all resumable (``results.jsonl`` per finished sample), sharing
+The plans run in order, all resumable (``results.jsonl`` per finished sample), sharing
 one time budget measured from the start of this call:
 
 1. ``OUT/main``: every generation task plus ``selection`` at 2,048 / 4,096 / 7,680 tokens,
@@ -15,14 +15,20 @@ one time budget measured from the start of this call:
    ``small`` preset's dense fallback, so ppl would equal dense's);
 3. ``OUT/budget``: the budget sweep, ``passkey`` (30 samples) and ``ppl`` (8 windows)
    at 7,680 tokens for sparse, sparda and oracle at 5, 10, 17, 25 and 50 % of the context
-   (dense once, as the reference).
+   (dense once, as the reference);
+4. ``kvquant`` (issue #14), ``OUT/kv-<dtype>`` for KV-cache dtypes bf16, int8 and int4:
+   ``passkey`` (30 samples) at 7,680 tokens and ``ppl-decode`` (16 windows, their last 512
+   tokens fed through decode, against dense over an unquantised cache) at 4,096 and 7,680
+   tokens, for sparda and dense (:func:`kvquant_plans`).
 
 Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
 prints a short table. When the budget runs out the plans stop between batches; copy
 ``OUT`` back, and the next call with the same ``OUT`` continues where this one stopped.
 ``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/accuracy.md``.
-Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--estimate`` prints
-the work of the plans and a run-time estimate without loading a model.
+Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--plans`` runs only some
+(``--plans kvquant`` adds the KV-dtype directories to an ``OUT`` whose other plans are
+done); ``--estimate`` prints the work of the plans and a run-time estimate, in all and per
+plan, without loading a model.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ TASKS = ("passkey", "passkey-synth", "niah-single", "niah-multikey", "niah-multi
 METHODS = ("dense", "sparse", "oracle", "sparda", "sparda-random", "infinigen")
 SWEEP_METHODS = ("dense", "sparse", "sparda", "oracle")
 BUDGETS = (5.0, 10.0, 17.0, 25.0, 50.0)
+KV_DTYPES = ("bf16", "int8", "int4")
+KV_METHODS = ("dense", "sparda")
 
 
 def _csv(kind):
@@ -72,17 +80,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-lengths", type=_csv(int), default=(7680,))
     p.add_argument("--budgets", type=_csv(float), default=BUDGETS)
     p.add_argument("--sweep-ppl-windows", type=int, default=8)
+    p.add_argument("--kv-dtypes", type=_csv(str), default=KV_DTYPES, help="kvquant: KV-cache dtypes [bf16,int8,int4]")
+    p.add_argument("--kv-methods", type=_csv(str), default=KV_METHODS, help="kvquant: methods [dense,sparda]")
+    p.add_argument("--kv-lengths", type=_csv(int), default=(7680,), help="kvquant: passkey lengths [7680]")
+    p.add_argument("--kv-ppl-lengths", type=_csv(int), default=(4096, 7680), help="kvquant: ppl-decode lengths")
+    p.add_argument("--decode-tokens", type=int, default=512, help="kvquant: tokens of each window fed through decode")
+    p.add_argument("--plans", type=_csv(str), default=None,
+                   help="run only these plans (main, ppl, budget, kvquant, or a full name such as kvquant-int8) "
+                        "[default: all]")
     p.add_argument("--estimate", action="store_true", help="print the plans' work and a time estimate, run nothing")
     return p.parse_args(argv)
 
 
 def plans(args) -> list[tuple[str, EvalPlan]]:
-    """The three plans of this run, named."""
+    """The plans of this run, named (those ``--plans`` selects)."""
     out = Path(args.out)
     common = dict(model=args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                   ppl_windows=args.ppl_windows)
     gen = tuple(t for t in args.tasks if t != "ppl")
-    return [
+    return selected(args, [
         ("main", EvalPlan(tasks=gen, methods=args.methods, lengths=args.lengths, samples=args.samples,
                           out=str(out / "main"), **common)),
         ("ppl", EvalPlan(tasks=("ppl",), methods=args.methods, lengths=args.ppl_lengths, samples=args.samples,
@@ -90,7 +106,39 @@ def plans(args) -> list[tuple[str, EvalPlan]]:
         ("budget", EvalPlan(tasks=("passkey", "ppl"), methods=args.sweep_methods, lengths=args.sweep_lengths,
                             samples=args.samples, budgets=args.budgets, out=str(out / "budget"),
                             **{**common, "ppl_windows": args.sweep_ppl_windows})),
-    ]
+    ] + kvquant_plans(args))
+
+
+def selected(args, named: list[tuple[str, EvalPlan]]) -> list[tuple[str, EvalPlan]]:
+    """The plans of ``named`` that ``--plans`` asks for (a plan's full name, or its first
+    ``-`` part: ``kvquant`` selects ``kvquant-int8-decode``); all without ``--plans``.
+    Raises SpardaError for a name that selects nothing."""
+    if args.plans is None:
+        return named
+    unknown = [n for n in args.plans if not any(n in (name, name.split("-")[0]) for name, _ in named)]
+    if unknown:
+        raise SpardaError(f"--plans {','.join(unknown)} selects no plan; choose from "
+                          f"{', '.join(dict.fromkeys(name.split('-')[0] for name, _ in named))}")
+    return [(name, plan) for name, plan in named if {name, name.split("-")[0]} & set(args.plans)]
+
+
+def kvquant_plans(args) -> list[tuple[str, EvalPlan]]:
+    """Issue #14's accuracy per KV-cache dtype: for each of ``--kv-dtypes`` the directory
+    ``OUT/kv-<dtype>`` (the dtype is part of a plan's fingerprint) holds two plans, ``passkey``
+    at ``--kv-lengths`` (``--samples``) and ``ppl-decode`` at ``--kv-ppl-lengths``
+    (``--ppl-windows`` windows, ``--decode-tokens`` decoded), for ``--kv-methods``. Raises
+    SpardaError for an unknown dtype."""
+    from sparda.kernels.quant import check_kv_dtype
+
+    out = Path(args.out)
+    plans = []
+    for kv in args.kv_dtypes:
+        common = dict(methods=args.kv_methods, samples=args.samples, out=str(out / f"kv-{check_kv_dtype(kv)}"),
+                      model=args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+                      ppl_windows=args.ppl_windows, kv_dtype=kv, decode_tokens=args.decode_tokens)
+        plans += [(f"kvquant-{kv}", EvalPlan(tasks=("passkey",), lengths=args.kv_lengths, **common)),
+                  (f"kvquant-{kv}-decode", EvalPlan(tasks=("ppl-decode",), lengths=args.kv_ppl_lengths, **common))]
+    return plans
 
 
 def _commit(given: str | None) -> str:
@@ -126,22 +174,39 @@ GPU_S = dict(dense_prefill_per_ktok=0.0075, sparse_prefill_per_ktok=0.21, decode
 PREFILL_FACTOR = {"dense": 1.0, "sparse": 1.1, "oracle": 1.0, "sparda": 1.3, "sparda-random": 1.5,
                   "infinigen": 2.1}
 PPL_FACTOR = {"sparse": 1.0, "oracle": 1.4, "sparda": 0.9, "sparda-random": 0.8, "infinigen": 0.8}
+#: decode step time under a quantised KV cache relative to bf16: a guess (docs/kv_quant.md measured
+#: +12-13 % of kernel time for offloaded sparda; on-device dense dequantises every viewed token per
+#: layer and step, ~2 ms more per step at 7.7K x 16 rows)
+KV_DECODE_FACTOR = {"bf16": 1.0, "int8": 1.5, "int4": 1.5}
 #: decode tokens per sample (answer budgets of the task generators; EOS usually stops earlier)
 NEW_TOKENS = {"passkey": 16, "passkey-synth": 16, "niah-single": 24, "niah-multikey": 24, "niah-multivalue": 72,
               "niah-multiquery": 40, "vt": 48, "cwe": 96, "fwe": 40}
 
 
 def estimate(args) -> dict:
-    """Work of the plans (prompts prefilled, decode steps of batches, ppl prefills) and the
-    seconds :data:`GPU_S` predicts for them: an upper-end figure (every batch decodes its
-    full answer budget)."""
-    seconds, work = 0.0, {"prefills": 0, "batches": 0, "ppl_prefills": 0}
+    """Work of the plans (prompts prefilled, decode steps of batches, ppl prefills, ppl-decode
+    steps) and the seconds :data:`GPU_S` predicts for them, in all and per plan (``plans``):
+    an upper-end figure (every batch decodes its full answer budget; model loads not counted)."""
+    seconds, work, per_plan = 0.0, {"prefills": 0, "batches": 0, "ppl_prefills": 0, "decode_steps": 0}, {}
     for name, plan in plans(args):
+        before = seconds
         specs = [(m, b) for m in plan.methods for b in ([None] if m == "dense" or not plan.budgets else plan.budgets)]
+        step = GPU_S["decode_step"] * KV_DECODE_FACTOR.get(plan.kv_dtype, 1.0)
         for length in plan.lengths:
             ktok = length / 1000
             for task in plan.tasks:
-                if task == "ppl":
+                if task == "ppl-decode":  # per batch of windows: the dense reference, then each spec
+                    batches = -(-plan.ppl_windows // plan.batch_size)
+                    seconds += plan.ppl_windows * GPU_S["dense_prefill_per_ktok"] * ktok
+                    work["ppl_prefills"] += plan.ppl_windows
+                    for method, _ in specs:
+                        prefix = (length - plan.decode_tokens) / 1000
+                        seconds += plan.ppl_windows * GPU_S["dense_prefill_per_ktok"] * prefix * PREFILL_FACTOR.get(method, 1)
+                        seconds += batches * (plan.decode_tokens * step + GPU_S["capture"])
+                        work["prefills"] += plan.ppl_windows
+                        work["batches"] += batches
+                        work["decode_steps"] += batches * plan.decode_tokens
+                elif task == "ppl":
                     for method, _ in specs:
                         cost = GPU_S["dense_prefill_per_ktok" if method == "dense" else "sparse_prefill_per_ktok"]
                         seconds += plan.ppl_windows * cost * ktok * PPL_FACTOR.get(method, 1.0)
@@ -153,10 +218,11 @@ def estimate(args) -> dict:
                     batches = -(-plan.samples // plan.batch_size)
                     for method, _ in specs:
                         seconds += plan.samples * GPU_S["dense_prefill_per_ktok"] * ktok * PREFILL_FACTOR.get(method, 1)
-                        seconds += batches * (NEW_TOKENS.get(task, 32) * GPU_S["decode_step"] + GPU_S["capture"])
+                        seconds += batches * (NEW_TOKENS.get(task, 32) * step + GPU_S["capture"])
                         work["prefills"] += plan.samples
                         work["batches"] += batches
-    return {**work, "seconds": round(seconds)}
+        per_plan[name] = round(seconds - before, 1)
+    return {**work, "seconds": round(seconds), "plans": per_plan}
 
 
 def _summary_table(out: Path) -> str:
@@ -189,13 +255,48 @@ def _summary_table(out: Path) -> str:
                 cell = "-" if kl is None else f"{kl:.4f}"
                 row += f" {cell:>9}"
             lines.append(row)
-    return "\n".join(lines)
+    return "\n".join(lines + _kv_summary_lines(out))
+
+
+def _kv_summary_lines(out: Path) -> list[str]:
+    """The ``kvquant`` directories' rows: passkey accuracy and decode KL / top-1 agreement
+    against dense per method, one block per KV dtype."""
+    lines = []
+    for sub in sorted(out.glob("kv-*")):
+        res, prog = sub / "results.json", sub / "progress.json"
+        if not res.is_file():
+            continue
+        agg = json.loads(res.read_text())
+        progress = json.loads(prog.read_text()) if prog.is_file() else {}
+        lines.append(f"== {sub.name}: {'complete' if progress.get('complete') else 'INCOMPLETE'} "
+                     f"({progress.get('done')} of {progress.get('planned')} records of its last plan)")
+        decode = agg.get("ppl_decode", {})
+        lengths = sorted({int(n) for row in decode.values() for n in row})
+        pk_lengths = sorted({int(n) for row in agg["by_length"].values() for n in row.get("passkey", {})})
+        lines.append(f"{'method':<16}" + "".join(f" {'passkey@' + str(n):>18}" for n in pk_lengths) +
+                     "".join(f" {'dKL@' + str(n):>10} {'top1@' + str(n):>10}" for n in lengths))
+        for label in sorted(set(agg["by_length"]) | set(decode)):
+            row = f"{label:<16}"
+            for n in pk_lengths:
+                pk = agg["by_length"].get(label, {}).get("passkey", {}).get(str(n))
+                cell = f"{100 * pk['mean']:5.1f} (n={pk['n']})" if pk else "-"
+                row += f" {cell:>18}"
+            for n in lengths:
+                m = decode.get(label, {}).get(str(n))
+                kl, top1 = ("-", "-") if m is None else (f"{m['kl']:.5f}", f"{100 * m['top1_agreement']:.1f}")
+                row += f" {kl:>10} {top1:>10}"
+            lines.append(row)
+    return lines
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.estimate:
-        print(json.dumps(estimate(args), indent=1))
+        try:
+            print(json.dumps(estimate(args), indent=1))
+        except SpardaError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         return 0
     started, start_utc = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
     out = Path(args.out)

@@ -357,13 +357,16 @@ def _csv(kind):
 
 @main.command("eval")
 @click.option("--tasks", callback=_csv(str), help="Comma-separated tasks (passkey, passkey-synth, niah-single, "
-              "niah-single-synth, niah-multikey, niah-multivalue, niah-multiquery, vt, cwe, fwe, ppl, selection).")
+              "niah-single-synth, niah-multikey, niah-multivalue, niah-multiquery, vt, cwe, fwe, ppl, ppl-decode, selection).")
 @click.option("--methods", callback=_csv(str), help="Comma-separated registered methods [default: all; --quick: dense,sparse,oracle,sparda].")
 @click.option("--lengths", callback=_csv(int), help="Comma-separated prompt lengths in tokens.")
 @click.option("--samples", type=int, default=None, help="Samples per task and length.")
 @click.option("--budgets", callback=_csv(float), help="KV budgets in % of the context for non-dense methods.")
 @click.option("--depths", callback=_csv(float), help="Needle depths 0-1, cycled over samples.")
-@click.option("--ppl-windows", type=int, default=None, help="Held-out text windows per length for ppl.")
+@click.option("--ppl-windows", type=int, default=None, help="Held-out text windows per length for ppl and ppl-decode.")
+@click.option("--decode-tokens", type=int, default=None,
+              help="Last tokens of each ppl-decode window fed one decode step at a time, against dense "
+                   "[default: 256].")
 @click.option("--out", required=True, help="Output directory (rerun with the same one to resume).")
 @click.option("--quick", is_flag=True, help="CPU-sized subset (2.5K tokens, 2 samples, < 10 min on 2 cores).")
 @click.option("--text", default=None, help="UTF-8 text file for haystacks and ppl [default: held-out Emma].")

@@ -3,7 +3,8 @@
 The page holds: how ``sparda eval`` measures (fixed text), the run's device, dates,
 commits, commands and wall time (``OUT/calls.json``), issue #12's criteria evaluated on
 the records with their intervals, then the reports of ``OUT/main`` and ``OUT/budget``
-(:func:`sparda.eval.report.markdown`) with their plots copied beside the page.
+(:func:`sparda.eval.report.markdown`) with their plots copied beside the page, then the
+KV-cache dtype section from ``OUT/kv-<dtype>`` (:func:`kv_section`; "not run" without them).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import shutil
 from pathlib import Path
 
 from sparda.errors import SpardaError
-from sparda.eval.report import aggregate, markdown, paired_difference
+from sparda.config import KV_DTYPES
+from sparda.eval.report import PPL_DECODE, aggregate, markdown, paired_difference
 from sparda.eval.runner import load_results
+from sparda.eval.stats import bootstrap_ratio
 from sparda.io import atomic_write
 
 INTRO = """# Accuracy and selection quality (`sparda eval`, design §8)
@@ -40,7 +43,7 @@ metrics carry a bootstrap interval over windows.
 
 **Prefill.** At the `small` preset the generation tasks prefill densely and select in decode
 (the default since issue #12); `ppl` scores prefill logits, so it always runs block-sparse
-prefill.
+prefill; `ppl-decode` prefills as the generation tasks do and scores decode steps.
 
 | task | what | scoring |
 |---|---|---|
@@ -53,6 +56,7 @@ prefill.
 | `cwe` | 10 most common words of a numbered list | fraction found |
 | `fwe` | 3 most frequent words of a Zipf(2) text | fraction found |
 | `ppl` | perplexity, next-token top-1 agreement and KL(dense‖method) on held-out text, second half of each window | — |
+| `ppl-decode` | the same on the last `--decode-tokens` of each window, fed one decode step at a time (teacher-forced: selection, offload, dense heads, KV cache dtype as served); reference: dense over an unquantised cache | — |
 | `selection` | free top-k recall vs `sparse` and `oracle`, attention mass covered | — |
 
 Block hit rate: for offloaded methods (`sparda` on CUDA) the offload runtime's count of
@@ -121,6 +125,106 @@ def criteria(main: list[dict], budget: list[dict]) -> list[str]:
     return rows
 
 
+#: issue #14's accuracy criterion: sparda's int8 decode KL at most this many times its bf16 KL
+KV_KL_RATIO = 1.2
+
+
+def _kv_runs(out: Path) -> dict[str, list[dict]]:
+    """``kv_dtype -> records`` of the ``OUT/kv-<dtype>`` directories that hold any."""
+    runs = {kv: load_results(Path(out) / f"kv-{kv}" / "results.jsonl") for kv in KV_DTYPES}
+    return {kv: records for kv, records in runs.items() if records}
+
+
+def _kl_ratio(runs: dict[str, list[dict]], kv: str, label: str, length: int) -> tuple | None:
+    """``(ratio, low, high, n)``: ``label``'s mean ``ppl-decode`` KL under ``kv`` over its mean
+    under bf16 on the windows both scored (paired bootstrap 95 %,
+    :func:`~sparda.eval.stats.bootstrap_ratio`), or ``None`` without such windows."""
+    def kl(records):
+        return {r["sample"]: r["kl"] for r in records
+                if r["task"] == PPL_DECODE and r["label"] == label and r["length"] == length}
+
+    quant, base = kl(runs.get(kv, [])), kl(runs.get("bf16", []))
+    common = sorted(set(quant) & set(base))
+    if not common or sum(base[i] for i in common) <= 0:
+        return None
+    return (*bootstrap_ratio([quant[i] for i in common], [base[i] for i in common]), len(common))
+
+
+def _ratio_cell(r) -> str:
+    """``ratio [low, high]`` of :func:`_kl_ratio` (3 decimals; 3 significant digits from 100 up)."""
+    if r is None:
+        return "–"
+    fmt = lambda x: f"{x:.3f}" if abs(x) < 100 else f"{x:.3g}"
+    return f"{fmt(r[0])} [{fmt(r[1])}, {fmt(r[2])}]"
+
+
+def kv_section(out: Path) -> list[str]:
+    """Markdown lines of the KV-cache dtype section (issue #14) from ``OUT/kv-<dtype>``:
+    its criterion row per ``ppl-decode`` length, passkey accuracy per method x dtype
+    (Wilson 95 %), and per method x dtype x length the decode-time perplexity, top-1
+    agreement and KL against dense (bootstrap 95 % over windows) with the KL's ratio to
+    the same method's under bf16. "Not run" rows where the directories are absent."""
+    runs = _kv_runs(out)
+    lines = ["", "## KV-cache dtype (`kvquant`, issue #14)", "",
+             "`OUT/kv-<dtype>` (plan `kvquant` of `benchmarks/eval_gpu.py`): every method's K/V stored as bf16, "
+             "int8 or int4 (docs/kv_quant.md). Passkey with its Wilson 95 % interval; `ppl-decode` (the last tokens "
+             "of each held-out window fed one decode step at a time) against dense over an **unquantised** cache, "
+             "so `dense` under int8/int4 shows the quantisation alone and every row the cost as served. "
+             "KL ratio: the method's mean KL under that dtype over its mean under bf16 on the same windows, with a "
+             "paired bootstrap 95 % interval (windows resampled, 10,000 resamples, seed 0). `dense` under bf16 is "
+             "the decode path's own numerical floor (decode kernels against one full forward), so `dense`'s ratios "
+             "only say how far above that floor quantisation lies.", "",
+             "| criterion | measured | met (point estimate) |", "|---|---|---|"]
+    name = f"`sparda` int8 decode KL to dense within {KV_KL_RATIO:g}x of bf16's"
+    lengths = sorted({r["length"] for rs in runs.values() for r in rs if r["task"] == PPL_DECODE})
+    if not runs:
+        lines += [f"| {name} | not run | – |", "", "Not run: this output has no `kv-<dtype>/` directories "
+                  "(`python3 benchmarks/eval_gpu.py OUT --plans kvquant`)."]
+        return lines
+    for length in lengths or [None]:
+        r = None if length is None else _kl_ratio(runs, "int8", "sparda", length)
+        if r is None:
+            lines.append(f"| {name}{f' @{length}' if length else ''} | no sparda `ppl-decode` windows under both "
+                         "bf16 and int8 | – |")
+            continue
+        lines.append(f"| {name} @{length} | int8 / bf16 = {_ratio_cell(r)} (n={r[3]} windows) | "
+                     f"{'yes' if r[0] <= KV_KL_RATIO else '**no**'} |")
+    for kv in KV_DTYPES:
+        progress = Path(out) / f"kv-{kv}" / "progress.json"
+        if kv in runs and progress.is_file() and not json.loads(progress.read_text()).get("complete"):
+            p = json.loads(progress.read_text())
+            lines += ["", f"**`kv-{kv}` is incomplete**: {p.get('done')} of {p.get('planned')} records of its last "
+                      "plan; the tables show what exists."]
+    aggs = {kv: aggregate(records) for kv, records in runs.items()}
+    labels = sorted({lab for a in aggs.values() for lab in (*a["by_length"], *a.get("ppl_decode", {}))},
+                    key=lambda lab: (lab != "dense", lab))
+    pk_lengths = sorted({r["length"] for rs in runs.values() for r in rs if r["task"] == "passkey"})
+    dtypes = [kv for kv in KV_DTYPES if kv in runs]
+    for length in pk_lengths:
+        lines += ["", f"### Passkey @{length} per KV dtype (%, Wilson 95 %)", "",
+                  "| method | " + " | ".join(dtypes) + " |", "|---" * (len(dtypes) + 1) + "|"]
+        for label in labels:
+            cells = [aggs[kv]["by_length"].get(label, {}).get("passkey", {}).get(str(length)) for kv in dtypes]
+            lines.append(f"| {label} | " + " | ".join(_acc(c) for c in cells) + " |")
+    if lengths:
+        lines += ["", "### Decode-time agreement with dense per KV dtype (`ppl-decode`)", "",
+                  "| method | KV dtype | length | ppl | dense ppl | top-1 agreement % | KL(dense‖method) nats "
+                  "| KL / bf16's | windows |", "|---|---|---|---|---|---|---|---|---|"]
+        for label in labels:
+            for kv in dtypes:
+                for length in lengths:
+                    m = aggs[kv].get("ppl_decode", {}).get(label, {}).get(str(length))
+                    if m is None:
+                        continue
+                    ratio = "1 (reference)" if kv == "bf16" else _ratio_cell(_kl_ratio(runs, kv, label, length))
+                    agree = "" if m["agreement_low"] is None else \
+                        f" [{100 * m['agreement_low']:.1f}, {100 * m['agreement_high']:.1f}]"
+                    kl = "" if m["kl_low"] is None else f" [{m['kl_low']:.3g}, {m['kl_high']:.3g}]"
+                    lines.append(f"| {label} | {kv} | {length} | {m['ppl']:.3f} | {m['dense_ppl']:.3f} | "
+                                 f"{100 * m['top1_agreement']:.1f}{agree} | {m['kl']:.3g}{kl} | {ratio} | {m['n']} |")
+    return lines
+
+
 def _shift(md: str) -> str:
     """Report headings one level down (``###`` -> ``####``), to nest under the page's."""
     return "\n".join("#" + line if line.startswith("###") else line for line in md.splitlines())
@@ -163,6 +267,9 @@ def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
             target.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, target / png.name)
             lines += [f"![{png.name}]({plot_dir}/{name}/{png.name})", ""]
+    while lines[-1] == "":
+        lines.pop()
+    lines += kv_section(out)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -2,7 +2,8 @@
 
 * task scoring: exact match, contains, fraction of expected items found;
 * logit comparison against dense attention: perplexity, next-token top-1 agreement,
-  KL(dense || method);
+  KL(dense || method), summed over positions (:func:`compare_logits`) or per position
+  (:func:`logit_terms`);
 * budgets given as a percentage of the context, mapped onto ``topk_blocks`` (design §3.4);
 * block hit rate in decode: for offloaded methods the offload runtime's own count
   (:func:`runtime_hit_rate`), for on-device ones the step-to-step overlap of the
@@ -54,15 +55,36 @@ def score(sample, completion: str) -> float:
 
 
 @torch.no_grad()
+def logit_terms(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position terms behind perplexity, agreement and KL, in float64 on the logits' device.
+
+    Args:
+        logits: ``[N, V]`` next-token logits of the method (any float dtype).
+        reference: ``[N, V]`` dense-attention logits of the same tokens.
+        targets: ``[N]`` int64, the true next token at each position.
+    Returns:
+        ``[N]`` float64 tensors: ``nll`` (nats, method), ``ref_nll`` (nats, dense),
+        ``agree`` (1.0 where the method's argmax equals dense's), ``kl``
+        (``KL(dense || method)`` in nats). No host sync (usable inside a decode loop).
+    """
+    lp = torch.log_softmax(logits.double(), -1)
+    ref = torch.log_softmax(reference.double(), -1)
+    tgt = targets.view(-1, 1)
+    return {"nll": -lp.gather(-1, tgt)[:, 0], "ref_nll": -ref.gather(-1, tgt)[:, 0],
+            "agree": (lp.argmax(-1) == ref.argmax(-1)).double(), "kl": (ref.exp() * (ref - lp)).sum(-1)}
+
+
+@torch.no_grad()
 def compare_logits(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor,
                    chunk: int = 1024) -> dict[str, float]:
-    """Sums over positions of the quantities behind perplexity, agreement and KL.
+    """Sums over positions of the quantities behind perplexity, agreement and KL
+    (:func:`logit_terms`, ``chunk`` positions at a time).
 
     Args:
         logits: ``[T, V]`` next-token logits of the method (any float dtype).
         reference: ``[T, V]`` dense-attention logits of the same tokens.
         targets: ``[T]`` int64, the true next token at each position.
-        chunk: positions processed at once (bounds memory: ``chunk x V`` fp32).
+        chunk: positions processed at once (bounds memory: ``chunk x V`` fp64).
     Returns:
         ``positions``, ``nll_sum`` (nats, method), ``ref_nll_sum`` (nats, dense),
         ``agree_sum`` (positions whose argmax equals dense's), ``kl_sum``
@@ -77,13 +99,8 @@ def compare_logits(logits: torch.Tensor, reference: torch.Tensor, targets: torch
     out = {"positions": int(targets.shape[0]), "nll_sum": 0.0, "ref_nll_sum": 0.0, "agree_sum": 0.0, "kl_sum": 0.0}
     for start in range(0, targets.shape[0], chunk):
         sl = slice(start, start + chunk)
-        lp = torch.log_softmax(logits[sl].double(), -1)
-        ref = torch.log_softmax(reference[sl].double(), -1)
-        tgt = targets[sl].view(-1, 1)
-        out["nll_sum"] -= lp.gather(-1, tgt).sum().item()
-        out["ref_nll_sum"] -= ref.gather(-1, tgt).sum().item()
-        out["agree_sum"] += (lp.argmax(-1) == ref.argmax(-1)).sum().item()
-        out["kl_sum"] += (ref.exp() * (ref - lp)).sum().item()
+        for name, term in logit_terms(logits[sl], reference[sl], targets[sl]).items():
+            out[f"{name}_sum"] += term.sum().item()
     return out
 
 

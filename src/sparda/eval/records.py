@@ -1,6 +1,7 @@
 """What one unit of ``sparda eval`` work measures (design §8): a batch of generation
 samples of one task x length through one method, one perplexity window through every
-method, or one selection report. Each returns (or yields) the records that
+method, a batch of perplexity windows decoded token by token through every method
+(``ppl-decode``), or one selection report. Each returns (or yields) the records that
 :mod:`sparda.eval.runner` journals.
 """
 
@@ -15,6 +16,8 @@ from sparda.errors import SpardaError
 
 #: the pseudo-task that measures perplexity / agreement / KL against dense
 PPL = "ppl"
+#: the pseudo-task that measures the same against dense in decode, teacher-forced (:func:`ppl_decode_records`)
+PPL_DECODE = "ppl-decode"
 #: the pseudo-task that reports selection recall through :mod:`sparda.eval.selection`
 SELECTION = "selection"
 
@@ -105,17 +108,20 @@ def ppl_records(models, todo: list, text_ids: list[int], length: int, index: int
     """Yield the logit metrics of each spec in ``todo`` against dense on one window of
     ``length`` tokens (:func:`ppl_window`); positions in the second half of the window are
     scored (where sparsity can act). Every method prefills block-sparsely here (``ppl``
-    scores prefill logits). Metrics: :func:`~sparda.eval.metrics.compare_logits`."""
+    scores prefill logits). The reference is dense attention over an unquantised KV cache
+    (``models.reference``), whatever the plan's ``kv_dtype``. Metrics:
+    :func:`~sparda.eval.metrics.compare_logits`."""
     from sparda.eval.metrics import compare_logits, perplexity
 
     ids = ppl_window(text_ids, length, seed)
     first = length // 2
     targets = torch.tensor(ids[first + 1:], device=models.base.device)
-    reference = models.base.logits(ids[:-1])[first:]
+    reference = models.reference.logits(ids[:-1])[first:]
     for spec in todo:
         llm, _, topk = models.get(spec, length, sparse_prefill=True)
         start = time.perf_counter()
-        logits = reference if spec.method == "dense" else llm.logits(ids[:-1])[first:]
+        same = spec.method == "dense" and llm.kv_dtype == models.reference.kv_dtype
+        logits = reference if same else llm.logits(ids[:-1])[first:]
         m = compare_logits(logits, reference, targets)
         n = m["positions"]
         yield dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topk_blocks=topk,
@@ -125,6 +131,108 @@ def ppl_records(models, todo: list, text_ids: list[int], length: int, index: int
                    seconds=round(time.perf_counter() - start, 3),
                    prefill="dense" if spec.method == "dense" else "block-sparse")
         del logits
+
+
+@torch.inference_mode()
+def teacher_forced_terms(llm, windows: list[list[int]], prefix: int, reference: torch.Tensor,
+                         targets: torch.Tensor) -> dict[str, list[float]]:
+    """Feed held-out windows through ``llm``'s decode path and sum, per window, the logit
+    terms of every decode step against ``reference`` (:func:`~sparda.eval.metrics.logit_terms`).
+
+    All windows share one KV cache of ``B`` rows (``llm.new_cache``: on the device or
+    offloaded, in ``llm.kv_dtype``): each row prefills its window's first ``prefix`` tokens
+    (``llm.prefill``, the method's prefill mode), then every row feeds its next true token
+    (teacher forcing) through the same decode steps ``LLM.generate`` runs (the
+    :class:`~sparda.engine.graph_runner.DecodeRunner`: on CUDA captured graphs, the fused
+    decode step, selection, offload and the quantised cache). Step ``t`` feeds token
+    ``prefix + t`` at that position and is scored on predicting token ``prefix + t + 1``.
+
+    Args:
+        llm: a :class:`sparda.LLM`.
+        windows: ``B`` lists of ``L + 1`` token ids each (same ``L``).
+        prefix: prompt tokens prefilled (``1 <= prefix < L``); ``D = L - prefix`` decode steps.
+        reference: ``[B, D, V]`` reference logits at positions ``prefix .. L - 1`` (device).
+        targets: ``[B, D]`` int64, ``windows[b][prefix + 1:]`` (device).
+    Returns:
+        ``nll``, ``ref_nll``, ``agree``, ``kl``: ``B`` sums over the ``D`` steps (nats; agree
+        counts positions). Sums stay on the device until the end (no per-step host sync).
+    """
+    from sparda.eval.metrics import logit_terms
+
+    batch, steps = targets.shape
+    length = prefix + steps
+    feed = torch.tensor([ids[prefix:length] for ids in windows], device=llm.device)  # [B, D]
+    cache = llm.new_cache(batch, length)
+    llm.method.reset()
+    for row, ids in enumerate(windows):
+        llm.prefill(cache, row, ids[:prefix])
+    run = llm.runner(cache)
+    run.load(feed[:, 0], torch.full((batch,), prefix, dtype=torch.long, device=llm.device))
+    sums = {name: torch.zeros(batch, dtype=torch.float64, device=llm.device)
+            for name in ("nll", "ref_nll", "agree", "kl")}
+    for t in range(steps):
+        logits = run.step(prefix + t + 1)  # a graph's static output: read before the next step
+        for name, term in logit_terms(logits, reference[:, t], targets[:, t]).items():
+            sums[name] += term
+        if t + 1 < steps:
+            run.tokens.copy_(feed[:, t + 1])
+            run.positions.add_(1)
+    return {name: value.tolist() for name, value in sums.items()}
+
+
+def ppl_decode_records(models, todo: dict[int, list], text_ids: list[int], length: int, seeds: dict[int, int],
+                       decode_tokens: int):
+    """Yield the decode-time logit metrics against dense of a batch of perplexity windows
+    (``ppl-decode``, design §8): window ``i`` through each spec of ``todo[i]``.
+
+    Window ``i`` is :func:`ppl_window` of ``seeds[i]`` (the windows of ``ppl``); its first
+    ``length - decode_tokens`` tokens are prefilled in the plan's prefill mode (as in the
+    generation tasks), the last ``decode_tokens`` are fed one decode step at a time
+    (:func:`teacher_forced_terms`, one batch per spec) and every step's logits are
+    compared with the reference: dense attention over an unquantised KV cache, one full
+    forward of the window (``models.reference``, whatever the plan's ``kv_dtype``;
+    computed once for the batch). So the records carry the cost of the decode path as
+    served: selection, offload, dense heads and the KV cache's storage; ``dense`` itself
+    measures the decode path's numerics and, under ``kv_dtype`` int8/int4, the
+    quantisation alone.
+
+    Memory: the reference holds ``B x decode_tokens x V`` fp32 logits on the device.
+    Records as ``ppl``'s, per window: ``positions`` (``decode_tokens``), ``ppl``,
+    ``dense_ppl``, ``top1_agreement`` (= ``score``), ``kl`` (nats per position), plus
+    ``prefix`` and ``kv_dtype``; ``seconds`` is the spec's batch time per window.
+    """
+    from sparda.eval.metrics import perplexity
+
+    indices = [i for i in todo if todo[i]]
+    windows = {i: ppl_window(text_ids, length, seeds[i]) for i in indices}
+    prefix = length - decode_tokens
+    device = models.base.device
+    reference = None
+    for row, i in enumerate(indices):  # one window's full logits at a time
+        logits = models.reference.logits(windows[i][:-1])
+        if reference is None:
+            reference = logits.new_empty(len(indices), decode_tokens, logits.shape[-1])
+        reference[row] = logits[prefix:]
+        del logits
+    specs = list(dict.fromkeys(spec for i in indices for spec in todo[i]))
+    for spec in specs:
+        rows = [row for row, i in enumerate(indices) if spec in todo[i]]
+        wanted = [indices[row] for row in rows]
+        llm, _, topk = models.get(spec, length)
+        targets = torch.tensor([windows[i][prefix + 1:] for i in wanted], device=device)
+        start = time.perf_counter()
+        sums = teacher_forced_terms(llm, [windows[i] for i in wanted], prefix, reference[rows], targets)
+        seconds = (time.perf_counter() - start) / len(wanted)
+        offloaded = bool(llm.config.offload) or getattr(llm.method, "offloaded", False)
+        n = decode_tokens
+        for b, i in enumerate(wanted):
+            yield dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topk_blocks=topk,
+                       **_budget_fields(llm, length), task=PPL_DECODE, length=length, sample=i, depth=None,
+                       seed=seeds[i], positions=n, prefix=prefix, ppl=perplexity(sums["nll"][b], n),
+                       dense_ppl=perplexity(sums["ref_nll"][b], n), top1_agreement=sums["agree"][b] / n,
+                       kl=sums["kl"][b] / n, score=sums["agree"][b] / n, seconds=round(seconds, 3),
+                       batch=len(wanted), kv_dtype=llm.kv_dtype, offload=offloaded,
+                       prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense")
 
 
 def selection_records(models, todo: list, length: int, index: int, seed: int) -> list[dict]:

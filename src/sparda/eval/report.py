@@ -15,7 +15,10 @@ from sparda.eval.stats import bootstrap_mean, wilson_interval
 from sparda.io import atomic_output, atomic_write
 
 PPL = "ppl"
+PPL_DECODE = "ppl-decode"
 SELECTION = "selection"
+#: pseudo-tasks whose records are not generation-task scores
+NOT_TASKS = (PPL, PPL_DECODE, SELECTION)
 
 
 def _mean(values) -> float | None:
@@ -78,7 +81,7 @@ def paired_difference(records: list[dict], a: str, b: str, task: str | None = No
     when no prompt was scored by both."""
     scores: dict = {}
     for r in records:
-        if r["task"] in (PPL, SELECTION) or r.get("score") is None or r["label"] not in (a, b):
+        if r["task"] in NOT_TASKS or r.get("score") is None or r["label"] not in (a, b):
             continue
         if (task is not None and r["task"] != task) or (length is not None and r["length"] != length):
             continue
@@ -88,6 +91,18 @@ def paired_difference(records: list[dict], a: str, b: str, task: str | None = No
         return None
     diff, low, high = bootstrap_mean([d for _, d in pairs], [k[:2] for k, _ in pairs], seed=0)
     return {"diff": diff, "low": low, "high": high, "n": len(pairs)}
+
+
+def _logit_metrics(records: list[dict]) -> dict:
+    """label -> length -> means of ppl, dense_ppl, top1_agreement, kl over the windows of
+    ``ppl`` or ``ppl-decode`` records, bootstrap 95 % intervals of agreement and KL, ``n``."""
+    out: dict = {}
+    for (label, length), rs in sorted(_group(records, "label", "length").items()):
+        m = {k: _mean(r[k] for r in rs) for k in ("ppl", "dense_ppl", "top1_agreement", "kl")} | {"n": len(rs)}
+        m["agreement_low"], m["agreement_high"] = _boot(r["top1_agreement"] for r in rs)
+        m["kl_low"], m["kl_high"] = _boot(r["kl"] for r in rs)
+        out.setdefault(label, {})[str(length)] = m
+    return out
 
 
 def aggregate(records: list[dict]) -> dict:
@@ -100,14 +115,13 @@ def aggregate(records: list[dict]) -> dict:
     (label -> task -> length -> the same), ``by_depth`` (label -> length -> depth -> the
     same over needle tasks), ``ppl`` (label -> length -> means of ppl, dense_ppl,
     top1_agreement, kl, with bootstrap 95 % intervals over windows of agreement and KL, and
-    ``n`` windows), ``selection``, ``efficiency`` (label -> mean kv_read_fraction,
+    ``n`` windows), ``ppl_decode`` (the same for ``ppl-decode``; only if it has records), ``selection``, ``efficiency`` (label -> mean kv_read_fraction,
     kv_bytes_read_per_token, host_bytes_copied_per_token, hit_rate, its sources,
     prefill_ms), ``budgets`` (method -> length -> budget % -> effective budget %, task
     accuracy, top-1 agreement, KL, ppl) and ``paired`` (rows of :func:`paired_difference`:
     ``a``, ``b``, ``scope`` ``all`` / a length / a task).
     """
-    tasks = [r for r in records if r["task"] not in (PPL, SELECTION)]
-    ppl = [r for r in records if r["task"] == PPL]
+    tasks = [r for r in records if r["task"] not in NOT_TASKS]
     out: dict = {"summary": {}, "accuracy": {}, "mean_accuracy": {}, "by_length": {}, "by_depth": {}, "ppl": {},
                  "efficiency": {}, "budgets": {}, "selection": {}, "paired": []}
     for (label, length), rs in sorted(_group([r for r in records if r["task"] == SELECTION], "label", "length").items()):
@@ -128,11 +142,10 @@ def aggregate(records: list[dict]) -> dict:
     needle = [r for r in tasks if r.get("depth") is not None]
     for (label, length, depth), rs in sorted(_group(needle, "label", "length", "depth").items()):
         out["by_depth"].setdefault(label, {}).setdefault(str(length), {})[str(depth)] = _acc(r["score"] for r in rs)
-    for (label, length), rs in sorted(_group(ppl, "label", "length").items()):
-        m = {k: _mean(r[k] for r in rs) for k in ("ppl", "dense_ppl", "top1_agreement", "kl")} | {"n": len(rs)}
-        m["agreement_low"], m["agreement_high"] = _boot(r["top1_agreement"] for r in rs)
-        m["kl_low"], m["kl_high"] = _boot(r["kl"] for r in rs)
-        out["ppl"].setdefault(label, {})[str(length)] = m
+    out["ppl"] = _logit_metrics([r for r in records if r["task"] == PPL])
+    decode = _logit_metrics([r for r in records if r["task"] == PPL_DECODE])
+    if decode:  # only where the task ran: results.json of older runs keeps its keys
+        out["ppl_decode"] = decode
     for (label,), rs in _group(tasks, "label").items():
         e = {k: _mean(r.get(k) for r in rs) for k in
              ("kv_read_fraction", "kv_bytes_read_per_token", "host_bytes_copied_per_token", "hit_rate", "prefill_ms")}
@@ -146,8 +159,8 @@ def aggregate(records: list[dict]) -> dict:
         pp = [r for r in rs if r["task"] == PPL]
         out["budgets"].setdefault(method, {}).setdefault(str(length), {})[str(budget)] = {
             "effective_pct": 100 * _mean(effective) if effective else None,
-            "accuracy": _acc(r["score"] for r in rs if r["task"] not in (PPL, SELECTION)),
-            "tasks": sorted({r["task"] for r in rs if r["task"] not in (PPL, SELECTION)}),
+            "accuracy": _acc(r["score"] for r in rs if r["task"] not in NOT_TASKS),
+            "tasks": sorted({r["task"] for r in rs if r["task"] not in NOT_TASKS}),
             "top1_agreement": _mean(r["top1_agreement"] for r in pp), "kl": _mean(r["kl"] for r in pp),
             "ppl": _mean(r["ppl"] for r in pp), "windows": len(pp)}
     labels = _labels(records)
@@ -192,8 +205,8 @@ def markdown(records: list[dict], agg: dict) -> str:
     95 % Wilson interval; paired differences with bootstrap intervals; perplexity /
     agreement / KL against dense; selection; efficiency; budget sweep."""
     labels = _labels(records)
-    tasks = sorted({r["task"] for r in records if r["task"] not in (PPL, SELECTION)})
-    lengths = sorted({r["length"] for r in records if r["task"] not in (PPL, SELECTION)})
+    tasks = sorted({r["task"] for r in records if r["task"] not in NOT_TASKS})
+    lengths = sorted({r["length"] for r in records if r["task"] not in NOT_TASKS})
     lines = [f"{len(records)} records. Scores in % (contains / fraction of expected items found); "
              "[low, high] is the 95 % Wilson interval (Wilson 1927; for fraction scores the mean score "
              "is taken as the proportion).", ""]
@@ -239,16 +252,18 @@ def markdown(records: list[dict], agg: dict) -> str:
         lines += ["", "| A − B | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
         for a, b in pairs:
             lines.append(f"| {a} − {b} | " + " | ".join(_diff_cell(by.get((a, b, t))) for t in tasks) + " |")
-    if agg["ppl"]:
-        lines += ["", "### Perplexity and agreement with dense (held-out text, second half of each window)", "",
-                  "Intervals: percentile bootstrap 95 % over windows (seed 0).", "",
-                  "| method | length | ppl | dense ppl | top-1 agreement % | KL(dense‖method) nats | windows |",
-                  "|---|---|---|---|---|---|---|"]
-        for label in labels:
-            for length, m in agg["ppl"].get(label, {}).items():
-                lines.append(f"| {label} | {length} | {_fmt(m['ppl'], False)} | {_fmt(m['dense_ppl'], False)} | "
-                             f"{_fmt(m['top1_agreement'])}{_ci(m.get('agreement_low'), m.get('agreement_high'))} | "
-                             f"{_fmt(m['kl'], False)}{_ci(m.get('kl_low'), m.get('kl_high'), False)} | {m['n']} |")
+    for key, title in (("ppl", "Perplexity and agreement with dense (held-out text, second half of each window)"),
+                       ("ppl_decode", "Decode-time perplexity and agreement with dense (`ppl-decode`: the last "
+                                      "tokens of each window fed one decode step at a time)")):
+        if agg.get(key):
+            lines += ["", f"### {title}", "", "Intervals: percentile bootstrap 95 % over windows (seed 0).", "",
+                      "| method | length | ppl | dense ppl | top-1 agreement % | KL(dense‖method) nats | windows |",
+                      "|---|---|---|---|---|---|---|"]
+            for label in labels:
+                for length, m in agg[key].get(label, {}).items():
+                    lines.append(f"| {label} | {length} | {_fmt(m['ppl'], False)} | {_fmt(m['dense_ppl'], False)} | "
+                                 f"{_fmt(m['top1_agreement'])}{_ci(m.get('agreement_low'), m.get('agreement_high'))} | "
+                                 f"{_fmt(m['kl'], False)}{_ci(m.get('kl_low'), m.get('kl_high'), False)} | {m['n']} |")
     if agg["selection"]:
         lines += ["", "### Selection quality (free top-k recall, attention mass covered; sparda.eval.selection)", "",
                   "| method | length | recall vs sparse | recall vs oracle | attention mass |", "|---|---|---|---|---|"]
@@ -305,7 +320,7 @@ def plots(out: Path, records: list[dict], agg: dict) -> list[str]:
     import matplotlib.pyplot as plt
 
     labels, written = _labels(records), []
-    tasks = sorted({r["task"] for r in records if r["task"] not in (PPL, SELECTION)})
+    tasks = sorted({r["task"] for r in records if r["task"] not in NOT_TASKS})
     if tasks:
         fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3), squeeze=False)
         for ax, task in zip(axes[0], tasks):

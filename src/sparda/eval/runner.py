@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sparda.errors import SpardaError
-from sparda.eval.records import PPL, SELECTION  # noqa: F401 (re-exported)
+from sparda.eval.records import PPL, PPL_DECODE, SELECTION  # noqa: F401 (re-exported)
 from sparda.io import atomic_write, check_output_dir, read_text
 
 #: the clock of the time budget (seconds; a module attribute so tests can replace it)
@@ -31,6 +31,8 @@ _now = time.perf_counter
 #: default needle depths, cycled over samples
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
+#: tokens each ``ppl-decode`` window feeds through decode by default (the last of the window)
+DECODE_TOKENS = 256
 #: samples per generate call when ``batch_size`` is not given: CUDA, CPU
 DEFAULT_BATCH = {"cuda": 16, "cpu": 4}
 QUICK = dict(tasks=("passkey", "niah-single", PPL), lengths=(2560,), samples=2, ppl_windows=1,
@@ -44,11 +46,16 @@ class EvalPlan:
     """What ``sparda eval`` runs.
 
     Attributes:
-        tasks: names from :data:`sparda.eval.tasks.TASKS`, plus ``ppl``.
-        methods: registered attention method names (``dense`` is the reference for ``ppl``).
+        tasks: names from :data:`sparda.eval.tasks.TASKS`, plus ``ppl``, ``ppl-decode`` and
+            ``selection``.
+        methods: registered attention method names (the reference of ``ppl`` and
+            ``ppl-decode`` is dense attention over an unquantised cache, run whether listed or not).
         lengths: prompt lengths in tokens.
-        samples: samples per task x length (``ppl``: ``ppl_windows`` windows instead).
-        ppl_windows: held-out text windows per length for ``ppl``.
+        samples: samples per task x length (``ppl``, ``ppl-decode``: ``ppl_windows`` windows instead).
+        ppl_windows: held-out text windows per length for ``ppl`` and ``ppl-decode``.
+        decode_tokens: the last tokens of each ``ppl-decode`` window, fed one decode step at a
+            time after the rest is prefilled (:func:`~sparda.eval.records.ppl_decode_records`);
+            part of the fingerprint unless :data:`DECODE_TOKENS`.
         out: output directory.
         budgets: KV budgets in % of the context for the non-dense methods; empty = preset.
         depths: needle depths (0-1), cycled over sample indices.
@@ -58,14 +65,15 @@ class EvalPlan:
         seed: base seed of every generator.
         sparse_prefill: whether block-sparse methods select in the prefill of the generation
             tasks (``None``: the preset's default, :func:`sparda.config.resolve_sparse_prefill`:
-            dense prefill at ``small``, block-sparse at ``paper``). ``ppl`` scores prefill
-            logits, so it always runs block-sparse prefill (dense prefill would make them
-            dense's).
+            dense prefill at ``small``, block-sparse at ``paper``; ``ppl-decode`` prefills
+            the same way). ``ppl`` scores prefill logits, so it always runs block-sparse
+            prefill (dense prefill would make them dense's).
         batch_size: samples of one task x length per generate call (``None``:
             :data:`DEFAULT_BATCH` of the device). Changes no result, so it is not part of
             the fingerprint: a run may resume with another batch size.
         kv_dtype: KV-cache storage of every method, ``bf16`` (the model dtype), ``int8`` or
-            ``int4`` (docs/kv_quant.md); part of the fingerprint unless ``bf16``.
+            ``int4`` (docs/kv_quant.md); part of the fingerprint unless ``bf16``. Not the
+            reference's: ``ppl`` and ``ppl-decode`` compare with an unquantised dense cache.
         dense_heads: the ``dense_heads`` setting of every method (design §3.7; default
             ``auto``, as :class:`sparda.LLM`); part of the fingerprint unless ``auto`` (then
             the calibration file's digest is, :meth:`asset_digests`).
@@ -90,6 +98,7 @@ class EvalPlan:
     batch_size: int | None = None
     kv_dtype: str = "bf16"
     dense_heads: str = "auto"
+    decode_tokens: int = DECODE_TOKENS
 
     def resolved_batch_size(self) -> int:
         """:attr:`batch_size`, or the default of the device (:data:`DEFAULT_BATCH`)."""
@@ -116,6 +125,8 @@ class EvalPlan:
             keys["kv_dtype"] = self.kv_dtype
         if self.dense_heads != "auto":
             keys["dense_heads_setting"] = self.dense_heads
+        if self.decode_tokens != DECODE_TOKENS:
+            keys["decode_tokens"] = self.decode_tokens
         keys.update(self.asset_digests())  # only where the model has them, as older directories
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -216,6 +227,19 @@ class _Models:
                         kv_dtype=plan.kv_dtype, **plan.overrides)
         self._identity = model_identity(self.base.model.config, self.base.shape)
         self._cache: dict = {}
+        self._reference = None
+
+    @property
+    def reference(self):
+        """The reference of ``ppl`` and ``ppl-decode``: dense attention with an unquantised
+        KV cache (the model dtype). :attr:`base` itself under ``kv_dtype`` bf16, else a
+        copy of it (same weights) whose caches are unquantised."""
+        if self.plan.kv_dtype == "bf16":
+            return self.base
+        if self._reference is None:
+            self._reference = copy.copy(self.base)
+            self._reference.kv_dtype = "bf16"
+        return self._reference
 
     def get(self, spec: MethodSpec, length: int, sparse_prefill: bool | None = None):
         """``(llm, tracker, topk_blocks)`` for ``spec`` at ``length`` tokens; ``sparse_prefill``
@@ -263,11 +287,11 @@ def _units(plan: EvalPlan):
     """``(indices, length, task)`` in run order: chunks of ``batch_size`` sample indices
     outermost (so a partial run has every cell about equally far), then length, then task."""
     size = plan.resolved_batch_size()
-    count = max(plan.samples, plan.ppl_windows if PPL in plan.tasks else 0)
+    count = max(plan.samples, plan.ppl_windows if {PPL, PPL_DECODE} & set(plan.tasks) else 0)
     for lo in range(0, count, size):
         for length in plan.lengths:
             for task in plan.tasks:
-                limit = plan.ppl_windows if task == PPL else 1 if task == SELECTION else plan.samples
+                limit = plan.ppl_windows if task in (PPL, PPL_DECODE) else 1 if task == SELECTION else plan.samples
                 indices = [i for i in range(lo, min(lo + size, count)) if i < limit]
                 if indices:
                     yield indices, length, task
@@ -318,7 +342,7 @@ def _work(plan: EvalPlan, specs: list[MethodSpec], journal: _Journal, state: dic
     returns an iterable of records (lazily computed: each is journaled as soon as it
     exists). ``kind`` (hashable) names units expected to take about as long. The model
     loads (``state["models"]``) only when the first unit computes."""
-    from sparda.eval.records import ppl_records, selection_records, task_records
+    from sparda.eval.records import ppl_decode_records, ppl_records, selection_records, task_records
     from sparda.eval.tasks import make_sample
 
     def models():
@@ -329,16 +353,23 @@ def _work(plan: EvalPlan, specs: list[MethodSpec], journal: _Journal, state: dic
     def seed_of(index: int) -> int:
         return plan.seed * 1_000_003 + index
 
+    def text_ids():
+        if state.get("text_ids") is None:
+            state["text_ids"] = models().base.tokenizer.encode(haystack, add_special_tokens=False)
+        return state["text_ids"]
+
     for indices, length, task in _units(plan):
         todo = {i: [s for s in specs if _key(s.label, task, length, i) not in journal.done] for i in indices}
         if task == PPL:
             for i in indices:
                 if todo[i]:
-                    def compute(i=i, length=length):
-                        if state.get("text_ids") is None:
-                            state["text_ids"] = models().base.tokenizer.encode(haystack, add_special_tokens=False)
-                        return ppl_records(models(), todo[i], state["text_ids"], length, i, seed_of(i))
-                    yield (PPL, length), compute
+                    yield (PPL, length), (lambda i=i, length=length:
+                                          ppl_records(models(), todo[i], text_ids(), length, i, seed_of(i)))
+            continue
+        if task == PPL_DECODE:  # one batch of windows through every spec that misses some
+            if any(todo.values()):
+                yield (PPL_DECODE, length), (lambda todo=todo, length=length: ppl_decode_records(
+                    models(), todo, text_ids(), length, {i: seed_of(i) for i in todo}, plan.decode_tokens))
             continue
         if task == SELECTION:
             for i in indices:
@@ -397,11 +428,15 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     from sparda.eval.tasks import TASKS
 
     started = _now()
-    unknown = [t for t in plan.tasks if t not in (PPL, SELECTION) and t not in TASKS]
+    unknown = [t for t in plan.tasks if t not in (PPL, PPL_DECODE, SELECTION) and t not in TASKS]
     if unknown:
-        raise SpardaError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join([*TASKS, PPL, SELECTION])}")
+        raise SpardaError(f"unknown task(s) {', '.join(unknown)}; "
+                          f"choose from {', '.join([*TASKS, PPL, PPL_DECODE, SELECTION])}")
     if not plan.lengths or min(plan.lengths) < 256 or plan.samples < 1 or plan.ppl_windows < 1:
         raise SpardaError("need --lengths of at least 256 tokens, --samples >= 1 and --ppl-windows >= 1")
+    if PPL_DECODE in plan.tasks and not 1 <= plan.decode_tokens < min(plan.lengths):
+        raise SpardaError(f"--decode-tokens must be at least 1 and below the shortest --lengths "
+                          f"({min(plan.lengths)}), got {plan.decode_tokens}")
     bad = [b for b in plan.budgets if not 0 < b <= 100]
     if bad:
         raise SpardaError(f"--budgets are percentages in (0, 100], got {bad[0]:g}")
@@ -456,7 +491,7 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
 def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budgets=None, depths=None,
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
                       device="cpu", dtype=None, seed=0, sparse_prefill=None, batch_size=None,
-                      kv_dtype=None, dense_heads=None) -> EvalPlan:
+                      kv_dtype=None, dense_heads=None, decode_tokens=None) -> EvalPlan:
     """An :class:`EvalPlan` from CLI options: unset ones come from the ``--quick`` or full
     defaults; methods default to every registered one. Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
@@ -472,7 +507,8 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     budgets=tuple(budgets or ()), depths=tuple(depths or DEPTHS),
                     ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
                     dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill, batch_size=batch_size,
-                    kv_dtype=check_kv_dtype(kv_dtype), dense_heads=_dense_heads_setting(dense_heads))
+                    kv_dtype=check_kv_dtype(kv_dtype), dense_heads=_dense_heads_setting(dense_heads),
+                    decode_tokens=DECODE_TOKENS if decode_tokens is None else decode_tokens)
 
 
 def _dense_heads_setting(value) -> str:

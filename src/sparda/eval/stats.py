@@ -4,7 +4,9 @@
   accuracy in the reports;
 * :func:`bootstrap_mean`: a seeded (optionally stratified) percentile bootstrap of a mean,
   used on paired differences (method A minus method B on the same prompts) and on
-  per-window perplexity metrics.
+  per-window perplexity metrics;
+* :func:`bootstrap_ratio`: the same for a ratio of means of paired values (a KV dtype's
+  KL over bf16's on the same windows).
 """
 
 from __future__ import annotations
@@ -96,3 +98,33 @@ def bootstrap_mean(values, strata=None, *, resamples: int = RESAMPLES, seed: int
     tail = (1.0 - level) / 2
     low, high = np.quantile(means, [tail, 1.0 - tail])
     return float(x.mean()), float(low), float(high)
+
+
+def bootstrap_ratio(numerators, denominators, *, resamples: int = RESAMPLES, seed: int = 0,
+                    level: float = 0.95) -> tuple[float, float, float]:
+    """``sum(numerators) / sum(denominators)`` (the ratio of the means) of paired values,
+    with a percentile bootstrap interval that resamples the pairs (seeded numpy): each
+    resample draws ``n`` indices with replacement and takes the ratio of the drawn sums.
+
+    Args:
+        numerators, denominators: 1-D sequences of floats, one pair per index (n >= 1),
+            e.g. the mean KL of each window under int8 and under bf16.
+        resamples, seed, level: as :func:`bootstrap_mean`.
+    Returns:
+        ``(ratio, low, high)``; a resample whose denominators sum to 0 counts as ``inf``.
+    Raises:
+        SpardaError: no pairs, sequences of different lengths, or denominators summing to 0.
+    """
+    a = np.asarray(numerators, dtype=np.float64)
+    b = np.asarray(denominators, dtype=np.float64)
+    if a.ndim != 1 or a.size == 0 or a.shape != b.shape:
+        raise SpardaError(f"a ratio bootstrap needs two non-empty 1-D lists of equal length, got {a.shape} and {b.shape}")
+    if b.sum() == 0:
+        raise SpardaError("a ratio bootstrap needs denominators that do not sum to 0")
+    picks = np.random.default_rng(seed).integers(0, a.size, size=(resamples, a.size))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = a[picks].sum(axis=1) / b[picks].sum(axis=1)
+    ratios[~np.isfinite(ratios)] = np.inf
+    tail = (1.0 - level) / 2
+    low, high = np.quantile(ratios, [tail, 1.0 - tail])
+    return float(a.sum() / b.sum()), float(low), float(high)
