@@ -19,7 +19,12 @@ one time budget measured from the start of this call:
 4. ``kvquant`` (issue #14), ``OUT/kv-<dtype>`` for KV-cache dtypes bf16, int8 and int4:
    ``passkey`` (30 samples) at 7,680 tokens and ``ppl-decode`` (16 windows, their last 512
    tokens fed through decode, against dense over an unquantised cache) at 4,096 and 7,680
-   tokens, for sparda and dense (:func:`kvquant_plans`).
+   tokens, for sparda and dense (:func:`kvquant_plans`);
+5. ``OUT/baselines``: the seeds' selectors of issue #13 (docs/baselines.md: streaming, h2o,
+   quest, snapkv, shallow) on the tasks, lengths, samples and ppl windows of plans 1 and 2
+   (the same prompts: the plans share seed, depths, text and model), in their own
+   directory so that ``OUT/main`` stays as it is; ``benchmarks/accuracy_doc.py`` puts them
+   in main's tables, paired against main's dense and sparda (:func:`baseline_plans`).
 
 Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
 prints a short table. When the budget runs out the plans stop between batches; copy
@@ -27,7 +32,7 @@ prints a short table. When the budget runs out the plans stop between batches; c
 ``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/accuracy.md``.
 Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--plans`` runs only some
 (``--plans kvquant`` adds the KV-dtype directories to an ``OUT`` whose other plans are
-done); ``--estimate`` prints the work of the plans and a run-time estimate, in all and per
+done, ``--plans baselines`` the seeds' selectors); ``--estimate`` prints the work of the plans and a run-time estimate, in all and per
 plan, without loading a model.
 """
 
@@ -55,6 +60,8 @@ SWEEP_METHODS = ("dense", "sparse", "sparda", "oracle")
 BUDGETS = (5.0, 10.0, 17.0, 25.0, 50.0)
 KV_DTYPES = ("bf16", "int8", "int4")
 KV_METHODS = ("dense", "sparda")
+#: the seeds' selectors (issue #13, docs/baselines.md), plan 5
+BASELINE_METHODS = ("streaming", "h2o", "quest", "snapkv", "shallow")
 
 
 def _csv(kind):
@@ -85,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-lengths", type=_csv(int), default=(7680,), help="kvquant: passkey lengths [7680]")
     p.add_argument("--kv-ppl-lengths", type=_csv(int), default=(4096, 7680), help="kvquant: ppl-decode lengths")
     p.add_argument("--decode-tokens", type=int, default=512, help="kvquant: tokens of each window fed through decode")
+    p.add_argument("--baseline-methods", type=_csv(str), default=BASELINE_METHODS,
+                   help="baselines: methods ('' = no baselines plan) [streaming,h2o,quest,snapkv,shallow]")
     p.add_argument("--plans", type=_csv(str), default=None,
                    help="run only these plans (main, ppl, budget, kvquant, or a full name such as kvquant-int8) "
                         "[default: all]")
@@ -106,7 +115,7 @@ def plans(args) -> list[tuple[str, EvalPlan]]:
         ("budget", EvalPlan(tasks=("passkey", "ppl"), methods=args.sweep_methods, lengths=args.sweep_lengths,
                             samples=args.samples, budgets=args.budgets, out=str(out / "budget"),
                             **{**common, "ppl_windows": args.sweep_ppl_windows})),
-    ] + kvquant_plans(args))
+    ] + kvquant_plans(args) + baseline_plans(args, common, gen))
 
 
 def selected(args, named: list[tuple[str, EvalPlan]]) -> list[tuple[str, EvalPlan]]:
@@ -139,6 +148,17 @@ def kvquant_plans(args) -> list[tuple[str, EvalPlan]]:
         plans += [(f"kvquant-{kv}", EvalPlan(tasks=("passkey",), lengths=args.kv_lengths, **common)),
                   (f"kvquant-{kv}-decode", EvalPlan(tasks=("ppl-decode",), lengths=args.kv_ppl_lengths, **common))]
     return plans
+
+
+def baseline_plans(args, common: dict, gen: tuple[str, ...]) -> list[tuple[str, EvalPlan]]:
+    """Plan 5 (``OUT/baselines``): ``--baseline-methods`` on main's generation tasks and
+    lengths (``baselines``), then on ``ppl`` at main's ppl lengths (``baselines-ppl``), with
+    main's ``common`` settings; no plan for no methods."""
+    if not args.baseline_methods:
+        return []
+    shared = dict(methods=args.baseline_methods, samples=args.samples, out=str(Path(args.out) / "baselines"), **common)
+    return [("baselines", EvalPlan(tasks=gen, lengths=args.lengths, **shared)),
+            ("baselines-ppl", EvalPlan(tasks=("ppl",), lengths=args.ppl_lengths, **shared))]
 
 
 def _commit(given: str | None) -> str:
@@ -178,6 +198,20 @@ PPL_FACTOR = {"sparse": 1.0, "oracle": 1.4, "sparda": 0.9, "sparda-random": 0.8,
 #: +12-13 % of kernel time for offloaded sparda; on-device dense dequantises every viewed token per
 #: layer and step, ~2 ms more per step at 7.7K x 16 rows)
 KV_DECODE_FACTOR = {"bf16": 1.0, "int8": 1.5, "int4": 1.5}
+#: the seeds' selectors (plan 5), measured on the CPU (2026-12-02, bundled model, 4,096
+#: tokens, one process, dense / sparse / each method interleaved over 2 rounds of one
+#: passkey prompt with 16 new tokens and one ppl window, the faster round of each; the
+#: shared 2-core machine was loaded by other jobs, so ratios within ~20 % are noise): the
+#: dense prefill of the generation tasks is dense's (0.78-0.84 x, taken as 1) except h2o's,
+#: 4.7 x (its T x T attention-mass pass, quadratic in the prompt); decode steps 0.74
+#: (snapkv) to 1.4 (h2o) x sparse's (:data:`DECODE_FACTOR`); ppl: streaming and quest
+#: prefill block-sparsely (1.0 and 0.95 x sparse), h2o, snapkv and shallow densely
+#: (:data:`DENSE_PPL`; 3.9, 0.9, 0.9 x dense, so their factors count against dense prefill)
+PREFILL_FACTOR.update({"streaming": 1.0, "h2o": 4.7, "quest": 1.0, "snapkv": 1.0, "shallow": 1.0})
+PPL_FACTOR.update({"streaming": 1.0, "quest": 0.95, "h2o": 3.9, "snapkv": 0.9, "shallow": 0.9})
+DECODE_FACTOR = {"streaming": 1.1, "h2o": 1.4, "quest": 0.9, "snapkv": 0.75, "shallow": 0.9}
+#: methods whose ppl prefill is dense by design (they select for decode only)
+DENSE_PPL = frozenset({"h2o", "snapkv", "shallow"})
 #: decode tokens per sample (answer budgets of the task generators; EOS usually stops earlier)
 NEW_TOKENS = {"passkey": 16, "passkey-synth": 16, "niah-single": 24, "niah-multikey": 24, "niah-multivalue": 72,
               "niah-multiquery": 40, "vt": 48, "cwe": 96, "fwe": 40}
@@ -208,7 +242,8 @@ def estimate(args) -> dict:
                         work["decode_steps"] += batches * plan.decode_tokens
                 elif task == "ppl":
                     for method, _ in specs:
-                        cost = GPU_S["dense_prefill_per_ktok" if method == "dense" else "sparse_prefill_per_ktok"]
+                        dense = method == "dense" or method in DENSE_PPL
+                        cost = GPU_S["dense_prefill_per_ktok" if dense else "sparse_prefill_per_ktok"]
                         seconds += plan.ppl_windows * cost * ktok * PPL_FACTOR.get(method, 1.0)
                         work["ppl_prefills"] += plan.ppl_windows
                     seconds += plan.ppl_windows * GPU_S["dense_prefill_per_ktok"] * ktok  # the dense reference
@@ -218,7 +253,8 @@ def estimate(args) -> dict:
                     batches = -(-plan.samples // plan.batch_size)
                     for method, _ in specs:
                         seconds += plan.samples * GPU_S["dense_prefill_per_ktok"] * ktok * PREFILL_FACTOR.get(method, 1)
-                        seconds += batches * (NEW_TOKENS.get(task, 32) * step + GPU_S["capture"])
+                        own = step * DECODE_FACTOR.get(method, 1.0)
+                        seconds += batches * (NEW_TOKENS.get(task, 32) * own + GPU_S["capture"])
                         work["prefills"] += plan.samples
                         work["batches"] += batches
         per_plan[name] = round(seconds - before, 1)
@@ -229,7 +265,7 @@ def _summary_table(out: Path) -> str:
     """A short table: mean task accuracy [Wilson 95 %] and passkey at the longest length per
     method, KL against dense per ppl length, and how complete each directory is."""
     lines = []
-    for sub in ("main", "budget"):
+    for sub in ("main", "budget", "baselines"):
         res, prog = out / sub / "results.json", out / sub / "progress.json"
         if not res.is_file():
             continue

@@ -5,6 +5,9 @@ commits, commands and wall time (``OUT/calls.json``), issue #12's criteria evalu
 the records with their intervals, then the reports of ``OUT/main`` and ``OUT/budget``
 (:func:`sparda.eval.report.markdown`) with their plots copied beside the page, then the
 KV-cache dtype section from ``OUT/kv-<dtype>`` (:func:`kv_section`; "not run" without them).
+Where ``OUT/baselines`` exists (the seeds' selectors, issue #13), its records join main's in
+main's tables and plots (same prompts, checked by :func:`baseline_records`); without it
+the page is what it was before that plan existed.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from sparda.errors import SpardaError
 from sparda.config import KV_DTYPES
-from sparda.eval.report import PPL_DECODE, aggregate, markdown, paired_difference
+from sparda.eval.report import PPL_DECODE, aggregate, markdown, paired_difference, plots
 from sparda.eval.runner import load_results
 from sparda.eval.stats import bootstrap_ratio
 from sparda.io import atomic_write
@@ -225,6 +228,42 @@ def kv_section(out: Path) -> list[str]:
     return lines
 
 
+#: plan.json fields that do not change what a record of a given task, length and sample is
+#: asked (what is run, where, and how many): the others must agree for records to pair
+_NOT_PROMPT = frozenset({"tasks", "methods", "lengths", "samples", "out", "budgets", "batch_size", "fingerprint"})
+
+
+def baseline_records(out: Path) -> tuple[list[dict], str | None]:
+    """Records of ``out/baselines`` (``[]`` where it has none) and a note for the page, or
+    ``None``: the note says when its plan fingerprint differs from main's although their
+    prompts agree (the model's Forecast weights or dense-heads calibration changed between
+    the runs).
+
+    Raises SpardaError if the two ``plan.json`` differ in a field that changes the prompts
+    or the methods' settings (seed, depths, text, model, preset, dtype, ppl windows, prefill,
+    KV dtype, dense heads, overrides): such records would not pair with main's."""
+    records = load_results(Path(out) / "baselines" / "results.jsonl")
+    if not records:
+        return [], None
+    plans = {}
+    for name in ("main", "baselines"):
+        path = Path(out) / name / "plan.json"
+        try:
+            plans[name] = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SpardaError(f"cannot read {path} ({exc}); the baselines cannot be paired with main") from None
+    main, base = plans["main"], plans["baselines"]
+    differ = sorted(k for k in set(main) | set(base) if k not in _NOT_PROMPT and main.get(k) != base.get(k))
+    if differ:
+        raise SpardaError(f"{out}/baselines was run with other {', '.join(differ)} than {out}/main; "
+                          "its records do not pair with main's (rerun the baselines plan in a fresh OUT/baselines)")
+    note = None
+    if main.get("fingerprint") != base.get("fingerprint"):
+        note = ("The `baselines` plan ran with other Forecast weights or dense-heads calibration files than "
+                "`main` (plan fingerprints differ, prompts agree).")
+    return records, note
+
+
 def _shift(md: str) -> str:
     """Report headings one level down (``###`` -> ``####``), to nest under the page's."""
     return "\n".join("#" + line if line.startswith("###") else line for line in md.splitlines())
@@ -239,6 +278,7 @@ def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
     if not main:
         raise SpardaError(f"{out}/main/results.jsonl has no records; run benchmarks/eval_gpu.py {out} first")
     budget = load_results(out / "budget" / "results.jsonl")
+    baselines, note = baseline_records(out)
     calls = json.loads((out / "calls.json").read_text()) if (out / "calls.json").is_file() else []
     lines = [INTRO, "## Run", ""]
     if calls:
@@ -250,23 +290,46 @@ def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
                   f"{sum(c['wall_s'] for c in calls) / 60:.1f} min in all:", "", "| started (UTC) | wall s | command |",
                   "|---|---|---|"]
         lines += [f"| {c['started_utc']} | {c['wall_s']:.0f} | `{c['command']}` |" for c in calls]
-    for name, records in (("main", main), ("budget", budget)):
+    for name in ("main", "budget") + (("baselines",) if baselines else ()):
         progress = out / name / "progress.json"
         if progress.is_file():
             p = json.loads(progress.read_text())
             if not p.get("complete"):
                 lines += ["", f"**`{name}` is incomplete**: {p.get('done')} of {p.get('planned')} records of its "
                           "last plan; the tables show what exists."]
+    if note:
+        lines += ["", note]
     lines += ["", "## Issue #12 criteria", "", *criteria(main, budget)]
-    for name, title, records in (("main", "Tasks, perplexity, selection", main), ("budget", "Budget sweep", budget)):
+    sections = [("main", "Tasks, perplexity, selection (`main`)", main), ("budget", "Budget sweep (`budget`)", budget)]
+    if baselines:
+        sections[0] = ("main", "Tasks, perplexity, selection (`main` and the seeds' selectors, `baselines`)",
+                       main + baselines)
+    for name, title, records in sections:
         if not records:
             continue
-        lines += ["", f"## {title} (`{name}`)", "", _shift(markdown(records, aggregate(records)))]
+        agg = aggregate(records)
+        lines += ["", f"## {title}", ""]
+        if name == "main" and baselines:
+            ran = ", ".join(f"`{m}`" for m in sorted({r["method"] for r in baselines}))
+            lines += [f"The seeds' selectors {ran} ([baselines.md](baselines.md)) ran in `OUT/baselines` on the "
+                      "prompts and windows of `main` (same seed, depths and text); the tables hold both "
+                      "directories' records, each seed selector paired against `sparda` and `dense`. `h2o`, "
+                      "`snapkv` and `shallow` prefill densely by design (they select for decode only), so their "
+                      "`ppl` rows, which score prefill logits, are dense's; `streaming` and `quest` select in "
+                      "prefill too.", ""]
+        lines += [_shift(markdown(records, agg))]
         target = Path(doc_dir) / plot_dir / name
-        for png in sorted((out / name).glob("*.png")):
+        if name == "main" and baselines:  # the plots of the joined records, drawn here
             target.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(png, target / png.name)
-            lines += [f"![{png.name}]({plot_dir}/{name}/{png.name})", ""]
+            names = plots(target, records, agg)
+        else:
+            names = []
+            for png in sorted((out / name).glob("*.png")):
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(png, target / png.name)
+                names.append(png.name)
+        for png in names:
+            lines += [f"![{png}]({plot_dir}/{name}/{png})", ""]
     while lines[-1] == "":
         lines.pop()
     lines += kv_section(out)

@@ -61,10 +61,17 @@ def _boot(values) -> tuple[float | None, float | None]:
 
 
 def _comparisons(labels: list[str]) -> list[tuple[str, str]]:
-    """The paired comparisons of a report: ``sparda`` vs ``sparse`` (each budget too), then
-    every label vs ``dense``."""
+    """The paired comparisons of a report: ``sparda`` vs ``sparse`` (each budget too), each
+    of the seeds' selectors (:data:`sparda.eval.selection.BASELINES`) vs ``sparda`` at the
+    same budget, then every label vs ``dense``."""
+    from sparda.eval.selection import BASELINES
+
     pairs = [(a, a.replace("sparda", "sparse", 1)) for a in labels
              if a.split("@")[0] == "sparda" and a.replace("sparda", "sparse", 1) in labels]
+    for a in labels:
+        method, at, budget = a.partition("@")
+        if method in BASELINES and "sparda" + at + budget in labels:
+            pairs.append((a, "sparda" + at + budget))
     if "dense" in labels:
         pairs += [(a, "dense") for a in labels if a != "dense"]
     return pairs
