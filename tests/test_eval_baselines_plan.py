@@ -15,6 +15,7 @@ import pytest
 from sparda.errors import SpardaError
 from sparda.eval.accuracy_doc import render
 from sparda.eval.report import aggregate
+from sparda.eval.runner import EvalPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,3 +192,9 @@ def test_page_refuses_baselines_of_other_prompts_and_notes_other_assets(tmp_path
     assert "plan fingerprints differ" in render(out, tmp_path / "doc")
     _write(out / "baselines", _records(rng, ("quest",)))
     assert "plan fingerprints differ" not in render(out, tmp_path / "doc")
+    # a field newer than main's plan.json: absent there means its default
+    _write(out / "baselines", _records(rng, ("quest",)), decode_tokens=EvalPlan.decode_tokens)
+    assert "| quest − sparda |" in render(out, tmp_path / "doc")
+    _write(out / "baselines", _records(rng, ("quest",)), decode_tokens=EvalPlan.decode_tokens + 1)
+    with pytest.raises(SpardaError, match="decode_tokens"):
+        render(out, tmp_path / "doc")

@@ -12,6 +12,7 @@ the page is what it was before that plan existed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 from sparda.errors import SpardaError
 from sparda.config import KV_DTYPES
 from sparda.eval.report import PPL_DECODE, aggregate, markdown, paired_difference, plots
-from sparda.eval.runner import load_results
+from sparda.eval.runner import EvalPlan, load_results
 from sparda.eval.stats import bootstrap_ratio
 from sparda.io import atomic_write
 
@@ -253,7 +254,11 @@ def baseline_records(out: Path) -> tuple[list[dict], str | None]:
         except (OSError, ValueError) as exc:
             raise SpardaError(f"cannot read {path} ({exc}); the baselines cannot be paired with main") from None
     main, base = plans["main"], plans["baselines"]
-    differ = sorted(k for k in set(main) | set(base) if k not in _NOT_PROMPT and main.get(k) != base.get(k))
+    defaults = {f.name: f.default for f in dataclasses.fields(EvalPlan) if f.default is not dataclasses.MISSING}
+    defaults["overrides"] = {}
+    # a field absent from one plan.json (written before the field existed) had its default
+    differ = sorted(k for k in set(main) | set(base) if k not in _NOT_PROMPT and
+                    main.get(k, defaults.get(k)) != base.get(k, defaults.get(k)))
     if differ:
         raise SpardaError(f"{out}/baselines was run with other {', '.join(differ)} than {out}/main; "
                           "its records do not pair with main's (rerun the baselines plan in a fresh OUT/baselines)")
