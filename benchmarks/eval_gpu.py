@@ -261,18 +261,27 @@ def estimate(args) -> dict:
     return {**work, "seconds": round(seconds), "plans": per_plan}
 
 
+def _load_results(sub: Path) -> tuple[dict, str] | None:
+    """``sub``'s ``results.json`` and its completion line from ``progress.json`` (``None``
+    when the plan has written no results there yet)."""
+    res, prog = sub / "results.json", sub / "progress.json"
+    if not res.is_file():
+        return None
+    progress = json.loads(prog.read_text()) if prog.is_file() else {}
+    return json.loads(res.read_text()), (f"== {sub.name}: {'complete' if progress.get('complete') else 'INCOMPLETE'} "
+                                         f"({progress.get('done')} of {progress.get('planned')} records of its last plan)")
+
+
 def _summary_table(out: Path) -> str:
     """A short table: mean task accuracy [Wilson 95 %] and passkey at the longest length per
     method, KL against dense per ppl length, and how complete each directory is."""
     lines = []
     for sub in ("main", "budget", "baselines"):
-        res, prog = out / sub / "results.json", out / sub / "progress.json"
-        if not res.is_file():
+        loaded = _load_results(out / sub)
+        if loaded is None:
             continue
-        agg = json.loads(res.read_text())
-        progress = json.loads(prog.read_text()) if prog.is_file() else {}
-        lines.append(f"== {sub}: {'complete' if progress.get('complete') else 'INCOMPLETE'} "
-                     f"({progress.get('done')} of {progress.get('planned')} records of its last plan)")
+        agg, status = loaded
+        lines.append(status)
         lengths = sorted({int(n) for row in agg["by_length"].values() for t in row.values() for n in t})
         ppl_lengths = sorted({int(n) for row in agg["ppl"].values() for n in row})
         longest = str(max(lengths)) if lengths else None
@@ -299,13 +308,11 @@ def _kv_summary_lines(out: Path) -> list[str]:
     against dense per method, one block per KV dtype."""
     lines = []
     for sub in sorted(out.glob("kv-*")):
-        res, prog = sub / "results.json", sub / "progress.json"
-        if not res.is_file():
+        loaded = _load_results(sub)
+        if loaded is None:
             continue
-        agg = json.loads(res.read_text())
-        progress = json.loads(prog.read_text()) if prog.is_file() else {}
-        lines.append(f"== {sub.name}: {'complete' if progress.get('complete') else 'INCOMPLETE'} "
-                     f"({progress.get('done')} of {progress.get('planned')} records of its last plan)")
+        agg, status = loaded
+        lines.append(status)
         decode = agg.get("ppl_decode", {})
         lengths = sorted({int(n) for row in decode.values() for n in row})
         pk_lengths = sorted({int(n) for row in agg["by_length"].values() for n in row.get("passkey", {})})
