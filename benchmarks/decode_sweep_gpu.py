@@ -46,6 +46,8 @@ printed last:
   largest batch computed from the per-token bytes for <= 96 GiB of pinned host KV
   (printed); no overlap runs (~6 min of GPU time). Checks the issue's criterion: int8
   runs at >= 1.8x the batch of bf16 and its best decode tok/s exceeds bf16's best.
+* ``recheck``: ``hitrate`` under the current defaults, then offloaded ``sparda`` at 64K and 32K
+  B24 (parity 16).
 * ``spare``: spare GPU slots (``slot_factor``, design §6), MiniCPM-8B shape, trace: offloaded
   ``sparda`` and ``sparse-offload`` at 128K B4 / B16 / B24 with ``slot_factor`` 1 (the
   buffer holds exactly the widest selection, the behaviour before spare slots) and 1.5
@@ -572,7 +574,21 @@ def spare(out: Path, budget: float) -> list[dict]:
     return recs
 
 
-PARTS = {"check": check, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
+def recheck(out: Path, budget: float) -> list[dict]:
+    """Under the defaults (spare slots 1.5, the exposed wait split into selection and transfer):
+    the ``hitrate`` points, then offloaded ``sparda`` at 64K and 32K B24 (the roofline FAIL of the
+    01b page and the balanced point)."""
+    t0 = time.perf_counter()
+    recs = hitrate(out, budget - 100)
+    left = budget - (time.perf_counter() - t0)
+    if left < 60:
+        log("recheck 64K/32K: skipped (budget)")
+        return recs
+    return recs + _sweep(out / "recheck-b24", left, methods=["sparda"], batches=[24], contexts=[65536, 32768],
+                         parity_steps=16)
+
+
+PARTS = {"check": check, "recheck": recheck, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
          "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid,
          "kvquant": kvquant, "spare": spare}
 
@@ -603,6 +619,6 @@ if __name__ == "__main__":
             print(f"{r['model']:<10} {r['context'] // 1024:>4}K {method:<18} B{r['batch']:<3} "
                   f"{r['status']:<7} {r.get('decode_tok_s') or 0:>8.1f} tok/s  TPOT {r.get('tpot_ms') or 0:>7.2f}"
                   f"  kern {r.get('gpu_kernel_ms') or 0:>6.2f}  n {r.get('kernels_per_step') or 0:>5.0f}"
-                  f"  H* {r.get('target_hit_rate')}  hit {r.get('hit_rate')}  exp {r.get('exposed_wait_ms')}"
+                  f"  H* {r.get('target_hit_rate')}  hit {r.get('hit_rate')}  exp {r.get('exposed_wait_ms')} xfer {r.get('exposed_transfer_ms')}"
                   f"  C {r.get('compute_alone_ms')}  T {r.get('transfer_alone_ms')}"
                   f"  eff {r.get('overlap_efficiency')}  par {r.get('graph_tokens_equal')}")

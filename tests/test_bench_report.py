@@ -150,6 +150,17 @@ def test_each_criterion_fails_alone_when_its_threshold_is_missed(key):
     assert got == {k: FAIL if k == key else PASS for k in ISSUE20}
 
 
+def test_exposed_criterion_reads_the_transfer_part_of_the_wait():
+    """A stall spent on the selection chain (exposed wait 15 %) with the copy's own part at 5 %
+    passes the exposed-transfer criterion; the copy's part at 15 % fails it."""
+    recs = copy.deepcopy(_passing())
+    r = _find(recs, "sparda", 8)
+    r["exposed_wait_ms"], r["exposed_transfer_ms"] = 0.15 * r["tpot_ms"], 0.05 * r["tpot_ms"]
+    assert _verdicts(recs)["exposed"].verdict == PASS
+    r["exposed_transfer_ms"] = 0.15 * r["tpot_ms"]
+    assert _verdicts(recs)["exposed"].verdict == FAIL
+
+
 @pytest.mark.parametrize("key", sorted(FAILS))
 def test_quantised_records_do_not_count_for_the_bf16_criteria(key):
     """A failing point stored with an int8 KV cache leaves every verdict as it was."""
@@ -210,7 +221,12 @@ def test_derived_columns_from_known_values():
         (pytest.approx(kernels / 40), 0.5, 33.0)
     bare = derived({"model": "unknown-shape", "method": "dense", "tpot_ms": tpot, "kernels_per_step": 5})
     assert bare == {"num_layers": None, "launches_per_layer": None, "roof_x": None, "tpot_per_kernel": None,
-                    "exposed_pct": None, "overlap_efficiency": None, "pcie_gbps_overlapped": None}
+                    "exposed_pct": None, "exposed_transfer_pct": None, "overlap_efficiency": None,
+                    "pcie_gbps_overlapped": None}
+    # the exposed-transfer share: its own field when the record has it, else the whole stall (an upper bound)
+    assert d["exposed_transfer_pct"] == pytest.approx(100 * exposed / tpot)
+    part = g.uniform(0, 1) * exposed
+    assert derived({**rec, "exposed_transfer_ms": part})["exposed_transfer_pct"] == pytest.approx(100 * part / tpot)
 
     md = report.render_markdown([rec, {**rec, "method": "dense", "kv": "device", "gpu_mem_cap_gb": 80.0,
                                        "compute_alone_ms": None, "transfer_alone_ms": None}], {})

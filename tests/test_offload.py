@@ -448,6 +448,7 @@ def test_copy_time_is_zero_when_nothing_was_copied():
     assert stats["bytes_copied"] == 2 * int(misses.sum()) * 256 and stats["bytes_per_token"] == stats["bytes_copied"] / 4
     assert row["misses"] == int(misses[1].sum()) and row["hits"] == int(hits[1].sum())
     assert stats["copy_ms"] >= 10.0 and stats["exposed_wait_ms"] == stats["copy_ms"]  # synchronous: all exposed
+    assert stats["exposed_transfer_ms"] == stats["copy_ms"] and pref.timeline() == []  # no device clock on the CPU
 
 
 def test_offload_defaults():

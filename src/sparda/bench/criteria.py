@@ -175,7 +175,7 @@ def check_issue20(records: list[dict], criteria: dict | None = None) -> list[Ver
                lambda v: f"{v:.2f}×", "a roofline"),
         _every("launches", c["launches"], records, "launches_per_layer", c["launches"]["max_launches_per_layer"],
                True, lambda v: f"{v:.1f}", "a kernel count"),
-        _every("exposed", c["exposed"], records, "exposed_pct", c["exposed"]["max_exposed_pct"], True,
+        _every("exposed", c["exposed"], records, "exposed_transfer_pct", c["exposed"]["max_exposed_pct"], True,
                lambda v: f"{v:.1f} %", "a copy timing"),
         _every("overlap", c["overlap"], records, "overlap_efficiency", c["overlap"]["min_overlap_efficiency"], False,
                lambda v: f"{v:.2f}", "compute and transfer measured alone"),

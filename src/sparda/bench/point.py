@@ -354,7 +354,9 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
             else "hbm",
             "missed_bytes_per_step": round(missed, 1),
             "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
-            "exposed_wait_ms": timing.get("exposed_wait_ms", 0.0), "copy_ms": copy,
+            "exposed_wait_ms": timing.get("exposed_wait_ms", 0.0),
+            "exposed_transfer_ms": timing.get("exposed_transfer_ms", 0.0), "copy_ms": copy,
+            "lookahead_timeline_us": timing.get("timeline"),
             "hidden_fraction": timing.get("hidden_fraction"),
             "pcie_gbps_overlapped": round(missed / copy / 1e6, 2) if copy else None,
             **overlap}
@@ -562,7 +564,9 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
 
 
 def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None) -> dict:
-    """Per-step ``copy_ms``, ``exposed_wait_ms`` and ``hidden_fraction`` of an offloaded cache,
+    """Per-step ``copy_ms``, ``exposed_wait_ms``, ``exposed_transfer_ms`` and ``hidden_fraction``
+    of an offloaded cache, and the last step's per-layer stamps (``timeline``,
+    :meth:`~sparda.cache.prefetch.Prefetcher.timeline`; ``[]`` off CUDA),
     from a run of ``steps`` (+1 warm-up, +1 capture on CUDA) steps with the prefetcher's
     device timestamps on (:mod:`sparda.cache.timestamps`): a runner of its own, so the
     throughput graphs stay free of the timestamp kernels. ``state``: the step's state,
@@ -583,7 +587,9 @@ def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None) ->
         sync(llm.device)
         pref.resolve()
         copy, exposed = pref.copy_ms / steps, pref.exposed_ms / steps
+        transfer, timeline = pref.exposed_transfer_ms / steps, pref.timeline()
     finally:
         pref.set_timing(False)  # the timed graph goes with its runner
     return {"copy_ms": round(copy, 4), "exposed_wait_ms": round(exposed, 4),
+            "exposed_transfer_ms": round(transfer, 4), "timeline": timeline,
             "hidden_fraction": round(1 - exposed / copy, 4) if copy > 0 else None}

@@ -12,7 +12,11 @@ Derived columns (:func:`derived`), for one decode step:
   LM head included, so a lower bound is a little above the per-layer count);
 * ``roof_x`` = ``tpot_ms / roofline_tpot_ms`` (the roofline of bench/roofline.py, docs/bench.md);
 * ``tpot_per_kernel`` = ``tpot_ms / gpu_kernel_ms`` (below 1 where the copy stream overlaps);
-* ``exposed_pct`` = ``100 * exposed_wait_ms / tpot_ms``;
+* ``exposed_pct`` = ``100 * exposed_wait_ms / tpot_ms`` (the compute stream's stall for the
+  lookahead: selection chain and copy);
+* ``exposed_transfer_pct`` = ``100 * exposed_transfer_ms / tpot_ms``, the part of that stall
+  after the copy's inputs were ready (:mod:`sparda.cache.timestamps`); records written before
+  the split (no ``exposed_transfer_ms``) give ``exposed_pct``, an upper bound;
 * ``overlap_efficiency`` = ``(compute + transfer - tpot) / min(compute, transfer)`` with
   compute and transfer each measured alone (1: the shorter one is fully hidden; 0: none);
 * ``pcie_gbps_overlapped`` = ``missed_bytes_per_step / copy_ms`` (GB/s = 1e9 bytes/s, the
@@ -200,6 +204,7 @@ def derived(rec: dict) -> dict:
             "roof_x": _ratio(tpot, rec.get("roofline_tpot_ms")),
             "tpot_per_kernel": _ratio(tpot, rec.get("gpu_kernel_ms")),
             "exposed_pct": _ratio(rec.get("exposed_wait_ms"), tpot, 100.0),
+            "exposed_transfer_pct": _ratio(rec.get("exposed_transfer_ms", rec.get("exposed_wait_ms")), tpot, 100.0),
             "overlap_efficiency": eff, "pcie_gbps_overlapped": pcie}
 
 

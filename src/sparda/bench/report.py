@@ -81,6 +81,7 @@ DECODE_COLUMNS = (
     ("copy ms", lambda r, d: _fmt(r.get("copy_ms"), 2) if r.get("kv") == "host" else "-"),
     ("exposed ms", lambda r, d: _fmt(r.get("exposed_wait_ms"), 2) if r.get("kv") == "host" else "-"),
     ("exposed % TPOT", lambda r, d: _fmt(d["exposed_pct"]) if r.get("kv") == "host" else "-"),
+    ("transfer exposed ms", lambda r, d: _fmt(r.get("exposed_transfer_ms"), 2) if r.get("kv") == "host" else "-"),
     ("PCIe GB/s overlapped", lambda r, d: _fmt(d["pcie_gbps_overlapped"])),
     ("compute alone ms", lambda r, d: _fmt(r.get("compute_alone_ms"), 2)),
     ("transfer alone ms", lambda r, d: _fmt(r.get("transfer_alone_ms"), 2)),
@@ -96,7 +97,8 @@ DECODE_LEGEND = ("Decode columns: `kernel ms` = summed GPU kernel time per step 
                  "where the copy overlaps compute); `launches/layer` = kernels per step / layers (embedding, final "
                  "norm and LM head counted in); `roof ×` = TPOT / roofline; `bound` = the roofline's larger term "
                  "(`hbm`: weights + KV reads, `pcie`: the misses); `exposed % TPOT` = the compute stream's wait for "
-                 "the copy / TPOT; `PCIe GB/s overlapped` = missed bytes per step / copy ms (the copy timed inside "
+                 "the lookahead (selection chain and copy) / TPOT; `transfer exposed ms` = the part of that wait "
+                 "after the copy's inputs were ready (the issue's exposed-transfer criterion); `PCIe GB/s overlapped` = missed bytes per step / copy ms (the copy timed inside "
                  "the real step); `overlap eff.` = (compute + transfer − TPOT) / min(compute, transfer), compute "
                  "and transfer each measured alone in the same run; `target hit rate`: synthetic selection "
                  "(`--hit-rate`) instead of the trace; `parity`: greedy tokens of that many replayed CUDA-graph "

@@ -82,6 +82,8 @@ class Prefetcher:
                 self.misses.zero_()
         self.copy_ms = 0.0
         self.exposed_ms = 0.0
+        self.exposed_transfer_ms = 0.0
+        self.timed_layers: set[int] = set()  # layers whose copies the device clock stamped
         if self._clock is not None:
             with torch.inference_mode():
                 self._clock.totals.zero_()
@@ -119,18 +121,24 @@ class Prefetcher:
                 ms = (time.perf_counter() - start) * 1e3
                 self.copy_ms += ms
                 self.exposed_ms += ms
+                self.exposed_transfer_ms += ms
             return
         main = torch.cuda.current_stream(self.device)
         clock = self._clock
+        if clock is not None:
+            self.timed_layers.add(layer)
         if not prefetch:  # on the compute stream: the whole copy is waited for
             if clock is not None:
                 clock.mark(layer, clock.WAIT)
+                clock.mark(layer, clock.READY)
                 clock.mark(layer, clock.START)
             copy_fn()
             if clock is not None:
                 clock.mark(layer, clock.END)
                 clock.account(layer)
             return
+        if clock is not None:  # on the issuing stream: its work so far is the copy's input
+            clock.mark(layer, clock.READY)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             if clock is not None:
@@ -180,18 +188,27 @@ class Prefetcher:
                 clock.account(layer)
 
     def resolve(self) -> None:
-        """Move the device-side timing totals into ``copy_ms`` / ``exposed_ms`` (synchronises)."""
+        """Move the device-side timing totals into ``copy_ms`` / ``exposed_ms`` /
+        ``exposed_transfer_ms`` (synchronises)."""
         if self._clock is not None:
-            copy, exposed = self._clock.drain()
+            copy, exposed, transfer = self._clock.drain()
             self.copy_ms += copy
             self.exposed_ms += exposed
+            self.exposed_transfer_ms += transfer
+
+    def timeline(self) -> list[dict]:
+        """The last timed step's per-layer stamps (:meth:`DeviceClock.timeline`), ``[]``
+        without device timing."""
+        return [] if self._clock is None else self._clock.timeline(sorted(self.timed_layers))
 
     def stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
         """Counters of one cache row (``row``) or of the whole batch: ``hits``, ``misses``,
         ``hit_rate``, ``bytes_copied``, ``bytes_per_token`` (K+V copied per decoded token,
         ``tokens`` decoded tokens of that row or batch). With ``timing``, also ``copy_ms``,
-        ``exposed_wait_ms`` and ``hidden_fraction`` (copy time not waited for) -- batch-wide:
-        one copy carries every row's misses; 0 when nothing was copied."""
+        ``exposed_wait_ms`` (the compute stream's stall for the lookahead: selection chain and
+        copy), ``exposed_transfer_ms`` (the part of it after the copy's inputs were ready,
+        :mod:`sparda.cache.timestamps`) and ``hidden_fraction`` (copy time not waited for) --
+        batch-wide: one copy carries every row's misses; 0 when nothing was copied."""
         hits_t, misses_t = (self.hits, self.misses) if row is None else (self.hits[row], self.misses[row])
         hits, misses = int(hits_t.sum().item()), int(misses_t.sum().item())
         copied = 2 * misses * self.block_bytes
@@ -204,7 +221,9 @@ class Prefetcher:
         if self.timing:
             self.resolve()
             nothing = int(self.misses.sum().item()) == 0
-            copy_ms, exposed = (0.0, 0.0) if nothing else (self.copy_ms, self.exposed_ms)
+            copy_ms, exposed, transfer = ((0.0, 0.0, 0.0) if nothing else
+                                          (self.copy_ms, self.exposed_ms, self.exposed_transfer_ms))
             out.update(copy_ms=round(copy_ms, 3), exposed_wait_ms=round(exposed, 3),
+                       exposed_transfer_ms=round(transfer, 3),
                        hidden_fraction=round(1 - exposed / copy_ms, 4) if copy_ms > 0 else 0.0)
         return out

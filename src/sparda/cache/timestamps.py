@@ -5,13 +5,25 @@ the exposed wait of each offloaded layer are measured with the GPU's global nano
 timer (``%globaltimer``), read by a one-thread Triton kernel launched on the stream
 whose progress it marks:
 
+* ``READY`` on the stream that issues the copy (the selection stream for a lookahead,
+  design §6), once the copy's inputs -- the selection and the slot diff -- are enqueued:
+  it runs when they are done;
 * ``START`` / ``END`` on the stream that runs the copy, around the gather;
 * ``WAIT`` on the compute stream just before it waits for the copy's event.
 
-After the wait, :meth:`DeviceClock.account` adds ``END - START`` to the copy total and
-``max(0, END - WAIT)`` (how long the compute stream stalled) to the exposed total, on
-the device. :meth:`DeviceClock.drain` reads both (one host sync). A synchronous fetch
-marks ``WAIT`` and ``START`` together, so all of its time counts as exposed.
+After the wait, :meth:`DeviceClock.account` adds, on the device:
+
+* ``END - START`` to the copy total;
+* ``max(0, END - WAIT)`` (how long the compute stream stalled) to the exposed total;
+* ``max(0, END - max(WAIT, READY))`` to the exposed *transfer* total: the part of that
+  stall after the copy's inputs were ready, i.e. spent on the copy (and on its stream
+  getting the GPU), not on the selection chain before it. The rest of the exposed wait
+  is the selection's: a lookahead whose scoring or top-k is not done when the layer
+  needs it stalls the compute stream even with nothing to copy.
+
+:meth:`DeviceClock.drain` reads the totals (one host sync); :meth:`DeviceClock.timeline`
+the last step's stamps. A synchronous fetch marks ``WAIT``, ``READY`` and ``START``
+together, so all of its time counts as exposed transfer.
 """
 
 from __future__ import annotations
@@ -29,36 +41,55 @@ def _mark_kernel(STAMPS, index):
     tl.store(STAMPS + index + tl.arange(0, 1), now)
 
 
+#: stamps per layer, in this order (module doc)
+STAMPS_PER_LAYER = 4
+
+
 @triton.jit
 def _account_kernel(STAMPS, TOTALS, layer):
     offs = tl.arange(0, 1)
-    start = tl.load(STAMPS + layer * 3 + 0 + offs)
-    end = tl.load(STAMPS + layer * 3 + 1 + offs)
-    wait = tl.load(STAMPS + layer * 3 + 2 + offs)
+    start = tl.load(STAMPS + layer * 4 + 0 + offs)
+    end = tl.load(STAMPS + layer * 4 + 1 + offs)
+    wait = tl.load(STAMPS + layer * 4 + 2 + offs)
+    ready = tl.load(STAMPS + layer * 4 + 3 + offs)
     tl.store(TOTALS + offs, tl.load(TOTALS + offs) + (end - start))
     tl.store(TOTALS + 1 + offs, tl.load(TOTALS + 1 + offs) + tl.maximum(end - wait, 0))
+    tl.store(TOTALS + 2 + offs, tl.load(TOTALS + 2 + offs) + tl.maximum(end - tl.maximum(wait, ready), 0))
 
 
 class DeviceClock:
-    """Per-layer ``(START, END, WAIT)`` nanosecond stamps ``[L, 3]`` int64 and two running
-    totals (copy ns, exposed ns) on one CUDA device (module doc)."""
+    """Per-layer ``(START, END, WAIT, READY)`` nanosecond stamps ``[L, 4]`` int64 and three
+    running totals (copy, exposed, exposed transfer; ns) on one device (module doc)."""
 
-    START, END, WAIT = 0, 1, 2
+    START, END, WAIT, READY = 0, 1, 2, 3
 
     def __init__(self, num_layers: int, device: torch.device) -> None:
-        self.stamps = torch.zeros(num_layers, 3, dtype=torch.long, device=device)
-        self.totals = torch.zeros(2, dtype=torch.long, device=device)
+        self.stamps = torch.zeros(num_layers, STAMPS_PER_LAYER, dtype=torch.long, device=device)
+        self.totals = torch.zeros(3, dtype=torch.long, device=device)
 
     def mark(self, layer: int, which: int) -> None:
         """Stamp ``which`` of ``layer`` with the global timer, on the current stream."""
-        _mark_kernel[(1,)](self.stamps, layer * 3 + which, num_warps=1)
+        _mark_kernel[(1,)](self.stamps, layer * STAMPS_PER_LAYER + which, num_warps=1)
 
     def account(self, layer: int) -> None:
-        """Add ``layer``'s copy and exposed time to the totals (current stream, after the wait)."""
+        """Add ``layer``'s copy, exposed and exposed-transfer time to the totals (current
+        stream, after the wait)."""
         _account_kernel[(1,)](self.stamps, self.totals, layer, num_warps=1)
 
-    def drain(self) -> tuple[float, float]:
-        """``(copy_ms, exposed_ms)`` accumulated since the last drain; resets the totals (syncs)."""
-        copy_ns, exposed_ns = self.totals.tolist()
+    def drain(self) -> tuple[float, float, float]:
+        """``(copy_ms, exposed_ms, exposed_transfer_ms)`` accumulated since the last drain;
+        resets the totals (syncs)."""
+        copy_ns, exposed_ns, transfer_ns = self.totals.tolist()
         self.totals.zero_()
-        return copy_ns / 1e6, exposed_ns / 1e6
+        return copy_ns / 1e6, exposed_ns / 1e6, transfer_ns / 1e6
+
+    def timeline(self, layers) -> list[dict]:
+        """The last step's stamps of ``layers`` (those that fetched), in microseconds from
+        the earliest of them: ``[{"layer", "ready", "start", "end", "wait"}]`` (syncs)."""
+        stamps = self.stamps[list(layers)].tolist()
+        if not stamps:
+            return []
+        t0 = min(min(row) for row in stamps)
+        us = lambda ns: round((ns - t0) / 1e3, 2)
+        return [{"layer": layer, "ready": us(row[self.READY]), "start": us(row[self.START]),
+                 "end": us(row[self.END]), "wait": us(row[self.WAIT])} for layer, row in zip(layers, stamps)]
