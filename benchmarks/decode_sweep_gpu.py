@@ -620,5 +620,6 @@ if __name__ == "__main__":
                   f"{r['status']:<7} {r.get('decode_tok_s') or 0:>8.1f} tok/s  TPOT {r.get('tpot_ms') or 0:>7.2f}"
                   f"  kern {r.get('gpu_kernel_ms') or 0:>6.2f}  n {r.get('kernels_per_step') or 0:>5.0f}"
                   f"  H* {r.get('target_hit_rate')}  hit {r.get('hit_rate')}  exp {r.get('exposed_wait_ms')} xfer {r.get('exposed_transfer_ms')}"
+                  f" / {r.get('timed_step_ms')} tl {len(r.get('lookahead_timeline_us') or [])}"
                   f"  C {r.get('compute_alone_ms')}  T {r.get('transfer_alone_ms')}"
                   f"  eff {r.get('overlap_efficiency')}  par {r.get('graph_tokens_equal')}")

@@ -37,7 +37,8 @@ def _rec(method, batch, tok_s, *, kv=None, source=None, h=None, cap=None, roof_x
            "gpu_kernel_ms": tpot * 1.1, "kernels_per_step": kernels, "kv": kv, "selection_source": source,
            "target_hit_rate": h, "cuda_graph": True, "dtype": "bfloat16", "device": "NVIDIA H200",
            "hit_rate": 0.9 if kv == "host" else None, "exposed_wait_ms": exposed_frac * tpot if kv == "host" else 0.0,
-           "copy_ms": 0.4 * tpot if kv == "host" else 0.0, "missed_bytes_per_step": 4e7 * batch if kv == "host" else 0.0}
+           "copy_ms": 0.4 * tpot if kv == "host" else 0.0, "missed_bytes_per_step": 4e7 * batch if kv == "host" else 0.0,
+           "slot_factor": 1.5 if kv == "host" else None}
     if cap is not None:
         rec["gpu_mem_cap_gb"] = cap
     if kv == "host" and overlap is not None:
@@ -159,6 +160,36 @@ def test_exposed_criterion_reads_the_transfer_part_of_the_wait():
     assert _verdicts(recs)["exposed"].verdict == PASS
     r["exposed_transfer_ms"] = 0.15 * r["tpot_ms"]
     assert _verdicts(recs)["exposed"].verdict == FAIL
+
+
+@pytest.mark.parametrize("key", sorted(FAILS))
+def test_offloaded_records_at_another_slot_factor_do_not_count(key):
+    """A failing offloaded point at slot factor 1 (an ablation, or a record from before spare slots:
+    no field) is a point of its own and leaves every verdict as it was; with ``slot_factor=None`` it counts."""
+    from sparda.bench.records import DEFAULT_SLOT_FACTOR, dedup, point_label
+    from sparda.cache.offload import DEFAULT_SLOT_FACTOR as ENGINE_DEFAULT
+
+    assert DEFAULT_SLOT_FACTOR == ENGINE_DEFAULT
+    recs = copy.deepcopy(_passing())
+    failing = copy.deepcopy(recs)
+    FAILS[key](failing)
+    before = {json.dumps(r, sort_keys=True) for r in recs}
+    changed = [r for r in failing if json.dumps(r, sort_keys=True) not in before]
+    assert changed
+    if all(r["kv"] != "host" for r in changed):
+        pytest.skip("this criterion's failing record is on-device: slot factors do not apply")
+    for old in (True, False):
+        extra = [dict(r, slot_factor=1.0) for r in changed if r["kv"] == "host"]
+        if old:
+            extra = [{k: v for k, v in r.items() if k != "slot_factor"} for r in extra]
+        kept, dropped = dedup([{"record": r, "rank": i} for i, r in enumerate(recs + extra)])
+        assert dropped == 0 and len(kept) == len(recs) + len(extra)  # not the same point as the 1.5 record
+        assert all("slots ×1" in point_label(r) for r in extra) and "slots" not in point_label(recs[0])
+        assert {k: v.verdict for k, v in _verdicts(kept).items()} == {k: PASS for k in ISSUE20}
+    # the same failing records, every offloaded one at slot factor 1: they count with slot_factor=None
+    ones = [dict(r, slot_factor=1.0) if r["kv"] == "host" else r for r in failing]
+    assert {v.key: v.verdict for v in check_issue20(ones, slot_factor=None)}[key] == FAIL
+    assert {v.key: v.verdict for v in check_issue20(ones)}[key] != FAIL  # left out by default
 
 
 @pytest.mark.parametrize("key", sorted(FAILS))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparda.bench.records import capped_best, derived, ok, point_label, selection_kind, speedups
+from sparda.bench.records import (DEFAULT_SLOT_FACTOR, capped_best, derived, ok, point_label, record_field,
+                                  selection_kind, speedups)
 
 #: issue #20's "Done when" (H200, one run per context): wording and thresholds, one entry per criterion
 ISSUE20 = {
@@ -158,12 +159,16 @@ def _capped(key: str, crit: dict, records: list[dict]) -> Verdict:
     return Verdict(key, crit["text"], "; ".join(parts), verdict)
 
 
-def check_issue20(records: list[dict], criteria: dict | None = None) -> list[Verdict]:
+def check_issue20(records: list[dict], criteria: dict | None = None,
+                  slot_factor: float | None = DEFAULT_SLOT_FACTOR) -> list[Verdict]:
     """The verdict of each :data:`ISSUE20` criterion (or of ``criteria``, same keys) on ``records``:
     the bf16 KV-cache records only (the issue's numbers are for an unquantised cache; records
-    without ``kv_dtype`` predate quantisation and are bf16)."""
+    without ``kv_dtype`` predate quantisation and are bf16), and of offloaded methods only those
+    run at ``slot_factor`` (the shipped default: the engine as users get it; records written
+    before spare slots count as 1.0, :func:`~sparda.bench.records.record_field`; ``None``: any)."""
     c = ISSUE20 if criteria is None else criteria
-    records = [r for r in records if r.get("kv_dtype", "bf16") == "bf16"]
+    records = [r for r in records if r.get("kv_dtype", "bf16") == "bf16"
+               and (slot_factor is None or r.get("kv") != "host" or record_field(r, "slot_factor") == slot_factor)]
     return [
         _floor("floor_b4", c["floor_b4"], records),
         _floor("floor_b16", c["floor_b16"], records),

@@ -356,7 +356,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
             "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
             "exposed_wait_ms": timing.get("exposed_wait_ms", 0.0),
             "exposed_transfer_ms": timing.get("exposed_transfer_ms", 0.0), "copy_ms": copy,
-            "lookahead_timeline_us": timing.get("timeline"),
+            "lookahead_timeline_us": timing.get("timeline"), "timed_step_ms": timing.get("step_ms"),
             "hidden_fraction": timing.get("hidden_fraction"),
             "pcie_gbps_overlapped": round(missed / copy / 1e6, 2) if copy else None,
             **overlap}
@@ -565,8 +565,10 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
 
 def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None) -> dict:
     """Per-step ``copy_ms``, ``exposed_wait_ms``, ``exposed_transfer_ms`` and ``hidden_fraction``
-    of an offloaded cache, and the last step's per-layer stamps (``timeline``,
-    :meth:`~sparda.cache.prefetch.Prefetcher.timeline`; ``[]`` off CUDA),
+    of an offloaded cache, the last step's per-layer stamps (``timeline``,
+    :meth:`~sparda.cache.prefetch.Prefetcher.timeline`; ``[]`` off CUDA) and the wall time
+    per step of this timestamped run (``step_ms``: the waits are parts of it, not of the
+    untimed run's TPOT when the two differ),
     from a run of ``steps`` (+1 warm-up, +1 capture on CUDA) steps with the prefetcher's
     device timestamps on (:mod:`sparda.cache.timestamps`): a runner of its own, so the
     throughput graphs stay free of the timestamp kernels. ``state``: the step's state,
@@ -582,14 +584,16 @@ def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None) ->
             step(timed)
         sync(llm.device)
         pref.reset()
+        t0 = time.perf_counter()
         for _ in range(steps):
             step(timed)
         sync(llm.device)
+        step_ms = (time.perf_counter() - t0) * 1e3 / max(steps, 1)
         pref.resolve()
         copy, exposed = pref.copy_ms / steps, pref.exposed_ms / steps
         transfer, timeline = pref.exposed_transfer_ms / steps, pref.timeline()
     finally:
         pref.set_timing(False)  # the timed graph goes with its runner
     return {"copy_ms": round(copy, 4), "exposed_wait_ms": round(exposed, 4),
-            "exposed_transfer_ms": round(transfer, 4), "timeline": timeline,
+            "exposed_transfer_ms": round(transfer, 4), "timeline": timeline, "step_ms": round(step_ms, 4),
             "hidden_fraction": round(1 - exposed / copy, 4) if copy > 0 else None}

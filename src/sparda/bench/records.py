@@ -31,10 +31,15 @@ from pathlib import Path
 
 from sparda.errors import SpardaError
 
+#: the offloaded cache's default slot factor (:data:`sparda.cache.offload.DEFAULT_SLOT_FACTOR`;
+#: a copy, so that reading records needs no torch; a test keeps them equal)
+DEFAULT_SLOT_FACTOR = 1.5
+
 #: fields that say which point a record measured; records equal on all of them are one point
 POINT_FIELDS = ("model", "method", "context", "batch", "selection_source", "target_hit_rate", "gpu_mem_cap_gb",
-                "cuda_graph", "kv", "dtype", "device", "kv_dtype")
-#: the value of a field that older records do not carry (``kv_dtype``: they all ran bf16 caches)
+                "cuda_graph", "kv", "dtype", "device", "kv_dtype", "slot_factor")
+#: the value of a field that older records do not carry (``kv_dtype``: they all ran bf16 caches;
+#: ``slot_factor``: see :func:`record_field`)
 FIELD_DEFAULTS = {"kv_dtype": "bf16"}
 #: a record list's items carry at least these
 RECORD_FIELDS = ("model", "method", "context", "batch", "status")
@@ -115,8 +120,12 @@ def load_runs(paths) -> tuple[list[dict], list[dict]]:
 
 
 def record_field(rec: dict, key: str):
-    """``rec[key]``, or its :data:`FIELD_DEFAULTS` value (else ``None``) when missing."""
+    """``rec[key]``, or its :data:`FIELD_DEFAULTS` value (else ``None``) when missing.
+    ``slot_factor`` of an offloaded record (``kv == "host"``) written before spare slots is
+    1.0 (its slot buffer held exactly the widest selection, design §6); on-device records have none."""
     value = rec.get(key)
+    if key == "slot_factor" and value is None:
+        return 1.0 if rec.get("kv") == "host" else None
     return FIELD_DEFAULTS.get(key) if value is None else value
 
 
@@ -226,6 +235,9 @@ def point_label(rec: dict) -> str:
         parts.append("eager")
     if record_field(rec, "kv_dtype") != "bf16":
         parts.append(f"KV {record_field(rec, 'kv_dtype')}")
+    slots = record_field(rec, "slot_factor")
+    if slots is not None and slots != DEFAULT_SLOT_FACTOR:
+        parts.append(f"slots ×{slots:g}")
     return " ".join(str(p) for p in parts if p)
 
 
@@ -238,12 +250,13 @@ def speedups(records: list[dict], fast: str = "sparda", slow: str = "sparse-offl
     """``fast``'s decode tok/s over ``slow``'s at the same point but for the method.
 
     Pairs are matched on model, context, batch, selection kind (trace / synthetic),
-    ``target_hit_rate``, ``gpu_mem_cap_gb``, ``cuda_graph``, dtype and KV dtype (the two
+    ``target_hit_rate``, ``gpu_mem_cap_gb``, ``cuda_graph``, dtype, KV dtype and slot factor (the two
     methods' trace names differ: ``trace:sparda`` vs ``trace:sparse``). Returns one dict per pair:
     the pair's fields, ``fast_tok_s``, ``slow_tok_s``, ``speedup`` and ``label``, sorted by
     model, context, target hit rate (trace first) and batch.
     """
-    fields = ("model", "context", "batch", "target_hit_rate", "gpu_mem_cap_gb", "cuda_graph", "dtype", "kv_dtype")
+    fields = ("model", "context", "batch", "target_hit_rate", "gpu_mem_cap_gb", "cuda_graph", "dtype", "kv_dtype",
+              "slot_factor")
 
     def key(r):
         return tuple(json.dumps(record_field(r, k)) for k in fields) + (selection_kind(r),)

@@ -25,7 +25,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparda.bench.criteria import ISSUE20, check_issue20
-from sparda.bench.records import capped_best, derived, method_label, ok, record_field, selection_kind, speedups
+from sparda.bench.records import (DEFAULT_SLOT_FACTOR, capped_best, derived, method_label, ok, record_field,
+                                  selection_kind, speedups)
 from sparda.io import atomic_output, atomic_write
 
 #: the paper's decode throughput (tok/s), H100, MiniCPM4.1-8B, 128K context: batch -> (sparda, sparse-offload)
@@ -82,6 +83,7 @@ DECODE_COLUMNS = (
     ("exposed ms", lambda r, d: _fmt(r.get("exposed_wait_ms"), 2) if r.get("kv") == "host" else "-"),
     ("exposed % TPOT", lambda r, d: _fmt(d["exposed_pct"]) if r.get("kv") == "host" else "-"),
     ("transfer exposed ms", lambda r, d: _fmt(r.get("exposed_transfer_ms"), 2) if r.get("kv") == "host" else "-"),
+    ("timed step ms", lambda r, d: _fmt(r.get("timed_step_ms"), 2) if r.get("kv") == "host" else "-"),
     ("PCIe GB/s overlapped", lambda r, d: _fmt(d["pcie_gbps_overlapped"])),
     ("compute alone ms", lambda r, d: _fmt(r.get("compute_alone_ms"), 2)),
     ("transfer alone ms", lambda r, d: _fmt(r.get("transfer_alone_ms"), 2)),
@@ -98,7 +100,8 @@ DECODE_LEGEND = ("Decode columns: `kernel ms` = summed GPU kernel time per step 
                  "norm and LM head counted in); `roof ×` = TPOT / roofline; `bound` = the roofline's larger term "
                  "(`hbm`: weights + KV reads, `pcie`: the misses); `exposed % TPOT` = the compute stream's wait for "
                  "the lookahead (selection chain and copy) / TPOT; `transfer exposed ms` = the part of that wait "
-                 "after the copy's inputs were ready (the issue's exposed-transfer criterion); `PCIe GB/s overlapped` = missed bytes per step / copy ms (the copy timed inside "
+                 "after the copy's inputs were ready (the issue's exposed-transfer criterion); `timed step ms` = the wall time per "
+                 "step of the timestamped run those waits come from; `PCIe GB/s overlapped` = missed bytes per step / copy ms (the copy timed inside "
                  "the real step); `overlap eff.` = (compute + transfer − TPOT) / min(compute, transfer), compute "
                  "and transfer each measured alone in the same run; `target hit rate`: synthetic selection "
                  "(`--hit-rate`) instead of the trace; `parity`: greedy tokens of that many replayed CUDA-graph "
@@ -147,7 +150,9 @@ def _done_when(records: list[dict], device) -> list[str]:
         verdict = f"**{v.verdict}**" if v.verdict != "NOT MEASURED" else v.verdict
         lines.append(f"| {v.criterion} | {v.measured} | {verdict} |")
     return lines + ["", "Thresholds: `sparda.bench.criteria.ISSUE20`. NOT MEASURED: no record (or only part of "
-                    "the points) covers the criterion.", ""]
+                    "the points) covers the criterion. Only bf16 KV caches count, and of offloaded methods only "
+                    f"records at the default slot factor ({DEFAULT_SLOT_FACTOR:g}; records from before spare "
+                    "slots count as 1): other slot factors are ablations, listed in the tables.", ""]
 
 
 def _capped_section(records: list[dict]) -> list[str]:

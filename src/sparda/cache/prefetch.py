@@ -68,6 +68,9 @@ class Prefetcher:
         self.pending: dict[int, tuple] = {}  # layer -> (done event, keep-alive tensors)
         self._selected: dict[int, object] = {}  # layer -> event after its selection chain
         self._clock = None
+        #: layers whose copies the device clock stamps: filled when a step is run or captured
+        #: (a replayed CUDA graph runs no Python, so :meth:`reset` keeps it; :meth:`set_timing` clears it)
+        self.timed_layers: set[int] = set()
         self.hits = self.misses = None
         self.reset()
 
@@ -83,7 +86,6 @@ class Prefetcher:
         self.copy_ms = 0.0
         self.exposed_ms = 0.0
         self.exposed_transfer_ms = 0.0
-        self.timed_layers: set[int] = set()  # layers whose copies the device clock stamped
         if self._clock is not None:
             with torch.inference_mode():
                 self._clock.totals.zero_()
@@ -97,6 +99,7 @@ class Prefetcher:
         the timestamp kernels they were captured with (a runner per setting)."""
         self.timing = bool(enabled)
         self._clock = None
+        self.timed_layers = set()
         self.reset()
 
     def fetch(self, layer: int, copy_fn, hits: torch.Tensor, misses: torch.Tensor,
