@@ -320,7 +320,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         profile = profile_kernels(step, opts.profile_steps)
     timing = {}
     if offloaded and getattr(opts, "timing_steps", 0):
-        timing = copy_timing(llm, cache, step, opts.timing_steps)
+        timing = copy_timing(llm, cache, step, opts.timing_steps, state, timed_from)
     breakdown = {}
     if opts.breakdown_steps:  # hooks run in eager steps only: a runner without graphs
         eager = DecodeRunner(llm, cache, cuda_graphs=False)
@@ -358,7 +358,9 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
             "exposed_transfer_ms": timing.get("exposed_transfer_ms", 0.0), "copy_ms": copy,
             "lookahead_timeline_us": timing.get("timeline"), "timed_step_ms": timing.get("step_ms"),
             "hidden_fraction": timing.get("hidden_fraction"),
-            "pcie_gbps_overlapped": round(missed / copy / 1e6, 2) if copy else None,
+            # the copy timing run's own bytes over its own copy time (its steps are not all the TPOT's)
+            "timed_missed_bytes_per_step": timing.get("missed_bytes"),
+            "pcie_gbps_overlapped": round(timing.get("missed_bytes", missed) / copy / 1e6, 2) if copy else None,
             **overlap}
 
     points = []
@@ -367,8 +369,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         replayer.ids.copy_(_replay_ids(synthetic(rate), replayer.ids.shape[-1]))
         sub_tpots = timed_run(step, state, cache, opts, dev)
         sub_stats = cache.offload_stats(opts.decode_steps * opts.repeats * batch)
-        sub_timing = copy_timing(llm, cache, step, opts.timing_steps, state) if getattr(opts, "timing_steps", 0) \
-            else {}
+        sub_timing = copy_timing(llm, cache, step, opts.timing_steps, state, opts.warmup_steps) \
+            if getattr(opts, "timing_steps", 0) else {}
         sub_tpot = statistics.median(sub_tpots)
         sub_overlap = overlap_timing(llm, cache, step, steps_overlap, sub_tpot, state,
                                      opts.warmup_steps) if overlap else {}
@@ -563,24 +565,30 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
             "overlap_efficiency": None if eff is None else round(eff, 4)}
 
 
-def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None) -> dict:
-    """Per-step ``copy_ms``, ``exposed_wait_ms``, ``exposed_transfer_ms`` and ``hidden_fraction``
-    of an offloaded cache, the last step's per-layer stamps (``timeline``,
-    :meth:`~sparda.cache.prefetch.Prefetcher.timeline`; ``[]`` off CUDA) and the wall time
-    per step of this timestamped run (``step_ms``: the waits are parts of it, not of the
-    untimed run's TPOT when the two differ),
-    from a run of ``steps`` (+1 warm-up, +1 capture on CUDA) steps with the prefetcher's
-    device timestamps on (:mod:`sparda.cache.timestamps`): a runner of its own, so the
-    throughput graphs stay free of the timestamp kernels. ``state``: the step's state,
-    restarted first (:func:`restart`) when given."""
-    if state is not None:
-        restart(state, cache)
+def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None, start: int = 0) -> dict:
+    """Copy timing of an offloaded cache over the replayed steps ``start .. start + steps - 1``
+    (the first ones the TPOT covers: the selection, hence the misses, differ from step to
+    step), with the prefetcher's device timestamps on (:mod:`sparda.cache.timestamps`), in a
+    runner of its own so that the throughput graphs stay free of the timestamp kernels.
+
+    With ``state`` the run restarts (:func:`restart`, empty slots) up to three steps before
+    ``start`` (at least two on CUDA: warm-up and capture); without it, it continues from
+    where the previous run stopped (steps that may lie past the trace's end). Returns, per
+    step: ``copy_ms``, ``exposed_wait_ms``, ``exposed_transfer_ms``, ``hidden_fraction``,
+    ``missed_bytes`` (K+V this run copied, all rows) and ``step_ms`` (this run's wall time:
+    the waits are parts of it, not of the untimed run's TPOT where the two differ); and the
+    last step's per-layer stamps (``timeline``,
+    :meth:`~sparda.cache.prefetch.Prefetcher.timeline`; ``[]`` off CUDA)."""
     pref = cache.prefetcher
     pref.set_timing(True)
     timed = DecodeRunner(llm, cache, cuda_graphs=llm.cuda_graphs)
     timed.load(llm.runner(cache).tokens, llm.runner(cache).positions)
+    pre = 2 if timed.use_graphs else 0  # warm-up + capture of the timed graph
+    if state is not None:
+        pre = max(pre, min(3, start))
+        restart(state, cache, max(0, start - pre))
     try:
-        for _ in range(2 if timed.use_graphs else 0):  # warm-up + capture of the timed graph
+        for _ in range(pre):
             step(timed)
         sync(llm.device)
         pref.reset()
@@ -592,8 +600,9 @@ def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None) ->
         pref.resolve()
         copy, exposed = pref.copy_ms / steps, pref.exposed_ms / steps
         transfer, timeline = pref.exposed_transfer_ms / steps, pref.timeline()
+        missed = pref.stats(tokens=steps)["bytes_per_token"]  # per step: every row's copy
     finally:
         pref.set_timing(False)  # the timed graph goes with its runner
     return {"copy_ms": round(copy, 4), "exposed_wait_ms": round(exposed, 4),
             "exposed_transfer_ms": round(transfer, 4), "timeline": timeline, "step_ms": round(step_ms, 4),
-            "hidden_fraction": round(1 - exposed / copy, 4) if copy > 0 else None}
+            "missed_bytes": missed, "hidden_fraction": round(1 - exposed / copy, 4) if copy > 0 else None}
