@@ -102,19 +102,21 @@ def kernel_checks(out_dir: Path) -> list[dict]:
         m1 = silu_mul_triton(gu, torch.empty(8, 16384, device=DEV, dtype=dtype))
         m2 = twins.silu_mul_reference(gu, torch.empty(8, 16384, device=DEV, dtype=dtype))
         rows.append({"kernel": "silu_mul", "dtype": name, "max_rel_err": _rel(m1, m2)})
-    # slot diff (integers: must be exact)
-    for b, h, s, n in ((4, 2, 96, 2048), (16, 8, 128, 1024), (3, 3, 7, 40)):
+    # slot diff (integers: must be exact); w < s: spare slots (slot_factor, design §6) with the
+    # compact (block, slot) list attention reads
+    for b, h, s, n, w in ((4, 2, 96, 2048, 96), (16, 8, 128, 1024, 128), (3, 3, 7, 40, 7), (4, 2, 192, 2048, 128),
+                          (16, 2, 48, 1024, 32)):
         ok = True
         for trial in range(20):
             pos = torch.randint(64 * 4, n * 64, (b,), device=DEV, generator=gen)
             slot_map = torch.full((b, h, s), -1, dtype=torch.long, device=DEV)
-            ids = torch.full((b, h, s), -1, dtype=torch.int32, device=DEV)
+            ids = torch.full((b, h, w), -1, dtype=torch.int32, device=DEV)
             for i in range(b):
                 cur = int(pos[i]) // 64
                 for j in range(h):
                     held = torch.randperm(cur, device=DEV, generator=gen)[:int(torch.randint(0, s + 1, (1,)))]
                     slot_map[i, j, torch.randperm(s, device=DEV, generator=gen)[:held.numel()]] = held
-                    k = int(torch.randint(0, min(s - 1, cur) + 1, (1,)))
+                    k = int(torch.randint(0, min(w - 1, cur) + 1, (1,)))
                     pool = torch.unique(torch.cat([held, torch.randperm(cur, device=DEV, generator=gen)[:s]]))
                     chosen = torch.sort(torch.cat([pool[torch.randperm(pool.numel(), device=DEV, generator=gen)[:k]],
                                                    torch.tensor([cur], device=DEV)])).values
@@ -124,10 +126,12 @@ def kernel_checks(out_dir: Path) -> list[dict]:
                 sm, load = slot_map.clone(), torch.empty_like(slot_map)
                 attn = torch.empty(b, h, s + 1, dtype=torch.int32, device=DEV)
                 cnt = tuple(torch.zeros(b, dtype=torch.long, device=DEV) for _ in range(4))
-                fn(ids, sm, pos, 64, n, load, attn, cnt)
-                res.append((load, sm, attn, *cnt))
+                compact = tuple(torch.empty(b, h, min(w, s) + 1, dtype=torch.int32, device=DEV) for _ in range(2)) \
+                    if w < s else None
+                fn(ids, sm, pos, 64, n, load, attn, cnt, compact)
+                res.append((load, sm, attn, *cnt, *(compact or ())))
             ok &= all(torch.equal(x, y) for x, y in zip(*res))
-        rows.append({"kernel": "slot_diff", "dtype": "int", "B": b, "H": h, "S": s, "exact": bool(ok),
+        rows.append({"kernel": "slot_diff", "dtype": "int", "B": b, "H": h, "S": s, "W": w, "exact": bool(ok),
                      "max_rel_err": 0.0 if ok else 1.0})
     # the bf16 tl.dot paths of the older kernels (review C8)
     for g in (16, 4, 1):
