@@ -24,7 +24,13 @@ one time budget measured from the start of this call:
    quest, snapkv, shallow) on the tasks, lengths, samples and ppl windows of plans 1 and 2
    (the same prompts: the plans share seed, depths, text and model), in their own
    directory so that ``OUT/main`` stays as it is; ``benchmarks/accuracy_doc.py`` puts them
-   in main's tables, paired against main's dense and sparda (:func:`baseline_plans`).
+   in main's tables, paired against main's dense and sparda (:func:`baseline_plans`);
+6. ``OUT/selectors``: the block-sparse selectors sparse, oracle, sparda, sparda-random and
+   infinigen once more on plan 1's generation tasks, lengths and samples (the same prompts),
+   with ``dense_heads="none"``: plan 1 runs every method with the calibrated dense heads of
+   design §3.7 (``auto``), which read their whole KV in decode and lift every selector; this
+   plan measures the selectors alone (:func:`selector_plans`; ``ppl`` and ``selection`` are
+   left out: dense heads act in decode only, and both score prefill / the bare selection).
 
 Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
 prints a short table. When the budget runs out the plans stop between batches; copy
@@ -32,7 +38,8 @@ prints a short table. When the budget runs out the plans stop between batches; c
 ``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/accuracy.md``.
 Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--plans`` runs only some
 (``--plans kvquant`` adds the KV-dtype directories to an ``OUT`` whose other plans are
-done, ``--plans baselines`` the seeds' selectors); ``--estimate`` prints the work of the plans and a run-time estimate, in all and per
+done, ``--plans baselines`` the seeds' selectors, ``--plans selectors`` the selectors without
+dense heads); ``--estimate`` prints the work of the plans and a run-time estimate, in all and per
 plan, without loading a model.
 """
 
@@ -62,6 +69,9 @@ KV_DTYPES = ("bf16", "int8", "int4")
 KV_METHODS = ("dense", "sparda")
 #: the seeds' selectors (issue #13, docs/baselines.md), plan 5
 BASELINE_METHODS = ("streaming", "h2o", "quest", "snapkv", "shallow")
+#: the block-sparse selectors of plan 1, rerun without dense heads (plan 6); dense is left
+#: out: it reads every block, so plan 1's dense records are its reference on the same prompts
+SELECTOR_METHODS = ("sparse", "oracle", "sparda", "sparda-random", "infinigen")
 
 
 def _csv(kind):
@@ -94,8 +104,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=512, help="kvquant: tokens of each window fed through decode")
     p.add_argument("--baseline-methods", type=_csv(str), default=BASELINE_METHODS,
                    help="baselines: methods ('' = no baselines plan) [streaming,h2o,quest,snapkv,shallow]")
+    p.add_argument("--selector-methods", type=_csv(str), default=SELECTOR_METHODS,
+                   help="selectors: methods run with dense_heads none ('' = no selectors plan) "
+                        "[sparse,oracle,sparda,sparda-random,infinigen]")
     p.add_argument("--plans", type=_csv(str), default=None,
-                   help="run only these plans (main, ppl, budget, kvquant, or a full name such as kvquant-int8) "
+                   help="run only these plans (main, ppl, budget, kvquant, baselines, selectors, or a full name "
+                        "such as kvquant-int8) "
                         "[default: all]")
     p.add_argument("--estimate", action="store_true", help="print the plans' work and a time estimate, run nothing")
     return p.parse_args(argv)
@@ -115,7 +129,7 @@ def plans(args) -> list[tuple[str, EvalPlan]]:
         ("budget", EvalPlan(tasks=("passkey", "ppl"), methods=args.sweep_methods, lengths=args.sweep_lengths,
                             samples=args.samples, budgets=args.budgets, out=str(out / "budget"),
                             **{**common, "ppl_windows": args.sweep_ppl_windows})),
-    ] + kvquant_plans(args) + baseline_plans(args, common, gen))
+    ] + kvquant_plans(args) + baseline_plans(args, common, gen) + selector_plans(args, common, gen))
 
 
 def selected(args, named: list[tuple[str, EvalPlan]]) -> list[tuple[str, EvalPlan]]:
@@ -159,6 +173,20 @@ def baseline_plans(args, common: dict, gen: tuple[str, ...]) -> list[tuple[str, 
     shared = dict(methods=args.baseline_methods, samples=args.samples, out=str(Path(args.out) / "baselines"), **common)
     return [("baselines", EvalPlan(tasks=gen, lengths=args.lengths, **shared)),
             ("baselines-ppl", EvalPlan(tasks=("ppl",), lengths=args.ppl_lengths, **shared))]
+
+
+def selector_plans(args, common: dict, gen: tuple[str, ...]) -> list[tuple[str, EvalPlan]]:
+    """Plan 6 (``OUT/selectors``): ``--selector-methods`` on main's generation tasks
+    (``selection`` excepted), lengths and samples with main's ``common`` settings and
+    ``dense_heads="none"`` (:func:`sparda.eval.runner._dense_heads_setting`'s spelling of no
+    dense heads), so every decode step reads only the selected blocks; no plan for no methods.
+    The selection report and ``ppl`` are not rerun: they do not depend on dense heads."""
+    if not args.selector_methods:
+        return []
+    tasks = tuple(t for t in gen if t != "selection")
+    return [("selectors", EvalPlan(tasks=tasks, methods=args.selector_methods, lengths=args.lengths,
+                                   samples=args.samples, out=str(Path(args.out) / "selectors"),
+                                   dense_heads="none", **common))]
 
 
 def _commit(given: str | None) -> str:
@@ -276,7 +304,7 @@ def _summary_table(out: Path) -> str:
     """A short table: mean task accuracy [Wilson 95 %] and passkey at the longest length per
     method, KL against dense per ppl length, and how complete each directory is."""
     lines = []
-    for sub in ("main", "budget", "baselines"):
+    for sub in ("main", "budget", "baselines", "selectors"):
         loaded = _load_results(out / sub)
         if loaded is None:
             continue

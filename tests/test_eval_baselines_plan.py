@@ -65,7 +65,7 @@ def test_baselines_plan_asks_mains_prompts_and_is_estimated(tmp_path):
     eval_gpu = _script("eval_gpu")
     args = eval_gpu.parse_args([str(tmp_path / "run"), "--device", "cpu"])
     named = dict(eval_gpu.plans(args))
-    assert list(named)[-2:] == ["baselines", "baselines-ppl"]  # after the existing plans
+    assert list(named)[-3:] == ["baselines", "baselines-ppl", "selectors"]  # after kvquant, before selectors
     main, ppl, base, base_ppl = named["main"], named["ppl"], named["baselines"], named["baselines-ppl"]
     assert base.methods == base_ppl.methods == FIVE and not set(FIVE) & set(main.methods)
     assert base.out == base_ppl.out == str(tmp_path / "run" / "baselines") != main.out

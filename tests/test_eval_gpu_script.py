@@ -34,7 +34,8 @@ def test_eval_gpu_resumes_and_regenerates_the_page(make_tiny, tmp_path, monkeypa
              "--sweep-lengths", "300", "--budgets", "10,50", "--sweep-ppl-windows", "1", "--commit", "abc1234",
              "--kv-dtypes", "bf16,int8", "--kv-methods", "dense,sparse", "--kv-lengths", "300",
              "--kv-ppl-lengths", "300", "--decode-tokens", "8",
-             "--baseline-methods", ""]  # the baselines plan: tests/test_eval_baselines_plan.py
+             "--baseline-methods", "",  # the baselines plan: tests/test_eval_baselines_plan.py
+             "--selector-methods", ""]  # the selectors plan: tests/test_eval_selectors_plan.py
     estimate = eval_gpu.estimate(eval_gpu.parse_args([str(out), *small]))
     # main: 2 tasks x 2 methods x 2; sweep: 2 passkeys x (dense + sparse at 2 budgets);
     # kvquant, per dtype: 2 passkeys and 2 ppl-decode windows x 2 methods

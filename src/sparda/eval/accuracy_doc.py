@@ -7,7 +7,10 @@ the records with their intervals, then the reports of ``OUT/main`` and ``OUT/bud
 KV-cache dtype section from ``OUT/kv-<dtype>`` (:func:`kv_section`; "not run" without them).
 Where ``OUT/baselines`` exists (the seeds' selectors, issue #13), its records join main's in
 main's tables and plots (same prompts, checked by :func:`baseline_records`); without it
-the page is what it was before that plan existed.
+the page is what it was before that plan existed. ``OUT/selectors`` (the block-sparse
+selectors rerun with ``dense_heads none`` on main's prompts) gets its own section,
+:func:`selectors_section`, and issue #12's accuracy criteria are judged in both
+configurations; without the directory the section says it was not run.
 """
 
 from __future__ import annotations
@@ -94,24 +97,56 @@ def _acc(a) -> str:
     return "–" if not a else f"{100 * a['mean']:.1f} [{100 * a['low']:.1f}, {100 * a['high']:.1f}] (n={a['n']})"
 
 
-def criteria(main: list[dict], budget: list[dict]) -> list[str]:
-    """Issue #12's "done when" rows, evaluated on the records: a markdown table."""
+#: issue #12's criteria on the mean task accuracy: (method, reference, margin in points):
+#: met when method − reference, paired on the same prompts, is at least the margin
+MEAN_CRITERIA = (("sparda", "sparse", -2), ("sparda", "infinigen", 10))
+#: the two dense-heads configurations the mean-accuracy criteria are judged in (design §3.7)
+AUTO_LABEL = "dense heads `auto` (`main`, the defaults)"
+NONE_LABEL = "dense heads `none` (`selectors`)"
+
+
+def _criterion_name(a: str, b: str, margin: float) -> str:
+    return f"`{a}` mean task accuracy ≥ `{b}` {'+' if margin >= 0 else '−'} {abs(margin):g} points"
+
+
+def _measured(records: list[dict], a: str, b: str, margin: float, task=None, length=None,
+              judged: bool = True, agg: dict | None = None) -> tuple[str, str, str]:
+    """``(measured, paired difference, met)`` cells of the criterion "``a`` ≥ ``b`` +
+    ``margin`` points" on ``records`` (the mean task accuracy, or ``task`` at ``length``):
+    both accuracies with Wilson 95 % intervals, ``a`` − ``b`` paired on the same prompts
+    (:func:`~sparda.eval.report.paired_difference`) and whether its point estimate reaches
+    the margin; ``met`` is withheld ("–") without pairs or when not ``judged`` (an incomplete run)."""
+    agg = aggregate(records) if agg is None else agg
+    d = paired_difference(records, a, b, task=task, length=length)
+    cell = (lambda m: agg["by_length"].get(m, {}).get(task, {}).get(str(length))) if task else \
+        (lambda m: agg["mean_accuracy"].get(m))
+    if d is None:
+        met = "–"
+    elif not judged:
+        met = "– (run incomplete)"
+    else:
+        met = "yes" if 100 * d["diff"] >= margin else "**no**"
+    return f"{a} {_acc(cell(a))} vs {b} {_acc(cell(b))}", _points(d), met
+
+
+def criteria(main: list[dict], budget: list[dict], selectors: dict | None = None) -> list[str]:
+    """Issue #12's "done when" rows, evaluated on the records: a markdown table. The
+    mean-accuracy rows are judged on ``main`` (dense heads ``auto``) and again on the
+    ``selectors`` run (:func:`selector_records`; "not run" / its problem when it has no
+    records that pair with main's)."""
     agg = aggregate(main)
-    mean = agg["mean_accuracy"]
     lengths = sorted({r["length"] for r in main if r["task"] not in ("ppl", "selection")})
     longest = max(lengths) if lengths else None
     rows = ["| criterion | measured | paired difference, points [95 %] | met (point estimate) |",
             "|---|---|---|---|"]
 
     def row(name, a, b, margin, task=None, length=None):
-        d = paired_difference(main, a, b, task=task, length=length)
-        cell_a = agg["by_length"].get(a, {}).get(task, {}).get(str(length)) if task else mean.get(a)
-        cell_b = agg["by_length"].get(b, {}).get(task, {}).get(str(length)) if task else mean.get(b)
-        met = "–" if d is None else "yes" if 100 * d["diff"] >= margin else "**no**"
-        rows.append(f"| {name} | {a} {_acc(cell_a)} vs {b} {_acc(cell_b)} | {_points(d)} | {met} |")
+        rows.append(f"| {name} | " + " | ".join(_measured(main, a, b, margin, task, length, agg=agg)) + " |")
 
-    row("`sparda` mean task accuracy ≥ `sparse` − 2 points", "sparda", "sparse", -2)
-    row("`sparda` mean task accuracy ≥ `infinigen` + 10 points", "sparda", "infinigen", 10)
+    for a, b, margin in MEAN_CRITERIA:
+        row(f"{_criterion_name(a, b, margin)}, {AUTO_LABEL}", a, b, margin)
+        rows.append(f"| {_criterion_name(a, b, margin)}, {NONE_LABEL} | " +
+                    " | ".join(_selector_cells(selectors, a, b, margin)) + " |")
     if longest:
         for m in ("sparse", "sparda"):
             row(f"passkey @{longest}: `{m}` ≥ `dense` − 5 points", m, "dense", -5, task="passkey", length=longest)
@@ -234,6 +269,27 @@ def kv_section(out: Path) -> list[str]:
 _NOT_PROMPT = frozenset({"tasks", "methods", "lengths", "samples", "out", "budgets", "batch_size", "fingerprint"})
 
 
+def _plan_differences(out: Path, name: str, free: frozenset = frozenset()) -> tuple[dict, dict, list[str]]:
+    """``(main's plan.json, name's plan.json, fields)``: the ``plan.json`` fields outside
+    :data:`_NOT_PROMPT` and ``free`` in which ``out/name`` differs from ``out/main`` (a field
+    absent from one file, written before the field existed, counts as its default).
+
+    Raises SpardaError if either file is missing or unreadable."""
+    plans = {}
+    for sub in ("main", name):
+        path = Path(out) / sub / "plan.json"
+        try:
+            plans[sub] = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SpardaError(f"cannot read {path} ({exc}); the {name} records cannot be paired with main") from None
+    main, other = plans["main"], plans[name]
+    defaults = {f.name: f.default for f in dataclasses.fields(EvalPlan) if f.default is not dataclasses.MISSING}
+    defaults["overrides"] = {}
+    differ = sorted(k for k in set(main) | set(other) if k not in _NOT_PROMPT | free and
+                    main.get(k, defaults.get(k)) != other.get(k, defaults.get(k)))
+    return main, other, differ
+
+
 def baseline_records(out: Path) -> tuple[list[dict], str | None]:
     """Records of ``out/baselines`` (``[]`` where it has none) and a note for the page, or
     ``None``: the note says when its plan fingerprint differs from main's although their
@@ -246,19 +302,7 @@ def baseline_records(out: Path) -> tuple[list[dict], str | None]:
     records = load_results(Path(out) / "baselines" / "results.jsonl")
     if not records:
         return [], None
-    plans = {}
-    for name in ("main", "baselines"):
-        path = Path(out) / name / "plan.json"
-        try:
-            plans[name] = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise SpardaError(f"cannot read {path} ({exc}); the baselines cannot be paired with main") from None
-    main, base = plans["main"], plans["baselines"]
-    defaults = {f.name: f.default for f in dataclasses.fields(EvalPlan) if f.default is not dataclasses.MISSING}
-    defaults["overrides"] = {}
-    # a field absent from one plan.json (written before the field existed) had its default
-    differ = sorted(k for k in set(main) | set(base) if k not in _NOT_PROMPT and
-                    main.get(k, defaults.get(k)) != base.get(k, defaults.get(k)))
+    main, base, differ = _plan_differences(out, "baselines")
     if differ:
         raise SpardaError(f"{out}/baselines was run with other {', '.join(differ)} than {out}/main; "
                           "its records do not pair with main's (rerun the baselines plan in a fresh OUT/baselines)")
@@ -267,6 +311,122 @@ def baseline_records(out: Path) -> tuple[list[dict], str | None]:
         note = ("The `baselines` plan ran with other Forecast weights or dense-heads calibration files than "
                 "`main` (plan fingerprints differ, prompts agree).")
     return records, note
+
+
+#: the selectors of plan ``selectors``, in the order of its tables (others follow, sorted)
+SELECTOR_ORDER = ("sparse", "oracle", "sparda", "sparda-random", "infinigen")
+SELECTORS_COMMAND = "python3 benchmarks/eval_gpu.py OUT --plans selectors"
+
+
+def selector_records(out: Path) -> dict:
+    """What ``out/selectors`` holds, checked against ``out/main``.
+
+    Returns ``{"records", "problem", "complete", "progress"}``: the generation-task
+    records (``[]`` when there are none, or when they cannot be paired with main's), a
+    one-line reason they are not shown or ``None``, whether ``progress.json`` says the
+    plan is complete, and that file's dict (``None`` when absent). Problems: a ``plan.json``
+    that is unreadable, differs from main's in a field that changes the prompts or the
+    methods' settings other than ``dense_heads``, or whose ``dense_heads`` is not ``none``;
+    records that ran with dense heads (their ``dense_heads`` field)."""
+    sub = Path(out) / "selectors"
+    records = [r for r in load_results(sub / "results.jsonl") if r["task"] not in ("ppl", "selection")]
+    progress = json.loads((sub / "progress.json").read_text()) if (sub / "progress.json").is_file() else None
+    found = dict(records=[], problem=None, complete=bool(progress and progress.get("complete")), progress=progress)
+    if not records:
+        return found
+    try:
+        _, plan, differ = _plan_differences(out, "selectors", free=frozenset({"dense_heads"}))
+    except SpardaError as exc:
+        return {**found, "problem": str(exc)}
+    heads = sorted({r["dense_heads"] for r in records if r.get("dense_heads", "none") != "none"})
+    if differ:
+        problem = (f"`OUT/selectors` was run with other {', '.join(differ)} than `OUT/main`, so its prompts or "
+                   "settings differ; rerun the plan in a fresh `OUT/selectors`")
+    elif str(plan.get("dense_heads")) != "none":
+        problem = f"`OUT/selectors` was run with `dense_heads {plan.get('dense_heads')}`, not `none`"
+    elif heads:
+        problem = f"records of `OUT/selectors` ran with dense heads {', '.join(heads)}"
+    else:
+        return {**found, "records": records}
+    return {**found, "problem": problem}
+
+
+def _selector_cells(selectors: dict | None, a: str, b: str, margin: float) -> tuple[str, str, str]:
+    """The criterion's cells (:func:`_measured`) on the ``selectors`` run, judged only when
+    it is complete; "not run" or its problem when it has no usable records."""
+    if selectors is None or (not selectors["records"] and not selectors["problem"]):
+        return f"not run (`{SELECTORS_COMMAND}`)", "–", "–"
+    if selectors["problem"]:
+        return f"not comparable: {selectors['problem']}", "–", "–"
+    return _measured(selectors["records"], a, b, margin, judged=selectors["complete"])
+
+
+def _commits_of(calls: list[dict], plan: str) -> str:
+    """The commits of the ``calls.json`` entries that ran (part of) ``plan``, as `` `a`, `b` ``."""
+    commits = sorted({c["commit"] for c in calls if isinstance(c.get("plans", {}).get(plan), dict)})
+    return ", ".join(f"`{c}`" for c in commits) or "–"
+
+
+def selectors_section(out: Path, main: list[dict], selectors: dict | None = None,
+                      calls: list[dict] | None = None) -> list[str]:
+    """Markdown lines of the section "Selectors without dense heads" from ``out/selectors``
+    (:func:`selector_records`, read here when ``selectors`` is ``None``) and main's records:
+    per selector the mean task accuracy (Wilson 95 %) with dense heads ``auto`` (main) and
+    ``none`` (selectors), their paired difference none − auto on the same prompts (bootstrap
+    95 %) and the KV blocks read per decode step of each; then issue #12's mean-accuracy
+    criteria in both configurations, each labelled, judged where the run is complete. Says
+    "not run", incomplete, or why the records are not comparable, with no numbers for the
+    missing configuration."""
+    selectors = selector_records(out) if selectors is None else selectors
+    calls = calls or []
+    lines = ["", "## Selectors without dense heads (`selectors`)", "",
+             "`main` runs every method with the defaults, `dense_heads auto` (design §3.7): in decode the calibrated "
+             "retrieval heads read their whole KV whatever the method selects, which lifts every selector toward "
+             "`dense` and narrows the gaps between them. Plan `selectors` of `benchmarks/eval_gpu.py` (`OUT/selectors`) "
+             "reruns the block-sparse selectors on the prompts of `main` (same tasks, lengths, samples, seed, depths, "
+             "text and model; checked against its `plan.json`) with `dense_heads none`, so every head reads only the "
+             "blocks its method selects: the selectors themselves. `dense` reads every block either way (its `main` "
+             "row is the reference). Accuracies carry their Wilson 95 % interval; none − auto is paired on the same "
+             "prompts (bootstrap 95 %). `ppl` and `selection` are not rerun: dense heads act in decode only.", ""]
+    records = selectors["records"]
+    if not records:
+        lines.append(f"Not comparable: {selectors['problem']}." if selectors["problem"] else
+                     f"Not run: this output has no `selectors/` records (`{SELECTORS_COMMAND}`).")
+    else:
+        progress = selectors["progress"] or {}
+        if not selectors["complete"]:
+            lines += [f"**`selectors` is incomplete**: {progress.get('done', '?')} of {progress.get('planned', '?')} "
+                      "records of its plan; the tables show what exists and no criterion is judged on it.", ""]
+        if calls:
+            lines += [f"Commit(s): `selectors` {_commits_of(calls, 'selectors')}, `main` {_commits_of(calls, 'main')}.",
+                      ""]
+        mine, theirs = aggregate(records), aggregate(main)
+        joined = main + [{**r, "label": r["label"] + " (none)"} for r in records]
+        present = {r["label"] for r in records}
+        labels = [m for m in SELECTOR_ORDER if m in present] + sorted(present - set(SELECTOR_ORDER))
+        lines += ["| method | mean task accuracy %, " + AUTO_LABEL + " | mean task accuracy %, " + NONE_LABEL +
+                  " | none − auto, points [95 %] | KV blocks read per decode step, auto / none |", "|---|---|---|---|---|"]
+
+        def kv(agg, label):
+            f = agg["efficiency"].get(label, {}).get("kv_read_fraction")
+            return "–" if f is None else f"{100 * f:.0f} %"
+
+        if "dense" in theirs["mean_accuracy"]:
+            lines.append(f"| dense (reference) | {_acc(theirs['mean_accuracy']['dense'])} | same as `auto` (reads "
+                         f"every block) | – | {kv(theirs, 'dense')} |")
+        for label in labels:
+            d = paired_difference(joined, label + " (none)", label)
+            lines.append(f"| {label} | {_acc(theirs['mean_accuracy'].get(label))} | {_acc(mine['mean_accuracy'].get(label))} "
+                         f"| {_points(d)} | {kv(theirs, label)} / {kv(mine, label)} |")
+    lines += ["", "### Issue #12's mean-accuracy criteria in both configurations", "",
+              "| criterion | configuration | measured | paired difference, points [95 %] | met (point estimate) |",
+              "|---|---|---|---|---|"]
+    for a, b, margin in MEAN_CRITERIA:
+        auto = _measured(main, a, b, margin)
+        lines.append(f"| {_criterion_name(a, b, margin)} | {AUTO_LABEL} | " + " | ".join(auto) + " |")
+        lines.append(f"| {_criterion_name(a, b, margin)} | {NONE_LABEL} | " +
+                     " | ".join(_selector_cells(selectors, a, b, margin)) + " |")
+    return lines
 
 
 def _shift(md: str) -> str:
@@ -304,7 +464,8 @@ def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
                           "last plan; the tables show what exists."]
     if note:
         lines += ["", note]
-    lines += ["", "## Issue #12 criteria", "", *criteria(main, budget)]
+    selectors = selector_records(out)
+    lines += ["", "## Issue #12 criteria", "", *criteria(main, budget, selectors)]
     sections = [("main", "Tasks, perplexity, selection (`main`)", main), ("budget", "Budget sweep (`budget`)", budget)]
     if baselines:
         sections[0] = ("main", "Tasks, perplexity, selection (`main` and the seeds' selectors, `baselines`)",
@@ -337,6 +498,7 @@ def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
             lines += [f"![{png}]({plot_dir}/{name}/{png})", ""]
     while lines[-1] == "":
         lines.pop()
+    lines += selectors_section(out, main, selectors, calls)
     lines += kv_section(out)
     return "\n".join(lines).rstrip() + "\n"
 

@@ -30,6 +30,13 @@ def _budget_fields(llm, length: int) -> dict:
                 context_blocks=-(-length // sel.block_size))
 
 
+def _dense_heads_field(llm) -> str:
+    """The (layer, KV head) pairs that read every visible block in ``llm``'s decode steps
+    (``llm.config.dense_heads``, design §3.7) as ``"L:H,L:H,..."``, or ``"none"``: what a
+    record's decode ran with, whatever the plan's setting (``auto`` resolves per method)."""
+    return ",".join(f"{layer}:{head}" for layer, head in llm.config.dense_heads) or "none"
+
+
 def task_records(models, spec, batch: list, length: int) -> list[dict]:
     """Generate one batch of samples with ``spec`` and score each.
 
@@ -50,7 +57,7 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
         (``runtime``: the offload runtime's slot hits, :func:`~sparda.eval.metrics.runtime_hit_rate`;
         ``overlap``: the step-to-step overlap over the row's own decode steps,
         :class:`~sparda.eval.metrics.HitRateTracker`), ``host_bytes_copied_per_token``
-        for offloaded methods.
+        for offloaded methods, ``dense_heads`` (:func:`_dense_heads_field`).
     """
     from sparda.eval.metrics import exact_match, runtime_hit_rate, score
 
@@ -89,7 +96,7 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
             hit_rate=rate, hit_rate_source=source if rate is not None else None,
             seconds=round(seconds / len(batch), 3), batch=len(batch),
             prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense",
-            offload=offloaded))
+            offload=offloaded, dense_heads=_dense_heads_field(llm)))
     return records
 
 
@@ -232,6 +239,7 @@ def ppl_decode_records(models, todo: dict[int, list], text_ids: list[int], lengt
                        dense_ppl=perplexity(sums["ref_nll"][b], n), top1_agreement=sums["agree"][b] / n,
                        kl=sums["kl"][b] / n, score=sums["agree"][b] / n, seconds=round(seconds, 3),
                        batch=len(wanted), kv_dtype=llm.kv_dtype, offload=offloaded,
+                       dense_heads=_dense_heads_field(llm),
                        prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense")
 
 
