@@ -20,13 +20,24 @@ Usage (one CUDA GPU, from the repository root):
 3. ``selection``: the prefill selection kernel alone on the same chunk (last 8,192 tokens of
    128K): query-based with G = 16 and G = 4 and the Forecast (one head), ms per chunk and x16
    per layer, to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
-   (which also counts the Forecast projection, the compressed keys and the glue).
+   (CUDA events around ``method.select`` only: the row's compressed keys, the mask and
+   scratch allocation and this kernel; the Forecast projection, its RoPE and the compressed
+   keys' update run before it, in ``before_layer`` and the cache append, and are not counted).
 
 4. ``tune``: launch shapes for the next defaults, on the same chunk: the attention kernel over
    ``block_m`` 16-128 (tokens per tile x G) x ``num_warps`` 4/8, the selection kernel over
    tokens per program 8-128 x ``num_warps`` 4/8, for both shapes and both selectors.
 
-``--parts`` picks some of them (default: all four).
+5. ``chunks``: the selection call at *every* chunk of a 128K prefill in 8K chunks, MiniCPM-8B
+   shape, as the model makes it (queries in the projection's ``[B, T, H, d]`` layout seen as
+   ``[B, H, T, d]``, the dense-fallback prefix cut off, ``N`` and the compressed keys growing
+   with the chunk; Forecast with the lookahead rule, query-based G = 16): GPU ms per chunk
+   and their sum per layer (the kernel-only figure that the x16 of ``selection`` bounds from
+   above: the Forecast's top-k phase scans ``next_pow2(N)`` blocks per token whatever its
+   position, so its chunks do not average half of the last one), and the host microseconds
+   one call takes while the GPU is busy (the launch cost a GPU left idle by a host sync waits for).
+
+``--parts`` picks some of them (default: all five).
 Writes ``OUT/prefill_attention_gpu.json`` and prints a short table.
 """
 
@@ -179,16 +190,62 @@ def tune(cfg) -> list[dict]:
     return rows
 
 
+def chunks(cfg, total: int = 131072, chunk: int = 8192) -> list[dict]:
+    """Part 5 (see the module docstring): one row per selector, ``per_chunk`` ms and host us."""
+    import time
+
+    heads, d = 2, 128
+    prefix = max(cfg.dense_len - 1, cfg.budget_blocks * cfg.block_size)  # BlockSparseMethod.dense_prefix
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for label, groups in (("forecast (MiniCPM)", None), ("query G=16", 16)):
+        per = []
+        for start in range(0, total, chunk):
+            end = min(total, start + chunk)
+            first = min(end - start, max(0, prefix - start))
+            if first == end - start:
+                continue
+            num_ck = reference.num_compressed(end, cfg.kernel_size, cfg.kernel_stride)
+            ck = torch.randn(1, heads, num_ck, d, device="cuda", generator=gen).bfloat16()
+            g = groups or 1
+            proj = (torch.randn(1, end - start, heads * g, d, device="cuda", generator=gen) * 0.3).bfloat16()
+            query = proj.transpose(1, 2)  # [B, H*G, T, d], the model's layout after RoPE
+            query = query[:, :, first:] if groups is None else query.view(1, heads, g, end - start, d)[..., first:, :]
+            q_pos = torch.arange(start + first, end, device="cuda").view(1, -1)
+            num_blocks = -(-end // cfg.block_size)
+
+            def call():
+                return select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg, lookahead=groups is None)
+
+            ms = cuda_ms(call, reps=5)
+            host = []
+            for _ in range(5):
+                torch.cuda._sleep(20_000_000)  # keep the GPU busy: time the host side alone
+                t0 = time.perf_counter()
+                call()
+                host.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+            per.append({"start": start, "queries": end - start - first, "blocks": num_blocks,
+                        "ms": round(ms, 4), "host_us": round(min(host), 1)})
+            del ck, proj, query
+        row = {"selector": label, "layer_ms": round(sum(c["ms"] for c in per), 3),
+               "last_chunk_x16_ms": round(per[-1]["ms"] * total / chunk, 3),
+               "host_us_per_call": round(sum(c["host_us"] for c in per) / len(per), 1), "per_chunk": per}
+        rows.append(row)
+        print("chunks", {k: v for k, v in row.items() if k != "per_chunk"}, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--old", default=None, help="path of the previous prefill_attention.py (timed too)")
-    ap.add_argument("--parts", default="check,timing,selection,tune",
-                    help="comma list of check, timing, selection, tune [default: all]")
+    ap.add_argument("--parts", default="check,timing,selection,tune,chunks",
+                    help="comma list of check, timing, selection, tune, chunks [default: all]")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    if any(p not in ("check", "timing", "selection", "tune") for p in parts):
-        ap.error(f"--parts: unknown part in {args.parts!r}; choose from check, timing, selection, tune")
+    if any(p not in ("check", "timing", "selection", "tune", "chunks") for p in parts):
+        ap.error(f"--parts: unknown part in {args.parts!r}; choose from check, timing, selection, tune, chunks")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the interpreter tests cover the CPU: tests/kernels/test_prefill_attention.py)")
     old = None
@@ -203,6 +260,7 @@ def main() -> None:
     report["timing"] = timing(cfg, old) if "timing" in parts else []
     report["selection"] = selection(cfg) if "selection" in parts else []
     report["tune"] = tune(cfg) if "tune" in parts else []
+    report["chunks"] = chunks(cfg) if "chunks" in parts else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_attention_gpu.json").write_text(json.dumps(report, indent=1))
@@ -214,6 +272,9 @@ def main() -> None:
               f"{r['packed_layer_ms_est']:>9.1f} {r['sdpa_layer_ms']:>10.1f}")
     for r in report["selection"]:
         print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk, ~{r['layer_ms_est']:.1f} ms per layer")
+    for r in report["chunks"]:
+        print(f"chunks {r['selector']:<20} {r['layer_ms']:>8.2f} ms per layer (16 chunks summed; last chunk x16 "
+              f"{r['last_chunk_x16_ms']:.1f}), host {r['host_us_per_call']:.0f} us per call")
     for r in report["tune"]:
         name = r.get("shape") or r.get("selector")
         print(f"tune {r['kernel']:<9} {name:<20} block_m {r['block_m']:>3} warps {r['num_warps']} "

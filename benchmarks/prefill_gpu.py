@@ -16,8 +16,10 @@ script goes on) and all bounded by ``--budget-s``:
 2. ``points``: per model, length and method (``dense`` = unchunked flash SDPA; the others
    chunked by ``--chunk``): TTFT (prefill plus the first token's logits), prefill tok/s,
    selection and attention ms of the middle layer summed over the prompt's chunks (CUDA
-   events around ``method.select`` and the attention call), peak GPU memory and peak
-   minus weights. A point runs twice when the budget allows (the first compiles the
+   events around ``method.select`` and the attention call), the ms of its ``before_layer``
+   (``forecast_ms_per_layer``: the Forecast projection and its RoPE for the next layer,
+   which ``select`` does not include; ~0 for the query-based methods), peak GPU memory and
+   peak minus weights. A point runs twice when the budget allows (the first compiles the
    kernels); ``warm`` says which was kept.
 3. ``parity``: 128K MiniCPM-8B shape, offloaded ``sparda`` with chunked prefill then 64
    greedy tokens, against the same with unchunked prefill (``chunked_vs_unchunked``, the
@@ -64,16 +66,20 @@ class _NoText:
 
 
 class LayerTimer:
-    """CUDA events around ``method.select`` and the attention call of one layer (prefill).
+    """CUDA events around ``method.select``, ``method.before_layer`` and the attention call
+    of one layer (prefill).
 
-    Wraps the method instance's ``attend``/``select`` and the module-level attention
-    functions that ``attend`` calls; ``totals()`` syncs and sums the elapsed ms."""
+    Wraps the method instance's ``attend``/``select``/``before_layer`` and the module-level
+    attention functions that ``attend`` calls; ``totals()`` syncs and sums the elapsed ms."""
+
+    KINDS = ("select", "forecast", "attention")
 
     def __init__(self, method, layer: int) -> None:
         self.method, self.layer, self.active = method, layer, False
-        self.events = {"select": [], "attention": []}
+        self.events = {kind: [] for kind in self.KINDS}
         self._saved = []
         attend, select = method.attend, getattr(method, "select", None)
+        before = getattr(method, "before_layer", None)
 
         def timed_attend(lay, *args, **kwargs):
             self.active = lay == layer
@@ -85,6 +91,8 @@ class LayerTimer:
         method.attend = timed_attend
         if select is not None:
             method.select = self._wrap(select, "select")
+        if before is not None:
+            method.before_layer = self._wrap(before, "forecast")
         for module, name in ((base, "sparse_attention"), (base, "dense_attention"), (dense_mod, "dense_attention")):
             fn = getattr(module, name)
             self._saved.append((module, name, fn))
@@ -104,7 +112,7 @@ class LayerTimer:
         return timed
 
     def reset(self) -> None:
-        self.events = {"select": [], "attention": []}
+        self.events = {kind: [] for kind in self.KINDS}
 
     def totals(self) -> dict:
         torch.cuda.synchronize()
@@ -116,6 +124,7 @@ class LayerTimer:
             setattr(module, name, fn)
         self.method.__dict__.pop("attend", None)
         self.method.__dict__.pop("select", None)
+        self.method.__dict__.pop("before_layer", None)
 
 
 def _prefill_once(llm, ids, timer):

@@ -245,3 +245,176 @@ def test_top_k_keys_at_the_edges_of_float32(mode):
         got = select_prefill_blocks_triton(q, ck, q_pos, num_blocks, cfg)
         want = twins.select_prefill_reference(q, ck, q_pos, num_blocks, cfg)
         assert torch.equal(got, want), (mode, topk, (got != want).nonzero()[:5].tolist())
+
+
+# ---- the Forecast's prefill path end to end (ForecastAttention.before_layer + select)
+
+PATH_CFG = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=40, init_blocks=1, local_blocks=2,
+                topk_blocks=3)  # budget 6 blocks: queries < 96 fall under the dense fallback
+
+
+def _forecast_llm(offload: bool, chunk: int):
+    """``sparda`` (random-weight tiny Llama: 3 layers, 4 Q / 2 KV heads, d 16, fp32; a
+    Forecast seeded from the test's seed) on the CPU, chunked prefill of ``chunk`` tokens."""
+    from transformers import LlamaConfig
+
+    from sparda.attention.forecast import Forecast
+    from sparda.engine.llm import LLM
+    from sparda.model.llama import CausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=1024, rms_norm_eps=1e-5)
+    model = CausalLM(config).eval().requires_grad_(False)
+    return LLM.from_model(model, None, method="sparda", preset="small", offload=offload, prefill_chunk_tokens=chunk,
+                          forecast=Forecast.seeded(model.shape, torch.initial_seed() % 2**31), **PATH_CFG)
+
+
+def _fused_branch(monkeypatch):
+    """Make ``sparse``/``sparda`` prefill take their CUDA branch (the Triton kernel, here
+    under the interpreter)."""
+    import sparda.attention.blocksparse as blocksparse
+    import sparda.attention.forecast as forecast
+    import sparda.kernels as kernels
+
+    monkeypatch.setattr(kernels, "select_prefill_blocks", select_prefill_blocks_triton)
+    for module in (blocksparse, forecast):
+        monkeypatch.setattr(module, "fused_prefill_selection", lambda t: True)
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offloaded", "device"])
+def test_forecast_prefill_path_selects_the_reference_blocks(offload, monkeypatch):
+    """Every layer and chunk of a chunked ``sparda`` prefill (prompt and chunk lengths not
+    multiples of the block size, a chunk that starts inside the dense-fallback prefix):
+    the block mask of the fused path (:meth:`ForecastAttention.select`, Triton kernel) equals
+    the CPU runtime's reference (``BlockSparseMethod.select``: ``forecast_scores`` +
+    ``pool_to_blocks`` + ``select_blocks``) on the same stored Forecast queries and
+    compressed keys, except rows whose top-k boundary is a near tie of the reference scores."""
+    from sparda.attention.base import BlockSparseMethod
+
+    _fused_branch(monkeypatch)
+    cfg = SelectionConfig(**PATH_CFG)
+    num_tokens = int(torch.randint(0, 4, ())) * 16 + int(torch.randint(1, 16, ())) + 150  # mid-block end
+    ids = torch.randint(0, 300, (num_tokens,)).tolist()
+    for chunk in (41, 64):
+        llm = _forecast_llm(offload, chunk)
+        method, fused = llm.method, llm.method.select
+        seen = []
+
+        def checked(layer, q, h, cache, step, first=0):
+            k, _, ck = cache.view(layer, step.rows, step.max_kv_len)
+            num_blocks = -(-step.max_kv_len // cfg.block_size)
+            scores = method.block_scores(layer, q, h, cache, step, k, ck, slice(first, None))[..., :num_blocks]
+            want = BlockSparseMethod.select(method, layer, q, h, cache, step, first)  # keeps the queries
+            got = fused(layer, q, h, cache, step, first)  # the fused branch: pops them
+            q_pos = step.q_pos[:, first:]
+            near = _near_tie_rows(scores, q_pos, cfg)
+            assert got.shape == want.shape and got.dtype == torch.bool
+            bad = (got != want).any(-1) & ~near
+            assert not bad.any(), (f"layer {layer}, chunk end {step.max_kv_len}, first {first}: block lists differ "
+                                   f"at (b, h, t) {bad.nonzero()[:4].tolist()}")
+            seen.append((layer, step.max_kv_len, first, float(near.float().mean()),
+                         bool((got.sum(-1) < (q_pos // cfg.block_size + 1)[:, None]).any())))
+            return got
+
+        monkeypatch.setattr(method, "select", checked)
+        llm.prefill(llm.new_cache(1, num_tokens + 8), 0, ids)
+        ends = sorted({end for _, end, *_ in seen})
+        starts = [end - chunk for end in ends]
+        assert len(seen) == llm.shape.num_layers * len(ends) and ends[-1] == num_tokens, seen
+        assert any(f > 0 for _, _, f, _, _ in seen), "no chunk started inside the dense-fallback prefix"
+        assert any(s % cfg.block_size for s in starts[:-1]) or chunk % cfg.block_size == 0
+        assert all(near < 0.05 for *_, near, _ in seen), seen
+        assert all(dropped for *_, dropped in seen[-llm.shape.num_layers:]), "selection kept every block"
+
+
+_SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal",
+             "aten.allclose", "aten._assert_async")
+
+
+def _prefill_ops(llm, ids, monkeypatch):
+    """``[(layer, chunk end, hook, op, [(shape, dtype)...])]``: every op that allocates, writes or
+    syncs (views and no-op casts left out) issued inside ``before_layer`` and ``select`` of
+    each layer and chunk (a dispatch mode around each call), plus each launch of the
+    selection kernel as op ``"kernel"``."""
+    import sparda.kernels.prefill_selection as ps
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    log, where = [], []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket)
+            inputs = {t.untyped_storage().data_ptr() for t in (*args, *(kwargs or {}).values())
+                      if isinstance(t, torch.Tensor)}
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+            fresh = [o for o in outs if o.untyped_storage().data_ptr() not in inputs]
+            writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+            if fresh or writes or name in _SYNC_OPS:
+                log.append((*where[-1], name, [(tuple(o.shape), o.dtype) for o in (fresh or outs)]))
+            return out
+
+    kernel = ps._prefill_select_kernel
+
+    class Launch:  # the interpreter runs the kernel outside the mode (its NumPy views are no ops)
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                log.append((*where[-1], "kernel", [grid]))
+                with _disable_current_modes():
+                    return kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(ps, "_prefill_select_kernel", Launch())
+    method = llm.method
+    for hook in ("before_layer", "select"):
+        def traced(layer, q, h, cache, step, *rest, _fn=getattr(method, hook), _hook=hook):
+            where.append((layer, step.max_kv_len, _hook))
+            try:
+                with Ops():
+                    return _fn(layer, q, h, cache, step, *rest)
+            finally:
+                where.pop()
+        monkeypatch.setattr(method, hook, traced)
+    llm.prefill(llm.new_cache(1, len(ids) + 8), 0, ids)
+    return log
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offloaded", "device"])
+def test_forecast_prefill_ops_per_chunk(offload, monkeypatch):
+    """The ops the Forecast's prefill selection issues per layer and chunk, exactly (a
+    regression guard): the projection and its RoPE of the chunk's tokens in the model dtype
+    (``before_layer``; layer 0 also projects ``W^C_0``), the compressed keys of the row
+    (a gather on the offloaded cache, a view on the device), the mask and score scratch
+    allocated *empty* (no memset), one kernel launch; no host sync, no copy, no upcast,
+    nothing of the whole prompt's length but the compressed keys."""
+    _fused_branch(monkeypatch)
+    monkeypatch.setattr(torch, "empty", torch._C._VariableFunctions.empty)  # unpoisoned: no fill ops
+    cfg = SelectionConfig(**PATH_CFG)
+    chunk = 48
+    num_tokens = 3 * chunk + int(torch.randint(1, chunk, ()))
+    llm = _forecast_llm(offload, chunk)
+    log = _prefill_ops(llm, torch.randint(0, 300, (num_tokens,)).tolist(), monkeypatch)
+    s, f32 = llm.shape, torch.float32
+    heads, d = s.num_kv_heads, s.head_dim
+    want = []
+    for end in range(chunk, num_tokens + chunk, chunk):
+        end = min(end, num_tokens)
+        tq = end - (end - 1) // chunk * chunk
+        first = llm.method.dense_prefix(type("S", (), {"phase": "prefill", "max_kv_len": end,
+                                                       "q_pos": torch.zeros(1, tq)})())
+        if end - 1 < max(cfg.dense_len - 1, cfg.budget_blocks * cfg.block_size):
+            continue  # every query under the dense fallback: no Forecast, no selection
+        n, c = -(-end // cfg.block_size), reference.num_compressed(end, cfg.kernel_size, cfg.kernel_stride)
+        rope = [("aten.linear", [((1, tq, heads * d), f32)]), ("aten.neg", [((1, heads, tq, d // 2), f32)]),
+                ("aten.cat", [((1, heads, tq, d), f32)])] + [(op, [((1, heads, tq, d), f32)])
+                                                              for op in ("aten.mul", "aten.mul", "aten.add")]
+        for layer in range(s.num_layers):
+            projections = (layer == 0) + (layer + 1 < s.num_layers)
+            want += [(layer, end, "before_layer", *op) for op in rope * projections]
+            gather = [(layer, end, "select", "aten.index", [((1, heads, c, d), f32)])] if offload else []
+            want += gather + [(layer, end, "select", "aten.empty", [((1, heads, tq - first, n), torch.uint8)]),
+                              (layer, end, "select", "aten.empty", [((1, heads, tq - first, n), f32)]),
+                              (layer, end, "select", "kernel", [(-(-(tq - first) // 64), heads)])]
+    assert [e for e in log if e[3] in _SYNC_OPS] == []
+    assert len({e[1] for e in want}) >= 2  # at least two selecting chunks
+    assert log == want, next(((i, a, b) for i, (a, b) in enumerate(zip(log, want)) if a != b), (len(log), len(want)))

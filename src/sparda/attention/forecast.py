@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from sparda.attention.base import BlockSparseMethod, dense_attention
-from sparda.attention.blocksparse import fused_prefill_selection
+from sparda.attention.blocksparse import fused_prefill_selection, prefill_compressed_keys
 from sparda.errors import SpardaError
 from sparda.io import atomic_output
 from sparda import kernels
@@ -395,7 +395,7 @@ class ForecastAttention(BlockSparseMethod):
             return self._masks.pop(layer)
         if step.phase == "prefill" and fused_prefill_selection(q):
             f = self._queries.pop(layer)[..., first:, :]
-            _, _, ck = cache.view(layer, step.rows, step.max_kv_len)
+            ck = prefill_compressed_keys(cache, layer, step)
             num_blocks = -(-step.max_kv_len // self.selection.block_size)
             return kernels.select_prefill_blocks(f, ck, step.q_pos[:, first:], num_blocks, self.selection,
                                                  lookahead=layer > 0)
