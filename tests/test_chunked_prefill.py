@@ -128,3 +128,25 @@ def test_bad_chunk_sizes_are_refused(tiny):
             LLM(str(tiny), method="dense", device="cpu", prefill_chunk_tokens=bad)
     result = CliRunner().invoke(main, ["generate", "-p", "x", "--prefill-chunk", "-1", "--model", "/nonexistent"])
     assert result.exit_code == 2 and "--prefill-chunk" in result.output and "Traceback" not in result.output
+
+
+def test_prefill_passes_its_row_as_a_host_int(tiny, forecast_file, monkeypatch):
+    """A prefill's steps carry ``row`` (host int) so that the caches' appends read no device
+    tensor per layer; a StepInfo built without it derives it from ``rows``."""
+    from sparda.model.llama import StepInfo
+
+    llm = _llm(tiny, "sparda", {"offload": True}, (0,), 24, forecast_file)
+    cache = llm.new_cache(3, 200)
+    seen = []
+    real = llm._step
+
+    def spy(phase, rows, q_pos, max_kv_len=None, live_len=None, row=None):
+        seen.append((phase, row, int(rows[0])))
+        return real(phase, rows, q_pos, max_kv_len, live_len, row=row)
+
+    monkeypatch.setattr(llm, "_step", spy)
+    ids = torch.randint(0, 100, (70,)).tolist()
+    llm.prefill(cache, 2, ids)
+    assert len(seen) == 3 and all(s == ("prefill", 2, 2) for s in seen)
+    step = StepInfo("prefill", torch.tensor([1]), torch.arange(5).view(1, -1), torch.tensor([5]), None, None, 5)
+    assert step.row == 1

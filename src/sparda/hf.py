@@ -96,7 +96,7 @@ class Session:
         q_pos = torch.arange(self.length, end, device=device).unsqueeze(0)
         self.step = StepInfo(phase="decode" if self.length else "prefill", rows=torch.zeros(1, dtype=torch.long,
                              device=device), q_pos=q_pos, kv_len=q_pos[:, -1] + 1, cos=cos.unsqueeze(1),
-                             sin=sin.unsqueeze(1), max_kv_len=end)
+                             sin=sin.unsqueeze(1), max_kv_len=end, row=0)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer's post-RoPE ``k, v [1, H_kv, Tq, d]`` into the sparda cache."""

@@ -165,7 +165,7 @@ def fill_cache(cache, shape, batch: int, context: int, device, dtype, seed: int 
         v = torch.randn(k.shape, device=device, dtype=dtype, generator=gen)
         for row in range(batch):
             step = StepInfo("prefill", torch.tensor([row], device=device), q_pos, q_pos[:, -1] + 1,
-                            None, None, context)
+                            None, None, context, row=row)
             cache.append(layer, k, v, step)
         del k, v
     cache.lengths.fill_(context)

@@ -114,7 +114,7 @@ class DeviceKVCache:
         """
         cfg = self.selection
         if step.phase == "prefill":
-            row = int(step.rows[0])
+            row = step.row
             end = step.max_kv_len
             start = end - k.shape[-2]
             self.k[layer][row, :, start:end] = k[0]

@@ -303,7 +303,7 @@ class OffloadKVCache:
         Then the compressed keys the chunk completes, the ring of the last ``kernel_size``
         keys and the partial block slot."""
         cfg = self.selection
-        row = int(step.rows[0])
+        row = step.row
         end = step.max_kv_len
         start = end - k.shape[-2]
         staging = self._staging

@@ -277,10 +277,10 @@ class LLM:
                 f"note: {self.config.method} falls back to dense attention (design §3.6): {reason}")
 
     def _step(self, phase: str, rows: torch.Tensor, q_pos: torch.Tensor,
-              max_kv_len: int | None = None, live_len: int | None = None) -> StepInfo:
+              max_kv_len: int | None = None, live_len: int | None = None, row: int | None = None) -> StepInfo:
         cos, sin = self.model.rotary(q_pos, self.dtype)
         return StepInfo(phase=phase, rows=rows, q_pos=q_pos, kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin,
-                        max_kv_len=max_kv_len, live_len=live_len)
+                        max_kv_len=max_kv_len, live_len=live_len, row=row)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in the KV cache: K and V of every layer and KV head, in
@@ -323,7 +323,7 @@ class LLM:
                 end = min(len(ids), start + chunk)
                 x = torch.tensor([ids[start:end]], device=self.device)
                 q_pos = torch.arange(start, end, device=self.device).unsqueeze(0)
-                step = self._step("prefill", rows, q_pos, end)
+                step = self._step("prefill", rows, q_pos, end, row=row)
                 outs.append(self.model(x, step, cache, self.method, all_logits=all_logits)[0])
                 if not all_logits:
                     outs = outs[-1:]

@@ -208,6 +208,9 @@ class StepInfo:
         live_len: host int (tokens): ``max(kv_len)``, the longest row's real length. Only
             host-side decisions read it (the dense fallback of design §3.6), never a shape;
             defaults to ``max_kv_len``.
+        row: host int, prefill only: ``rows[0]``, the one row a prefill writes. Caches read
+            it instead of ``rows`` so that a prefill's appends do not sync with the device
+            once per layer; computed from ``rows`` (one sync) when not given.
     """
 
     phase: str
@@ -221,12 +224,15 @@ class StepInfo:
     #: fused decode (:mod:`sparda.model.fused`): target layer -> Forecast queries ``[B, H_kv, d]``
     #: of this step, rotated, from the stacked QKV(+F) GEMM; empty otherwise
     projections: dict = field(default_factory=dict)
+    row: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_kv_len is None:  # one device sync; the engine passes it to avoid that
             self.max_kv_len = int(self.kv_len.max().item())
         if self.live_len is None:
             self.live_len = self.max_kv_len
+        if self.row is None and self.phase == "prefill":  # one device sync; the engine passes it
+            self.row = int(self.rows[0])
 
 
 class CausalLM(nn.Module):
