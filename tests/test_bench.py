@@ -396,7 +396,8 @@ def test_records_of_two_kv_dtypes_are_two_points():
     ``kv_dtype`` (older runs) is bf16."""
     from sparda.bench.records import dedup, method_label, speedups
 
-    base = dict(model="minicpm-8b", context=131072, batch=24, status="ok", selection_source="trace:x", kv="host")
+    base = dict(model="minicpm-8b", context=131072, batch=24, status="ok", selection_source="trace:x", kv="host",
+                slot_factor=1.5)
     recs = [dict(base, method="sparda", decode_tok_s=100.0),  # an older record: no kv_dtype
             dict(base, method="sparda", decode_tok_s=110.0, kv_dtype="bf16"),
             dict(base, method="sparda", decode_tok_s=150.0, kv_dtype="int8"),

@@ -193,6 +193,54 @@ def test_offloaded_records_at_another_slot_factor_do_not_count(key):
 
 
 @pytest.mark.parametrize("key", sorted(FAILS))
+def test_records_with_early_attention_are_points_of_their_own(key):
+    """A failing point run with early attention (decode_sweep_gpu part ``early`` writes the same
+    points off and on) is not merged with the point run without it and leaves every verdict as
+    it was; with ``early_attention=None`` it counts. A record without the field ran without it."""
+    from sparda.bench.records import dedup, method_label, point_label
+
+    recs = copy.deepcopy(_passing())
+    failing = copy.deepcopy(recs)
+    FAILS[key](failing)
+    before = {json.dumps(r, sort_keys=True) for r in recs}
+    extra = [dict(r, early_attention=True) for r in failing if json.dumps(r, sort_keys=True) not in before]
+    assert extra
+    kept, dropped = dedup([{"record": r, "rank": i} for i, r in enumerate(recs + extra)])
+    assert dropped == 0 and len(kept) == len(recs) + len(extra)
+    assert all("early attention" in point_label(r) and "early attention" in method_label(r) for r in extra)
+    assert {k: v.verdict for k, v in _verdicts(kept).items()} == {k: PASS for k in ISSUE20}
+    on = [dict(r, early_attention=True) for r in failing]
+    assert {v.key: v.verdict for v in check_issue20(on, early_attention=None)}[key] == FAIL
+    assert {v.key: v.verdict for v in check_issue20(on)}[key] == NOT_MEASURED  # all left out
+    # an explicit "off" and a record from before the field are one point (the newer kept)
+    kept, dropped = dedup([{"record": r, "rank": i} for i, r in enumerate(recs + [dict(r, early_attention=False)
+                                                                                  for r in recs])])
+    assert dropped == len(recs) and all(r.get("early_attention") is False for r in kept)
+
+
+def test_speedups_pair_early_attention_and_slot_factor_alike_and_tables_tell_them_apart():
+    """sparda with early attention pairs with sparse-offload run with it, at the same slot factor;
+    the decode and speed-up tables label each variant (two rows of one batch are told apart)."""
+    g = random  # seeded by the fresh_seed fixture
+    speeds = {(m, sf, early): g.uniform(100, 1000) for m in ("sparda", "sparse-offload")
+              for sf in (1.0, 1.5) for early in (False, True)}
+    recs = [_rec(m, 4, tok, slot_factor=sf, early_attention=early) for (m, sf, early), tok in speeds.items()]
+    pairs = {(p["slot_factor"], p["early_attention"]): p["speedup"] for p in speedups(recs)}
+    assert pairs == pytest.approx({(sf, early): speeds["sparda", sf, early] / speeds["sparse-offload", sf, early]
+                                   for sf in (1.0, 1.5) for early in (False, True)})
+    md = report.render_markdown(recs, {})
+    labels = {(sf, early): ("sparda" + (" slots ×1" if sf == 1.0 else "") + (" early attention" if early else ""))
+              for sf in (1.0, 1.5) for early in (False, True)}
+    for (sf, early), label in labels.items():
+        row = _row(md, "| method | B | tok/s", [label, "4"])
+        assert float(row["tok/s"]) == pytest.approx(speeds["sparda", sf, early], abs=0.06)
+        sel = "trace" + (", slots ×1" if sf == 1.0 else "") + (", early attention" if early else "")
+        row = _row(md, "| selection | B | sparda tok/s", [sel, "4"])
+        assert float(row["sparda tok/s"]) == pytest.approx(speeds["sparda", sf, early], abs=0.06)
+    assert "(6 of the 8 measured points here are left out of the verdicts)" in md
+
+
+@pytest.mark.parametrize("key", sorted(FAILS))
 def test_quantised_records_do_not_count_for_the_bf16_criteria(key):
     """A failing point stored with an int8 KV cache leaves every verdict as it was."""
     recs = copy.deepcopy(_passing())
@@ -239,7 +287,7 @@ def test_derived_columns_from_known_values():
     rec = {"model": "minicpm-8b", "method": "sparda", "context": CTX, "batch": 4, "status": "ok", "kv": "host",
            "decode_tok_s": 4e3 / tpot, "tpot_ms": tpot, "roofline_tpot_ms": roof, "gpu_kernel_ms": kernel,
            "kernels_per_step": kernels, "exposed_wait_ms": exposed, "copy_ms": copy_ms, "compute_alone_ms": compute,
-           "transfer_alone_ms": transfer, "missed_bytes_per_step": missed}
+           "transfer_alone_ms": transfer, "missed_bytes_per_step": missed, "slot_factor": 1.5}
     d = derived(rec)
     assert d["launches_per_layer"] == pytest.approx(kernels / 32)
     assert d["roof_x"] == pytest.approx(tpot / roof) and d["tpot_per_kernel"] == pytest.approx(tpot / kernel)
@@ -409,4 +457,4 @@ def test_committed_benchmark_records_load_and_report(tmp_path):
     path, kept, dropped = _script().build([str(docs / "cuda-graphs-2026-12-01-h200"),
                                            str(docs / "fused-decode-2026-12-01-h200")], str(tmp_path / "r"))
     md = path.read_text()
-    assert kept > 0 and dropped > 0 and "## Done when (issue #20)" in md and "| sparda | 4 |" in md
+    assert kept > 0 and dropped > 0 and "## Done when (issue #20)" in md and "| sparda slots ×1 | 4 |" in md  # before spare slots

@@ -159,16 +159,26 @@ def _capped(key: str, crit: dict, records: list[dict]) -> Verdict:
     return Verdict(key, crit["text"], "; ".join(parts), verdict)
 
 
+def judged(records: list[dict], slot_factor: float | None = DEFAULT_SLOT_FACTOR,
+           early_attention: bool | None = False) -> list[dict]:
+    """The records issue #20's verdicts judge (:func:`check_issue20`): bf16 KV caches only (the
+    issue's numbers are for an unquantised cache; records without ``kv_dtype`` predate
+    quantisation and are bf16), and the engine as users get it: of offloaded methods only those
+    run at ``slot_factor`` (the shipped default; records written before spare slots count as
+    1.0, :func:`~sparda.bench.records.record_field`) and, for every method, with
+    ``early_attention`` as given (off by default, as in ``LLM``; records without the field ran
+    without it). ``None``: any slot factor / either setting."""
+    return [r for r in records if record_field(r, "kv_dtype") == "bf16"
+            and (slot_factor is None or r.get("kv") != "host" or record_field(r, "slot_factor") == slot_factor)
+            and (early_attention is None or bool(record_field(r, "early_attention")) == early_attention)]
+
+
 def check_issue20(records: list[dict], criteria: dict | None = None,
-                  slot_factor: float | None = DEFAULT_SLOT_FACTOR) -> list[Verdict]:
-    """The verdict of each :data:`ISSUE20` criterion (or of ``criteria``, same keys) on ``records``:
-    the bf16 KV-cache records only (the issue's numbers are for an unquantised cache; records
-    without ``kv_dtype`` predate quantisation and are bf16), and of offloaded methods only those
-    run at ``slot_factor`` (the shipped default: the engine as users get it; records written
-    before spare slots count as 1.0, :func:`~sparda.bench.records.record_field`; ``None``: any)."""
+                  slot_factor: float | None = DEFAULT_SLOT_FACTOR, early_attention: bool | None = False) -> list[Verdict]:
+    """The verdict of each :data:`ISSUE20` criterion (or of ``criteria``, same keys) on the
+    :func:`judged` part of ``records`` (``slot_factor``, ``early_attention``: as there)."""
     c = ISSUE20 if criteria is None else criteria
-    records = [r for r in records if r.get("kv_dtype", "bf16") == "bf16"
-               and (slot_factor is None or r.get("kv") != "host" or record_field(r, "slot_factor") == slot_factor)]
+    records = judged(records, slot_factor, early_attention)
     return [
         _floor("floor_b4", c["floor_b4"], records),
         _floor("floor_b16", c["floor_b16"], records),

@@ -37,10 +37,11 @@ DEFAULT_SLOT_FACTOR = 1.5
 
 #: fields that say which point a record measured; records equal on all of them are one point
 POINT_FIELDS = ("model", "method", "context", "batch", "selection_source", "target_hit_rate", "gpu_mem_cap_gb",
-                "cuda_graph", "kv", "dtype", "device", "kv_dtype", "slot_factor")
+                "cuda_graph", "kv", "dtype", "device", "kv_dtype", "slot_factor", "early_attention")
 #: the value of a field that older records do not carry (``kv_dtype``: they all ran bf16 caches;
+#: ``early_attention``: opt-in, off in every run before the field, ``LLM(early_attention=)``;
 #: ``slot_factor``: see :func:`record_field`)
-FIELD_DEFAULTS = {"kv_dtype": "bf16"}
+FIELD_DEFAULTS = {"kv_dtype": "bf16", "early_attention": False}
 #: a record list's items carry at least these
 RECORD_FIELDS = ("model", "method", "context", "batch", "status")
 
@@ -136,9 +137,23 @@ def point_key(rec: dict) -> tuple:
 
 
 def method_label(rec: dict) -> str:
-    """The record's method, with its KV dtype when quantised (``sparda int8``)."""
+    """The record's method, with its KV dtype when quantised (``sparda int8``) and the
+    :func:`variant_parts` of its cache (``sparda slots ×1``, ``sparda early attention``)."""
     kv = record_field(rec, "kv_dtype")
-    return rec["method"] if kv == "bf16" else f"{rec['method']} {kv}"
+    return " ".join([rec["method"]] + ([] if kv == "bf16" else [kv]) + variant_parts(rec))
+
+
+def variant_parts(rec: dict) -> list[str]:
+    """What sets an offloaded record's point apart beyond method, shape and selection: its
+    slot factor when not :data:`DEFAULT_SLOT_FACTOR` (``slots ×1``) and ``early attention``
+    when on. ``rec``: a record, or a :func:`speedups` pair (its fields already filled in)."""
+    parts = []
+    slots = record_field(rec, "slot_factor")
+    if slots is not None and slots != DEFAULT_SLOT_FACTOR:
+        parts.append(f"slots ×{slots:g}")
+    if record_field(rec, "early_attention"):
+        parts.append("early attention")
+    return parts
 
 
 def dedup(entries: list[dict]) -> tuple[list[dict], int]:
@@ -235,9 +250,7 @@ def point_label(rec: dict) -> str:
         parts.append("eager")
     if record_field(rec, "kv_dtype") != "bf16":
         parts.append(f"KV {record_field(rec, 'kv_dtype')}")
-    slots = record_field(rec, "slot_factor")
-    if slots is not None and slots != DEFAULT_SLOT_FACTOR:
-        parts.append(f"slots ×{slots:g}")
+    parts += variant_parts(rec)
     return " ".join(str(p) for p in parts if p)
 
 
@@ -250,13 +263,13 @@ def speedups(records: list[dict], fast: str = "sparda", slow: str = "sparse-offl
     """``fast``'s decode tok/s over ``slow``'s at the same point but for the method.
 
     Pairs are matched on model, context, batch, selection kind (trace / synthetic),
-    ``target_hit_rate``, ``gpu_mem_cap_gb``, ``cuda_graph``, dtype, KV dtype and slot factor (the two
+    ``target_hit_rate``, ``gpu_mem_cap_gb``, ``cuda_graph``, dtype, KV dtype, slot factor and early attention (the two
     methods' trace names differ: ``trace:sparda`` vs ``trace:sparse``). Returns one dict per pair:
     the pair's fields, ``fast_tok_s``, ``slow_tok_s``, ``speedup`` and ``label``, sorted by
     model, context, target hit rate (trace first) and batch.
     """
     fields = ("model", "context", "batch", "target_hit_rate", "gpu_mem_cap_gb", "cuda_graph", "dtype", "kv_dtype",
-              "slot_factor")
+              "slot_factor", "early_attention")
 
     def key(r):
         return tuple(json.dumps(record_field(r, k)) for k in fields) + (selection_kind(r),)

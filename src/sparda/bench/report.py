@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparda.bench.criteria import ISSUE20, check_issue20
+from sparda.bench.criteria import ISSUE20, check_issue20, judged
 from sparda.bench.records import (DEFAULT_SLOT_FACTOR, capped_best, derived, method_label, ok, record_field,
-                                  selection_kind, speedups)
+                                  selection_kind, speedups, variant_parts)
 from sparda.io import atomic_output, atomic_write
 
 #: the paper's decode throughput (tok/s), H100, MiniCPM4.1-8B, 128K context: batch -> (sparda, sparse-offload)
@@ -128,6 +128,9 @@ def _speedup_table(pairs: list[dict]) -> list[str]:
         sel = f"H = {p['target_hit_rate']:g}" if p["target_hit_rate"] is not None else (p["selection"] or "-")
         if p.get("gpu_mem_cap_gb") is not None:
             sel += f", cap {p['gpu_mem_cap_gb']:g} GB"
+        if record_field(p, "kv_dtype") != "bf16":
+            sel += f", KV {record_field(p, 'kv_dtype')}"
+        sel += "".join(f", {part}" for part in variant_parts(p))
         lines.append(f"| {sel} | {p['batch']} | {p['fast_tok_s']:.1f} | {p['slow_tok_s']:.1f} | "
                      f"{p['speedup']:.2f}× |")
     return lines
@@ -149,10 +152,13 @@ def _done_when(records: list[dict], device) -> list[str]:
     for v in check_issue20(records):
         verdict = f"**{v.verdict}**" if v.verdict != "NOT MEASURED" else v.verdict
         lines.append(f"| {v.criterion} | {v.measured} | {verdict} |")
+    left_out = len(ok(records)) - len(ok(judged(records)))
     return lines + ["", "Thresholds: `sparda.bench.criteria.ISSUE20`. NOT MEASURED: no record (or only part of "
-                    "the points) covers the criterion. Only bf16 KV caches count, and of offloaded methods only "
+                    "the points) covers the criterion. Only bf16 KV caches count, of offloaded methods only "
                     f"records at the default slot factor ({DEFAULT_SLOT_FACTOR:g}; records from before spare "
-                    "slots count as 1): other slot factors are ablations, listed in the tables.", ""]
+                    "slots count as 1), and only records without early attention (the defaults): the others "
+                    f"are ablations, labelled in the tables ({left_out} of the {len(ok(records))} measured "
+                    "points here are left out of the verdicts).", ""]
 
 
 def _capped_section(records: list[dict]) -> list[str]:

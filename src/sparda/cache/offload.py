@@ -458,7 +458,9 @@ class OffloadKVCache:
                 :func:`sparda.kernels.decode_attention_slots`).
         """
         if self.early_attention and self.prefetcher.pending.get(layer) is not None:
-            # resident blocks first, then wait for the copy, then the missed blocks (design §6)
+            # resident blocks first, then wait for the copy, then the missed blocks (design §6);
+            # the first part reads the slot diff's ids and copy list, made on the selection stream
+            self.prefetcher.wait_selection(layer)
             return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer],
                                                   self.attn_ids[layer], self._slot_ids, kv_len,
                                                   late=self.load[layer], between=lambda: self.wait(layer))

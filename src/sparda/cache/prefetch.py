@@ -131,9 +131,9 @@ class Prefetcher:
         if clock is not None:
             self.timed_layers.add(layer)
         if not prefetch:  # on the compute stream: the whole copy is waited for
-            if clock is not None:
-                clock.mark(layer, clock.WAIT)
+            if clock is not None:  # READY first: max(WAIT, READY) = WAIT, all of the stall is the copy's
                 clock.mark(layer, clock.READY)
+                clock.mark(layer, clock.WAIT)
                 clock.mark(layer, clock.START)
             copy_fn()
             if clock is not None:
@@ -172,6 +172,15 @@ class Prefetcher:
             done = torch.cuda.Event()
             done.record(self.select_stream)
         self._selected[layer] = done
+
+    def wait_selection(self, layer: int) -> None:
+        """Make the compute stream wait for ``layer``'s selection chain only (its slot diff's
+        outputs: the ids attention reads, the copy list), leaving its copy pending for
+        :meth:`wait` (early attention, design §6; no host sync). A stall here is not stamped:
+        with timing, that layer's exposed wait is the stall for the copy after it."""
+        selected = self._selected.pop(layer, None)
+        if self.cuda and selected is not None:
+            torch.cuda.current_stream(self.device).wait_event(selected)
 
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s prefetch and selection chain (no host sync)."""

@@ -22,8 +22,8 @@ After the wait, :meth:`DeviceClock.account` adds, on the device:
   needs it stalls the compute stream even with nothing to copy.
 
 :meth:`DeviceClock.drain` reads the totals (one host sync); :meth:`DeviceClock.timeline`
-the last step's stamps. A synchronous fetch marks ``WAIT``, ``READY`` and ``START``
-together, so all of its time counts as exposed transfer.
+the last step's stamps. A synchronous fetch marks ``READY``, ``WAIT`` and ``START``
+(in this order) together, so all of its time counts as exposed transfer.
 """
 
 from __future__ import annotations
