@@ -7,7 +7,6 @@ saying "not run" / incomplete / not comparable instead of inventing numbers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -17,18 +16,11 @@ from pathlib import Path
 import pytest
 
 from sparda.eval.accuracy_doc import render, selectors_section
+from test_eval_baselines_plan import _script  # noqa: E402 - the benchmarks/ script loader
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
 FIVE = ("sparse", "oracle", "sparda", "sparda-random", "infinigen")
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _jsonl(path: Path) -> list[dict]:
