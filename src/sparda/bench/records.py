@@ -38,10 +38,13 @@ DEFAULT_SLOT_FACTOR = 1.5
 #: fields that say which point a record measured; records equal on all of them are one point
 POINT_FIELDS = ("model", "method", "context", "batch", "selection_source", "target_hit_rate", "gpu_mem_cap_gb",
                 "cuda_graph", "kv", "dtype", "device", "kv_dtype", "slot_factor", "early_attention")
-#: the value of a field that older records do not carry (``kv_dtype``: they all ran bf16 caches;
-#: ``early_attention``: opt-in, off in every run before the field, ``LLM(early_attention=)``;
-#: ``slot_factor``: see :func:`record_field`)
-FIELD_DEFAULTS = {"kv_dtype": "bf16", "early_attention": False}
+#: the value of a field that older records do not carry, or a function of the record giving it
+#: (``kv_dtype``: they all ran bf16 caches; ``early_attention``: opt-in, off in every run before
+#: the field, ``LLM(early_attention=)``; ``slot_factor``: an offloaded record (``kv == "host"``)
+#: written before spare slots had exactly the widest selection's slots, 1.0, design §6; on-device
+#: records have none)
+FIELD_DEFAULTS = {"kv_dtype": "bf16", "early_attention": False,
+                  "slot_factor": lambda rec: 1.0 if rec.get("kv") == "host" else None}
 #: a record list's items carry at least these
 RECORD_FIELDS = ("model", "method", "context", "batch", "status")
 
@@ -121,13 +124,12 @@ def load_runs(paths) -> tuple[list[dict], list[dict]]:
 
 
 def record_field(rec: dict, key: str):
-    """``rec[key]``, or its :data:`FIELD_DEFAULTS` value (else ``None``) when missing.
-    ``slot_factor`` of an offloaded record (``kv == "host"``) written before spare slots is
-    1.0 (its slot buffer held exactly the widest selection, design §6); on-device records have none."""
+    """``rec[key]``, or its :data:`FIELD_DEFAULTS` value (else ``None``) when missing."""
     value = rec.get(key)
-    if key == "slot_factor" and value is None:
-        return 1.0 if rec.get("kv") == "host" else None
-    return FIELD_DEFAULTS.get(key) if value is None else value
+    if value is not None:
+        return value
+    default = FIELD_DEFAULTS.get(key)
+    return default(rec) if callable(default) else default
 
 
 def point_key(rec: dict) -> tuple:

@@ -46,12 +46,12 @@ STAMPS_PER_LAYER = 4
 
 
 @triton.jit
-def _account_kernel(STAMPS, TOTALS, layer):
+def _account_kernel(STAMPS, TOTALS, layer, PER: tl.constexpr):
     offs = tl.arange(0, 1)
-    start = tl.load(STAMPS + layer * 4 + 0 + offs)
-    end = tl.load(STAMPS + layer * 4 + 1 + offs)
-    wait = tl.load(STAMPS + layer * 4 + 2 + offs)
-    ready = tl.load(STAMPS + layer * 4 + 3 + offs)
+    start = tl.load(STAMPS + layer * PER + 0 + offs)
+    end = tl.load(STAMPS + layer * PER + 1 + offs)
+    wait = tl.load(STAMPS + layer * PER + 2 + offs)
+    ready = tl.load(STAMPS + layer * PER + 3 + offs)
     tl.store(TOTALS + offs, tl.load(TOTALS + offs) + (end - start))
     tl.store(TOTALS + 1 + offs, tl.load(TOTALS + 1 + offs) + tl.maximum(end - wait, 0))
     tl.store(TOTALS + 2 + offs, tl.load(TOTALS + 2 + offs) + tl.maximum(end - tl.maximum(wait, ready), 0))
@@ -74,7 +74,7 @@ class DeviceClock:
     def account(self, layer: int) -> None:
         """Add ``layer``'s copy, exposed and exposed-transfer time to the totals (current
         stream, after the wait)."""
-        _account_kernel[(1,)](self.stamps, self.totals, layer, num_warps=1)
+        _account_kernel[(1,)](self.stamps, self.totals, layer, PER=STAMPS_PER_LAYER, num_warps=1)
 
     def drain(self) -> tuple[float, float, float]:
         """``(copy_ms, exposed_ms, exposed_transfer_ms)`` accumulated since the last drain;
