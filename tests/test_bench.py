@@ -457,3 +457,20 @@ def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
     assert (dev, host) == (allocated, cache.host.nbytes), (slot_factor, kv_dtype)
     assert pt.kv_need_bytes("sparse-offload", llm.shape, sel, kv_dtype, torch.float32, batch, cap,
                             slot_factor=slot_factor) == (dev, host)
+
+
+def test_copy_timing_replays_the_tpots_steps_with_their_misses(fresh_seed):
+    """The copy-timing run (exposed wait, in-step PCIe) times the TPOT's own replayed steps
+    with the slots as the TPOT found them: with spare slots a trace's returning blocks are
+    resident, so its missed bytes per step equal the TPOT run's (a run entered a few steps
+    early from empty slots missed ~3x more on the H200)."""
+    model = build_model("tiny", torch.device("cpu"), torch.float32, 2048)
+    llm = pt.make_llm(model, "sparda", selection_config("tiny"), random_forecast(model))
+    trace = _synthetic_trace(fresh_seed, steps=16)
+    cfg = sweep.quick_config("unused", decode_steps=4, repeats=1, warmup_steps=6, breakdown_steps=0,
+                             timing_steps=4)
+    env = {"hbm_gbps": 1.0, "pcie_gbps": 1.0}
+    rec = pt.decode_point(llm, "tiny", 2, 1024, cfg, env, {"sparda": trace})
+    assert rec["missed_bytes_per_step"] > 0, rec
+    assert rec["timed_missed_bytes_per_step"] == pytest.approx(rec["missed_bytes_per_step"], rel=1e-9), \
+        (fresh_seed, rec["timed_missed_bytes_per_step"], rec["missed_bytes_per_step"])

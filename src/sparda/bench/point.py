@@ -305,8 +305,11 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         parity = {"parity_steps": opts.parity_steps,
                   "graph_tokens_equal": bool(torch.equal(replayed, parity)),
                   "graph_token_mismatches": int((replayed != parity).sum().item())}
+        # the TPOT times the same replayed steps with or without a parity check (past the
+        # trace's end the replay runs it backwards, which churns more blocks)
+        restart(state, cache)
 
-    for _ in range(max(0, opts.warmup_steps - (opts.parity_steps if parity else 0))):
+    for _ in range(opts.warmup_steps):
         step()
     sync(dev)
     if offloaded:
@@ -496,8 +499,9 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
                    start: int = 3) -> dict:
     """Compute and transfer of an offloaded decode step, each measured alone (CUDA graphs),
     over the replayed steps ``start .. start + steps - 1`` (those ``tpot_ms`` was measured
-    on: the selection, hence the misses, differ from step to step), each run entered
-    three steps earlier with empty slots.
+    on: the selection, hence the misses, differ from step to step), each run replayed from
+    step 0 with empty slots (at least three steps before ``start``), so that the slots at
+    ``start`` hold what the TPOT's did.
 
     * ``compute_alone_ms``: TPOT of the same step captured with a transfer engine that
       copies nothing (every gather left out; the selection, diff, waits and token
@@ -517,8 +521,9 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
     try:
         alone = DecodeRunner(llm, cache, cuda_graphs=True)
         alone.load(llm.runner(cache).tokens, llm.runner(cache).positions)
-        restart(state, cache, max(0, start - 3))
-        for _ in range(3):  # warm-up, capture, one replay
+        pre = max(3, start)  # warm-up, capture, one replay at least
+        restart(state, cache, max(0, start - pre))
+        for _ in range(pre):
             step(alone)
         sync(dev)
         began = time.perf_counter()
@@ -536,8 +541,9 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
             for chunk in cache.host.chunks[layer]:
                 real.gather_planes(chunk, planes, cache.load[layer])
 
-    restart(state, cache, max(0, start - 3))
-    for _ in range(3):  # past the first steps after emptying the slots (every block a miss)
+    pre = max(3, start)  # past the first steps after emptying the slots (every block a miss)
+    restart(state, cache, max(0, start - pre))
+    for _ in range(pre):
         step()
     sync(dev)
     side = torch.cuda.Stream(device=dev)
@@ -571,8 +577,11 @@ def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None, st
     step), with the prefetcher's device timestamps on (:mod:`sparda.cache.timestamps`), in a
     runner of its own so that the throughput graphs stay free of the timestamp kernels.
 
-    With ``state`` the run restarts (:func:`restart`, empty slots) up to three steps before
-    ``start`` (at least two on CUDA: warm-up and capture); without it, it continues from
+    With ``state`` the run restarts (:func:`restart`, empty slots) at step 0 and replays the
+    steps before ``start`` untimed (at least two on CUDA: warm-up and capture), so that the
+    slots hold at ``start`` what they held when the TPOT's steps began (with spare slots a
+    run entered a few steps early, from empty slots, misses ~3x more of a trace: the blocks
+    that come back are not resident yet); without it, it continues from
     where the previous run stopped (steps that may lie past the trace's end). Returns, per
     step: ``copy_ms``, ``exposed_wait_ms``, ``exposed_transfer_ms``, ``hidden_fraction``,
     ``missed_bytes`` (K+V this run copied, all rows) and ``step_ms`` (this run's wall time:
@@ -585,7 +594,7 @@ def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None, st
     timed.load(llm.runner(cache).tokens, llm.runner(cache).positions)
     pre = 2 if timed.use_graphs else 0  # warm-up + capture of the timed graph
     if state is not None:
-        pre = max(pre, min(3, start))
+        pre = max(pre, start)  # from step 0: the slots hold at ``start`` what the TPOT's held
         restart(state, cache, max(0, start - pre))
     try:
         for _ in range(pre):
