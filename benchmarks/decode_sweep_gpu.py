@@ -162,12 +162,12 @@ def _sweep(out: Path, budget: float, **kw) -> list[dict]:
     8 files), its records to ``OUT/<name>.json`` and the environment to ``OUT/env.json``."""
     work = Path("/tmp/sweeps") / out.name
     base = dict(out=str(work), models=["minicpm-8b"], contexts=[131072], decode_steps=16, repeats=3, warmup_steps=3,
-                breakdown_steps=0, prefill_tokens=2048, time_budget_s=budget, overlap_steps=8, profile_steps=3,
-                timing_steps=4)
+                breakdown_steps=0, prefill_tokens=2048, time_budget_s=budget, overlap_steps=48, profile_steps=3,
+                timing_steps=48)  # timing and overlap cover the TPOT's 3 x 16 steps (their misses)
     base.update(kw)
     if SMOKE:
         base.update(models=["tiny"], contexts=[2048], batches=[1, 2], decode_steps=2, repeats=1, device="cpu",
-                    prefill_tokens=256, gpu_mem_gb=None, parity_steps=0)
+                    prefill_tokens=256, gpu_mem_gb=None, parity_steps=0, timing_steps=2, overlap_steps=2)
     recs = run_sweep(SweepConfig(**base), log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.json").write_text(json.dumps(recs, indent=1))
@@ -185,14 +185,14 @@ def hitrate(out: Path, budget: float) -> list[dict]:
 
 
 def b128(out: Path, budget: float) -> list[dict]:
-    return _sweep(out / "b128", budget, methods=ALL, batches=[4, 8, 16, 24], parity_steps=64, overlap_steps=16)
+    return _sweep(out / "b128", budget, methods=ALL, batches=[4, 8, 16, 24], parity_steps=64)
 
 
 def b128sparda(out: Path, budget: float) -> list[dict]:
     """Offloaded sparda again (overlap timed on the steps its TPOT covers) and dense (its decode
     kernel): B4..B24, parity 64."""
     return _sweep(out / "b128sparda", budget, methods=["sparda", "dense"], batches=[4, 8, 16, 24],
-                  parity_steps=64, overlap_steps=16)
+                  parity_steps=64)
 
 
 def cap80(out: Path, budget: float) -> list[dict]:
@@ -282,7 +282,7 @@ def early(out: Path, budget: float) -> list[dict]:
         left = budget - (time.perf_counter() - T0)
         if left < 60:
             break
-        recs += _sweep(out / name, left, methods=["sparda"], parity_steps=32, overlap_steps=8, **kw)
+        recs += _sweep(out / name, left, methods=["sparda"], parity_steps=32, **kw)
     return rows + recs
 
 
@@ -570,7 +570,7 @@ def spare(out: Path, budget: float) -> list[dict]:
         if left < 60:
             log(f"{name}: skipped (budget)")
             break
-        recs += _sweep(out / name, left, slot_factor=factor, parity_steps=16, overlap_steps=8, **kw)
+        recs += _sweep(out / name, left, slot_factor=factor, parity_steps=16, **kw)
     return recs
 
 

@@ -162,6 +162,23 @@ def test_exposed_criterion_reads_the_transfer_part_of_the_wait():
     assert _verdicts(recs)["exposed"].verdict == FAIL
 
 
+def test_exposed_criterion_skips_a_copy_timing_of_other_steps():
+    """A copy timing that copied 3x the TPOT's bytes per step (it timed other steps) says
+    nothing about the TPOT's wait: its point has no exposed share, the verdict counts it as a
+    point without a copy timing, and a timing within 10 % of the TPOT's bytes counts again."""
+    recs = copy.deepcopy(_passing())
+    r = _find(recs, "sparda", 8)
+    r["exposed_transfer_ms"] = r["exposed_wait_ms"] = 0.5 * r["tpot_ms"]
+    r["missed_bytes_per_step"] = 1e8
+    r["timed_missed_bytes_per_step"] = 3e8
+    assert derived(r)["exposed_transfer_pct"] is None and derived(r)["exposed_pct"] is None
+    got = _verdicts(recs)["exposed"]
+    assert got.verdict == PASS and "1 points without a copy timing" in got.measured, got
+    r["timed_missed_bytes_per_step"] = 1.05e8
+    assert derived(r)["exposed_transfer_pct"] == pytest.approx(50.0)
+    assert _verdicts(recs)["exposed"].verdict == FAIL
+
+
 @pytest.mark.parametrize("key", sorted(FAILS))
 def test_offloaded_records_at_another_slot_factor_do_not_count(key):
     """A failing offloaded point at slot factor 1 (an ablation, or a record from before spare slots:

@@ -574,14 +574,14 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
 def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None, start: int = 0) -> dict:
     """Copy timing of an offloaded cache over the replayed steps ``start .. start + steps - 1``
     (the first ones the TPOT covers: the selection, hence the misses, differ from step to
-    step), with the prefetcher's device timestamps on (:mod:`sparda.cache.timestamps`), in a
+    step; with spare slots the first steps after empty slots miss ~3x more of a trace than
+    the steady state, so only ``steps`` = the TPOT's steps describes the TPOT's misses),
+    with the prefetcher's device timestamps on (:mod:`sparda.cache.timestamps`), in a
     runner of its own so that the throughput graphs stay free of the timestamp kernels.
 
     With ``state`` the run restarts (:func:`restart`, empty slots) at step 0 and replays the
     steps before ``start`` untimed (at least two on CUDA: warm-up and capture), so that the
-    slots hold at ``start`` what they held when the TPOT's steps began (with spare slots a
-    run entered a few steps early, from empty slots, misses ~3x more of a trace: the blocks
-    that come back are not resident yet); without it, it continues from
+    slots hold at ``start`` what they held when the TPOT's steps began; without it, it continues from
     where the previous run stopped (steps that may lie past the trace's end). Returns, per
     step: ``copy_ms``, ``exposed_wait_ms``, ``exposed_transfer_ms``, ``hidden_fraction``,
     ``missed_bytes`` (K+V this run copied, all rows) and ``step_ms`` (this run's wall time:

@@ -16,7 +16,10 @@ Derived columns (:func:`derived`), for one decode step:
   lookahead: selection chain and copy);
 * ``exposed_transfer_pct`` = ``100 * exposed_transfer_ms / tpot_ms``, the part of that stall
   after the copy's inputs were ready (:mod:`sparda.cache.timestamps`); records written before
-  the split (no ``exposed_transfer_ms``) give ``exposed_pct``, an upper bound;
+  the split (no ``exposed_transfer_ms``) give ``exposed_pct``, an upper bound. Both are
+  ``None`` where the copy-timing run copied other bytes per step than the TPOT's steps
+  (``timed_missed_bytes_per_step`` more than 10 % off ``missed_bytes_per_step``: it timed
+  other steps, e.g. the first 4 after empty slots, :func:`timing_describes_tpot`);
 * ``overlap_efficiency`` = ``(compute + transfer - tpot) / min(compute, transfer)`` with
   compute and transfer each measured alone (1: the shorter one is fully hidden; 0: none);
 * ``pcie_gbps_overlapped`` = ``missed_bytes_per_step / copy_ms`` (GB/s = 1e9 bytes/s, the
@@ -215,6 +218,16 @@ def overlap_efficiency(compute_ms, transfer_ms, step_ms) -> float | None:
     return (compute_ms + transfer_ms - step_ms) / min(compute_ms, transfer_ms)
 
 
+def timing_describes_tpot(rec: dict, tolerance: float = 0.1) -> bool:
+    """Whether the copy-timing run of ``rec`` (its exposed wait) describes the TPOT's steps:
+    its missed bytes per step within ``tolerance`` (relative) of the TPOT run's. Records
+    without ``timed_missed_bytes_per_step`` (written before it existed) are taken as they are."""
+    timed, missed = rec.get("timed_missed_bytes_per_step"), rec.get("missed_bytes_per_step")
+    if timed is None or missed is None:
+        return True
+    return abs(timed - missed) <= tolerance * max(missed, 1.0)
+
+
 def derived(rec: dict) -> dict:
     """The report's computed columns of one record (module doc); ``None`` where inputs are missing."""
     tpot = rec.get("tpot_ms")
@@ -225,12 +238,14 @@ def derived(rec: dict) -> dict:
     if pcie is None and rec.get("missed_bytes_per_step"):
         pcie = _ratio(rec.get("missed_bytes_per_step"), rec.get("copy_ms"), 1e-6)
     layers = num_layers(rec)
+    same_steps = timing_describes_tpot(rec)
     return {"num_layers": layers,
             "launches_per_layer": _ratio(rec.get("kernels_per_step"), layers),
             "roof_x": _ratio(tpot, rec.get("roofline_tpot_ms")),
             "tpot_per_kernel": _ratio(tpot, rec.get("gpu_kernel_ms")),
-            "exposed_pct": _ratio(rec.get("exposed_wait_ms"), tpot, 100.0),
-            "exposed_transfer_pct": _ratio(rec.get("exposed_transfer_ms", rec.get("exposed_wait_ms")), tpot, 100.0),
+            "exposed_pct": _ratio(rec.get("exposed_wait_ms"), tpot, 100.0) if same_steps else None,
+            "exposed_transfer_pct": _ratio(rec.get("exposed_transfer_ms", rec.get("exposed_wait_ms")), tpot, 100.0)
+            if same_steps else None,
             "overlap_efficiency": eff, "pcie_gbps_overlapped": pcie}
 
 
