@@ -46,6 +46,9 @@ printed last:
   largest batch computed from the per-token bytes for <= 96 GiB of pinned host KV
   (printed); no overlap runs (~6 min of GPU time). Checks the issue's criterion: int8
   runs at >= 1.8x the batch of bf16 and its best decode tok/s exceeds bf16's best.
+* ``tune-synth``: as ``tune`` (early attention off) where the copy slows down inside the step:
+  synthetic selections of hit rate 0.9 at 128K B16 and 0.7 at 128K B4, grids 64 / 32 / 128 x 8,
+  64 / 128 x 4, 16 x 8, priority high and normal, 48 timed steps each.
 * ``recheck``: ``hitrate`` under the current defaults, then offloaded ``sparda`` at 64K and 32K
   B24 (parity 16).
 * ``spare``: spare GPU slots (``slot_factor``, design §6), MiniCPM-8B shape, trace: offloaded
@@ -287,30 +290,52 @@ def early(out: Path, budget: float) -> list[dict]:
 
 
 def tune(out: Path, budget: float) -> list[dict]:
-    from sparda.bench import point as pt
-    from sparda.bench.models import build_model, random_forecast, selection_config
-    from sparda.bench.traces import SHIPPED_TRACE, Replayer, load_traces, replay_masks, trace_for
-    from sparda.engine.graph_runner import DecodeRunner
-
-    points = [(131072, 16), (32768, 24)] if not SMOKE else [(2048, 2)]
+    """The gather grid, side-stream priority and early attention on trace points (128K B16, 32K B24)."""
     configs = [(ctas, warps, prio, early) for ctas, warps in ((32, 8), (16, 8), (64, 8), (32, 4))
                for prio in (-1, 0) for early in (False, True)]
+    return _tune(out / "tune.json", budget, [(131072, 16, None), (32768, 24, None)], configs, warm=3, timed=12)
+
+
+def tune_synth(out: Path, budget: float) -> list[dict]:
+    """The gather grid (CTAs x warps) and side-stream priority where the copy slows down inside the
+    step (the 02b page): synthetic selections of hit rate 0.9 at 128K B16 and 0.7 at 128K B4, early
+    attention off, 48 timed steps."""
+    configs = [(ctas, warps, prio, False) for ctas, warps in ((64, 8), (32, 8), (128, 8), (64, 4), (128, 4), (16, 8))
+               for prio in (-1, 0)]
+    return _tune(out / "tune-synth.json", budget, [(131072, 16, 0.9), (131072, 4, 0.7)], configs, warm=6, timed=48)
+
+
+def _tune(path: Path, budget: float, points, configs, warm: int, timed: int) -> list[dict]:
+    """TPOT of offloaded ``sparda`` (MiniCPM-8B shape) for each configuration ``(ctas, warps,
+    priority, early)`` at each point ``(context, batch, hit_rate)`` (``None``: the shipped trace),
+    every configuration replaying the same steps from empty slots, the first one again at the
+    end (the drift); rows to ``path``."""
+    from sparda.bench import point as pt
+    from sparda.bench.models import build_model, random_forecast, selection_config
+    from sparda.bench.traces import (SHIPPED_TRACE, Replayer, load_traces, replay_masks, synthetic_masks,
+                                     trace_for)
+    from sparda.engine.graph_runner import DecodeRunner
+
     if SMOKE:
-        configs = configs[:2]
+        points, configs, timed = [(2048, 2, points[0][2])], configs[:2], 2
     rows = []
     start = time.perf_counter()  # budget is what is left for this part, not since T0
     traces = load_traces(SHIPPED_TRACE)
-    for context, batch in points:
+    for context, batch, hit_rate in points:
         name = "tiny" if SMOKE else "minicpm-8b"
         model = build_model(name, DEV, torch.bfloat16 if DEV == "cuda" else torch.float32, context + 1024)
         selection = selection_config(name)
         llm = pt.make_llm(model, "sparda", selection, random_forecast(model))
-        steps, warm, timed = 3 + 12, 3, 12
+        steps = warm + timed
         cache = llm.new_cache(batch, context + steps + 2)
         pt.fill_cache(cache, model.shape, batch, context, llm.device, llm.dtype)
-        masks = replay_masks(trace_for(traces, "sparda"), model.shape.num_layers, model.shape.num_kv_heads,
-                             selection, [context] * batch, steps, cache.num_blocks).to(llm.device)
-        replayer = Replayer(masks)
+        if hit_rate is None:
+            masks = replay_masks(trace_for(traces, "sparda"), model.shape.num_layers, model.shape.num_kv_heads,
+                                 selection, [context] * batch, steps, cache.num_blocks)
+        else:
+            masks = synthetic_masks(model.shape.num_layers, model.shape.num_kv_heads, selection, [context] * batch,
+                                    steps, cache.num_blocks, hit_rate)
+        replayer = Replayer(masks.to(llm.device))
         replayer.install(cache)
         state = {"i": 0}
         for ctas, warps, prio, early_on in configs + configs[:1]:
@@ -339,7 +364,8 @@ def tune(out: Path, budget: float) -> list[dict]:
             for _ in range(timed):
                 step()
             pt.sync(llm.device)
-            rows.append({"part": "tune", "model": name, "context": context, "batch": batch, "num_ctas": ctas,
+            rows.append({"part": path.stem, "model": name, "context": context, "batch": batch,
+                         "target_hit_rate": hit_rate, "num_ctas": ctas,
                          "num_warps": warps, "stream_priority": prio, "early_attention": early_on,
                          "tpot_ms": round((time.perf_counter() - t) / timed * 1e3, 3)})
             log(rows[-1])
@@ -348,7 +374,7 @@ def tune(out: Path, budget: float) -> list[dict]:
         gc.collect()
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    (out / "tune.json").write_text(json.dumps(rows, indent=1))
+    path.write_text(json.dumps(rows, indent=1))
     return [{"check": r} for r in rows]
 
 
@@ -590,7 +616,7 @@ def recheck(out: Path, budget: float) -> list[dict]:
 
 PARTS = {"check": check, "recheck": recheck, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
          "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid,
-         "kvquant": kvquant, "spare": spare}
+         "kvquant": kvquant, "spare": spare, "tune-synth": tune_synth}
 
 if __name__ == "__main__":
     out_dir, budget_s, parts = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
