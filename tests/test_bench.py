@@ -474,3 +474,18 @@ def test_copy_timing_replays_the_tpots_steps_with_their_misses(fresh_seed):
     assert rec["missed_bytes_per_step"] > 0, rec
     assert rec["timed_missed_bytes_per_step"] == pytest.approx(rec["missed_bytes_per_step"], rel=1e-9), \
         (fresh_seed, rec["timed_missed_bytes_per_step"], rec["missed_bytes_per_step"])
+
+
+def test_an_untimed_offloaded_point_records_no_wait_rather_than_zero():
+    """Without a copy timing (``timing_steps=0``) an offloaded point's exposed wait and copy time
+    are unmeasured (None, shown as '-'), not 0 ms; an on-device point's are 0 (nothing to copy)."""
+    model = build_model("tiny", torch.device("cpu"), torch.float32, 2048)
+    cfg = sweep.quick_config("unused", decode_steps=2, repeats=1, warmup_steps=1, breakdown_steps=0, timing_steps=0)
+    env = {"hbm_gbps": 1.0, "pcie_gbps": 1.0}
+    offl = pt.decode_point(pt.make_llm(model, "sparda", selection_config("tiny"), random_forecast(model)),
+                           "tiny", 2, 1024, cfg, env, None)
+    assert offl["hit_rate"] is not None
+    assert offl["exposed_wait_ms"] is None and offl["exposed_transfer_ms"] is None and offl["copy_ms"] is None
+    assert sweep._line(dict(offl, status="ok", model="tiny", method="sparda", batch=2, context=1024)).endswith("exposed -")
+    dense = pt.decode_point(pt.make_llm(model, "dense", selection_config("tiny"), None), "tiny", 2, 1024, cfg, env, None)
+    assert dense["exposed_wait_ms"] == 0.0 and dense["copy_ms"] == 0.0

@@ -349,7 +349,9 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     def speed(tpot, stats, timing, overlap) -> dict:
         missed = stats.get("bytes_per_token", 0.0) * batch
         roof = roofline_ms(w_bytes, kv_bytes, missed, bandwidth["hbm_gbps"], bandwidth["pcie_gbps"])
-        copy = timing.get("copy_ms", 0.0)
+        # an offloaded point without a copy timing has no measured wait (None), not a zero one
+        untimed = None if offloaded else 0.0
+        copy = timing.get("copy_ms", untimed)
         return {
             "decode_tok_s": round(batch / tpot * 1e3, 2), "tpot_ms": round(tpot, 4),
             "roofline_tpot_ms": round(roof, 4), "roofline_fraction": round(roof / tpot, 4),
@@ -357,8 +359,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
             else "hbm",
             "missed_bytes_per_step": round(missed, 1),
             "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
-            "exposed_wait_ms": timing.get("exposed_wait_ms", 0.0),
-            "exposed_transfer_ms": timing.get("exposed_transfer_ms", 0.0), "copy_ms": copy,
+            "exposed_wait_ms": timing.get("exposed_wait_ms", untimed),
+            "exposed_transfer_ms": timing.get("exposed_transfer_ms", untimed), "copy_ms": copy,
             "lookahead_timeline_us": timing.get("timeline"), "timed_step_ms": timing.get("step_ms"),
             "hidden_fraction": timing.get("hidden_fraction"),
             # the copy timing run's own bytes over its own copy time (its steps are not all the TPOT's)

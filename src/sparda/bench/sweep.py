@@ -286,8 +286,9 @@ def _line(rec: dict) -> str:
     hit = "-" if rec["hit_rate"] is None else f"{rec['hit_rate']:.3f}"
     if rec.get("target_hit_rate") is not None:
         hit += f" (target {rec['target_hit_rate']})"
+    exposed = "-" if rec.get("exposed_wait_ms") is None else f"{rec['exposed_wait_ms']:.2f} ms"
     return (f"{head} {rec['decode_tok_s']:.1f} tok/s, TPOT {rec['tpot_ms']:.2f} ms "
-            f"(roofline {rec['roofline_tpot_ms']:.2f}), hit {hit}, exposed {rec['exposed_wait_ms']:.2f} ms")
+            f"(roofline {rec['roofline_tpot_ms']:.2f}), hit {hit}, exposed {exposed}")
 
 
 def _ints(text: str, name: str) -> list[int]:
