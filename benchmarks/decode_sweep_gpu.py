@@ -165,8 +165,8 @@ def _sweep(out: Path, budget: float, **kw) -> list[dict]:
     8 files), its records to ``OUT/<name>.json`` and the environment to ``OUT/env.json``."""
     work = Path("/tmp/sweeps") / out.name
     base = dict(out=str(work), models=["minicpm-8b"], contexts=[131072], decode_steps=16, repeats=3, warmup_steps=3,
-                breakdown_steps=0, prefill_tokens=2048, time_budget_s=budget, overlap_steps=48, profile_steps=3,
-                timing_steps=48)  # timing and overlap cover the TPOT's 3 x 16 steps (their misses)
+                breakdown_steps=0, prefill_tokens=2048, time_budget_s=budget, profile_steps=3)
+    # timing_steps / overlap_steps unset: the copy timing and overlap runs cover the TPOT's 3 x 16 steps
     base.update(kw)
     if SMOKE:
         base.update(models=["tiny"], contexts=[2048], batches=[1, 2], decode_steps=2, repeats=1, device="cpu",
@@ -216,7 +216,7 @@ def grid(out: Path, budget: float) -> list[dict]:
             if model == "minicpm-8b" and ctx == 131072:
                 batches = [1]  # B4..B24 are the b128 part
             recs += _sweep(Path("/tmp/sweeps/grid") / f"{model}-{ctx // 1024}k", left, models=[model],
-                           contexts=[ctx], methods=ALL, batches=batches, repeats=2, timing_steps=4, overlap_steps=4)
+                           contexts=[ctx], methods=ALL, batches=batches, repeats=2)
             done()
     return recs
 
@@ -381,7 +381,7 @@ def _tune(path: Path, budget: float, points, configs, warm: int, timed: int) -> 
 #: pinned host memory the KV of a kvquant point may take (issue #14: batch at 128K within 96 GiB)
 KVQUANT_HOST_GIB = 96.0
 #: the kvquant sweeps' step counts (the cache capacity, hence the largest batch, depends on them)
-KVQUANT_STEPS = dict(decode_steps=16, repeats=3, warmup_steps=3, breakdown_steps=0, profile_steps=3, timing_steps=4,
+KVQUANT_STEPS = dict(decode_steps=16, repeats=3, warmup_steps=3, breakdown_steps=0, profile_steps=3,
                      overlap_steps=0, parity_steps=0)
 
 

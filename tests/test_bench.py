@@ -489,3 +489,32 @@ def test_an_untimed_offloaded_point_records_no_wait_rather_than_zero():
     assert sweep._line(dict(offl, status="ok", model="tiny", method="sparda", batch=2, context=1024)).endswith("exposed -")
     dense = pt.decode_point(pt.make_llm(model, "dense", selection_config("tiny"), None), "tiny", 2, 1024, cfg, env, None)
     assert dense["exposed_wait_ms"] == 0.0 and dense["copy_ms"] == 0.0
+
+
+def test_a_parity_check_leaves_the_tpots_steps_unchanged(fresh_seed, monkeypatch):
+    """With a CUDA-graph parity check first (graphs faked on the CPU: the replay runs the eager
+    step) the TPOT times the same replayed steps, hence the same misses, as without one (it
+    used to time the steps after the parity run, past the trace's end)."""
+    from sparda.engine.graph_runner import DecodeRunner
+
+    init = DecodeRunner.__init__
+
+    def fake_graphs(self, llm, cache, cuda_graphs=True):
+        init(self, llm, cache, cuda_graphs)
+        self.use_graphs = bool(cuda_graphs)
+
+    monkeypatch.setattr(DecodeRunner, "__init__", fake_graphs)
+    monkeypatch.setattr(DecodeRunner, "step", lambda self, live_len: self.eager(live_len))
+    model = build_model("tiny", torch.device("cpu"), torch.float32, 2048)
+    llm = pt.make_llm(model, "sparda", selection_config("tiny"), random_forecast(model))
+    trace = _synthetic_trace(fresh_seed, steps=16)
+    env = {"hbm_gbps": 1.0, "pcie_gbps": 1.0}
+    got = []
+    for parity in (0, 24):
+        cfg = sweep.quick_config("unused", decode_steps=4, repeats=2, warmup_steps=3, breakdown_steps=0,
+                                 parity_steps=parity, overlap_steps=0)
+        got.append(pt.decode_point(llm, "tiny", 2, 1024, cfg, env, {"sparda": trace}))
+    assert got[1]["graph_tokens_equal"] is True, got[1]
+    assert got[0]["missed_bytes_per_step"] > 0
+    for key in ("missed_bytes_per_step", "hit_rate", "timed_missed_bytes_per_step"):
+        assert got[1][key] == got[0][key], (fresh_seed, key, got[0][key], got[1][key])

@@ -129,12 +129,20 @@ def largest_batch(method: str, shape, selection, kv_dtype: str, dtype: torch.dty
     return max(0, min(bounds))
 
 
+def run_steps(opts, name: str) -> int:
+    """Steps of the optional run ``name`` (``timing_steps``, ``overlap_steps``, ...) of ``opts``:
+    0 when absent, the TPOT's ``decode_steps * repeats`` when ``None`` (the copy timing and the
+    overlap runs then cover exactly the TPOT's steps)."""
+    value = getattr(opts, name, 0)
+    return opts.decode_steps * opts.repeats if value is None else int(value)
+
+
 def point_capacity(context: int, opts) -> int:
     """Tokens per row of the cache :func:`decode_point` allocates: ``context`` plus every
     step it runs (warm-up, timed repeats, breakdown, profile, copy timing, parity, overlap
     runs and their warm-ups/captures) plus one. ``opts`` as :func:`decode_point`'s."""
-    extra = (getattr(opts, "profile_steps", 0) + getattr(opts, "timing_steps", 0) + 2  # + timed warm-up/capture
-             + getattr(opts, "parity_steps", 0) + getattr(opts, "overlap_steps", 0) + 3)
+    extra = (getattr(opts, "profile_steps", 0) + run_steps(opts, "timing_steps") + 2  # + timed warm-up/capture
+             + getattr(opts, "parity_steps", 0) + run_steps(opts, "overlap_steps") + 3)
     total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps + extra
     return context + total_steps + 1
 
@@ -322,8 +330,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     if dev.type == "cuda" and getattr(opts, "profile_steps", 0):
         profile = profile_kernels(step, opts.profile_steps)
     timing = {}
-    if offloaded and getattr(opts, "timing_steps", 0):
-        timing = copy_timing(llm, cache, step, opts.timing_steps, state, timed_from)
+    if offloaded and run_steps(opts, "timing_steps"):
+        timing = copy_timing(llm, cache, step, run_steps(opts, "timing_steps"), state, timed_from)
     breakdown = {}
     if opts.breakdown_steps:  # hooks run in eager steps only: a runner without graphs
         eager = DecodeRunner(llm, cache, cuda_graphs=False)
@@ -338,7 +346,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
             timer.remove()
     tpot = statistics.median(tpots)
     overlap = {}
-    steps_overlap = getattr(opts, "overlap_steps", 0)
+    steps_overlap = run_steps(opts, "overlap_steps")
     if offloaded and dev.type == "cuda" and steps_overlap and runner.use_graphs:
         overlap = overlap_timing(llm, cache, step, steps_overlap, tpot, state, timed_from)
     elem = torch.empty((), dtype=llm.dtype).element_size()
@@ -363,7 +371,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
             "exposed_transfer_ms": timing.get("exposed_transfer_ms", untimed), "copy_ms": copy,
             "lookahead_timeline_us": timing.get("timeline"), "timed_step_ms": timing.get("step_ms"),
             "hidden_fraction": timing.get("hidden_fraction"),
-            # the copy timing run's own bytes over its own copy time (its steps are not all the TPOT's)
+            # the copy timing run's own bytes over its own copy time (the TPOT's steps unless timing_steps is fewer)
             "timed_missed_bytes_per_step": timing.get("missed_bytes"),
             "pcie_gbps_overlapped": round(timing.get("missed_bytes", missed) / copy / 1e6, 2) if copy else None,
             **overlap}
@@ -374,8 +382,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         replayer.ids.copy_(_replay_ids(synthetic(rate), replayer.ids.shape[-1]))
         sub_tpots = timed_run(step, state, cache, opts, dev)
         sub_stats = cache.offload_stats(opts.decode_steps * opts.repeats * batch)
-        sub_timing = copy_timing(llm, cache, step, opts.timing_steps, state, opts.warmup_steps) \
-            if getattr(opts, "timing_steps", 0) else {}
+        sub_timing = copy_timing(llm, cache, step, run_steps(opts, "timing_steps"), state, opts.warmup_steps) \
+            if run_steps(opts, "timing_steps") else {}
         sub_tpot = statistics.median(sub_tpots)
         sub_overlap = overlap_timing(llm, cache, step, steps_overlap, sub_tpot, state,
                                      opts.warmup_steps) if overlap else {}

@@ -39,6 +39,13 @@ PAPER_SHAPE = ("minicpm-8b", 131072)
 PLOTS = ("throughput.png", "speedup.png", "capped.png", "breakdown.png", "roofline.png")
 
 
+def _same_steps(rec: dict) -> bool:
+    """An offloaded record whose copy timing describes its TPOT's steps (its waits are shown)."""
+    from sparda.bench.records import timing_describes_tpot
+
+    return rec.get("kv") == "host" and timing_describes_tpot(rec)
+
+
 def _fmt(value, digits: int = 1) -> str:
     if value is None:
         return "-"
@@ -80,9 +87,9 @@ DECODE_COLUMNS = (
     ("roof ×", lambda r, d: _fmt(d["roof_x"], 2)),
     ("bound", lambda r, d: r.get("roofline_bound") or "-"),
     ("copy ms", lambda r, d: _fmt(r.get("copy_ms"), 2) if r.get("kv") == "host" else "-"),
-    ("exposed ms", lambda r, d: _fmt(r.get("exposed_wait_ms"), 2) if r.get("kv") == "host" else "-"),
+    ("exposed ms", lambda r, d: _fmt(r.get("exposed_wait_ms"), 2) if _same_steps(r) else "-"),
     ("exposed % TPOT", lambda r, d: _fmt(d["exposed_pct"]) if r.get("kv") == "host" else "-"),
-    ("transfer exposed ms", lambda r, d: _fmt(r.get("exposed_transfer_ms"), 2) if r.get("kv") == "host" else "-"),
+    ("transfer exposed ms", lambda r, d: _fmt(r.get("exposed_transfer_ms"), 2) if _same_steps(r) else "-"),
     ("timed step ms", lambda r, d: _fmt(r.get("timed_step_ms"), 2) if r.get("kv") == "host" else "-"),
     ("PCIe GB/s overlapped", lambda r, d: _fmt(d["pcie_gbps_overlapped"])),
     ("compute alone ms", lambda r, d: _fmt(r.get("compute_alone_ms"), 2)),

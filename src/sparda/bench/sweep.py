@@ -53,7 +53,9 @@ class SweepConfig:
         eager: run decode steps eagerly (default: CUDA graphs on CUDA, docs/cuda_graphs.md).
         profile_steps: steps profiled with ``torch.profiler`` for ``kernels_per_step`` and
             ``gpu_kernel_ms`` (CUDA; 0 = off). timing_steps: steps of the copy-timing run
-            of offloaded methods (device timestamps, ``copy_ms`` / ``exposed_wait_ms``).
+            of offloaded methods (device timestamps, ``copy_ms`` / ``exposed_wait_ms``); ``None``
+            (default) = the TPOT's ``decode_steps * repeats`` (fewer steps describe other misses
+            than the TPOT's, docs/bench.md); 0 = off.
         parity_steps: CUDA graphs: greedy tokens of this many replayed steps are compared
             with an eager run from the same filled cache (``graph_tokens_equal``); 0 = off.
         hit_rates: offloaded methods also run each value with a synthetic selection of that
@@ -62,7 +64,7 @@ class SweepConfig:
             Empty: the trace only.
         overlap_steps: offloaded methods on CUDA: steps of the compute-alone and
             transfer-alone runs behind ``overlap_efficiency``
-            (:func:`sparda.bench.point.overlap_timing`); 0 = off.
+            (:func:`sparda.bench.point.overlap_timing`); ``None`` (default) = the TPOT's steps; 0 = off.
         early_attention: offloaded methods attend to resident blocks before the prefetch
             wait (``LLM(early_attention=True)``, design §6).
         kv_dtype: KV-cache storage of every point, ``bf16`` (the model dtype) or
@@ -91,10 +93,10 @@ class SweepConfig:
     time_budget_s: float | None = None
     eager: bool = False
     profile_steps: int = 3
-    timing_steps: int = 4
+    timing_steps: int | None = None
     parity_steps: int = 0
     hit_rates: list = field(default_factory=list)
-    overlap_steps: int = 8
+    overlap_steps: int | None = None
     early_attention: bool = False
     kv_dtype: str = "bf16"
     slot_factor: float = DEFAULT_SLOT_FACTOR
