@@ -330,8 +330,9 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     if dev.type == "cuda" and getattr(opts, "profile_steps", 0):
         profile = profile_kernels(step, opts.profile_steps)
     timing = {}
-    if offloaded and run_steps(opts, "timing_steps"):
-        timing = copy_timing(llm, cache, step, run_steps(opts, "timing_steps"), state, timed_from)
+    timing_steps = run_steps(opts, "timing_steps")
+    if offloaded and timing_steps:
+        timing = copy_timing(llm, cache, step, timing_steps, state, timed_from)
     breakdown = {}
     if opts.breakdown_steps:  # hooks run in eager steps only: a runner without graphs
         eager = DecodeRunner(llm, cache, cuda_graphs=False)
@@ -382,8 +383,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         replayer.ids.copy_(_replay_ids(synthetic(rate), replayer.ids.shape[-1]))
         sub_tpots = timed_run(step, state, cache, opts, dev)
         sub_stats = cache.offload_stats(opts.decode_steps * opts.repeats * batch)
-        sub_timing = copy_timing(llm, cache, step, run_steps(opts, "timing_steps"), state, opts.warmup_steps) \
-            if run_steps(opts, "timing_steps") else {}
+        sub_timing = copy_timing(llm, cache, step, timing_steps, state, opts.warmup_steps) if timing_steps else {}
         sub_tpot = statistics.median(sub_tpots)
         sub_overlap = overlap_timing(llm, cache, step, steps_overlap, sub_tpot, state,
                                      opts.warmup_steps) if overlap else {}
@@ -450,6 +450,17 @@ def restart(state: dict, cache, index: int = 0) -> None:
     state["i"] = index
     for layer in getattr(cache, "offloaded", ()):
         cache.slot_map[layer].fill_(-1)
+
+
+def replay_to(step, state: dict, cache, start: int, minimum: int = 0) -> None:
+    """Restart (:func:`restart`, empty slots) and run the replayed steps before ``start``
+    untimed with ``step()``, from step 0, so that the slots at ``start`` hold what a run from
+    the filled context held there. A fresh runner needs ``minimum`` steps (warm-up, capture):
+    with ``start < minimum`` the run starts at step 0 and reaches ``minimum``, not ``start``."""
+    pre = max(minimum, start)
+    restart(state, cache, max(0, start - pre))
+    for _ in range(pre):
+        step()
 
 
 def timed_run(step, state: dict, cache, opts, dev) -> list[float]:
@@ -531,10 +542,7 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
     try:
         alone = DecodeRunner(llm, cache, cuda_graphs=True)
         alone.load(llm.runner(cache).tokens, llm.runner(cache).positions)
-        pre = max(3, start)  # warm-up, capture, one replay at least
-        restart(state, cache, max(0, start - pre))
-        for _ in range(pre):
-            step(alone)
+        replay_to(lambda: step(alone), state, cache, start, minimum=3)  # warm-up, capture, one replay at least
         sync(dev)
         began = time.perf_counter()
         for _ in range(steps):
@@ -551,10 +559,7 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
             for chunk in cache.host.chunks[layer]:
                 real.gather_planes(chunk, planes, cache.load[layer])
 
-    pre = max(3, start)  # past the first steps after emptying the slots (every block a miss)
-    restart(state, cache, max(0, start - pre))
-    for _ in range(pre):
-        step()
+    replay_to(step, state, cache, start, minimum=3)  # past the first steps after empty slots (all misses)
     sync(dev)
     side = torch.cuda.Stream(device=dev)
     graph = torch.cuda.CUDAGraph()
@@ -603,12 +608,12 @@ def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None, st
     timed = DecodeRunner(llm, cache, cuda_graphs=llm.cuda_graphs)
     timed.load(llm.runner(cache).tokens, llm.runner(cache).positions)
     pre = 2 if timed.use_graphs else 0  # warm-up + capture of the timed graph
-    if state is not None:
-        pre = max(pre, start)  # from step 0: the slots hold at ``start`` what the TPOT's held
-        restart(state, cache, max(0, start - pre))
     try:
-        for _ in range(pre):
-            step(timed)
+        if state is not None:
+            replay_to(lambda: step(timed), state, cache, start, minimum=pre)
+        else:
+            for _ in range(pre):
+                step(timed)
         sync(llm.device)
         pref.reset()
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sparda.bench.criteria import ISSUE20, check_issue20, judged
 from sparda.bench.records import (DEFAULT_SLOT_FACTOR, capped_best, derived, method_label, ok, record_field,
-                                  selection_kind, speedups, variant_parts)
+                                  selection_kind, speedups, timing_describes_tpot, variant_parts)
 from sparda.io import atomic_output, atomic_write
 
 #: the paper's decode throughput (tok/s), H100, MiniCPM4.1-8B, 128K context: batch -> (sparda, sparse-offload)
@@ -41,8 +41,6 @@ PLOTS = ("throughput.png", "speedup.png", "capped.png", "breakdown.png", "roofli
 
 def _same_steps(rec: dict) -> bool:
     """An offloaded record whose copy timing describes its TPOT's steps (its waits are shown)."""
-    from sparda.bench.records import timing_describes_tpot
-
     return rec.get("kv") == "host" and timing_describes_tpot(rec)
 
 
