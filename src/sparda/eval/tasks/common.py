@@ -67,13 +67,21 @@ def haystack_window(tokenizer, haystack: str, num_tokens: int, rng: random.Rando
     if num_tokens < 1:
         raise SpardaError(f"context too short for this task's needles and question ({num_tokens} tokens left); "
                           "raise --lengths")
-    ids = tokenizer.encode(haystack, add_special_tokens=False)
+    ids = _haystack_ids(tokenizer, haystack)
     if not ids:
         raise SpardaError("empty haystack text; pass a non-empty --text file")
     if len(ids) < num_tokens:
         ids = ids * (num_tokens // len(ids) + 1)
     offset = rng.randint(0, len(ids) - num_tokens)
-    return tokenizer.decode(ids[offset:offset + num_tokens])
+    return tokenizer.decode(list(ids[offset:offset + num_tokens]))
+
+
+@lru_cache(maxsize=4)
+def _haystack_ids(tokenizer, haystack: str) -> tuple[int, ...]:
+    """The token ids of ``haystack`` (no special tokens), kept for the next sample: the
+    haystack is one long text (~0.25 s to encode), and every sample of a run draws its
+    window from the same one."""
+    return tuple(tokenizer.encode(haystack, add_special_tokens=False))
 
 
 def insert_at_depths(text: str, needles: list[tuple[float, str]]) -> str:
