@@ -19,6 +19,7 @@ from sparda.config import SelectionConfig  # noqa: E402
 from sparda.errors import SpardaError  # noqa: E402
 from sparda.kernels import reference, select_prefill_blocks, twins  # noqa: E402
 from sparda.kernels.prefill_selection import select_prefill_blocks_triton  # noqa: E402
+from sparda.kernels._common import next_pow2  # noqa: E402
 
 # The paper's ratios (k = 2s, B_s = 4s) at block 16, a tight budget and a dense fallback.
 CFG = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1,
@@ -121,6 +122,32 @@ def test_sub_launches_and_block_m():
         ps._SCRATCH_ELEMS = old
     assert torch.equal(cut, whole)
     _check(q, ck, q_pos, 9, CFG, False, block_m=2)
+
+
+@pytest.mark.parametrize("groups", [None, 4])
+def test_select_launches_agree(groups):
+    """The rule as its own launch (default ``split``, several rows-per-program and warp
+    counts) gives the mask of the rule run inside the scoring program (``fused``), and both
+    equal the reference rule on the kernel's scores; lengths not multiples of the block."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    bsz, heads, d = 2, 2, 16
+    num_tokens = int(torch.randint(150, 200, (), generator=gen))
+    num_q = 30
+    num_blocks = -(-num_tokens // CFG.block_size)
+    ck = torch.randn(bsz, heads, reference.num_compressed(num_tokens, 8, 4), d, generator=gen)
+    shape = (bsz, heads, num_q, d) if groups is None else (bsz, heads, groups, num_q, d)
+    q = torch.randn(shape, generator=gen)
+    q_pos = torch.stack([torch.arange(num_tokens - num_q, num_tokens), torch.arange(60, 60 + num_q)])
+    fused, scores = select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, lookahead=groups is None,
+                                                 select_launch="fused", return_scores=True)
+    assert torch.equal(fused, reference.select_blocks(scores.nan_to_num(0.0), q_pos, CFG)), f"seed {seed}"
+    for rows, warps in ((None, None), (1, 1), (4, 2), (8, 1)):
+        split = select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, lookahead=groups is None,
+                                             topk_rows=rows, topk_warps=warps)
+        assert torch.equal(split, fused), f"seed {seed}, topk_rows {rows}, topk_warps {warps}"
+    with pytest.raises(ValueError, match="select_launch"):
+        select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, select_launch="other")
 
 
 def test_bf16_inputs():
@@ -354,17 +381,19 @@ def _prefill_ops(llm, ids, monkeypatch):
                 log.append((*where[-1], name, [(tuple(o.shape), o.dtype) for o in (fresh or outs)]))
             return out
 
-    kernel = ps._prefill_select_kernel
-
     class Launch:  # the interpreter runs the kernel outside the mode (its NumPy views are no ops)
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
         def __getitem__(self, grid):
             def run(*args, **kwargs):
-                log.append((*where[-1], "kernel", [grid]))
+                log.append((*where[-1], self.name, [grid]))
                 with _disable_current_modes():
-                    return kernel[grid](*args, **kwargs)
+                    return self.kernel[grid](*args, **kwargs)
             return run
 
-    monkeypatch.setattr(ps, "_prefill_select_kernel", Launch())
+    monkeypatch.setattr(ps, "_prefill_select_kernel", Launch(ps._prefill_select_kernel, "kernel"))
+    monkeypatch.setattr(ps, "_prefill_topk_kernel", Launch(ps._prefill_topk_kernel, "topk"))
     method = llm.method
     for hook in ("before_layer", "select"):
         def traced(layer, q, h, cache, step, *rest, _fn=getattr(method, hook), _hook=hook):
@@ -385,7 +414,7 @@ def test_forecast_prefill_ops_per_chunk(offload, monkeypatch):
     regression guard): the projection and its RoPE of the chunk's tokens in the model dtype
     (``before_layer``; layer 0 also projects ``W^C_0``), the compressed keys of the row
     (a gather on the offloaded cache, a view on the device), the mask and score scratch
-    allocated *empty* (no memset), one kernel launch; no host sync, no copy, no upcast,
+    allocated *empty* (no memset), the scoring launch and the top-k launch; no host sync, no copy, no upcast,
     nothing of the whole prompt's length but the compressed keys."""
     _fused_branch(monkeypatch)
     monkeypatch.setattr(torch, "empty", torch._C._VariableFunctions.empty)  # unpoisoned: no fill ops
@@ -405,6 +434,7 @@ def test_forecast_prefill_ops_per_chunk(offload, monkeypatch):
         if end - 1 < max(cfg.dense_len - 1, cfg.budget_blocks * cfg.block_size):
             continue  # every query under the dense fallback: no Forecast, no selection
         n, c = -(-end // cfg.block_size), reference.num_compressed(end, cfg.kernel_size, cfg.kernel_stride)
+        rows = max(1, min(8, 2048 // next_pow2(max(n, 2))))  # the top-k launch's default rows per program
         rope = [("aten.linear", [((1, tq, heads * d), f32)]), ("aten.neg", [((1, heads, tq, d // 2), f32)]),
                 ("aten.cat", [((1, heads, tq, d), f32)])] + [(op, [((1, heads, tq, d), f32)])
                                                               for op in ("aten.mul", "aten.mul", "aten.add")]
@@ -414,7 +444,8 @@ def test_forecast_prefill_ops_per_chunk(offload, monkeypatch):
             gather = [(layer, end, "select", "aten.index", [((1, heads, c, d), f32)])] if offload else []
             want += gather + [(layer, end, "select", "aten.empty", [((1, heads, tq - first, n), torch.uint8)]),
                               (layer, end, "select", "aten.empty", [((1, heads, tq - first, n), f32)]),
-                              (layer, end, "select", "kernel", [(-(-(tq - first) // 64), heads)])]
+                              (layer, end, "select", "kernel", [(-(-(tq - first) // 64), heads)]),
+                              (layer, end, "select", "topk", [(-(-(tq - first) // rows), heads)])]
     assert [e for e in log if e[3] in _SYNC_OPS] == []
     assert len({e[1] for e in want}) >= 2  # at least two selecting chunks
     assert log == want, next(((i, a, b) for i, (a, b) in enumerate(zip(log, want)) if a != b), (len(log), len(want)))

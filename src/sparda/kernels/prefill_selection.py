@@ -25,11 +25,14 @@ Grid ``(query tiles of BLOCK_M tokens, B*H)``. A program:
    ``p`` halo keys are computed twice: ``(r + p) / r = 1.25x`` the dot products at the
    paper geometry). Query-based scores are normalised, then summed over the group.
    Only blocks up to the tile's last query block are scored (causal).
-3. **select**: the row of block scores goes through a scratch buffer (written and read
-   back by the same program), then the rule of ``reference.select_blocks``: sinks, the
-   local window, the dense fallback, and an exact top-k by binary search on
-   order-preserving int keys (ties to the lower block index), writing the
-   ``[B, H, Tq, N]`` block mask that ``kernels.prefill_attention`` reads.
+3. **select**: the row of block scores goes through a scratch buffer, then the rule of
+   ``reference.select_blocks``: sinks, the local window, the dense fallback, and an
+   exact top-k by binary search on order-preserving int keys (ties to the lower block
+   index), writing the ``[B, H, Tq, N]`` block mask that ``kernels.prefill_attention`` reads. By default
+   this phase is a second launch (``_prefill_topk_kernel``: a few rows per program, one or
+   two warps, many programs per SM); run inside the scoring program instead, its 32
+   bisection steps per row group each end in a cross-warp reduction, and one program per
+   SM does them one after another (see docs/design.md §3.4).
 
 The PyTorch twin is :func:`sparda.kernels.twins.select_prefill_reference` (built from
 ``reference.query_group_scores`` / ``forecast_scores``, ``pool_to_blocks`` and
@@ -55,6 +58,56 @@ _SCRATCH_ELEMS = 1 << 26
 
 
 @triton.jit
+def _select_rows(SCR, MASK, QPOS, b, h, sr, Tq, N, stride_pb, stride_sb, stride_sh, stride_st,
+                 stride_mb, stride_mh, stride_mt, BS: tl.constexpr, INIT: tl.constexpr,
+                 LOCAL: tl.constexpr, TOPK: tl.constexpr, BUDGET: tl.constexpr,
+                 DENSE_LEN: tl.constexpr, N_P: tl.constexpr, RS: tl.constexpr):
+    """The rule of ``reference.select_blocks`` on query rows ``sr`` (``[RS]`` int): reads
+    their block scores from ``SCR``, writes their ``N`` mask entries: sinks, the local
+    window, the dense fallback and an exact top-k by binary search on order-preserving
+    int32 keys (ties to the lower block index)."""
+    cols = tl.arange(0, N_P)
+    in_row = cols < N
+    s_ok = sr < Tq
+    t = tl.load(QPOS + b * stride_pb + sr, mask=s_ok, other=-1).to(tl.int64)
+    cur = tl.where(t >= 0, t // BS, -1)
+    valid = in_row[None, :] & (cols[None, :] <= cur[:, None]) & s_ok[:, None]
+    sc = tl.load(SCR + b * stride_sb + h * stride_sh + sr[:, None].to(tl.int64) * stride_st + cols[None, :],
+                 mask=valid, other=float("-inf"))
+    forced = (cols[None, :] < INIT) | (cols[None, :] > cur[:, None] - LOCAL)
+    dense = (t + 1 < DENSE_LEN) | (cur + 1 <= BUDGET)
+    base = valid & (forced | dense[:, None])
+    cand = valid & (~base)
+    # reference: nan_to_num(nan=-1e30, neginf=-1e30), +inf -> largest finite float
+    x = tl.where(sc != sc, -1e30, sc)
+    x = tl.where(x == float("-inf"), -1e30, x)
+    x = tl.where(x == float("inf"), 3.4028234663852886e38, x)
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 (_rank_key)
+    # finite scores give keys in [-0x7F800000, 0x7F7FFFFF]: non-candidates sit below them all
+    key = tl.where(cand, key, -2147483648)
+    n_cand = tl.sum(cand.to(tl.int32), 1)
+    kk = tl.minimum(n_cand, TOPK)
+    # per row: the largest tau with count(key >= tau) >= kk is the kk-th largest key;
+    # int32 throughout (count(key >= lo) >= kk, count(key >= hi) < kk for kk >= 1)
+    lo = tl.full([RS], -2147483647, tl.int32)
+    hi = tl.full([RS], 0x7F800000, tl.int32)
+    for _ in range(32):
+        mid = (lo >> 1) + (hi >> 1) + (((lo & 1) + (hi & 1)) >> 1)  # floor((lo + hi) / 2), no overflow
+        cnt = tl.sum((key >= mid[:, None]).to(tl.int32), 1)
+        ok = cnt >= kk
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    gt = cand & (key > lo[:, None])
+    eq = cand & (key == lo[:, None])
+    n_gt = tl.sum(gt.to(tl.int32), 1)
+    rank = tl.cumsum(eq.to(tl.int32), 1) - 1  # ties: the lower block index first
+    sel = base | gt | (eq & (rank < (kk - n_gt)[:, None]))
+    tl.store(MASK + b * stride_mb + h * stride_mh + sr[:, None].to(tl.int64) * stride_mt + cols[None, :],
+             sel.to(tl.uint8), mask=s_ok[:, None] & in_row[None, :])
+
+
+@triton.jit
 def _prefill_select_kernel(
     Q, CK, QPOS, SCR, MASK,
     stride_qb, stride_qh, stride_qg, stride_qt,
@@ -65,7 +118,7 @@ def _prefill_select_kernel(
     KER: tl.constexpr, STR: tl.constexpr, BS: tl.constexpr, R: tl.constexpr, PAD: tl.constexpr,
     NB: tl.constexpr, CK_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
     TOPK: tl.constexpr, BUDGET: tl.constexpr, DENSE_LEN: tl.constexpr, N_P: tl.constexpr,
-    RS: tl.constexpr, SOFTMAX: tl.constexpr, IEEE: tl.constexpr,
+    RS: tl.constexpr, SOFTMAX: tl.constexpr, IEEE: tl.constexpr, FUSED_SELECT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -136,50 +189,34 @@ def _prefill_select_kernel(
                 val = tl.where(vis & j_ok[None, :], s, float("-inf"))
             acc = tl.maximum(acc, val)
         tl.store(scr_rows + blocks[None, :], acc, mask=t_ok[:, None] & (blocks < N)[None, :])
-    tl.debug_barrier()  # the select phase reads rows other threads wrote
 
-    # ---- select: forced blocks + dense fallback + exact top-k (reference.select_blocks)
-    cols = tl.arange(0, N_P)
-    in_row = cols < N
-    for r0 in range(0, BM, RS):
-        sr = pid_m * BM + r0 + tl.arange(0, RS)
-        s_ok = sr < Tq
-        t = tl.load(QPOS + b * stride_pb + sr, mask=s_ok, other=-1).to(tl.int64)
-        cur = tl.where(t >= 0, t // BS, -1)
-        valid = in_row[None, :] & (cols[None, :] <= cur[:, None]) & s_ok[:, None]
-        sc = tl.load(SCR + b * stride_sb + h * stride_sh + sr[:, None].to(tl.int64) * stride_st + cols[None, :],
-                     mask=valid, other=float("-inf"))
-        forced = (cols[None, :] < INIT) | (cols[None, :] > cur[:, None] - LOCAL)
-        dense = (t + 1 < DENSE_LEN) | (cur + 1 <= BUDGET)
-        base = valid & (forced | dense[:, None])
-        cand = valid & (~base)
-        # reference: nan_to_num(nan=-1e30, neginf=-1e30), +inf -> largest finite float
-        x = tl.where(sc != sc, -1e30, sc)
-        x = tl.where(x == float("-inf"), -1e30, x)
-        x = tl.where(x == float("inf"), 3.4028234663852886e38, x)
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 (_rank_key)
-        # finite scores give keys in [-0x7F800000, 0x7F7FFFFF]: non-candidates sit below them all
-        key = tl.where(cand, key, -2147483648)
-        n_cand = tl.sum(cand.to(tl.int32), 1)
-        kk = tl.minimum(n_cand, TOPK)
-        # per row: the largest tau with count(key >= tau) >= kk is the kk-th largest key;
-        # int32 throughout (count(key >= lo) >= kk, count(key >= hi) < kk for kk >= 1)
-        lo = tl.full([RS], -2147483647, tl.int32)
-        hi = tl.full([RS], 0x7F800000, tl.int32)
-        for _ in range(32):
-            mid = (lo >> 1) + (hi >> 1) + (((lo & 1) + (hi & 1)) >> 1)  # floor((lo + hi) / 2), no overflow
-            cnt = tl.sum((key >= mid[:, None]).to(tl.int32), 1)
-            ok = cnt >= kk
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
-        gt = cand & (key > lo[:, None])
-        eq = cand & (key == lo[:, None])
-        n_gt = tl.sum(gt.to(tl.int32), 1)
-        rank = tl.cumsum(eq.to(tl.int32), 1) - 1  # ties: the lower block index first
-        sel = base | gt | (eq & (rank < (kk - n_gt)[:, None]))
-        tl.store(MASK + b * stride_mb + h * stride_mh + sr[:, None].to(tl.int64) * stride_mt + cols[None, :],
-                 sel.to(tl.uint8), mask=s_ok[:, None] & in_row[None, :])
+    if FUSED_SELECT:
+        # ---- select in this program, RS rows at a time (``select_launch="fused"``: every
+        # bisection step's row sum crosses warps, a barrier each; the default ``"split"``
+        # runs this phase in _prefill_topk_kernel instead)
+        tl.debug_barrier()  # the select phase reads rows other threads wrote
+        for r0 in range(0, BM, RS):
+            sr = pid_m * BM + r0 + tl.arange(0, RS)
+            _select_rows(SCR, MASK, QPOS, b, h, sr, Tq, N, stride_pb, stride_sb, stride_sh, stride_st,
+                         stride_mb, stride_mh, stride_mt, BS, INIT, LOCAL, TOPK, BUDGET, DENSE_LEN, N_P, RS)
+
+
+@triton.jit
+def _prefill_topk_kernel(
+    SCR, MASK, QPOS, stride_pb, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_mt,
+    H, Tq, N, BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, TOPK: tl.constexpr,
+    BUDGET: tl.constexpr, DENSE_LEN: tl.constexpr, N_P: tl.constexpr, RS: tl.constexpr,
+):
+    """The select phase as its own launch: grid ``(ceil(Tq / RS), B*H)``, ``RS`` query rows
+    per program and few warps, so a bisection step's row sum stays inside a warp or two and
+    many programs share an SM (the fused phase ran 32 steps x BM / RS row groups one after
+    another in one program per SM, a cross-warp reduction and barrier each)."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    sr = tl.program_id(0) * RS + tl.arange(0, RS)
+    _select_rows(SCR, MASK, QPOS, b, h, sr, Tq, N, stride_pb, stride_sb, stride_sh, stride_st,
+                 stride_mb, stride_mh, stride_mt, BS, INIT, LOCAL, TOPK, BUDGET, DENSE_LEN, N_P, RS)
 
 
 def _default_block_m(rows_per_token: int, on_gpu: bool) -> int:
@@ -193,7 +230,8 @@ def _default_block_m(rows_per_token: int, on_gpu: bool) -> int:
 def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                                  num_blocks: int, cfg: SelectionConfig, *, lookahead: bool = False,
                                  block_m: int | None = None, return_scores: bool = False,
-                                 num_warps: int | None = None):
+                                 num_warps: int | None = None, select_launch: str = "split",
+                                 topk_rows: int | None = None, topk_warps: int | None = None):
     """Triton twin of :func:`sparda.kernels.twins.select_prefill_reference` (see
     :func:`sparda.kernels.select_prefill_blocks` for the arguments).
 
@@ -202,6 +240,12 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     ``return_scores``: also return the ``[B, H, Tq, N]`` fp32 block scores; entries past a
     query's own block are unspecified (the rule never reads them). ``num_warps``: Triton
     launch parameter (tuning; default 8 on the GPU for 128-row tiles, else 4).
+    ``select_launch``: ``"split"`` (default) runs the rule (forced blocks, fallback, top-k)
+    as a second launch over the scratch scores, ``topk_rows`` query rows per program
+    (default: ``2048 // next_pow2(N)`` clamped to 1..8) and ``topk_warps`` warps (default
+    ``rows * next_pow2(N) / 2048`` clamped to 1..8, so a lane holds at most 64 scores);
+    ``"fused"`` runs it at the end of the scoring program (one program per 128 rows walks
+    every row group's 32 bisection steps in turn). Both give the same mask.
 
     Returns:
         ``mask [B, H, Tq, N]`` bool, or ``(mask, scores)``.
@@ -220,6 +264,8 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     if block_m * g_p < 16:  # tl.dot needs at least 16 rows
         block_m = 16 // g_p
+    if select_launch not in ("split", "fused"):
+        raise ValueError(f"select_launch must be 'split' or 'fused', got {select_launch!r}")
     if num_q == 0 or num_blocks == 0:
         mask = torch.zeros(bsz, heads, num_q, num_blocks, dtype=torch.bool, device=ck.device)
         return (mask, torch.zeros(mask.shape, device=ck.device)) if return_scores else mask
@@ -237,6 +283,13 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     n_p = next_pow2(max(num_blocks, 2))
     rs = max(1, min(block_m, 8192 // n_p))
     rs = 1 << (rs.bit_length() - 1)  # power of two dividing block_m
+    fused = select_launch == "fused"
+    if topk_rows is None:
+        topk_rows = max(1, min(8, 2048 // n_p))
+    if topk_rows < 1 or topk_rows & (topk_rows - 1):
+        raise ValueError(f"topk_rows must be a power of two, got {topk_rows}")
+    if topk_warps is None:
+        topk_warps = max(1, min(8, topk_rows * n_p // 2048))
     nb = 64 if query.is_cuda else 16
     sub = num_q if return_scores else max(block_m, _SCRATCH_ELEMS // max(1, bsz * heads * num_blocks)
                                           // block_m * block_m)
@@ -262,9 +315,17 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             G=groups, G_P=g_p, BM=block_m, D=d, KER=cfg.kernel_size, STR=cfg.kernel_stride,
             BS=cfg.block_size, R=r, PAD=pad, NB=nb, CK_T=64 if query.is_cuda else 16,
             INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks,
-            DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee,
+            DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee, FUSED_SELECT=fused,
             num_warps=num_warps or (8 if query.is_cuda and block_m * g_p >= 128 else 4),
             num_stages=1)  # no software pipelining: the unpipelined tiles fit Hopper's 227 KiB
+        if not fused:
+            _prefill_topk_kernel[(-(-(s1 - s0) // topk_rows), bsz * heads)](
+                scratch, m_sub, pos_sub, pos_sub.stride(0),
+                scratch.stride(0), scratch.stride(1), scratch.stride(2),
+                m_sub.stride(0), m_sub.stride(1), m_sub.stride(2),
+                heads, s1 - s0, num_blocks, BS=cfg.block_size, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
+                TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks, DENSE_LEN=cfg.dense_len, N_P=n_p,
+                RS=topk_rows, num_warps=topk_warps)
     if return_scores:
         scores = scratch
         return mask.view(torch.bool), scores
