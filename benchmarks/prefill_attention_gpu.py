@@ -19,14 +19,16 @@ Usage (one CUDA GPU, from the repository root):
 
 3. ``selection``: the prefill selection kernel alone on the same chunk (last 8,192 tokens of
    128K): query-based with G = 16 and G = 4 and the Forecast (one head), ms per chunk and x16
-   per layer, to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
+   per layer, the top-k rule as its own launch (default) and inside the scoring program
+   (``select_launch="fused"``), and whether their masks are equal, to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
    (CUDA events around ``method.select`` only: the row's compressed keys, the mask and
    scratch allocation and this kernel; the Forecast projection, its RoPE and the compressed
    keys' update run before it, in ``before_layer`` and the cache append, and are not counted).
 
 4. ``tune``: launch shapes for the next defaults, on the same chunk: the attention kernel over
    ``block_m`` 16-128 (tokens per tile x G) x ``num_warps`` 4/8, the selection kernel over
-   tokens per program 8-128 x ``num_warps`` 4/8, for both shapes and both selectors.
+   tokens per program 8-128 x ``num_warps`` 4/8, for both shapes and both selectors, and the
+   top-k launch over rows per program 1-8 x warps 1-8.
 
 5. ``chunks``: the selection call at *every* chunk of a 128K prefill in 8K chunks, MiniCPM-8B
    shape, as the model makes it (queries in the projection's ``[B, T, H, d]`` layout seen as
@@ -126,10 +128,15 @@ def selection(cfg) -> list[dict]:
         ck = torch.randn(1, heads, num_ck, d, device="cuda", generator=gen).bfloat16()
         shape = (1, heads, num_q, d) if groups is None else (1, heads, groups, num_q, d)
         query = (torch.randn(shape, device="cuda", generator=gen) * 0.3).bfloat16()
-        ms = cuda_ms(lambda: select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
-                                                          lookahead=groups is None), reps=5)
-        rows.append({"selector": label, "kv_heads": heads, "chunk_ms": round(ms, 3),
-                     "layer_ms_est": round(ms * num_keys / num_q, 1)})
+        ms = {launch: cuda_ms(lambda: select_prefill_blocks_triton(
+            query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None, select_launch=launch),
+            reps=5) for launch in ("split", "fused")}
+        same = bool(torch.equal(*(select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
+                                                               lookahead=groups is None, select_launch=launch)
+                                  for launch in ("split", "fused"))))
+        rows.append({"selector": label, "kv_heads": heads, "chunk_ms": round(ms["split"], 3),
+                     "fused_chunk_ms": round(ms["fused"], 3), "split_equals_fused": same,
+                     "layer_ms_est": round(ms["split"] * num_keys / num_q, 1)})
         print("selection", rows[-1], flush=True)
         del ck, query
     return rows
@@ -186,6 +193,18 @@ def tune(cfg) -> list[dict]:
                 rows.append({"kernel": "selection", "selector": label, "block_m": tokens, "rows": tokens * g_p,
                              "num_warps": warps, "chunk_ms": None if ms is None else round(ms, 3)})
                 print("tune", rows[-1], flush=True)
+        for topk_rows in (1, 2, 4, 8):  # the top-k launch: rows per program x warps (default scoring shape)
+            for topk_warps in (1, 2, 4, 8):
+                try:
+                    ms = cuda_ms(lambda: select_prefill_blocks_triton(
+                        query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None,
+                        topk_rows=topk_rows, topk_warps=topk_warps), reps=3)
+                except Exception as exc:
+                    ms = None
+                    print("tune topk", label, topk_rows, topk_warps, "failed:", str(exc).splitlines()[0], flush=True)
+                rows.append({"kernel": "topk", "selector": label, "block_m": topk_rows, "rows": topk_rows,
+                             "num_warps": topk_warps, "chunk_ms": None if ms is None else round(ms, 3)})
+                print("tune", rows[-1], flush=True)
         del ck, query
     return rows
 
@@ -214,10 +233,12 @@ def chunks(cfg, total: int = 131072, chunk: int = 8192) -> list[dict]:
             q_pos = torch.arange(start + first, end, device="cuda").view(1, -1)
             num_blocks = -(-end // cfg.block_size)
 
-            def call():
-                return select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg, lookahead=groups is None)
+            def call(launch="split"):
+                return select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg, lookahead=groups is None,
+                                                    select_launch=launch)
 
             ms = cuda_ms(call, reps=5)
+            fused_ms = cuda_ms(lambda: call("fused"), reps=3)
             host = []
             for _ in range(5):
                 torch.cuda._sleep(20_000_000)  # keep the GPU busy: time the host side alone
@@ -226,9 +247,10 @@ def chunks(cfg, total: int = 131072, chunk: int = 8192) -> list[dict]:
                 host.append((time.perf_counter() - t0) * 1e6)
             torch.cuda.synchronize()
             per.append({"start": start, "queries": end - start - first, "blocks": num_blocks,
-                        "ms": round(ms, 4), "host_us": round(min(host), 1)})
+                        "ms": round(ms, 4), "fused_ms": round(fused_ms, 4), "host_us": round(min(host), 1)})
             del ck, proj, query
         row = {"selector": label, "layer_ms": round(sum(c["ms"] for c in per), 3),
+               "fused_layer_ms": round(sum(c["fused_ms"] for c in per), 3),
                "last_chunk_x16_ms": round(per[-1]["ms"] * total / chunk, 3),
                "host_us_per_call": round(sum(c["host_us"] for c in per) / len(per), 1), "per_chunk": per}
         rows.append(row)
@@ -271,9 +293,11 @@ def main() -> None:
               f"{r['blocks_per_tile_old']:>12.1f} {r['packed_ms']:>9.2f} {r.get('old_ms', 0):>8.2f} "
               f"{r['packed_layer_ms_est']:>9.1f} {r['sdpa_layer_ms']:>10.1f}")
     for r in report["selection"]:
-        print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk, ~{r['layer_ms_est']:.1f} ms per layer")
+        print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk (fused select {r['fused_chunk_ms']:.2f},"
+              f" equal {r['split_equals_fused']}), ~{r['layer_ms_est']:.1f} ms per layer")
     for r in report["chunks"]:
-        print(f"chunks {r['selector']:<20} {r['layer_ms']:>8.2f} ms per layer (16 chunks summed; last chunk x16 "
+        print(f"chunks {r['selector']:<20} {r['layer_ms']:>8.2f} ms per layer, fused select {r['fused_layer_ms']:.2f}"
+              f" (16 chunks summed; last chunk x16 "
               f"{r['last_chunk_x16_ms']:.1f}), host {r['host_us_per_call']:.0f} us per call")
     for r in report["tune"]:
         name = r.get("shape") or r.get("selector")
