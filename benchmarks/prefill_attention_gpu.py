@@ -20,7 +20,8 @@ Usage (one CUDA GPU, from the repository root):
 3. ``selection``: the prefill selection kernel alone on the same chunk (last 8,192 tokens of
    128K): query-based with G = 16 and G = 4 and the Forecast (one head), ms per chunk and x16
    per layer, the top-k rule as its own launch (default) and inside the scoring program
-   (``select_launch="fused"``), and whether their masks are equal, to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
+   (``select_launch="fused"``), the scoring launch alone (the top-k launch replaced by a
+   no-op) and whether the masks of both launch modes are equal, to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
    (CUDA events around ``method.select`` only: the row's compressed keys, the mask and
    scratch allocation and this kernel; the Forecast projection, its RoPE and the compressed
    keys' update run before it, in ``before_layer`` and the cache append, and are not counted).
@@ -39,7 +40,10 @@ Usage (one CUDA GPU, from the repository root):
    position, so its chunks do not average half of the last one), and the host microseconds
    one call takes while the GPU is busy (the launch cost a GPU left idle by a host sync waits for).
 
-``--parts`` picks some of them (default: all five).
+6. ``regs`` (only when asked for): registers, spills and shared memory of the two selection
+   launches as compiled for that chunk.
+
+``--parts`` picks some of them (default: the first five).
 Writes ``OUT/prefill_attention_gpu.json`` and prints a short table.
 """
 
@@ -117,6 +121,13 @@ def timing(cfg, old) -> list[dict]:
     return rows
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``[grid](...)`` launches nothing (times the rest)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
 def selection(cfg) -> list[dict]:
     rows = []
     num_keys, num_q, d = 131072, 8192, 128
@@ -131,11 +142,19 @@ def selection(cfg) -> list[dict]:
         ms = {launch: cuda_ms(lambda: select_prefill_blocks_triton(
             query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None, select_launch=launch),
             reps=5) for launch in ("split", "fused")}
+        ps = sys.modules[select_prefill_blocks_triton.__module__]
+        topk_kernel, ps._prefill_topk_kernel = ps._prefill_topk_kernel, _NoLaunch()
+        try:  # the scoring launch alone: split minus this is the top-k launch
+            ms["scoring"] = cuda_ms(lambda: select_prefill_blocks_triton(
+                query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None), reps=5)
+        finally:
+            ps._prefill_topk_kernel = topk_kernel
         same = bool(torch.equal(*(select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
                                                                lookahead=groups is None, select_launch=launch)
                                   for launch in ("split", "fused"))))
         rows.append({"selector": label, "kv_heads": heads, "chunk_ms": round(ms["split"], 3),
                      "fused_chunk_ms": round(ms["fused"], 3), "split_equals_fused": same,
+                     "scoring_ms": round(ms["scoring"], 3), "topk_ms": round(ms["split"] - ms["scoring"], 3),
                      "layer_ms_est": round(ms["split"] * num_keys / num_q, 1)})
         print("selection", rows[-1], flush=True)
         del ck, query
@@ -258,16 +277,54 @@ def chunks(cfg, total: int = 131072, chunk: int = 8192) -> list[dict]:
     return rows
 
 
+def regs(cfg) -> list[dict]:
+    """Part ``regs``: registers, spills and shared memory of the selection's two launches as
+    compiled for the last 8K chunk of a 128K prompt (MiniCPM-8B shape, both selectors)."""
+    ps = sys.modules[select_prefill_blocks_triton.__module__]
+    num_keys, num_q, d = 131072, 8192, 128
+    num_ck = reference.num_compressed(num_keys, cfg.kernel_size, cfg.kernel_stride)
+    q_pos = torch.arange(num_keys - num_q, num_keys, device="cuda").view(1, -1)
+    rows = []
+    for label, groups in (("forecast (MiniCPM)", None), ("query G=16", 16)):
+        ck = torch.randn(1, 2, num_ck, d, device="cuda").bfloat16()
+        query = torch.randn((1, 2, num_q, d) if groups is None else (1, 2, groups, num_q, d), device="cuda").bfloat16()
+        seen = {}
+        originals = {name: getattr(ps, name) for name in ("_prefill_select_kernel", "_prefill_topk_kernel")}
+
+        class Record:
+            def __init__(self, name):
+                self.name = name
+
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    seen[self.name] = (grid, originals[self.name][grid](*args, **kwargs))
+                return run
+        try:
+            for name in originals:
+                setattr(ps, name, Record(name))
+            select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None)
+        finally:
+            for name, kernel in originals.items():
+                setattr(ps, name, kernel)
+        for name, (grid, compiled) in seen.items():
+            rows.append({"selector": label, "kernel": name, "grid": list(grid),
+                         **{k: getattr(compiled, k, None) for k in ("n_regs", "n_spills")},
+                         "shared_bytes": getattr(getattr(compiled, "metadata", None), "shared", None),
+                         "num_warps": getattr(getattr(compiled, "metadata", None), "num_warps", None)})
+            print("regs", rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--old", default=None, help="path of the previous prefill_attention.py (timed too)")
     ap.add_argument("--parts", default="check,timing,selection,tune,chunks",
-                    help="comma list of check, timing, selection, tune, chunks [default: all]")
+                    help="comma list of check, timing, selection, tune, chunks, regs [default: all but regs]")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    if any(p not in ("check", "timing", "selection", "tune", "chunks") for p in parts):
-        ap.error(f"--parts: unknown part in {args.parts!r}; choose from check, timing, selection, tune, chunks")
+    if any(p not in ("check", "timing", "selection", "tune", "chunks", "regs") for p in parts):
+        ap.error(f"--parts: unknown part in {args.parts!r}; choose from check, timing, selection, tune, chunks, regs")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the interpreter tests cover the CPU: tests/kernels/test_prefill_attention.py)")
     old = None
@@ -283,6 +340,7 @@ def main() -> None:
     report["selection"] = selection(cfg) if "selection" in parts else []
     report["tune"] = tune(cfg) if "tune" in parts else []
     report["chunks"] = chunks(cfg) if "chunks" in parts else []
+    report["regs"] = regs(cfg) if "regs" in parts else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_attention_gpu.json").write_text(json.dumps(report, indent=1))
@@ -293,8 +351,9 @@ def main() -> None:
               f"{r['blocks_per_tile_old']:>12.1f} {r['packed_ms']:>9.2f} {r.get('old_ms', 0):>8.2f} "
               f"{r['packed_layer_ms_est']:>9.1f} {r['sdpa_layer_ms']:>10.1f}")
     for r in report["selection"]:
-        print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk (fused select {r['fused_chunk_ms']:.2f},"
-              f" equal {r['split_equals_fused']}), ~{r['layer_ms_est']:.1f} ms per layer")
+        print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk = scoring {r['scoring_ms']:.2f} + top-k "
+              f"{r['topk_ms']:.2f} (fused select {r['fused_chunk_ms']:.2f}, equal {r['split_equals_fused']}), "
+              f"~{r['layer_ms_est']:.1f} ms per layer")
     for r in report["chunks"]:
         print(f"chunks {r['selector']:<20} {r['layer_ms']:>8.2f} ms per layer, fused select {r['fused_layer_ms']:.2f}"
               f" (16 chunks summed; last chunk x16 "
