@@ -239,7 +239,8 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     GPU, 64 / ``G_P`` elsewhere, at least 1, with ``G_P`` the group padded to a power of two).
     ``return_scores``: also return the ``[B, H, Tq, N]`` fp32 block scores; entries past a
     query's own block are unspecified (the rule never reads them). ``num_warps``: Triton
-    launch parameter (tuning; default 8 on the GPU for 128-row tiles, else 4).
+    launch parameter (tuning; default 8 on the GPU for the Forecast's 128-token tiles, else 4:
+    the fastest on the H200 at 128K, docs/benchmarks/prefill-2026-12-03-h200.md).
     ``select_launch``: ``"split"`` (default) runs the rule (forced blocks, fallback, top-k)
     as a second launch over the scratch scores, ``topk_rows`` query rows per program
     (default: ``2048 // next_pow2(N)`` clamped to 1..8) and ``topk_warps`` warps (default
@@ -316,7 +317,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             BS=cfg.block_size, R=r, PAD=pad, NB=nb, CK_T=64 if query.is_cuda else 16,
             INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks,
             DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee, FUSED_SELECT=fused,
-            num_warps=num_warps or (8 if query.is_cuda and block_m * g_p >= 128 else 4),
+            num_warps=num_warps or (8 if query.is_cuda and not softmax and block_m >= 128 else 4),
             num_stages=1)  # no software pipelining: the unpipelined tiles fit Hopper's 227 KiB
         if not fused:
             _prefill_topk_kernel[(-(-(s1 - s0) // topk_rows), bsz * heads)](
