@@ -6,7 +6,8 @@ caches' ``rope_append``, fused norms, Forecast queries handed over in
 ``step.projections``) end to end: same logits (fp32, <= 1e-5 relative), same block
 counters and hit/miss counts as the unfused step, over a batch of three lengths that
 crosses the dense fallback; with quantised KV caches too (int8/int4: the fused append
-quantises each token, the unfused one in PyTorch). The Triton kernels themselves are
+quantises each token, the unfused one in PyTorch; mixed: both write the int4 store and the
+hot pool through the cache). The Triton kernels themselves are
 tested under the interpreter (tests/kernels/, the quantised fused step end to end in
 tests/kernels/test_fused_decode_quant.py) and in bf16 on the GPU (benchmarks/fused_decode_gpu.py).
 """
@@ -31,7 +32,8 @@ def _force_fused(llm):
 
 # quantised KV caches (docs/kv_quant.md): the fused append quantises each token itself
 QUANTIZED = [("sparse", {"kv_dtype": "int8"}), ("sparda", {"offload": False, "kv_dtype": "int4"}),
-             ("sparda", {"offload": True, "kv_dtype": "int8"}), ("sparse-offload", {"kv_dtype": "int4"})]
+             ("sparda", {"offload": True, "kv_dtype": "int8"}), ("sparse-offload", {"kv_dtype": "int4"}),
+             ("sparda", {"offload": True, "kv_dtype": "mixed"}), ("sparse-offload", {"kv_dtype": "mixed"})]
 
 
 @pytest.mark.parametrize("method,extra", METHODS + QUANTIZED,

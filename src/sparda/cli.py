@@ -13,6 +13,15 @@ import click
 
 from sparda import __version__
 from sparda.config import KV_DTYPES, METHODS, PRESETS
+
+#: ``--kv-dtype`` help of the commands that run one method
+KV_DTYPE_HELP = ("KV-cache storage: bf16 (the model dtype), int8/int4 quantised per token and head, or mixed "
+                 "(offloaded KV cache only: every block in int4 in host memory, plus bf16 copies of the hot blocks, "
+                 "those in the local window or selected in the last --kv-hot-steps decode steps, at most "
+                 "--kv-hot-blocks; a block that goes cold stays int4; a hot block's fetch moves its bf16 bytes, "
+                 "a cold one's int4 bytes; design §6.1, docs/kv_quant.md) [default: bf16].")
+#: ``eval`` and ``bench`` run every method with one ``--kv-dtype``: ``mixed`` (offloaded only) is left out
+EVERY_METHOD_KV_DTYPES = tuple(k for k in KV_DTYPES if k != "mixed")
 from sparda.errors import SpardaError
 from sparda.io import os_reason, read_text
 
@@ -104,8 +113,13 @@ def model_options(func):
         click.option("--forecast", default=None,
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
         click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
-                     help="KV-cache storage: bf16 (the model dtype), or int8/int4 quantised per token and head "
-                          "(docs/kv_quant.md) [default: bf16]."),
+                     help=KV_DTYPE_HELP),
+        click.option("--kv-hot-blocks", "kv_hot_blocks", type=click.IntRange(1), default=None,
+                     help="--kv-dtype mixed: bf16 copies kept per layer, sequence and KV head (the hot pool; at "
+                          "least --local-blocks) [default: the budget, init + local + top-k blocks]."),
+        click.option("--kv-hot-steps", "kv_hot_steps", type=click.IntRange(1), default=None,
+                     help="--kv-dtype mixed: decode steps a block stays bf16 after it was last selected or in "
+                          "the local window [default: 4]."),
         click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
                      help="Block-sparse methods: select blocks in prefill too, or prefill densely and "
                           "select in decode only [default: dense at --preset small, block-sparse at paper]."),
@@ -138,11 +152,14 @@ def model_options(func):
 def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, block_size, dense_len,
               device, dtype, eager=False, **extra):
     """Construct :class:`sparda.LLM` from CLI options (a progress line goes to stderr)."""
-    from sparda.attention.registry import check_offload
-    from sparda.engine.llm import LLM
+    from sparda.attention.registry import check_kv_dtype_cache, check_offload
+    from sparda.engine.llm import LLM, resolve_device
 
     check_offload(method or "sparda", extra.get("offload"))
-    for key in ("shallow_layers", "quest_page_size", "snapkv_window", "dense_heads", "slot_factor"):
+    if extra.get("kv_dtype") == "mixed":  # before the progress line: one error line
+        check_kv_dtype_cache("mixed", method or "sparda", extra.get("offload"), resolve_device(device).type == "cuda")
+    for key in ("shallow_layers", "quest_page_size", "snapkv_window", "dense_heads", "slot_factor",
+                "kv_hot_blocks", "kv_hot_steps"):
         if extra.get(key, 0) is None:  # not given: the method's default
             extra.pop(key)
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
@@ -263,8 +280,7 @@ def _print_stream(deltas, count: int) -> None:
 @click.option("--offload/--no-offload", default=None,
               help="KV cache in host memory, selected blocks on the device (design §6) [default: as generate].")
 @click.option("--forecast", default=None, help="Forecast weights (.safetensors) for method sparda.")
-@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
-              help="KV-cache storage: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md) [default: bf16].")
+@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES), help=KV_DTYPE_HELP)
 @click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
               help="Block-sparse methods: select in prefill too, or prefill densely [default: dense at "
                    "--preset small, block-sparse at paper].")
@@ -374,7 +390,7 @@ def _csv(kind):
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None)
-@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(EVERY_METHOD_KV_DTYPES),
               help="KV-cache storage of every method: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md) "
                    "[default: bf16].")
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -573,7 +589,7 @@ def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_head
 @click.option("--time-budget-s", type=float, default=None, help="Points after this many seconds are recorded as skipped.")
 @click.option("--hit-rate", "hit_rates", default=None, help="Comma list in [0,1]: offloaded methods also run a synthetic selection keeping this fraction of the previous step's top-k blocks (records carry target_hit_rate).")
 @click.option("--eager", is_flag=True, default=None, help="CUDA: eager decode steps instead of CUDA-graph replay.")
-@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(EVERY_METHOD_KV_DTYPES),
               help="KV-cache storage of every point: bf16 (the model dtype) or int8/int4 quantised per token and "
                    "head (docs/kv_quant.md); records carry kv_dtype, memory checks count its bytes [default: bf16].")
 @click.option("--slot-factor", "slot_factor", type=click.FloatRange(1.0), default=None,

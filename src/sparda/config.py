@@ -31,8 +31,15 @@ METHODS = (
 )
 
 #: KV-cache storage types (docs/kv_quant.md): ``bf16`` = the model dtype (no quantisation),
-#: ``int8`` / ``int4`` = quantised per token and head (:mod:`sparda.kernels.quant`).
-KV_DTYPES = ("bf16", "int8", "int4")
+#: ``int8`` / ``int4`` = quantised per token and head (:mod:`sparda.kernels.quant`), ``mixed`` =
+#: offloaded caches only: every block in int4 on the host plus a bounded pool of bf16 copies of
+#: the hot blocks (:mod:`sparda.cache.hot`, design §6.1).
+KV_DTYPES = ("bf16", "int8", "int4", "mixed")
+
+#: the error for ``kv_dtype`` ``mixed`` without a host store (``what``: the cache or method)
+MIXED_ON_DEVICE = ("--kv-dtype mixed keeps hot KV blocks in bf16 and the rest in int4 in the host store of an "
+                   "offloaded cache, but {what} keeps its KV cache on the device; add --offload (sparse, sparda), "
+                   "use --method sparse-offload or sparda-no-prefetch, or pick --kv-dtype int4")
 
 #: Named selection presets, design §3.
 PRESETS: dict[str, dict[str, int]] = {

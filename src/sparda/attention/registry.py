@@ -13,7 +13,7 @@ from sparda.attention.shallow import ShallowAttention
 from sparda.attention.snapkv import SnapKVAttention
 from sparda.attention.streaming import StreamingAttention
 from sparda.attention.offload import OFFLOADED, SparseOffloadAttention, SpardaNoPrefetchAttention
-from sparda.config import SpardaConfig
+from sparda.config import MIXED_ON_DEVICE, SpardaConfig
 from sparda.errors import SpardaError
 
 METHOD_CLASSES: dict[str, type[AttentionMethod]] = {
@@ -53,6 +53,22 @@ def check_offload(method: str, offload: bool | None) -> None:
         raise SpardaError(
             f"--offload is not supported for method {method!r}; use it with sparse or sparda, "
             "or the always-offloaded sparse-offload / sparda-no-prefetch")
+
+
+def check_kv_dtype_cache(kv_dtype: str | None, method: str, offload: bool | None, cuda: bool) -> None:
+    """Refuse ``kv_dtype`` ``mixed`` for a method whose KV cache stays on the device (no model
+    needed): ``mixed`` lives in an offloaded cache's host store (design §6.1). ``offload`` as
+    given (``None``: the default, on for ``sparda`` where ``cuda``).
+
+    Raises SpardaError naming the fix.
+    """
+    if kv_dtype != "mixed":
+        return
+    offloaded = method in ALWAYS_OFFLOADED or (method in OFFLOADED and (
+        offload if offload is not None else (method == "sparda" and cuda)))
+    if not offloaded:
+        raise SpardaError(MIXED_ON_DEVICE.format(what=f"method {method}" + (
+            " without --offload" if method in OFFLOADED else "")))
 
 
 def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:

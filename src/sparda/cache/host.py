@@ -128,7 +128,11 @@ class HostKVStore:
         dtype: element type. pin: page-lock the memory (for a CUDA device).
         chunk_bytes: largest single allocation; a row larger than this gets its own chunk.
         kv_dtype: ``bf16`` (``dtype`` elements) or ``int8``/``int4``: blocks stored quantised
-            with their scales (:mod:`sparda.kernels.quant`; every size counts those bytes).
+            with their scales (:mod:`sparda.kernels.quant`; every size counts those bytes);
+            ``mixed``: every block in int4 plus the hot pool (``hot_blocks``).
+        hot_blocks: ``mixed`` only: ``P``, blocks per (row, KV head) of the bf16 hot pool
+            :attr:`pool` (``[R, H_kv, P, block_size, d]`` in ``dtype`` per chunk, the store's
+            row spans; block ``n`` lives in pool slot ``n mod P``, :mod:`sparda.cache.hot`).
     Raises:
         SpardaError: if the memory is not available; the message names the bytes needed
             and available and suggests a smaller batch or context.
@@ -136,15 +140,20 @@ class HostKVStore:
 
     def __init__(self, layers, batch: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, pin: bool,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, kv_dtype: str = "bf16") -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, kv_dtype: str = "bf16", hot_blocks: int = 0) -> None:
         self.layers = tuple(layers)
-        self.kv_dtype = kv_dtype
+        self.mixed = kv_dtype == "mixed"
+        #: the type every block is stored in (``mixed``: int4; the hot pool holds ``dtype`` copies)
+        self.kv_dtype = kv_dtype = quant.store_dtype(kv_dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.pinned = pin
         #: bytes of one block of one head (K or V alone; data and scales if quantised)
         self.block_bytes = block_size * quant.token_bytes(head_dim, kv_dtype, dtype)
-        row_bytes = num_kv_heads * num_blocks * self.block_bytes
+        #: ``mixed``: ``P`` pool blocks per row and head, and the bytes of one (K or V alone)
+        self.hot_blocks = hot_blocks if self.mixed else 0
+        self.hot_block_bytes = block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        row_bytes = num_kv_heads * (num_blocks * self.block_bytes + self.hot_blocks * self.hot_block_bytes)
         need = 2 * len(self.layers) * batch * row_bytes
         free = available_host_bytes()
         if free is not None and need > (0.95 * free if pin else free):  # refuse rather than be killed by the OS
@@ -163,17 +172,25 @@ class HostKVStore:
             return quant.QuantizedKV(plane((rows, *shape[:-1], data_dim), torch.uint8),
                                      plane((rows, *shape[:-1], quant.SCALE_DIM), quant.SCALE_DTYPE), kv_dtype)
 
+        pool = (num_kv_heads, self.hot_blocks, block_size, head_dim)
+        #: ``mixed``: per layer, the bf16 hot pool as chunks of the store's row spans
+        self.pool: dict[int, list[HostChunk]] = {}
         try:
             for layer in self.layers:
                 self.chunks[layer] = [HostChunk(r0, r1, zeros(r1 - r0), zeros(r1 - r0)) for r0, r1 in spans]
+                if self.mixed:
+                    self.pool[layer] = [HostChunk(r0, r1, plane((r1 - r0, *pool), dtype), plane((r1 - r0, *pool), dtype))
+                                        for r0, r1 in spans]
         except (RuntimeError, MemoryError) as exc:
-            self.chunks = {}
+            self.chunks, self.pool = {}, {}
             raise SpardaError(self._message(need, free)) from exc
         except SpardaError:
-            self.chunks = {}
+            self.chunks, self.pool = {}, {}
             raise
-        #: bytes held (K and V of every stored layer)
+        #: bytes held (K and V of every stored layer; ``mixed``: the int4 store plus the hot pool)
         self.nbytes = need
+        #: ``mixed``: the hot pool's share of :attr:`nbytes`
+        self.pool_bytes = 2 * len(self.layers) * batch * num_kv_heads * self.hot_blocks * self.hot_block_bytes
 
     @staticmethod
     def _message(need: int, free: int | None) -> str:
@@ -197,6 +214,36 @@ class HostKVStore:
                 dst[head, start:start + t].copy_(src[head], non_blocking=src.device.type == "cuda" and self.pinned)
         if k.device.type == "cuda":
             torch.cuda.current_stream(k.device).synchronize()  # the source may be freed next
+
+    def write_pool_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """``mixed``: write exact ``k, v [H_kv, T, d]`` (tokens ``start .. start+T-1`` of ``row``)
+        into the hot pool, block ``n`` at pool slot ``n mod P`` (prefill, synchronously). Only
+        the chunk's last ``P`` blocks are written: an earlier one's pool slot is the later one's.
+
+        Raises:
+            SpardaError: ``row`` is outside the cache (internal error).
+        """
+        bs, t = self.block_size, k.shape[-2]
+        end = start + t
+        for chunk in self.pool[layer]:
+            if chunk.row0 <= row < chunk.row1:
+                r = row - chunk.row0
+                break
+        else:  # pragma: no cover - internal
+            raise SpardaError(f"row {row} is outside the cache")
+        last = (end - 1) // bs
+        for n in range(max(start // bs, last - self.hot_blocks + 1), last + 1):
+            a, b = max(start, n * bs), min(end, (n + 1) * bs)
+            for dst, src in ((chunk.k, k), (chunk.v, v)):
+                dst[r, :, n % self.hot_blocks, a - n * bs:b - n * bs].copy_(src[:, a - start:b - start])
+
+    def pool_block(self, layer: int, row: int, head: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mixed``: the pool's K, V ``[block_size, d]`` at block ``block``'s slot (a view; for tests)."""
+        for chunk in self.pool[layer]:
+            if chunk.row0 <= row < chunk.row1:
+                r = row - chunk.row0
+                return chunk.k[r, head, block % self.hot_blocks], chunk.v[r, head, block % self.hot_blocks]
+        raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
 
     def token_views(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one row as ``[H_kv, num_blocks * block_size, d]`` views into host memory

@@ -29,6 +29,7 @@ import torch
 
 from sparda.cache.device import fill_ring, window_keys
 from sparda.cache.host import DEFAULT_CHUNK_BYTES, HostKVStore
+from sparda.cache.hot import HotBlocks, check_hot
 from sparda.cache.prefetch import Prefetcher
 from sparda.cache.transfer import make_engine
 from sparda.config import SelectionConfig
@@ -87,7 +88,14 @@ class OffloadKVCache:
         timing: measure copy and exposed-wait time (:class:`~sparda.cache.prefetch.Prefetcher`).
         kv_dtype: ``bf16`` or ``int8``/``int4``: the host store, the slot buffers and the
             resident layers hold quantised K/V plus scales (docs/kv_quant.md); the gather
-            moves those bytes; compressed keys and the ring stay in ``dtype``.
+            moves those bytes; compressed keys and the ring stay in ``dtype``. ``mixed``
+            (design §6.1, :mod:`sparda.cache.hot`): the host store holds every block in int4
+            plus a bf16 pool of the hot ones; slots and resident layers hold ``dtype``; a
+            fetch reads a hot block's ``dtype`` copy and a cold block's int4 bytes (then
+            dequantised into its slot).
+        hot_blocks, hot_steps: ``mixed`` only: the pool's ``P`` blocks per (row, KV head) and
+            the ``R`` decode steps a block stays hot unselected (``None``: the defaults of
+            :func:`~sparda.cache.hot.check_hot`, ``P = budget_blocks``, ``R = 4``).
         early_attention: in :meth:`attend`, a layer whose prefetch is pending attends to
             its resident blocks first, waits for the copy, then attends to the copied ones
             and combines (CUDA; same result; design §6).
@@ -105,10 +113,16 @@ class OffloadKVCache:
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
                  timing: bool = False, kv_dtype: str = "bf16", early_attention: bool = False,
-                 slot_factor: float = DEFAULT_SLOT_FACTOR) -> None:
+                 slot_factor: float = DEFAULT_SLOT_FACTOR, hot_blocks: int | None = None,
+                 hot_steps: int | None = None) -> None:
         self.device = torch.device(device)
         self.early_attention = bool(early_attention)
         self.kv_dtype = kv_dtype = quant.check_kv_dtype(kv_dtype)
+        #: ``kv_dtype`` ``mixed``: int4 host store + bf16 hot pool (design §6.1)
+        self.mixed = kv_dtype == "mixed"
+        if self.mixed:
+            hot_blocks, hot_steps = check_hot(hot_blocks, hot_steps, selection)
+        buf_dtype = quant.slot_dtype(kv_dtype)  # slots and resident layers
         self.dtype = dtype
         self.selection = cfg = selection
         self.capacity = capacity
@@ -125,9 +139,12 @@ class OffloadKVCache:
         #: ``S``: slots per offloaded layer and KV head (slot ``S`` is the partial block).
         self.slots = spare_slot_count(capacity, cfg, self.slot_factor)
         self.engine = make_engine(engine, self.device, batch=batch, **(engine_options or {}))
+        #: ``mixed``: ``P`` (at most the blocks of ``capacity``) and ``R``; 0 otherwise
+        self.hot_blocks = min(hot_blocks, self.num_blocks) if self.mixed else 0
+        self.hot_steps = hot_steps if self.mixed else 0
         self.host = HostKVStore(self.offloaded, batch, num_kv_heads, head_dim, self.num_blocks,
                                 cfg.block_size, dtype, pin=self.device.type == "cuda",
-                                chunk_bytes=chunk_bytes, kv_dtype=kv_dtype)
+                                chunk_bytes=chunk_bytes, kv_dtype=kv_dtype, hot_blocks=self.hot_blocks)
         shape = (batch, num_kv_heads, self.slots + 1, cfg.block_size, head_dim)
         ck_shape = (batch, num_kv_heads, max(self.num_ck_capacity, 1), head_dim)
         full = (batch, num_kv_heads, capacity, head_dim)
@@ -139,9 +156,16 @@ class OffloadKVCache:
             # per layer: the slot diff's outputs (static buffers); attn_blocks/attn_slots: the
             # selected slots as a compact [B, H, W + 1] list, what attention reads
             self.load, self.attn_ids, self.attn_blocks, self.attn_slots = {}, {}, {}, {}
+            #: ``mixed``: per layer, the int4 bytes of the cold blocks a fetch copies (``[B, H, S]``
+            #: slots), dequantised from here into the slots
+            self.cold_k, self.cold_v = {}, {}
             for layer in self.offloaded:
-                self.k_slots[layer] = quant.kv_zeros(shape, kv_dtype, dtype, self.device)
-                self.v_slots[layer] = quant.kv_zeros(shape, kv_dtype, dtype, self.device)
+                self.k_slots[layer] = quant.kv_zeros(shape, buf_dtype, dtype, self.device)
+                self.v_slots[layer] = quant.kv_zeros(shape, buf_dtype, dtype, self.device)
+                if self.mixed:
+                    cold = (batch, num_kv_heads, self.slots, cfg.block_size, head_dim)
+                    self.cold_k[layer] = quant.QuantizedKV.zeros(cold, quant.MIXED_STORE, self.device)
+                    self.cold_v[layer] = quant.QuantizedKV.zeros(cold, quant.MIXED_STORE, self.device)
                 self.slot_map[layer] = torch.full((batch, num_kv_heads, self.slots), -1, dtype=torch.long,
                                                   device=self.device)
                 self.load[layer] = torch.full_like(self.slot_map[layer], -1)
@@ -151,16 +175,20 @@ class OffloadKVCache:
                                                      dtype=torch.int32, device=self.device)
                 self.attn_slots[layer] = torch.zeros_like(self.attn_blocks[layer])
             for layer in self.resident:
-                self.k_full[layer] = quant.kv_zeros(full, kv_dtype, dtype, self.device)
-                self.v_full[layer] = quant.kv_zeros(full, kv_dtype, dtype, self.device)
+                self.k_full[layer] = quant.kv_zeros(full, buf_dtype, dtype, self.device)
+                self.v_full[layer] = quant.kv_zeros(full, buf_dtype, dtype, self.device)
         except (RuntimeError, MemoryError) as exc:
-            tok = quant.token_bytes(head_dim, kv_dtype, dtype)
+            tok = quant.token_bytes(head_dim, buf_dtype, dtype)
             need = tok * (2 * len(self.offloaded) * batch * num_kv_heads * (self.slots + 1) * cfg.block_size
                           + 2 * len(self.resident) * batch * num_kv_heads * capacity)
             raise SpardaError(f"offload slot buffers of {need / 2**30:.2f} GiB do not fit on {self.device}; "
                               "use a smaller batch, context or budget, or --no-offload") from exc
         self.prefetcher = Prefetcher(self.engine, self.device, num_layers, self.host.block_bytes,
-                                     batch=batch, timing=timing)
+                                     batch=batch, timing=timing,
+                                     pool_block_bytes=self.host.hot_block_bytes if self.mixed else None)
+        #: ``mixed``: the hot-block state (:mod:`sparda.cache.hot`)
+        self.hot = (HotBlocks(self.offloaded, batch, num_kv_heads, self.num_blocks, cfg, self.hot_blocks,
+                              self.hot_steps, self.device) if self.mixed else None)
         #: ``[B]`` int64 tokens stored per row.
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._stash: tuple | None = None  # prefill: (layer, k, v) of the prompt being run
@@ -179,7 +207,8 @@ class OffloadKVCache:
     def device_bytes(self) -> int:
         """Bytes of the GPU side: slot buffers, resident layers, compressed keys, rings."""
         tensors = (list(self.k_slots.values()) + list(self.v_slots.values()) + list(self.k_full.values())
-                   + list(self.v_full.values()) + self.ck + self.ring)
+                   + list(self.v_full.values()) + self.ck + self.ring + list(self.cold_k.values())
+                   + list(self.cold_v.values()))
         return sum(t.nbytes for t in tensors)
 
     def is_offloaded(self, layer: int) -> bool:
@@ -219,7 +248,10 @@ class OffloadKVCache:
             self.v_full[layer][rows, :, pos] = v[:, :, 0]
         else:  # no prefetch wait: the gather writes slots < S only (wait in attend, design §6)
             off = pos % cfg.block_size
-            k_tok, v_tok = self._quantized(k[:, :, 0]), self._quantized(v[:, :, 0])  # once, for slot and host
+            if self.mixed:  # exact in the slot and the hot pool, int4 in the store (_store_tokens)
+                k_tok, v_tok = k[:, :, 0].to(self.dtype), v[:, :, 0].to(self.dtype)
+            else:
+                k_tok, v_tok = self._quantized(k[:, :, 0]), self._quantized(v[:, :, 0])  # once, for slot and host
             self.k_slots[layer][rows, :, self.slots, off] = k_tok
             self.v_slots[layer][rows, :, self.slots, off] = v_tok
             self._store_tokens(layer, k_tok, v_tok, pos)
@@ -261,7 +293,8 @@ class OffloadKVCache:
                                 self.ck[layer], **common)
             return q, f
         chunks = self.host.chunks[layer]
-        host = (chunks[0].k, chunks[0].v) if len(chunks) == 1 and self.engine.name != "sync" else None
+        host = (chunks[0].k, chunks[0].v) if len(chunks) == 1 and self.engine.name != "sync" and not self.mixed \
+            else None  # mixed: the int4 store and the hot pool are written by _store_tokens
         k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
         kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, k_slots, v_slots, self.ck[layer],
                             slot=self.slots, host=host, **common)
@@ -272,13 +305,22 @@ class OffloadKVCache:
         return q, f
 
     def _quantized(self, x: torch.Tensor):
-        """``x`` as stored: quantised once (:class:`~sparda.kernels.quant.QuantizedKV`) for a
-        quantised cache, else itself."""
-        return quant.QuantizedKV.quantize(x, self.kv_dtype) if quant.is_quantized(self.kv_dtype) else x
+        """``x`` as the host store holds it: quantised once (:class:`~sparda.kernels.quant.QuantizedKV`)
+        for a quantised cache (``mixed``: int4), else itself."""
+        store = self.host.kv_dtype
+        return quant.QuantizedKV.quantize(x, store) if quant.is_quantized(store) else x
 
     def _store_tokens(self, layer: int, k_tok, v_tok, pos: torch.Tensor) -> None:
         """Write one decoded token per row (``[B, H, d]``, as stored) to the host store:
-        one engine call per chunk and stored plane (data, then scales if quantised)."""
+        one engine call per chunk and stored plane (data, then scales if quantised).
+        ``mixed``: ``k_tok, v_tok`` exact; int4 to the store, exact to the hot pool at
+        pool slot ``block mod P`` (:mod:`sparda.cache.hot`)."""
+        if self.mixed:
+            bs, pool = self.block_size, self.hot_blocks
+            ring_pos = (pos // bs) % pool * bs + pos % bs
+            for chunk in self.host.pool[layer]:
+                self.engine.store_tokens(chunk, k_tok, v_tok, ring_pos)
+            k_tok, v_tok = self._quantized(k_tok), self._quantized(v_tok)
         planes = [(k_tok, v_tok)] if not isinstance(k_tok, quant.QuantizedKV) else [
             (k_tok.data, v_tok.data), (k_tok.scale, v_tok.scale)]
         for chunk in self.host.chunks[layer]:
@@ -311,14 +353,17 @@ class OffloadKVCache:
             staging = self._staging = self._new_staging(asynchronous=False)
         kq, vq = self._quantized(k[0]), self._quantized(v[0])  # as stored (quantised once)
         if layer in self.resident:
-            self.k_full[layer][row, :, start:end] = kq
-            self.v_full[layer][row, :, start:end] = vq
+            self.k_full[layer][row, :, start:end] = k[0] if self.mixed else kq  # mixed: the model dtype
+            self.v_full[layer][row, :, start:end] = v[0] if self.mixed else vq
             keys = self.k_full[layer][row]
         else:
             if staging is None:
                 self.host.write_tokens(layer, row, kq, vq, start)
             else:
                 staging.write(layer, row, kq, vq, start)
+            if self.mixed:  # exact copies in the hot pool; the window at `end` is hot (sparda.cache.hot)
+                self.host.write_pool_tokens(layer, row, k[0].to(self.dtype), v[0].to(self.dtype), start)
+                self.hot.prefill(layer, row, end)
             self.slot_map[layer][row] = -1
             if start == 0:
                 keys, values = kq, vq
@@ -329,8 +374,13 @@ class OffloadKVCache:
             self._stash = (layer, quant.as_float(keys[:, :end], self.dtype)[None],
                            quant.as_float(values[:, :end], self.dtype)[None])
             first = (end - 1) // cfg.block_size * cfg.block_size
-            self.k_slots[layer][row, :, self.slots, :end - first] = keys[:, first:end]
-            self.v_slots[layer][row, :, self.slots, :end - first] = values[:, first:end]
+            if self.mixed:  # the current block is hot: its exact tokens from the pool
+                pk, pv = self.host.pool_block(layer, row, slice(None), first // cfg.block_size)
+                self.k_slots[layer][row, :, self.slots, :end - first] = pk[:, :end - first].to(self.device)
+                self.v_slots[layer][row, :, self.slots, :end - first] = pv[:, :end - first].to(self.device)
+            else:
+                self.k_slots[layer][row, :, self.slots, :end - first] = keys[:, first:end]
+                self.v_slots[layer][row, :, self.slots, :end - first] = values[:, first:end]
         if staging is not None and layer + 1 < self.num_layers:
             staging.prefetch(layer + 1, row, start)  # the next layer's earlier chunks, while this one runs
         if isinstance(kq, quant.QuantizedKV):  # compressed keys and ring from the unquantised keys
@@ -350,7 +400,7 @@ class OffloadKVCache:
 
         _, heads, _, dim = self.ck[0].shape
         return PrefillStaging(self.host, self.offloaded, heads, dim, self.capacity, self.ck[0].dtype,
-                              self.device, asynchronous, kv_dtype=self.kv_dtype)
+                              self.device, asynchronous, kv_dtype=self.host.kv_dtype)
 
     @contextlib.contextmanager
     def chunked_prefill(self):
@@ -429,9 +479,16 @@ class OffloadKVCache:
         pref = self.prefetcher
         read, valid = counters if counters is not None else (self._scratch_count, self._scratch_count)
         load = self.load[layer]
+        if self.mixed:  # the hot rule first: a demoted block's bf16 copy leaves its GPU slot too
+            demoted = self.hot.update(layer, ids, pos)
+            held = self.slot_map[layer]
+            held.masked_fill_(torch.gather(demoted, -1, held.clamp(min=0)) & (held >= 0), -1)
         kernels.slot_diff(ids, self.slot_map[layer], pos, self.block_size, self.num_blocks, load,
                           self.attn_ids[layer], (pref.hits, pref.misses, read, valid),
                           (self.attn_blocks[layer], self.attn_slots[layer]))
+        if self.mixed:
+            self._fetch_mixed(layer, load, prefetch)
+            return
         planes = self._slot_planes(layer)
         chunks = self.host.chunks[layer]
 
@@ -440,6 +497,32 @@ class OffloadKVCache:
                 self.engine.gather_planes(chunk, planes, load)
 
         pref.fetch(layer, copy, None, None, keep=(), prefetch=prefetch)
+
+    def _fetch_mixed(self, layer: int, load: torch.Tensor, prefetch: bool) -> None:
+        """``mixed``: copy the slot diff's misses ``load [B, H, S]``, a hot block's ``dtype``
+        copy from the pool, a cold block's int4 codes and scales into :attr:`cold_k` /
+        :attr:`cold_v`, dequantised from there into its slot (static shapes: the whole
+        staging buffer is dequantised and the cold slots taken from it). Counts the pool
+        misses (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`)."""
+        pref = self.prefetcher
+        from_pool, cold = self.hot.split(layer, load)
+        pref.pool_misses.add_((from_pool >= 0).sum((1, 2)))
+        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
+        ck, cv = self.cold_k[layer], self.cold_v[layer]
+        planes = [(ck.data, cv.data), (ck.scale, cv.scale)]
+        s = self.slots
+
+        def copy() -> None:
+            for chunk in self.host.pool[layer]:
+                self.engine.gather(chunk, k_slots, v_slots, from_pool)
+            for chunk in self.host.chunks[layer]:
+                self.engine.gather_planes(chunk, planes, cold)
+            take = (cold >= 0)[..., None, None]
+            for slots, staged in ((k_slots, ck), (v_slots, cv)):
+                part = slots[:, :, :s]
+                part.copy_(torch.where(take, staged.dequantize(self.dtype), part))
+
+        pref.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch)
 
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s pending prefetch (no host sync)."""
@@ -473,4 +556,7 @@ class OffloadKVCache:
         tokens (:meth:`~sparda.cache.prefetch.Prefetcher.stats`) plus the memory split."""
         stats = self.prefetcher.stats(tokens, row)
         stats.update(engine=self.engine.name, host_bytes=self.host.nbytes, device_bytes=self.device_bytes)
+        if self.mixed:
+            stats.update(kv_hot_blocks=self.hot_blocks, kv_hot_steps=self.hot_steps,
+                         pool_bytes=self.host.pool_bytes)
         return stats

@@ -49,13 +49,21 @@ class Prefetcher:
         timing: measure copy time and the part the compute stream waited for. Off by
             default: on CUDA it adds four tiny timestamp kernels per offloaded layer and
             step (:mod:`sparda.cache.timestamps`), which work inside a CUDA graph.
+        pool_block_bytes: ``kv_dtype`` ``mixed``: bytes of one block of one head in the hot
+            pool (the model dtype); misses served from the pool are counted apart
+            (:attr:`pool_misses`) and cost these bytes, the others ``block_bytes`` (int4).
     Attributes:
         hits, misses: ``[batch]`` int64 device counters, updated in place (graph-safe).
+        pool_misses: ``mixed``: ``[batch]`` int64, the misses copied from the hot pool
+            (a part of ``misses``); ``None`` otherwise.
     """
 
     def __init__(self, engine, device: torch.device, num_layers: int, block_bytes: int,
-                 batch: int = 1, stream_priority: int = -1, timing: bool = False) -> None:
+                 batch: int = 1, stream_priority: int = -1, timing: bool = False,
+                 pool_block_bytes: int | None = None) -> None:
         self.engine = engine
+        self.pool_block_bytes = pool_block_bytes
+        self.pool_misses = None
         self.device = device
         self.block_bytes = block_bytes
         self.num_layers = num_layers
@@ -79,10 +87,14 @@ class Prefetcher:
         if getattr(self, "hits", None) is None:
             self.hits = torch.zeros(self.batch, dtype=torch.long, device=self.device)
             self.misses = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+            if self.pool_block_bytes is not None:
+                self.pool_misses = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         else:
             with torch.inference_mode():
                 self.hits.zero_()
                 self.misses.zero_()
+                if self.pool_misses is not None:
+                    self.pool_misses.zero_()
         self.copy_ms = 0.0
         self.exposed_ms = 0.0
         self.exposed_transfer_ms = 0.0
@@ -216,7 +228,8 @@ class Prefetcher:
     def stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
         """Counters of one cache row (``row``) or of the whole batch: ``hits``, ``misses``,
         ``hit_rate``, ``bytes_copied``, ``bytes_per_token`` (K+V copied per decoded token,
-        ``tokens`` decoded tokens of that row or batch). With ``timing``, also ``copy_ms``,
+        ``tokens`` decoded tokens of that row or batch; ``mixed``: ``pool_misses`` of the
+        misses cost a pool block each, the others an int4 block with its scales). With ``timing``, also ``copy_ms``,
         ``exposed_wait_ms`` (the compute stream's stall for the lookahead: selection chain and
         copy), ``exposed_transfer_ms`` (the part of it after the copy's inputs were ready,
         :mod:`sparda.cache.timestamps`) and ``hidden_fraction`` (copy time not waited for) --
@@ -224,12 +237,18 @@ class Prefetcher:
         hits_t, misses_t = (self.hits, self.misses) if row is None else (self.hits[row], self.misses[row])
         hits, misses = int(hits_t.sum().item()), int(misses_t.sum().item())
         copied = 2 * misses * self.block_bytes
+        pool = None
+        if self.pool_misses is not None:
+            pool = int((self.pool_misses if row is None else self.pool_misses[row]).sum().item())
+            copied = 2 * (pool * self.pool_block_bytes + (misses - pool) * self.block_bytes)
         out = {
             "hits": hits, "misses": misses,
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
             "bytes_copied": copied,
             "bytes_per_token": round(copied / tokens, 1) if tokens else 0.0,
         }
+        if pool is not None:
+            out["pool_misses"] = pool
         if self.timing:
             self.resolve()
             nothing = int(self.misses.sum().item()) == 0

@@ -13,8 +13,10 @@ import torch
 
 from sparda.attention.dense_heads import parse_dense_heads, resolve_dense_heads
 from sparda.attention.forecast import default_forecast_available, model_identity
-from sparda.attention.registry import ALWAYS_OFFLOADED, FORECAST_METHODS, build_method, check_offload
+from sparda.attention.registry import (ALWAYS_OFFLOADED, FORECAST_METHODS, build_method, check_kv_dtype_cache,
+                                       check_offload)
 from sparda.cache.device import DeviceKVCache
+from sparda.cache.hot import check_hot
 from sparda.cache.offload import DEFAULT_SLOT_FACTOR, OffloadKVCache, check_slot_factor
 from sparda.config import METHOD_OPTIONS, SelectionConfig, SpardaConfig, resolve_sparse_prefill
 from sparda.engine.graph_runner import DecodeRunner
@@ -99,6 +101,19 @@ def default_offload(method: str, device: torch.device) -> bool:
     return method == "sparda" and device.type == "cuda"
 
 
+def _check_kv_hot(kv_dtype: str, hot: tuple, selection: SelectionConfig) -> dict:
+    """``kv_hot_blocks`` / ``kv_hot_steps`` validated: the :class:`OffloadKVCache` keywords
+    for ``kv_dtype`` ``mixed`` (``{}`` otherwise). Raises SpardaError for bad values, or
+    for either given with another ``kv_dtype``."""
+    if kv_dtype != "mixed":
+        if any(v is not None for v in hot):
+            raise SpardaError(f"--kv-hot-blocks / --kv-hot-steps apply to --kv-dtype mixed only, not {kv_dtype}; "
+                              "drop them or add --kv-dtype mixed")
+        return {}
+    blocks, steps = check_hot(*hot, selection)
+    return {"hot_blocks": blocks, "hot_steps": steps}
+
+
 class LLM:
     """Load a Llama-family model and generate with a chosen attention method.
 
@@ -119,7 +134,11 @@ class LLM:
             (``None``: on for ``sparda`` on CUDA, off otherwise) / ``transfer``
             (offload copy engine: ``auto``, ``uva``, ``copy``, ``sync``; docs/offload.md) /
             ``kv_dtype`` (``bf16``, the default: K/V in the model dtype; ``int8`` / ``int4``: K/V
-            quantised per token and head on append, dequantised on read; docs/kv_quant.md) /
+            quantised per token and head on append, dequantised on read; ``mixed``: offloaded
+            caches only, every block in int4 on the host plus bf16 copies of the hot blocks,
+            design §6.1; docs/kv_quant.md) / ``kv_hot_blocks`` (``mixed``: bf16 pool blocks per
+            layer, row and KV head, default the budget ``init + local + topk``) /
+            ``kv_hot_steps`` (``mixed``: decode steps a block stays hot unselected, default 4) /
             ``cuda_graphs`` (default True: on CUDA every decode step replays a captured CUDA
             graph; False runs the same static-shape step eagerly; docs/cuda_graphs.md) /
             ``offload_timing`` (default False: also time the offload copies, adding
@@ -173,8 +192,10 @@ class LLM:
         self.transfer = overrides.pop("transfer", None) or "auto"
         #: KV-cache storage: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md)
         self.kv_dtype = check_kv_dtype(overrides.pop("kv_dtype", None))
+        hot = (overrides.pop("kv_hot_blocks", None), overrides.pop("kv_hot_steps", None))
         options = {key: overrides.pop(key) for key in METHOD_OPTIONS if key in overrides}
         selection = SelectionConfig.from_preset(preset, **overrides)
+        self.kv_hot = _check_kv_hot(self.kv_dtype, hot, selection)
         self.config = SpardaConfig(method=method or "sparda", selection=selection, forecast_path=forecast,
                                    sparse_prefill=resolve_sparse_prefill(preset, *prefill),
                                    offload=offload, **options)
@@ -186,6 +207,7 @@ class LLM:
                               "drop --forecast or pick --method sparda")
         check_offload(self.config.method, offload)  # before the model loads
         self.device = resolve_device(device)
+        check_kv_dtype_cache(self.kv_dtype, self.config.method, offload, self.device.type == "cuda")
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.tokenizer, self.model_dir = load_model(model, self.device, self.dtype)
         self.shape = self.model.shape
@@ -194,6 +216,7 @@ class LLM:
             self.config = dataclasses.replace(self.config, method="sparse")
         if offload is None:
             self.config = dataclasses.replace(self.config, offload=default_offload(self.config.method, self.device))
+        check_kv_dtype_cache(self.kv_dtype, self.config.method, self.config.offload, self.device.type == "cuda")
         self.method = build_method(self.config, self.shape, model=self.model,
                                    model_dir=self.model_dir)
         self._set_dense_heads(dense_heads, model_identity(self.model.config, self.shape))
@@ -232,10 +255,13 @@ class LLM:
         offload = overrides.pop("offload", None)
         llm.transfer = overrides.pop("transfer", None) or "auto"
         llm.kv_dtype = check_kv_dtype(overrides.pop("kv_dtype", None))
+        hot = (overrides.pop("kv_hot_blocks", None), overrides.pop("kv_hot_steps", None))
         prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
         sparse_prefill = True if prefill == (None, None) else resolve_sparse_prefill(preset, *prefill)
         options = {key: overrides.pop(key) for key in METHOD_OPTIONS if key in overrides}
         selection = SelectionConfig.from_preset(preset, **overrides)
+        llm.kv_hot = _check_kv_hot(llm.kv_dtype, hot, selection)
+        check_kv_dtype_cache(llm.kv_dtype, method, bool(offload), False)
         llm.config = SpardaConfig(method=method, selection=selection, offload=offload, sparse_prefill=sparse_prefill,
                                   **options)
         param = next(model.parameters())
@@ -301,7 +327,8 @@ class LLM:
                                   else getattr(self.method, "resident_layers", ()),
                                   timing=self.offload_timing, kv_dtype=kv_dtype,
                                   early_attention=getattr(self, "early_attention", False),
-                                  slot_factor=getattr(self, "slot_factor", DEFAULT_SLOT_FACTOR))
+                                  slot_factor=getattr(self, "slot_factor", DEFAULT_SLOT_FACTOR),
+                                  **(getattr(self, "kv_hot", None) or {}))
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                              self.config.selection, self.dtype, self.device, kv_dtype=kv_dtype)
 

@@ -16,7 +16,10 @@
   rounding of the two operations). ``int8`` stores ``q`` as one ``uint8`` per value;
   ``int4`` packs two values per byte (element ``2i`` in the low nibble, ``2i + 1`` in the
   high nibble; ``d`` must be even). The pair ``(step, lo)`` is stored beside the data as
-  ``[..., 2]`` fp32 (8 bytes per token and head).
+  ``[..., 2]`` fp32 (8 bytes per token and head);
+* ``mixed`` (offloaded caches only, :mod:`sparda.cache.hot`): the host store holds every
+  block in ``int4`` (:data:`MIXED_STORE`) and a bounded pool of hot blocks in the model
+  dtype; the GPU slots hold the model dtype (cold blocks are dequantised as they arrive).
 
 Asymmetric rather than symmetric (``max|x|`` and signed levels): on the bundled model's
 K/V its relative error is 28 % (K) / 18 % (V) lower at int8 and 32 % / 22 % lower at
@@ -43,6 +46,8 @@ BITS = {"int8": 8, "int4": 4}
 SCALE_DIM = 2
 #: dtype of the stored ``(step, lo)`` pair
 SCALE_DTYPE = torch.float32
+#: the host store's type under ``kv_dtype`` ``mixed`` (every block; hot ones also in bf16)
+MIXED_STORE = "int4"
 
 
 def check_kv_dtype(kv_dtype: str | None) -> str:
@@ -59,8 +64,19 @@ def check_kv_dtype(kv_dtype: str | None) -> str:
 
 
 def is_quantized(kv_dtype: str) -> bool:
-    """True for ``int8`` and ``int4``."""
+    """True for ``int8`` and ``int4`` (not ``mixed``: ask :func:`store_dtype`)."""
     return kv_dtype in BITS
+
+
+def store_dtype(kv_dtype: str) -> str:
+    """The type every block is stored in on the host: ``kv_dtype`` itself, ``int4`` for ``mixed``."""
+    return MIXED_STORE if kv_dtype == "mixed" else kv_dtype
+
+
+def slot_dtype(kv_dtype: str) -> str:
+    """The type of the GPU-side buffers (slots, resident layers): ``kv_dtype`` itself,
+    ``bf16`` (the model dtype) for ``mixed``, whose cold blocks are dequantised on arrival."""
+    return "bf16" if kv_dtype == "mixed" else kv_dtype
 
 
 def packed_dim(head_dim: int, kv_dtype: str) -> int:
@@ -79,7 +95,9 @@ def packed_dim(head_dim: int, kv_dtype: str) -> int:
 
 def token_bytes(head_dim: int, kv_dtype: str, dtype: torch.dtype) -> int:
     """Bytes one token of one KV head takes in K (or V) alone: ``d`` elements of ``dtype``
-    unquantised, else the packed data plus the fp32 ``(step, lo)`` pair."""
+    unquantised, else the packed data plus the fp32 ``(step, lo)`` pair (``mixed``: its
+    int4 store's; the bf16 hot pool is a fixed extra, :class:`~sparda.cache.host.HostKVStore`)."""
+    kv_dtype = store_dtype(kv_dtype)
     if not is_quantized(kv_dtype):
         return head_dim * torch.empty((), dtype=dtype).element_size()
     return packed_dim(head_dim, kv_dtype) + SCALE_DIM * torch.empty((), dtype=SCALE_DTYPE).element_size()

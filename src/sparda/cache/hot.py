@@ -1,0 +1,106 @@
+"""The hot-block rule of ``kv_dtype`` ``mixed`` (design §6.1, docs/kv_quant.md).
+
+An offloaded cache with ``kv_dtype="mixed"`` stores every block in int4 in the host store
+(as ``int4`` does) and keeps, per offloaded layer, (row, KV head), a bf16 copy of its *hot*
+blocks in a pool of ``P`` blocks on the host. Block ``n`` has pool slot ``n mod P``.
+
+The rule, per layer, row and KV head, at the decode step of the token at position ``p``
+(current block ``c = p // block_size``; ``L = local_blocks``, ``R = hot_steps``):
+
+* a block is born hot: its tokens are written to the int4 store *and* to its pool slot as
+  they arrive, and the current block is always hot;
+* every block of the local window ``[c - L + 1, c]`` and every block of the step's
+  selection gets ``last[n] = p``;
+* a hot block stays hot while ``p - last[n] < R`` (selected or in the local window in one of
+  the last ``R`` decode steps of this layer, this one included) **and** ``n > c - P`` (its
+  pool slot is not yet the current block's); otherwise it is *demoted*: its pool copy is
+  given up (the int4 copy was always there) and a GPU slot that holds its bf16 copy is
+  emptied, so attention always reads a hot block exact and a cold one int4;
+* a cold block never becomes hot again (no promotion).
+
+After a prompt's prefill the blocks of the local window at its end are hot (with
+``last = end - 1``), the others cold. ``P >= L`` keeps the local window hot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparda.config import SelectionConfig
+from sparda.errors import SpardaError
+from sparda.kernels.twins import ids_to_block_mask
+
+#: default ``hot_steps`` ``R``: decode steps a block stays hot without being selected
+DEFAULT_HOT_STEPS = 4
+#: ``last`` of a block never selected
+NEVER = -(2**40)
+
+
+def default_hot_blocks(selection: SelectionConfig) -> int:
+    """Default pool size ``P``: the budget, ``init + local + topk`` blocks."""
+    return selection.budget_blocks
+
+
+def check_hot(hot_blocks, hot_steps, selection: SelectionConfig) -> tuple[int, int]:
+    """``(P, R)`` validated (``None``: the defaults). Raises SpardaError naming the fix."""
+    p = default_hot_blocks(selection) if hot_blocks is None else hot_blocks
+    r = DEFAULT_HOT_STEPS if hot_steps is None else hot_steps
+    if isinstance(p, bool) or not isinstance(p, int) or p < selection.local_blocks:
+        raise SpardaError(f"kv_hot_blocks must be an integer >= local_blocks {selection.local_blocks} (the local "
+                          f"window stays hot), got {hot_blocks!r}; e.g. --kv-hot-blocks {default_hot_blocks(selection)}")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise SpardaError(f"kv_hot_steps must be an integer >= 1 (decode steps), got {hot_steps!r}; "
+                          f"e.g. --kv-hot-steps {DEFAULT_HOT_STEPS}")
+    return p, r
+
+
+class HotBlocks:
+    """Which blocks of each offloaded layer are hot (module doc), on the device.
+
+    Args:
+        layers: the offloaded layers. batch, num_kv_heads, num_blocks: ``B, H, N``.
+        selection: block size and local window. hot_blocks, hot_steps: ``P``, ``R``.
+    Attributes:
+        hot: per layer ``[B, H, N]`` bool. last: per layer ``[B, H, N]`` int64, the last
+            position at which a block was selected or in the local window (:data:`NEVER`).
+    """
+
+    def __init__(self, layers, batch: int, num_kv_heads: int, num_blocks: int, selection: SelectionConfig,
+                 hot_blocks: int, hot_steps: int, device: torch.device) -> None:
+        self.block_size, self.local = selection.block_size, selection.local_blocks
+        self.pool_blocks, self.steps, self.num_blocks = hot_blocks, hot_steps, num_blocks
+        shape = (batch, num_kv_heads, num_blocks)
+        self.hot = {l: torch.zeros(shape, dtype=torch.bool, device=device) for l in layers}
+        self.last = {l: torch.full(shape, NEVER, dtype=torch.long, device=device) for l in layers}
+        self._blocks = torch.arange(num_blocks, device=device).view(1, 1, -1)
+
+    def prefill(self, layer: int, row: int, end: int) -> None:
+        """Row ``row`` holds tokens ``< end`` of a new prompt: the local window at ``end - 1`` hot."""
+        cur = (end - 1) // self.block_size
+        window = (self._blocks[0, 0] > cur - self.local) & (self._blocks[0, 0] <= cur)
+        self.hot[layer][row] = window
+        self.last[layer][row] = torch.where(window, end - 1, NEVER)
+
+    def update(self, layer: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One decode step of ``layer``: ``ids [B, H, W]`` selected (``-1`` padded), ``pos [B]``
+        the step's positions. Returns the demoted blocks ``[B, H, N]`` bool (static shapes,
+        no host sync)."""
+        p = pos.view(-1, 1, 1)
+        cur = p // self.block_size
+        n = self._blocks
+        picked = ids_to_block_mask(ids, self.num_blocks) | ((n > cur - self.local) & (n <= cur))
+        last = self.last[layer]
+        last.copy_(torch.where(picked, p, last))
+        hot = self.hot[layer]
+        keep = (hot & (p - last < self.steps) & (n > cur - self.pool_blocks)) | (n == cur)
+        demoted = hot & ~keep
+        hot.copy_(keep)
+        return demoted
+
+    def split(self, layer: int, load: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``load [B, H, S]`` (block to copy into slot ``s``, ``-1`` none) split into
+        ``(pool, cold)``: the pool slot of each hot block, the block id of each cold one
+        (``-1`` elsewhere)."""
+        hot = torch.gather(self.hot[layer], -1, load.clamp(min=0)) & (load >= 0)
+        return (torch.where(hot, load % self.pool_blocks, -1),
+                torch.where(hot | (load < 0), -1, load))
