@@ -209,6 +209,12 @@ def test_cli_mixed_on_device_exits_2_with_one_line():
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: --kv-dtype mixed"), result.output
         assert "Traceback" not in result.output
+    for args in (["--kv-hot-blocks", "4"], ["--kv-hot-steps", "2", "--kv-dtype", "int4"]):  # mixed-only options
+        result = CliRunner().invoke(main, ["generate", "-p", "hi", "--device", "cpu", "--method", "sparse-offload",
+                                           *args])
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --kv-hot-blocks / --kv-hot-steps"), result.output
 
 
 def test_offloaded_mixed_generates_on_the_bundled_model(bundled_dir):

@@ -158,6 +158,9 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
     check_offload(method or "sparda", extra.get("offload"))
     if extra.get("kv_dtype") == "mixed":  # before the progress line: one error line
         check_kv_dtype_cache("mixed", method or "sparda", extra.get("offload"), resolve_device(device).type == "cuda")
+    elif extra.get("kv_hot_blocks") is not None or extra.get("kv_hot_steps") is not None:
+        raise SpardaError(f"--kv-hot-blocks / --kv-hot-steps apply to --kv-dtype mixed only, not "
+                          f"{extra.get('kv_dtype') or 'bf16'}; drop them or add --kv-dtype mixed")
     for key in ("shallow_layers", "quest_page_size", "snapkv_window", "dense_heads", "slot_factor",
                 "kv_hot_blocks", "kv_hot_steps"):
         if extra.get(key, 0) is None:  # not given: the method's default
