@@ -19,7 +19,9 @@ one time budget measured from the start of this call:
 4. ``kvquant`` (issue #14), ``OUT/kv-<dtype>`` for KV-cache dtypes bf16, int8 and int4:
    ``passkey`` (30 samples) at 7,680 tokens and ``ppl-decode`` (16 windows, their last 512
    tokens fed through decode, against dense over an unquantised cache) at 4,096 and 7,680
-   tokens, for sparda and dense (:func:`kvquant_plans`);
+   tokens, for sparda and dense (:func:`kvquant_plans`); ``--kv-dtypes mixed --kv-methods sparda``
+   adds ``OUT/kv-mixed`` (offloaded methods only: ``sparda`` offloads on CUDA by default; a
+   method whose cache stays on the device is refused before anything runs);
 5. ``OUT/baselines``: the seeds' selectors of issue #13 (docs/baselines.md: streaming, h2o,
    quest, snapkv, shallow) on the tasks, lengths, samples and ppl windows of plans 1 and 2
    (the same prompts: the plans share seed, depths, text and model), in their own

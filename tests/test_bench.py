@@ -439,11 +439,12 @@ def test_compute_alone_engine_implements_every_engine_call():
     assert torch.equal(host_k[1, :, 2, 1], tok_k[1]) and torch.equal(host_v[0, :, 1, 2], tok_v[0]), f"seed {seed}"
 
 
-@pytest.mark.parametrize("kv_dtype,slot_factor", [("bf16", 1.0), ("bf16", 1.5), ("int8", 2.0)])
+@pytest.mark.parametrize("kv_dtype,slot_factor", [("bf16", 1.0), ("bf16", 1.5), ("int8", 2.0), ("mixed", 1.5)])
 def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
     """The device bytes the bench's memory check counts for an offloaded method are those
     the point's OffloadKVCache allocates for K and V: layer 0 whole plus every other
-    layer's slot buffer of S + 1 blocks (S grows with slot_factor, design §6)."""
+    layer's slot buffer of S + 1 blocks (S grows with slot_factor, design §6); mixed: the
+    slots in the model dtype, the int4 staging of S blocks, and on the host the hot pool."""
     model = build_model("tiny", "cpu", torch.float32)
     sel = selection_config("tiny")
     llm = pt.make_llm(model, "sparse-offload", sel, None, kv_dtype=kv_dtype)
@@ -451,8 +452,8 @@ def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
     batch, cap = 2, 40 * sel.block_size + 5
     cache = llm.new_cache(batch, cap)
     assert cache.resident == {0} and (cache.slots > cache.select_width or slot_factor == 1.0)
-    allocated = sum(t.nbytes for buffers in (cache.k_slots, cache.v_slots, cache.k_full, cache.v_full)
-                    for t in buffers.values())
+    allocated = sum(t.nbytes for buffers in (cache.k_slots, cache.v_slots, cache.k_full, cache.v_full,
+                                             cache.cold_k, cache.cold_v) for t in buffers.values())
     dev, host = pt.cache_need_bytes(llm, batch, cap)
     assert (dev, host) == (allocated, cache.host.nbytes), (slot_factor, kv_dtype)
     assert pt.kv_need_bytes("sparse-offload", llm.shape, sel, kv_dtype, torch.float32, batch, cap,

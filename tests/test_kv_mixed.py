@@ -209,6 +209,11 @@ def test_cli_mixed_on_device_exits_2_with_one_line():
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: --kv-dtype mixed"), result.output
         assert "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["generate", "-p", "hi", "--device", "cpu", "--method", "sparse-offload",
+                                       "--kv-dtype", "mixed", "--local-blocks", "4", "--kv-hot-blocks", "3"])
+    assert result.exit_code == 2, result.output  # P < local_blocks: refused before the loading line
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: kv_hot_blocks must be"), result.output
     for args in (["--kv-hot-blocks", "4"], ["--kv-hot-steps", "2", "--kv-dtype", "int4"]):  # mixed-only options
         result = CliRunner().invoke(main, ["generate", "-p", "hi", "--device", "cpu", "--method", "sparse-offload",
                                            *args])
@@ -232,3 +237,37 @@ def test_offloaded_mixed_generates_on_the_bundled_model(bundled_dir):
     off = out.stats["offload"]
     assert off["misses"] > 0 and 0 <= off["pool_misses"] <= off["misses"]
     assert off["kv_hot_blocks"] == 5 and off["pool_bytes"] > 0
+    # per token: the cache's resident layers in the model dtype, the offloaded ones in int4
+    cache, s = mixed.new_cache(1, 512), mixed.shape
+    per_head = {kind: quant.token_bytes(s.head_dim, kind, mixed.dtype) for kind in ("bf16", "int4")}
+    want = 2 * s.num_kv_heads * (len(cache.resident) * per_head["bf16"] + len(cache.offloaded) * per_head["int4"])
+    assert len(cache.resident) >= 1 and mixed.kv_bytes_per_token() == want
+
+
+def test_eval_mixed_offloaded_only_and_recorded(bundled_dir, tmp_path):
+    """``sparda eval`` plans with ``kv_dtype`` mixed: a method whose cache stays on the device is
+    refused before anything is written; an offloaded one runs ``ppl-decode`` and its records
+    carry ``kv_dtype`` mixed and a finite, non-negative KL to the unquantised dense reference."""
+    from sparda.eval.runner import EvalPlan, load_results, run_eval
+
+    common = dict(model=str(bundled_dir), tasks=("ppl-decode",), lengths=(1024,), samples=1, ppl_windows=1,
+                  kv_dtype="mixed", decode_tokens=16, device="cpu", overrides=dict(dense_len=256))
+    with pytest.raises(SpardaError, match="method dense keeps its KV cache on the device"):
+        run_eval(EvalPlan(methods=("dense", "sparse-offload"), out=str(tmp_path / "bad"), **common), progress=False)
+    assert not (tmp_path / "bad").exists()
+    run_eval(EvalPlan(methods=("sparse-offload",), out=str(tmp_path / "ok"), **common), progress=False)
+    recs = [r for r in load_results(tmp_path / "ok" / "results.jsonl") if r.get("task") == "ppl-decode"]
+    assert recs and all(r["kv_dtype"] == "mixed" and math.isfinite(r["kl"]) and r["kl"] >= 0 for r in recs), recs
+
+
+def test_cli_eval_mixed_refuses_on_device_methods(tmp_path):
+    from click.testing import CliRunner
+
+    from sparda.cli import main
+
+    out = tmp_path / "ev"
+    result = CliRunner().invoke(main, ["eval", "--quick", "--device", "cpu", "--kv-dtype", "mixed", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "method dense keeps its KV cache on the device" in lines[0], result.output
+    assert not out.exists()

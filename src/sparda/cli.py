@@ -20,7 +20,7 @@ KV_DTYPE_HELP = ("KV-cache storage: bf16 (the model dtype), int8/int4 quantised 
                  "those in the local window or selected in the last --kv-hot-steps decode steps, at most "
                  "--kv-hot-blocks; a block that goes cold stays int4; a hot block's fetch moves its bf16 bytes, "
                  "a cold one's int4 bytes; design §6.1, docs/kv_quant.md) [default: bf16].")
-#: ``eval`` and ``bench`` run every method with one ``--kv-dtype``: ``mixed`` (offloaded only) is left out
+#: ``bench`` runs every method with one ``--kv-dtype``: ``mixed`` (offloaded only) is left out
 EVERY_METHOD_KV_DTYPES = tuple(k for k in KV_DTYPES if k != "mixed")
 from sparda.errors import SpardaError
 from sparda.io import os_reason, read_text
@@ -157,7 +157,14 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
 
     check_offload(method or "sparda", extra.get("offload"))
     if extra.get("kv_dtype") == "mixed":  # before the progress line: one error line
+        from sparda.cache.hot import check_hot
+        from sparda.config import SelectionConfig
+
         check_kv_dtype_cache("mixed", method or "sparda", extra.get("offload"), resolve_device(device).type == "cuda")
+        given = dict(topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
+                     block_size=block_size, dense_len=dense_len)
+        check_hot(extra.get("kv_hot_blocks"), extra.get("kv_hot_steps"),
+                  SelectionConfig.from_preset(preset or "small", **{k: v for k, v in given.items() if v is not None}))
     elif extra.get("kv_hot_blocks") is not None or extra.get("kv_hot_steps") is not None:
         raise SpardaError(f"--kv-hot-blocks / --kv-hot-steps apply to --kv-dtype mixed only, not "
                           f"{extra.get('kv_dtype') or 'bf16'}; drop them or add --kv-dtype mixed")
@@ -393,9 +400,10 @@ def _csv(kind):
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None)
-@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(EVERY_METHOD_KV_DTYPES),
-              help="KV-cache storage of every method: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md) "
-                   "[default: bf16].")
+@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+              help="KV-cache storage of every method: bf16 (the model dtype), int8 or int4 (docs/kv_quant.md), "
+                   "or mixed (offloaded methods only, so pass --methods of those, e.g. "
+                   "sparse-offload,sparda-no-prefetch; design §6.1) [default: bf16].")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--dense-heads", "dense_heads", default=None, callback=_dense_heads_option,
               help="Retrieval heads kept dense in decode by every block-sparse method (design §3.7): auto "

@@ -87,28 +87,47 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def kv_need_bytes(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int,
-                  capacity: int, slot_factor: float = DEFAULT_SLOT_FACTOR) -> tuple[int, int]:
+                  capacity: int, slot_factor: float = DEFAULT_SLOT_FACTOR,
+                  hot_blocks: int | None = None) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` of the K and V of a point's cache (``capacity`` tokens
     per row), in ``kv_dtype`` (a quantised cache: codes plus fp32 scales,
     :func:`sparda.kernels.quant.token_bytes`). Offloaded methods (:data:`HOST_KV`) keep
     layer 0 on the device and the other layers' whole blocks on the host, plus on the
     device each offloaded layer's slot buffer of ``S + 1`` blocks (``S`` =
     :func:`~sparda.cache.offload.spare_slot_count` of ``slot_factor``, design §6); the
-    others keep every layer on the device."""
-    per_layer = 2 * batch * shape.num_kv_heads * token_bytes(shape.head_dim, kv_dtype, dtype)  # per token
+    others keep every layer on the device. ``mixed`` (offloaded only, design §6.1): the host
+    holds the int4 blocks plus the hot pool of ``hot_blocks`` blocks (``None``: the default
+    :func:`~sparda.cache.hot.default_hot_blocks`) per layer, row and KV head in ``dtype``; the
+    device holds layer 0 and the slots in ``dtype`` and the int4 staging of ``S`` blocks."""
+    from sparda.kernels.quant import slot_dtype, store_dtype
+
+    def per_token(kind: str) -> int:  # K and V of one token in every KV head of every row, one layer
+        return 2 * batch * shape.num_kv_heads * token_bytes(shape.head_dim, kind, dtype)
+
     if method in HOST_KV:
-        blocks = -(-capacity // selection.block_size)
-        host = (shape.num_layers - 1) * per_layer * blocks * selection.block_size
-        slot_tokens = (spare_slot_count(capacity, selection, slot_factor) + 1) * selection.block_size
-        return per_layer * (capacity + (shape.num_layers - 1) * slot_tokens), host  # layer 0 stays resident
-    return shape.num_layers * per_layer * capacity, 0
+        bs = selection.block_size
+        blocks = -(-capacity // bs)
+        slots = spare_slot_count(capacity, selection, slot_factor)
+        host = (shape.num_layers - 1) * per_token(store_dtype(kv_dtype)) * blocks * bs
+        device = per_token(slot_dtype(kv_dtype)) * (capacity + (shape.num_layers - 1) * (slots + 1) * bs)
+        if kv_dtype == "mixed":
+            from sparda.cache.hot import default_hot_blocks
+
+            pool = min(default_hot_blocks(selection) if hot_blocks is None else hot_blocks, blocks)
+            host += (shape.num_layers - 1) * per_token("bf16") * pool * bs
+            device += (shape.num_layers - 1) * per_token(store_dtype(kv_dtype)) * slots * bs
+        return device, host  # layer 0 stays resident
+    if kv_dtype == "mixed":
+        raise SpardaError(f"kv_dtype mixed needs an offloaded cache; method {method} keeps it on the device")
+    return shape.num_layers * per_token(kv_dtype) * capacity, 0
 
 
 def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` the KV cache of a point needs (K and V only, in the
     LLM's ``kv_dtype`` and ``slot_factor``: :func:`kv_need_bytes`)."""
     return kv_need_bytes(llm.config.method, llm.shape, llm.config.selection, llm.kv_dtype, llm.dtype, batch,
-                         capacity, getattr(llm, "slot_factor", DEFAULT_SLOT_FACTOR))
+                         capacity, getattr(llm, "slot_factor", DEFAULT_SLOT_FACTOR),
+                         hot_blocks=(getattr(llm, "kv_hot", None) or {}).get("hot_blocks"))
 
 
 def largest_batch(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, capacity: int,

@@ -310,10 +310,19 @@ class LLM:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in the KV cache: K and V of every layer and KV head, in
-        ``kv_dtype`` (quantised: the packed data plus the fp32 scales, docs/kv_quant.md)."""
+        ``kv_dtype`` (quantised: the packed data plus the fp32 scales, docs/kv_quant.md).
+        ``mixed``: the cache's resident layers in the model dtype, the offloaded ones in int4
+        (the bf16 hot pool is a fixed number of blocks per row, not counted per token)."""
         s = self.shape
-        return 2 * s.num_layers * s.num_kv_heads * token_bytes(s.head_dim, getattr(self, "kv_dtype", "bf16"),
-                                                               self.dtype)
+        kv_dtype = getattr(self, "kv_dtype", "bf16")
+        if kv_dtype != "mixed":
+            return 2 * s.num_layers * s.num_kv_heads * token_bytes(s.head_dim, kv_dtype, self.dtype)
+        method = self.method
+        resident = (method.cache_resident_layers() if hasattr(method, "cache_resident_layers")
+                    else getattr(method, "resident_layers", ()))
+        full = len({layer for layer in resident if 0 <= layer < s.num_layers})
+        return 2 * s.num_kv_heads * (full * token_bytes(s.head_dim, "bf16", self.dtype)
+                                     + (s.num_layers - full) * token_bytes(s.head_dim, "mixed", self.dtype))
 
     def new_cache(self, batch: int, capacity: int):
         """An empty KV cache for ``batch`` rows of ``capacity`` tokens (``kv_dtype`` storage)."""

@@ -223,8 +223,10 @@ class _Models:
         self.plan = plan
         from sparda.attention.forecast import model_identity
 
+        # mixed is an offloaded cache's storage: the dense base (and the ppl reference) keep bf16,
+        # each offloaded method's copy gets mixed in get()
         self.base = LLM(plan.model, method="dense", preset=plan.preset, device=plan.device, dtype=plan.dtype,
-                        kv_dtype=plan.kv_dtype, **plan.overrides)
+                        kv_dtype="bf16" if plan.kv_dtype == "mixed" else plan.kv_dtype, **plan.overrides)
         self._identity = model_identity(self.base.model.config, self.base.shape)
         self._cache: dict = {}
         self._reference = None
@@ -266,6 +268,10 @@ class _Models:
             llm.config = config
             llm.method = build_method(config, llm.shape, model=llm.model, model_dir=llm.model_dir)
             llm._set_dense_heads(self.plan.dense_heads, self._identity)  # as LLM(method=...) (design §3.7)
+            if self.plan.kv_dtype == "mixed":  # offloaded methods only (_check_device_and_lengths)
+                from sparda.engine.llm import _check_kv_hot
+
+                llm.kv_dtype, llm.kv_hot = "mixed", _check_kv_hot("mixed", (None, None), selection)
             offloaded = bool(config.offload) or getattr(llm.method, "offloaded", False)
             tracker = None if offloaded else HitRateTracker(llm.method)
             self._cache[key] = (llm, tracker, selection.topk_blocks)
@@ -298,13 +304,21 @@ def _units(plan: EvalPlan):
 
 
 def _check_device_and_lengths(plan: EvalPlan) -> None:
-    """Fail before anything is written: an unusable ``--device`` or ``--dtype``, or ``--lengths``
+    """Fail before anything is written: an unusable ``--device`` or ``--dtype``, ``kv_dtype``
+    ``mixed`` with a method whose cache stays on the device, or ``--lengths``
     that leave no room for an answer in the model's context (read from its config, no weights
     loaded)."""
     from sparda.engine.llm import resolve_device, resolve_dtype
     from sparda.model.loader import context_length
 
-    resolve_dtype(plan.dtype, resolve_device(plan.device))
+    device = resolve_device(plan.device)
+    resolve_dtype(plan.dtype, device)
+    if plan.kv_dtype == "mixed":  # an offloaded cache's storage (design §6.1)
+        from sparda.attention.registry import check_kv_dtype_cache
+        from sparda.engine.llm import default_offload
+
+        for spec in method_specs(plan):
+            check_kv_dtype_cache("mixed", spec.method, default_offload(spec.method, device), device.type == "cuda")
     context = context_length(plan.model)
     if context is not None and max(plan.lengths) + 32 > context:
         raise SpardaError(f"--lengths {max(plan.lengths)} leaves no room for an answer in the model's context of "

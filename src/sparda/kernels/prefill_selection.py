@@ -287,10 +287,12 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     fused = select_launch == "fused"
     if topk_rows is None:
         topk_rows = max(1, min(8, 2048 // n_p))
-    if topk_rows < 1 or topk_rows & (topk_rows - 1):
+    if isinstance(topk_rows, bool) or not isinstance(topk_rows, int) or topk_rows < 1 or topk_rows & (topk_rows - 1):
         raise ValueError(f"topk_rows must be a power of two, got {topk_rows}")
     if topk_warps is None:
         topk_warps = max(1, min(8, topk_rows * n_p // 2048))
+    if isinstance(topk_warps, bool) or not isinstance(topk_warps, int) or topk_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"topk_warps must be a power of two from 1 to 32, got {topk_warps!r}")
     nb = 64 if query.is_cuda else 16
     sub = num_q if return_scores else max(block_m, _SCRATCH_ELEMS // max(1, bsz * heads * num_blocks)
                                           // block_m * block_m)
