@@ -161,6 +161,15 @@ def selection(cfg) -> list[dict]:
     return rows
 
 
+def _tune_ms(fn, reps: int, *what) -> float | None:
+    """``cuda_ms(fn)``, or ``None`` (printed) when a launch shape fails, e.g. out of shared memory."""
+    try:
+        return cuda_ms(fn, reps=reps)
+    except Exception as exc:  # record, go on with the next shape
+        print("tune", *what, "failed:", str(exc).splitlines()[0], flush=True)
+        return None
+
+
 def tune(cfg) -> list[dict]:
     """Launch shapes for the next defaults: the prefill attention kernel over ``block_m`` (rows
     per program = tokens per tile x G) x ``num_warps`` on the same 8K chunk at 128K, and the
@@ -175,12 +184,9 @@ def tune(cfg) -> list[dict]:
                 continue
             _, counts = tile_block_lists(mask, q_pos, kv_len, heads, 131072, cfg.block_size, block_m // g_p)
             for warps in (4, 8):
-                try:
-                    ms = cuda_ms(lambda: prefill_attention_triton(q, k, v, mask, q_pos, kv_len, cfg.block_size,
-                                                                  block_m=block_m, num_warps=warps), reps=5)
-                except Exception as exc:  # e.g. out of shared memory at this shape: record, go on
-                    ms = None
-                    print("tune attention", shape, block_m, warps, "failed:", str(exc).splitlines()[0], flush=True)
+                ms = _tune_ms(lambda: prefill_attention_triton(q, k, v, mask, q_pos, kv_len, cfg.block_size,
+                                                               block_m=block_m, num_warps=warps),
+                              5, "attention", shape, block_m, warps)
                 rows.append({"kernel": "attention", "shape": shape, "groups": groups, "block_m": block_m,
                              "tokens_per_tile": block_m // g_p, "num_warps": warps,
                              "blocks_per_tile": round(float(counts.float().mean()), 1),
@@ -202,25 +208,17 @@ def tune(cfg) -> list[dict]:
             if tokens * g_p > 256 or tokens * g_p < 16:
                 continue
             for warps in (4, 8):
-                try:
-                    ms = cuda_ms(lambda: select_prefill_blocks_triton(
-                        query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None,
-                        block_m=tokens, num_warps=warps), reps=5)
-                except Exception as exc:
-                    ms = None
-                    print("tune selection", label, tokens, warps, "failed:", str(exc).splitlines()[0], flush=True)
+                ms = _tune_ms(lambda: select_prefill_blocks_triton(
+                    query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None,
+                    block_m=tokens, num_warps=warps), 5, "selection", label, tokens, warps)
                 rows.append({"kernel": "selection", "selector": label, "block_m": tokens, "rows": tokens * g_p,
                              "num_warps": warps, "chunk_ms": None if ms is None else round(ms, 3)})
                 print("tune", rows[-1], flush=True)
         for topk_rows in (1, 2, 4, 8):  # the top-k launch: rows per program x warps (default scoring shape)
             for topk_warps in (1, 2, 4, 8):
-                try:
-                    ms = cuda_ms(lambda: select_prefill_blocks_triton(
-                        query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None,
-                        topk_rows=topk_rows, topk_warps=topk_warps), reps=3)
-                except Exception as exc:
-                    ms = None
-                    print("tune topk", label, topk_rows, topk_warps, "failed:", str(exc).splitlines()[0], flush=True)
+                ms = _tune_ms(lambda: select_prefill_blocks_triton(
+                    query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None,
+                    topk_rows=topk_rows, topk_warps=topk_warps), 3, "topk", label, topk_rows, topk_warps)
                 rows.append({"kernel": "topk", "selector": label, "block_m": topk_rows, "rows": topk_rows,
                              "num_warps": topk_warps, "chunk_ms": None if ms is None else round(ms, 3)})
                 print("tune", rows[-1], flush=True)

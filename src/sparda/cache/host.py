@@ -215,6 +215,18 @@ class HostKVStore:
         if k.device.type == "cuda":
             torch.cuda.current_stream(k.device).synchronize()  # the source may be freed next
 
+    @staticmethod
+    def _locate(chunks: list, row: int) -> tuple:
+        """``(chunk, r)``: the chunk of ``chunks`` holding cache row ``row`` and its index there.
+
+        Raises:
+            SpardaError: ``row`` is outside the cache (internal error).
+        """
+        for chunk in chunks:
+            if chunk.row0 <= row < chunk.row1:
+                return chunk, row - chunk.row0
+        raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
+
     def write_pool_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
         """``mixed``: write exact ``k, v [H_kv, T, d]`` (tokens ``start .. start+T-1`` of ``row``)
         into the hot pool, block ``n`` at pool slot ``n mod P`` (prefill, synchronously). Only
@@ -225,12 +237,7 @@ class HostKVStore:
         """
         bs, t = self.block_size, k.shape[-2]
         end = start + t
-        for chunk in self.pool[layer]:
-            if chunk.row0 <= row < chunk.row1:
-                r = row - chunk.row0
-                break
-        else:  # pragma: no cover - internal
-            raise SpardaError(f"row {row} is outside the cache")
+        chunk, r = self._locate(self.pool[layer], row)
         last = (end - 1) // bs
         for n in range(max(start // bs, last - self.hot_blocks + 1), last + 1):
             a, b = max(start, n * bs), min(end, (n + 1) * bs)
@@ -239,11 +246,8 @@ class HostKVStore:
 
     def pool_block(self, layer: int, row: int, head: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``mixed``: the pool's K, V ``[block_size, d]`` at block ``block``'s slot (a view; for tests)."""
-        for chunk in self.pool[layer]:
-            if chunk.row0 <= row < chunk.row1:
-                r = row - chunk.row0
-                return chunk.k[r, head, block % self.hot_blocks], chunk.v[r, head, block % self.hot_blocks]
-        raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
+        chunk, r = self._locate(self.pool[layer], row)
+        return chunk.k[r, head, block % self.hot_blocks], chunk.v[r, head, block % self.hot_blocks]
 
     def token_views(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one row as ``[H_kv, num_blocks * block_size, d]`` views into host memory
@@ -252,11 +256,8 @@ class HostKVStore:
         Raises:
             SpardaError: ``row`` is outside the cache (internal error).
         """
-        for chunk in self.chunks[layer]:
-            if chunk.row0 <= row < chunk.row1:
-                r = row - chunk.row0
-                return chunk.k[r].flatten(1, 2), chunk.v[r].flatten(1, 2)
-        raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
+        chunk, r = self._locate(self.chunks[layer], row)
+        return chunk.k[r].flatten(1, 2), chunk.v[r].flatten(1, 2)
 
     def block(self, layer: int, row: int, head: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one block ``[block_size, d]`` (a view into host memory; for tests).
@@ -264,8 +265,5 @@ class HostKVStore:
         Raises:
             SpardaError: ``row`` is outside the cache (internal error).
         """
-        for chunk in self.chunks[layer]:
-            if chunk.row0 <= row < chunk.row1:
-                r = row - chunk.row0
-                return chunk.k[r, head, block], chunk.v[r, head, block]
-        raise SpardaError(f"row {row} is outside the cache")  # pragma: no cover - internal
+        chunk, r = self._locate(self.chunks[layer], row)
+        return chunk.k[r, head, block], chunk.v[r, head, block]

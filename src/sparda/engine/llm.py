@@ -317,12 +317,16 @@ class LLM:
         kv_dtype = getattr(self, "kv_dtype", "bf16")
         if kv_dtype != "mixed":
             return 2 * s.num_layers * s.num_kv_heads * token_bytes(s.head_dim, kv_dtype, self.dtype)
-        method = self.method
-        resident = (method.cache_resident_layers() if hasattr(method, "cache_resident_layers")
-                    else getattr(method, "resident_layers", ()))
-        full = len({layer for layer in resident if 0 <= layer < s.num_layers})
+        full = len({layer for layer in self._cache_resident_layers() if 0 <= layer < s.num_layers})
         return 2 * s.num_kv_heads * (full * token_bytes(s.head_dim, "bf16", self.dtype)
                                      + (s.num_layers - full) * token_bytes(s.head_dim, "mixed", self.dtype))
+
+    def _cache_resident_layers(self):
+        """The layers an offloaded cache keeps whole on the device (the method's choice)."""
+        method = self.method
+        if hasattr(method, "cache_resident_layers"):
+            return method.cache_resident_layers()
+        return getattr(method, "resident_layers", ())
 
     def new_cache(self, batch: int, capacity: int):
         """An empty KV cache for ``batch`` rows of ``capacity`` tokens (``kv_dtype`` storage)."""
@@ -331,9 +335,7 @@ class LLM:
         if self.config.offload or getattr(self.method, "offloaded", False):
             return OffloadKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                                   self.config.selection, self.dtype, self.device, engine=self.transfer,
-                                  resident_layers=self.method.cache_resident_layers()
-                                  if hasattr(self.method, "cache_resident_layers")
-                                  else getattr(self.method, "resident_layers", ()),
+                                  resident_layers=self._cache_resident_layers(),
                                   timing=self.offload_timing, kv_dtype=kv_dtype,
                                   early_attention=getattr(self, "early_attention", False),
                                   slot_factor=getattr(self, "slot_factor", DEFAULT_SLOT_FACTOR),
