@@ -99,19 +99,32 @@ def test_paired_bootstrap_is_seeded_and_sees_pairing():
 
 def test_ratio_bootstrap_matches_exact_enumeration_and_sees_pairing():
     """bootstrap_ratio: the ratio of sums, its interval against every one of the 5^5 equally
-    likely resamples of 5 pairs (exact percentiles), and a paired ratio whose interval is
-    narrow although the denominators spread over two orders of magnitude."""
+    likely resamples of 5 pairs (the exact distribution's CDF at the interval's ends), and a
+    paired ratio whose interval is narrow although the denominators spread over two orders of
+    magnitude (an unpaired resampling's interval is more than 10x as wide)."""
     rng = np.random.default_rng(int(np.random.randint(2**31)))
     a, b = rng.uniform(0.5, 2.0, size=5), rng.uniform(0.5, 2.0, size=5)
     ratio, low, high = bootstrap_ratio(a, b, resamples=200_000, seed=1)
     assert ratio == pytest.approx(a.sum() / b.sum(), rel=1e-12)
     draws = np.array(list(itertools.product(range(5), repeat=5)))
-    exact = np.quantile(a[draws].sum(1) / b[draws].sum(1), [0.025, 0.975])
-    assert (low, high) == pytest.approx(tuple(exact), abs=0.02 * ratio)
+    exact = a[draws].sum(1) / b[draws].sum(1)
+    # one multiset of 5 indices can carry up to 5!/5^5 = 3.8 % of the mass, so the exact
+    # distribution has atoms larger than the tails: compare through its CDF (the definition
+    # of a quantile), with room for the 200,000 resamples' error (sd 0.00035)
+    for end, tail in ((low, 0.025), (high, 0.975)):
+        tol = 1e-9 * abs(end)
+        assert np.mean(exact < end - tol) <= tail + 0.003 and np.mean(exact <= end + tol) >= tail - 0.003
     assert bootstrap_ratio(a, b, seed=4) == bootstrap_ratio(a, b, seed=4)
     base = rng.uniform(0.01, 1.0, size=16)  # e.g. per-window KL under bf16
-    paired = bootstrap_ratio(1.1 * base * (1 + rng.normal(0, 0.005, size=16)), base, seed=5)
+    noise = rng.normal(0, 0.005, size=16)
+    noise -= base * (base @ noise) / (base @ base)  # sum(base * noise) == 0: the ratio is 1.1 exactly
+    paired = bootstrap_ratio(1.1 * base * (1 + noise), base, seed=5)
+    assert paired[0] == pytest.approx(1.1, rel=1e-12)
     assert paired[1] < 1.1 < paired[2] and paired[2] - paired[1] < 0.02
+    # unpaired (each side resampled on its own), the spread of the denominators shows
+    picks = np.random.default_rng(6).integers(0, 16, size=(20_000, 2, 16))
+    unpaired = (1.1 * base * (1 + noise))[picks[:, 0]].sum(1) / base[picks[:, 1]].sum(1)
+    assert np.subtract(*np.quantile(unpaired, [0.975, 0.025])) > 10 * (paired[2] - paired[1])
     with pytest.raises(SpardaError, match="equal length"):
         bootstrap_ratio([1.0, 2.0], [1.0])
     with pytest.raises(SpardaError, match="sum to 0"):
