@@ -121,7 +121,12 @@ def test_sliding_window_models_match_transformers(arch, make_tiny, monkeypatch):
         theirs = hf(torch.tensor([ids])).logits[0].float()
     scale = theirs.abs().max()
     assert (ours - theirs).abs().max() <= 1e-4 * scale, float((ours - theirs).abs().max() / scale)
-    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    # greedy choice at every position, up to a near-tie: where the argmaxes differ, ours must
+    # score within 1e-4 (relative to the largest logit) of transformers' best (fp32 sums in
+    # another order, ~5e-7 apart, flip a top-2 gap that small in ~1 of 3,000 runs)
+    pick = ours.argmax(-1)
+    gap = theirs.max(-1).values - theirs.gather(-1, pick.view(-1, 1)).squeeze(-1)
+    assert (gap <= 1e-4 * scale).all(), (gap.max(), (pick != theirs.argmax(-1)).nonzero().flatten())
     # decode past the window: the decode mask, against transformers' sliding-window cache
     out = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=40, ignore_eos=True)[0]
     with torch.no_grad():
