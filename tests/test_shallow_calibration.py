@@ -3,6 +3,7 @@ weights (eager attention, ``output_attentions``) and Python sets, on a tiny rand
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -30,6 +31,37 @@ def _free_topk(scores, t, cfg):
     c = t // cfg.block_size
     free = [b for b in range(c + 1) if b >= cfg.init_blocks and b <= c - cfg.local_blocks]
     return set(sorted(free, key=lambda b: (-scores[b], b))[:cfg.topk_blocks])
+
+
+#: masses closer than this at the top-k boundary are a near-tie: the runtime's fp32 masses
+#: (~1e-8 from the float64 brute force) may rank either block first
+NEAR_TIE = 1e-6
+
+
+def _free_topk_options(scores, t, cfg):
+    """``[top-k]``, or with a near-tie between the k-th and (k+1)-th free block both sets."""
+    c = t // cfg.block_size
+    free = sorted((b for b in range(c + 1) if b >= cfg.init_blocks and b <= c - cfg.local_blocks),
+                  key=lambda b: (-scores[b], b))
+    k = cfg.topk_blocks
+    top = set(free[:k])
+    if len(free) > k and scores[free[k - 1]] - scores[free[k]] < NEAR_TIE:
+        return [top, top - {free[k - 1]} | {free[k]}]
+    return [top]
+
+
+def _iou_choices(options, deep):
+    """IoU with deep layers 2 and 3 (``[iou_2, iou_3]``) for every resolution of the near-ties
+    in ``options`` ({(h, t): [set, ...]}); ``deep[d, h, t]`` the deep layers' sets."""
+    multi = [key for key, opts in options.items() if len(opts) > 1]
+    assert len(multi) <= 6, f"{len(multi)} near-ties: a degenerate random model"
+    out = []
+    for pick in itertools.product(*(range(len(options[key])) for key in multi)):
+        chosen = {key: opts[0] for key, opts in options.items()}
+        chosen.update({key: options[key][i] for key, i in zip(multi, pick)})
+        out.append([sum(len(chosen[key] & deep[(d, *key)]) for key in chosen)
+                    / sum(len(chosen[key] | deep[(d, *key)]) for key in chosen) for d in (2, 3)])
+    return out
 
 
 def test_calibration_matches_brute_force(tiny, tmp_path, fresh_seed):
@@ -68,24 +100,19 @@ def test_calibration_matches_brute_force(tiny, tmp_path, fresh_seed):
                 for j, t in enumerate(q_idx.tolist()):
                     deep[layer, h, t] = _free_topk(sc[0, h, j].tolist(), t, cfg)
 
+    # the shallow sets: float64 masses, a near-tie at the top-k boundary allowing either block
     for layer in range(2):
-        sets = {(layer, h, t): _free_topk(shallow[layer, h, t], t, cfg) for (l2, h, t) in shallow if l2 == layer}
-        per_deep = []
-        for d in (2, 3):
-            inter = sum(len(sets[k] & deep[d, k[1], k[2]]) for k in sets)
-            union = sum(len(sets[k] | deep[d, k[1], k[2]]) for k in sets)
-            per_deep.append(inter / union)
-            assert got["per_layer"][layer]["iou_by_deep_layer"][str(d)] == pytest.approx(inter / union, abs=1e-4)
-        assert got["per_layer"][layer]["mean_iou"] == pytest.approx(sum(per_deep) / 2, abs=2e-4)
+        options = {(h, t): _free_topk_options(shallow[layer, h, t], t, cfg) for (l2, h, t) in shallow if l2 == layer}
+        row = got["per_layer"][layer]
+        assert any(all(row["iou_by_deep_layer"][str(d)] == pytest.approx(iou, abs=1e-4) for d, iou in zip((2, 3), ious))
+                   and row["mean_iou"] == pytest.approx(sum(ious) / 2, abs=2e-4)
+                   for ious in _iou_choices(options, deep)), (layer, row, _iou_choices(options, deep))
     for n in (1, 2):
         fused = {(h, t): [sum(shallow[l, h, t][b] for l in range(n)) / n for b in range(len(shallow[0, h, t]))]
                  for (l0, h, t) in shallow if l0 == 0}
-        per_deep = []
-        for d in (2, 3):
-            inter = sum(len(_free_topk(v, t, cfg) & deep[d, h, t]) for (h, t), v in fused.items())
-            union = sum(len(_free_topk(v, t, cfg) | deep[d, h, t]) for (h, t), v in fused.items())
-            per_deep.append(inter / union)
-        assert got["fused_iou"][str(n)] == pytest.approx(sum(per_deep) / 2, abs=1e-4)
+        options = {key: _free_topk_options(v, key[1], cfg) for key, v in fused.items()}
+        choices = [sum(ious) / 2 for ious in _iou_choices(options, deep)]
+        assert any(got["fused_iou"][str(n)] == pytest.approx(c, abs=1e-4) for c in choices), (n, got["fused_iou"], choices)
     best = max((1, 2), key=lambda n: (got["fused_iou"][str(n)], -n))
     assert got["shallow_layers"] == best
 
