@@ -21,7 +21,9 @@ Usage (one CUDA GPU, from the repository root):
    128K): query-based with G = 16 and G = 4 and the Forecast (one head), ms per chunk and x16
    per layer, the top-k rule as its own launch (default) and inside the scoring program
    (``select_launch="fused"``), the scoring launch alone (the top-k launch replaced by a
-   no-op) and whether the masks of both launch modes are equal, to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
+   no-op) and whether the masks of both launch modes are equal; the top-k search
+   ``topk_search="bracket"`` against the default bisection (ms, equal masks, and the
+   fraction of rows that take its tie pass); to set against the in-model ``select_ms_per_layer`` of ``prefill_gpu.py``
    (CUDA events around ``method.select`` only: the row's compressed keys, the mask and
    scratch allocation and this kernel; the Forecast projection, its RoPE and the compressed
    keys' update run before it, in ``before_layer`` and the cache append, and are not counted).
@@ -43,7 +45,9 @@ Usage (one CUDA GPU, from the repository root):
 6. ``regs`` (only when asked for): registers, spills and shared memory of the two selection
    launches as compiled for that chunk.
 
-``--parts`` picks some of them (default: the first five).
+``--parts`` picks some of them (default: the first five). The top-k launches under Nsight
+Compute: ``ncu --clock-control none -k regex:_prefill_topk -c 4 --set full -o OUT/topk
+python3 benchmarks/prefill_attention_gpu.py OUT --parts selection`` (with ``PYTHONPATH=src``).
 Writes ``OUT/prefill_attention_gpu.json`` and prints a short table.
 """
 
@@ -128,6 +132,22 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def _tie_rows(scores: torch.Tensor, q_pos: torch.Tensor, cfg) -> float:
+    """Fraction of query rows whose k-th and (k+1)-th candidate block scores share their
+    31-bit key (``topk_search="bracket"`` runs its tie pass on those rows)."""
+    num_blocks = scores.shape[-1]
+    blocks = torch.arange(num_blocks, device=scores.device).view(1, 1, 1, -1)
+    cur = (q_pos // cfg.block_size)[:, None, :, None]
+    cand = (blocks <= cur) & ~reference.forced_blocks(q_pos, num_blocks, cfg)
+    x = scores.nan_to_num(nan=-1e30, neginf=-1e30, posinf=3.4028234663852886e38)
+    bits = x.view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).masked_fill(~cand, -2**31)
+    top = key.topk(cfg.topk_blocks + 1, dim=-1).values
+    enough = cand.sum(-1) > cfg.topk_blocks
+    tie = (top[..., -2] >> 1) == (top[..., -1] >> 1)
+    return float((tie & enough).float().sum() / enough.float().sum().clamp_min(1))
+
+
 def selection(cfg) -> list[dict]:
     rows = []
     num_keys, num_q, d = 131072, 8192, 128
@@ -149,13 +169,22 @@ def selection(cfg) -> list[dict]:
                 query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None), reps=5)
         finally:
             ps._prefill_topk_kernel = topk_kernel
-        same = bool(torch.equal(*(select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
-                                                               lookahead=groups is None, select_launch=launch)
-                                  for launch in ("split", "fused"))))
+        ms["bracket"] = cuda_ms(lambda: select_prefill_blocks_triton(
+            query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None, topk_search="bracket"), reps=5)
+        masks = [select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
+                                              lookahead=groups is None, **kw)
+                 for kw in ({}, {"select_launch": "fused"}, {"topk_search": "bracket"})]
+        scores = select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
+                                              lookahead=groups is None, return_scores=True)[1]
         rows.append({"selector": label, "kv_heads": heads, "chunk_ms": round(ms["split"], 3),
-                     "fused_chunk_ms": round(ms["fused"], 3), "split_equals_fused": same,
+                     "fused_chunk_ms": round(ms["fused"], 3), "split_equals_fused": bool(torch.equal(*masks[:2])),
                      "scoring_ms": round(ms["scoring"], 3), "topk_ms": round(ms["split"] - ms["scoring"], 3),
+                     "bracket_chunk_ms": round(ms["bracket"], 3),
+                     "bracket_topk_ms": round(ms["bracket"] - ms["scoring"], 3),
+                     "bracket_equals_bisect": bool(torch.equal(masks[0], masks[2])),
+                     "tie_row_fraction": round(_tie_rows(scores, q_pos, cfg), 4),
                      "layer_ms_est": round(ms["split"] * num_keys / num_q, 1)})
+        del scores, masks
         print("selection", rows[-1], flush=True)
         del ck, query
     return rows
@@ -250,12 +279,13 @@ def chunks(cfg, total: int = 131072, chunk: int = 8192) -> list[dict]:
             q_pos = torch.arange(start + first, end, device="cuda").view(1, -1)
             num_blocks = -(-end // cfg.block_size)
 
-            def call(launch="split"):
+            def call(launch="split", search="bisect"):
                 return select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg, lookahead=groups is None,
-                                                    select_launch=launch)
+                                                    select_launch=launch, topk_search=search)
 
             ms = cuda_ms(call, reps=5)
             fused_ms = cuda_ms(lambda: call("fused"), reps=3)
+            bracket_ms = cuda_ms(lambda: call(search="bracket"), reps=5)
             host = []
             for _ in range(5):
                 torch.cuda._sleep(20_000_000)  # keep the GPU busy: time the host side alone
@@ -264,10 +294,12 @@ def chunks(cfg, total: int = 131072, chunk: int = 8192) -> list[dict]:
                 host.append((time.perf_counter() - t0) * 1e6)
             torch.cuda.synchronize()
             per.append({"start": start, "queries": end - start - first, "blocks": num_blocks,
-                        "ms": round(ms, 4), "fused_ms": round(fused_ms, 4), "host_us": round(min(host), 1)})
+                        "ms": round(ms, 4), "fused_ms": round(fused_ms, 4), "bracket_ms": round(bracket_ms, 4),
+                        "host_us": round(min(host), 1)})
             del ck, proj, query
         row = {"selector": label, "layer_ms": round(sum(c["ms"] for c in per), 3),
                "fused_layer_ms": round(sum(c["fused_ms"] for c in per), 3),
+               "bracket_layer_ms": round(sum(c["bracket_ms"] for c in per), 3),
                "last_chunk_x16_ms": round(per[-1]["ms"] * total / chunk, 3),
                "host_us_per_call": round(sum(c["host_us"] for c in per) / len(per), 1), "per_chunk": per}
         rows.append(row)
@@ -287,7 +319,8 @@ def regs(cfg) -> list[dict]:
         ck = torch.randn(1, 2, num_ck, d, device="cuda").bfloat16()
         query = torch.randn((1, 2, num_q, d) if groups is None else (1, 2, groups, num_q, d), device="cuda").bfloat16()
         seen = {}
-        originals = {name: getattr(ps, name) for name in ("_prefill_select_kernel", "_prefill_topk_kernel")}
+        originals = {name: getattr(ps, name) for name in ("_prefill_select_kernel", "_prefill_topk_kernel",
+                                                          "_prefill_topk_bracket_kernel")}
 
         class Record:
             def __init__(self, name):
@@ -300,7 +333,9 @@ def regs(cfg) -> list[dict]:
         try:
             for name in originals:
                 setattr(ps, name, Record(name))
-            select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None)
+            for search in ("bisect", "bracket"):
+                select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
+                                             lookahead=groups is None, topk_search=search)
         finally:
             for name, kernel in originals.items():
                 setattr(ps, name, kernel)
@@ -350,10 +385,12 @@ def main() -> None:
               f"{r['packed_layer_ms_est']:>9.1f} {r['sdpa_layer_ms']:>10.1f}")
     for r in report["selection"]:
         print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk = scoring {r['scoring_ms']:.2f} + top-k "
-              f"{r['topk_ms']:.2f} (fused select {r['fused_chunk_ms']:.2f}, equal {r['split_equals_fused']}), "
-              f"~{r['layer_ms_est']:.1f} ms per layer")
+              f"{r['topk_ms']:.2f} (fused select {r['fused_chunk_ms']:.2f}, equal {r['split_equals_fused']}; "
+              f"bracket top-k {r['bracket_topk_ms']:.2f}, equal {r['bracket_equals_bisect']}, tie rows "
+              f"{r['tie_row_fraction']:.3f}), ~{r['layer_ms_est']:.1f} ms per layer")
     for r in report["chunks"]:
         print(f"chunks {r['selector']:<20} {r['layer_ms']:>8.2f} ms per layer, fused select {r['fused_layer_ms']:.2f}"
+              f", bracket top-k {r['bracket_layer_ms']:.2f}"
               f" (16 chunks summed; last chunk x16 "
               f"{r['last_chunk_x16_ms']:.1f}), host {r['host_us_per_call']:.0f} us per call")
     for r in report["tune"]:

@@ -93,15 +93,18 @@ def test_prefill_selection_matches_reference(groups, lookahead, cfg):
 
 def test_ties_go_to_the_lower_block():
     """Integer queries and keys: raw dot products are exact and tie often (Forecast), so
-    the kernel and the reference must agree bit for bit, ties to the lower block index."""
+    the kernel and the reference must agree bit for bit, ties to the lower block index
+    (both top-k searches: ``bracket``'s tie pass runs on these rows)."""
     cfg = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
                           topk_blocks=4, dense_len=0)
     bsz, heads, d, num_tokens, num_q = 2, 3, 16, 200, 40
     ck = torch.randint(-1, 2, (bsz, heads, reference.num_compressed(num_tokens, 8, 4), d)).float()
     f = torch.randint(-1, 2, (bsz, heads, num_q, d)).float()
     q_pos = torch.stack([torch.arange(num_tokens - num_q, num_tokens), torch.arange(100, 100 + num_q)])
-    mask = select_prefill_blocks_triton(f, ck, q_pos, 13, cfg, lookahead=True)
-    assert torch.equal(mask, twins.select_prefill_reference(f, ck, q_pos, 13, cfg, lookahead=True))
+    want = twins.select_prefill_reference(f, ck, q_pos, 13, cfg, lookahead=True)
+    for search in ("bisect", "bracket"):
+        mask = select_prefill_blocks_triton(f, ck, q_pos, 13, cfg, lookahead=True, topk_search=search)
+        assert torch.equal(mask, want), search
 
 
 def test_sub_launches_and_block_m():
@@ -127,8 +130,9 @@ def test_sub_launches_and_block_m():
 @pytest.mark.parametrize("groups", [None, 4])
 def test_select_launches_agree(groups):
     """The rule as its own launch (default ``split``, several rows-per-program and warp
-    counts) gives the mask of the rule run inside the scoring program (``fused``), and both
-    equal the reference rule on the kernel's scores; lengths not multiples of the block."""
+    counts, both top-k searches) gives the mask of the rule run inside the scoring program
+    (``fused``), and both equal the reference rule on the kernel's scores; lengths not
+    multiples of the block."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
     gen = torch.Generator().manual_seed(seed)
     bsz, heads, d = 2, 2, 16
@@ -146,8 +150,16 @@ def test_select_launches_agree(groups):
         split = select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, lookahead=groups is None,
                                              topk_rows=rows, topk_warps=warps)
         assert torch.equal(split, fused), f"seed {seed}, topk_rows {rows}, topk_warps {warps}"
+    for warps in (None, 2):
+        bracket = select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, lookahead=groups is None,
+                                               topk_search="bracket", topk_warps=warps)
+        assert torch.equal(bracket, fused), f"seed {seed}, bracket, topk_warps {warps}"
     with pytest.raises(ValueError, match="select_launch"):
         select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, select_launch="other")
+    with pytest.raises(ValueError, match="topk_search"):
+        select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, topk_search="radix")
+    with pytest.raises(ValueError, match="one row per program"):
+        select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, topk_search="bracket", topk_rows=2)
 
 
 def test_bf16_inputs():
@@ -269,9 +281,10 @@ def test_top_k_keys_at_the_edges_of_float32(mode):
         q[..., 0] = 1.0
         q_pos = torch.arange(num_keys - num_q, num_keys).view(1, -1)
         num_blocks = -(-num_keys // 16)
-        got = select_prefill_blocks_triton(q, ck, q_pos, num_blocks, cfg)
         want = twins.select_prefill_reference(q, ck, q_pos, num_blocks, cfg)
-        assert torch.equal(got, want), (mode, topk, (got != want).nonzero()[:5].tolist())
+        for search in ("bisect", "bracket"):
+            got = select_prefill_blocks_triton(q, ck, q_pos, num_blocks, cfg, topk_search=search)
+            assert torch.equal(got, want), (mode, topk, search, (got != want).nonzero()[:5].tolist())
 
 
 # ---- the Forecast's prefill path end to end (ForecastAttention.before_layer + select)

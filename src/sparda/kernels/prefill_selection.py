@@ -219,6 +219,81 @@ def _prefill_topk_kernel(
                  stride_mb, stride_mh, stride_mt, BS, INIT, LOCAL, TOPK, BUDGET, DENSE_LEN, N_P, RS)
 
 
+@triton.jit
+def _row_rule(cols, t, N, BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, BUDGET: tl.constexpr,
+              DENSE_LEN: tl.constexpr):
+    """``(valid, base)``, ``[N_P]`` bool each, for one query at position ``t`` (int32
+    scalar): the causally valid blocks, and those of them that are forced (sinks, local
+    window) or all selected under the dense fallback (``reference.select_blocks``)."""
+    cur = tl.where(t >= 0, t // BS, -1)
+    valid = (cols <= cur) & (cols < N)
+    forced = (cols < INIT) | (cols > cur - LOCAL)
+    dense = (t + 1 < DENSE_LEN) | (cur + 1 <= BUDGET)
+    return valid, valid & (forced | dense)
+
+
+@triton.jit
+def _prefill_topk_bracket_kernel(
+    SCR, MASK, QPOS, stride_pb, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_mt,
+    H, Tq, N, BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, TOPK: tl.constexpr,
+    BUDGET: tl.constexpr, DENSE_LEN: tl.constexpr, N_P: tl.constexpr,
+):
+    """The select phase with ``topk_search="bracket"``: one query row per program, grid
+    ``(Tq, B*H)``; the same mask as :func:`_select_rows` (design §3.4).
+
+    Differences from the fixed 32-step bisection: the search runs on 31-bit keys
+    ``key >> 1``, for which ``count(key >> 1 >= mid) = N_P + sum(((key >> 1) - mid) >> 31)``
+    (the difference cannot overflow: two instructions per score instead of a compare, a
+    select and an add); it starts from the row's own ``[min, max]`` and stops as soon as
+    ``count == k`` (then ``key >> 1 >= mid`` is exactly the top k: no tie pass); only a
+    row whose k-th and (k+1)-th keys share their 31-bit key ends with ``hi - lo == 1``
+    and decides between the two full keys ``2 lo``, ``2 lo + 1``, then breaks ties at
+    that key by block index (the prefix sum the bisection path always runs)."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    r = tl.program_id(0)
+    cols = tl.arange(0, N_P)
+    t = tl.load(QPOS + b * stride_pb + r).to(tl.int32)
+    valid, base = _row_rule(cols, t, N, BS, INIT, LOCAL, BUDGET, DENSE_LEN)
+    cand = valid & (~base)
+    sc = tl.load(SCR + b * stride_sb + h * stride_sh + r.to(tl.int64) * stride_st + cols, mask=cand, other=0.0)
+    bits = sc.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 (_rank_key)
+    # reference: NaN and -inf rank as -1e30 (key -1900671691), +inf as FLT_MAX (key 0x7F7FFFFF)
+    nan_or_neginf = ((bits & 0x7FFFFFFF) > 0x7F800000) | (bits == -8388608)  # -8388608: -inf's bits
+    key = tl.where(nan_or_neginf, -1900671691, tl.minimum(key, 0x7F7FFFFF))
+    # non-candidates: INT32_MIN, below every candidate (>= key(-FLT_MAX) = -2139095040), so
+    # their 31-bit key -2^30 lies below every candidate's (>= -1069547520)
+    key = tl.where(cand, key, -2147483648)
+    n_cand = tl.sum(cand.to(tl.int32), 0)
+    kk = tl.minimum(n_cand, TOPK)
+    # invariant: count(key >> 1 >= lo) >= kk > count(key >> 1 >= hi)
+    lo = tl.min(tl.where(cand, key >> 1, 1069547520), 0)
+    hi = (tl.max(key, 0) >> 1) + 1
+    found = n_cand <= TOPK  # every candidate is chosen (none when there are none)
+    while (hi - lo > 1) & (~found):
+        mid = lo + ((hi - lo) >> 1)
+        cnt = N_P + tl.sum(((key >> 1) - mid) >> 31, 0)
+        ok = cnt >= kk
+        found = cnt == kk
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    valid, base = _row_rule(cols, t, N, BS, INIT, LOCAL, BUDGET, DENSE_LEN)  # recomputed: fewer live registers
+    sel = base | ((key >> 1) >= lo)
+    if found == 0:
+        # lo is the kk-th largest 31-bit key; the kk-th full key is 2 lo + 1 if at least
+        # kk keys reach it, else 2 lo; ties at that key go to the lower block index
+        up = 2 * lo + 1
+        tau = tl.where(tl.sum((key >= up).to(tl.int32), 0) >= kk, up, 2 * lo)
+        gt = key > tau
+        eq = key == tau
+        rank = tl.cumsum(eq.to(tl.int32), 0) - 1
+        sel = base | gt | (eq & (rank < kk - tl.sum(gt.to(tl.int32), 0)))
+    tl.store(MASK + b * stride_mb + h * stride_mh + r.to(tl.int64) * stride_mt + cols, sel.to(tl.uint8),
+             mask=cols < N)
+
+
 def _default_block_m(rows_per_token: int, on_gpu: bool) -> int:
     """Query tokens per program: ``BLOCK_M * G_P`` dot-product rows, 128 on the GPU
     (tensor-core tiles; each compressed-key load serves 128 rows), 64 elsewhere (fewer
@@ -231,7 +306,8 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
                                  num_blocks: int, cfg: SelectionConfig, *, lookahead: bool = False,
                                  block_m: int | None = None, return_scores: bool = False,
                                  num_warps: int | None = None, select_launch: str = "split",
-                                 topk_rows: int | None = None, topk_warps: int | None = None):
+                                 topk_rows: int | None = None, topk_warps: int | None = None,
+                                 topk_search: str = "bisect"):
     """Triton twin of :func:`sparda.kernels.twins.select_prefill_reference` (see
     :func:`sparda.kernels.select_prefill_blocks` for the arguments).
 
@@ -247,6 +323,11 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     ``rows * next_pow2(N) / 2048`` clamped to 1..8, so a lane holds at most 64 scores);
     ``"fused"`` runs it at the end of the scoring program (one program per 128 rows walks
     every row group's 32 bisection steps in turn). Both give the same mask.
+    ``topk_search``: how the split launch finds each row's k-th key: ``"bisect"`` (default:
+    32 fixed bisection steps on int32 keys, then a prefix sum for ties) or ``"bracket"``
+    (``_prefill_topk_bracket_kernel``: one row per program, 31-bit keys, the row's own
+    ``[min, max]`` as the start, stop at ``count == k``; the prefix sum only on a tie at
+    the k-th key). Same mask; ``"bracket"`` takes ``topk_rows`` 1 only.
 
     Returns:
         ``mask [B, H, Tq, N]`` bool, or ``(mask, scores)``.
@@ -267,6 +348,12 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
         block_m = 16 // g_p
     if select_launch not in ("split", "fused"):
         raise ValueError(f"select_launch must be 'split' or 'fused', got {select_launch!r}")
+    if topk_search not in ("bisect", "bracket"):
+        raise ValueError(f"topk_search must be 'bisect' or 'bracket', got {topk_search!r}")
+    bracket = topk_search == "bracket"
+    if bracket and (select_launch != "split" or topk_rows not in (None, 1)):
+        raise ValueError("topk_search='bracket' runs one row per program in the split launch: "
+                         f"got select_launch={select_launch!r}, topk_rows={topk_rows!r}")
     if num_q == 0 or num_blocks == 0:
         mask = torch.zeros(bsz, heads, num_q, num_blocks, dtype=torch.bool, device=ck.device)
         return (mask, torch.zeros(mask.shape, device=ck.device)) if return_scores else mask
@@ -286,7 +373,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     rs = 1 << (rs.bit_length() - 1)  # power of two dividing block_m
     fused = select_launch == "fused"
     if topk_rows is None:
-        topk_rows = max(1, min(8, 2048 // n_p))
+        topk_rows = 1 if bracket else max(1, min(8, 2048 // n_p))
     if isinstance(topk_rows, bool) or not isinstance(topk_rows, int) or topk_rows < 1 or topk_rows & (topk_rows - 1):
         raise ValueError(f"topk_rows must be a power of two, got {topk_rows}")
     if topk_warps is None:
@@ -321,7 +408,15 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee, FUSED_SELECT=fused,
             num_warps=num_warps or (8 if query.is_cuda and not softmax and block_m >= 128 else 4),
             num_stages=1)  # no software pipelining: the unpipelined tiles fit Hopper's 227 KiB
-        if not fused:
+        if bracket:
+            _prefill_topk_bracket_kernel[(s1 - s0, bsz * heads)](
+                scratch, m_sub, pos_sub, pos_sub.stride(0),
+                scratch.stride(0), scratch.stride(1), scratch.stride(2),
+                m_sub.stride(0), m_sub.stride(1), m_sub.stride(2),
+                heads, s1 - s0, num_blocks, BS=cfg.block_size, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
+                TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks, DENSE_LEN=cfg.dense_len, N_P=n_p,
+                num_warps=topk_warps)
+        elif not fused:
             _prefill_topk_kernel[(-(-(s1 - s0) // topk_rows), bsz * heads)](
                 scratch, m_sub, pos_sub, pos_sub.stride(0),
                 scratch.stride(0), scratch.stride(1), scratch.stride(2),
