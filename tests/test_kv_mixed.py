@@ -271,3 +271,32 @@ def test_cli_eval_mixed_refuses_on_device_methods(tmp_path):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "method dense keeps its KV cache on the device" in lines[0], result.output
     assert not out.exists()
+
+
+def test_bench_mixed_runs_offloaded_methods_and_skips_the_others(tmp_path):
+    """``sparda bench --kv-dtype mixed``: an offloaded method's points run with the mixed
+    cache (records carry it; its host store is the int4 blocks plus the bf16 pool, fewer
+    bytes than bf16's); an on-device method's points are recorded ``skipped`` with the
+    reason; a sweep with no offloaded method is refused before anything is written."""
+    from click.testing import CliRunner
+
+    from sparda.bench import sweep
+    from sparda.cli import main
+
+    common = dict(contexts=[1024], batches=[1], decode_steps=1, repeats=1, warmup_steps=1, breakdown_steps=0,
+                  trace="none", prefill_tokens=300)
+    recs = {kv: sweep.run_sweep(sweep.quick_config(str(tmp_path / kv), methods=["dense", "sparda"], kv_dtype=kv,
+                                                   **common), log=lambda _: None) for kv in ("mixed", "bf16")}
+    mixed = {r["method"]: r for r in recs["mixed"]}
+    assert mixed["dense"]["status"] == "skipped" and mixed["dense"]["error"] == sweep.MIXED_SKIP
+    assert mixed["sparda"]["status"] == "ok" and mixed["sparda"]["kv_dtype"] == "mixed"
+    bf16 = {r["method"]: r for r in recs["bf16"]}["sparda"]
+    assert 0 < mixed["sparda"]["host_kv_bytes"] < bf16["host_kv_bytes"]
+    assert "| dense mixed | - | 1 | skipped |" in (tmp_path / "mixed" / "report.md").read_text()
+    out = tmp_path / "refused"
+    result = CliRunner().invoke(main, ["bench", "--quick", "--kv-dtype", "mixed", "--methods", "dense,sparse",
+                                       "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --kv-dtype mixed needs an offloaded method"), result.output
+    assert not out.exists()

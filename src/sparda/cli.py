@@ -20,8 +20,6 @@ KV_DTYPE_HELP = ("KV-cache storage: bf16 (the model dtype), int8/int4 quantised 
                  "those in the local window or selected in the last --kv-hot-steps decode steps, at most "
                  "--kv-hot-blocks; a block that goes cold stays int4; a hot block's fetch moves its bf16 bytes, "
                  "a cold one's int4 bytes; design §6.1, docs/kv_quant.md) [default: bf16].")
-#: ``bench`` runs every method with one ``--kv-dtype``: ``mixed`` (offloaded only) is left out
-EVERY_METHOD_KV_DTYPES = tuple(k for k in KV_DTYPES if k != "mixed")
 from sparda.errors import SpardaError
 from sparda.io import os_reason, read_text
 
@@ -600,9 +598,11 @@ def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_head
 @click.option("--time-budget-s", type=float, default=None, help="Points after this many seconds are recorded as skipped.")
 @click.option("--hit-rate", "hit_rates", default=None, help="Comma list in [0,1]: offloaded methods also run a synthetic selection keeping this fraction of the previous step's top-k blocks (records carry target_hit_rate).")
 @click.option("--eager", is_flag=True, default=None, help="CUDA: eager decode steps instead of CUDA-graph replay.")
-@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(EVERY_METHOD_KV_DTYPES),
-              help="KV-cache storage of every point: bf16 (the model dtype) or int8/int4 quantised per token and "
-                   "head (docs/kv_quant.md); records carry kv_dtype, memory checks count its bytes [default: bf16].")
+@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+              help="KV-cache storage of every point: bf16 (the model dtype), int8/int4 quantised per token and "
+                   "head (docs/kv_quant.md), or mixed (int4 host store plus bf16 hot blocks, design §6.1: offloaded "
+                   "methods only, the others' points are recorded skipped); records carry kv_dtype, memory checks "
+                   "count its bytes [default: bf16].")
 @click.option("--slot-factor", "slot_factor", type=click.FloatRange(1.0), default=None,
               help="Offloaded methods: GPU slots per block of the widest selection (design §6); records carry "
                    "slot_factor [default: 1.5].")

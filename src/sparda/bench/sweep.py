@@ -67,9 +67,10 @@ class SweepConfig:
             (:func:`sparda.bench.point.overlap_timing`); ``None`` (default) = the TPOT's steps; 0 = off.
         early_attention: offloaded methods attend to resident blocks before the prefetch
             wait (``LLM(early_attention=True)``, design §6).
-        kv_dtype: KV-cache storage of every point, ``bf16`` (the model dtype) or
-            ``int8``/``int4`` (docs/kv_quant.md); records carry it, and the memory checks
-            count its bytes (:func:`sparda.bench.point.kv_need_bytes`).
+        kv_dtype: KV-cache storage of every point, ``bf16`` (the model dtype),
+            ``int8``/``int4`` (docs/kv_quant.md), or ``mixed`` (design §6.1: offloaded
+            methods only; the others' points are recorded ``skipped``); records carry it,
+            and the memory checks count its bytes (:func:`sparda.bench.point.kv_need_bytes`).
         slot_factor: offloaded methods' GPU slots per selected block (``LLM(slot_factor=)``,
             design §6); records of offloaded methods carry it.
     """
@@ -110,6 +111,9 @@ class SweepConfig:
         if bad:
             raise SpardaError(f"unknown bench method(s) {', '.join(bad)}; choose from "
                               f"{', '.join(SWEEP_METHODS + BASELINE_METHODS)}")
+        if self.kv_dtype == "mixed" and not any(m in pt.HOST_KV for m in self.methods):
+            raise SpardaError(f"--kv-dtype mixed needs an offloaded method ({', '.join(sorted(pt.HOST_KV))}) "
+                              f"in --methods, got {','.join(self.methods)}")
         if min(self.contexts, default=0) < 1 or min(self.batches, default=0) < 1:
             raise SpardaError("contexts and batches must be positive integers")
         if any(not 0.0 <= h <= 1.0 for h in self.hit_rates):
@@ -153,6 +157,10 @@ def environment(device: torch.device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
             "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
+
+
+#: the ``error`` of an on-device method's points under ``kv_dtype`` ``mixed``
+MIXED_SKIP = "kv_dtype mixed needs an offloaded cache; this method keeps it on the device"
 
 
 def _blank(model, method, context, batch, status, error=None, kv_dtype: str = "bf16") -> dict:
@@ -213,6 +221,12 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
         forecast = random_forecast(model)
         for context in cfg.contexts:
             for method in cfg.methods:
+                if cfg.kv_dtype == "mixed" and method not in pt.HOST_KV:
+                    for b in sorted(cfg.batches):
+                        records.append(_blank(model_name, method, context, b, "skipped", MIXED_SKIP, cfg.kv_dtype))
+                        log(_line(records[-1]))
+                    save()
+                    continue
                 llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager,
                                   kv_dtype=cfg.kv_dtype)
                 llm.early_attention = cfg.early_attention
