@@ -46,8 +46,9 @@ printed last:
   largest batch computed from the per-token bytes for <= 96 GiB of pinned host KV
   (printed); no overlap runs (~6 min of GPU time). Checks the issue's criterion: int8
   runs at >= 1.8x the batch of bf16 and its best decode tok/s exceeds bf16's best.
-* ``kvmixed``: ``--kv-dtype mixed`` (int4 host store + bf16 hot pool): offloaded ``sparda`` at
-  128K, mixed at bf16's largest batch and at its own, int4 at mixed's largest (``kvmixed``).
+* ``kvmixed``: ``--kv-dtype mixed`` (int4 host store + bf16 hot pool): first the cold-slot
+  dequantisation kernel against its twin and both timed (``cold_slots_check``), then offloaded
+  ``sparda`` at 128K, mixed at bf16's largest batch and at its own, int4 at mixed's largest.
 * ``tune-synth``: as ``tune`` (early attention off) where the copy slows down inside the step:
   synthetic selections of hit rate 0.9 at 128K B16 and 0.7 at 128K B4, grids 64 / 32 / 128 x 8,
   64 / 128 x 4, 16 x 8, priority high and normal, 48 timed steps each.
@@ -585,6 +586,44 @@ def kvquant(out: Path, budget: float) -> list[dict]:
     return rows + recs
 
 
+def cold_slots_check(batch: int = 24, heads: int = 2, d: int = 128, block: int = 64) -> dict:
+    """The mixed fetch's dequantisation of staged cold blocks (``kernels.dequantize_cold_slots``)
+    on the GPU: the Triton launch against the PyTorch twin on the same bf16 slots (largest
+    difference in bf16 ulps of the written slots, untouched slots equal), and both timed at the
+    MiniCPM-8B shape's staging buffer (``S`` slots of the default slot factor at 128K) with
+    ``cold_fraction`` of the slots receiving a cold block: ms per layer and x31 layers."""
+    from sparda.bench.models import selection_config
+    from sparda.cache.offload import spare_slot_count
+    from sparda.kernels import quant, twins
+    from sparda.bench.timing import cuda_ms
+    from sparda.kernels.cold_slots import dequantize_cold_triton
+
+    slots = spare_slot_count(131072, selection_config("minicpm-8b"), 1.5)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    staged = [quant.QuantizedKV.quantize(torch.randn(batch, heads, slots, block, d, device=DEV, generator=gen),
+                                         "int4") for _ in range(2)]
+    row = {"check": "cold slots kernel vs twin", "batch": batch, "kv_heads": heads, "slots": slots}
+    for frac in (0.05, 0.3, 1.0):
+        cold = torch.randint(0, 2048, (batch, heads, slots), device=DEV, generator=gen)
+        cold[torch.rand(batch, heads, slots, device=DEV, generator=gen) >= frac] = -1
+        base = [torch.randn(batch, heads, slots + 1, block, d, device=DEV, generator=gen).bfloat16() for _ in range(2)]
+        got, ref = [x.clone() for x in base], [x.clone() for x in base]
+        dequantize_cold_triton(staged[0], staged[1], got[0][:, :, :slots], got[1][:, :, :slots], cold)
+        twins.dequantize_cold_reference(staged[0], staged[1], ref[0][:, :, :slots], ref[1][:, :, :slots], cold)
+        take = (cold >= 0)
+        ulps = max(float(((g[:, :, :slots][take].float() - r[:, :, :slots][take].float()).abs()
+                          / r[:, :, :slots][take].float().abs().clamp_min(1e-30) * 128).max()) for g, r in zip(got, ref))
+        same = all(torch.equal(g[:, :, :slots][~take], b[:, :, :slots][~take]) and torch.equal(g[:, :, slots], b[:, :, slots])
+                   for g, b in zip(got, base))
+        k_dst, v_dst = got[0][:, :, :slots], got[1][:, :, :slots]
+        tri = cuda_ms(lambda: dequantize_cold_triton(staged[0], staged[1], k_dst, v_dst, cold), reps=20)
+        twin = cuda_ms(lambda: twins.dequantize_cold_reference(staged[0], staged[1], k_dst, v_dst, cold), reps=20)
+        row[f"cold {frac}"] = {"max_ulps": round(ulps, 3), "untouched_equal": same, "triton_ms": round(tri, 4),
+                               "twin_ms": round(twin, 4), "triton_ms_x31": round(31 * tri, 3),
+                               "twin_ms_x31": round(31 * twin, 3)}
+    return row
+
+
 def kvmixed(out: Path, budget: float) -> list[dict]:
     """``--kv-dtype mixed`` (issue #14, design §6.1) on the GPU: MiniCPM-8B shape, 128K,
     offloaded ``sparda``: mixed at bf16's
@@ -595,6 +634,9 @@ def kvmixed(out: Path, budget: float) -> list[dict]:
     batches = kvquant_batches()
     rows = [{"check": "kvmixed largest batches by bytes", **batches}]
     log(rows[-1])
+    if DEV == "cuda":
+        rows.append(cold_slots_check())
+        log(rows[-1])
     top_bf16, top_mixed = batches["bf16"]["largest_batch"], batches["mixed"]["largest_batch"]
     plan = [("mixed", sorted({top_bf16, top_mixed})), ("int4", [top_mixed])]
     recs = []

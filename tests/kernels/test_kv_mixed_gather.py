@@ -1,7 +1,8 @@
 """``--kv-dtype mixed`` through the uva engine's Triton kernels (interpreter; ordinary CPU
 tensors stand in for pinned memory) against the sync engine: the same pool and int4 store
 bytes after decode-token stores, the same slots after every fetch (hot blocks from the pool,
-cold ones gathered as codes + scales and dequantised), the same counters."""
+cold ones gathered as codes + scales and dequantised: by the Triton kernel on the uva side,
+by the PyTorch twin on the sync side), the same counters."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from sparda import kernels  # noqa: E402
 from sparda.cache.offload import OffloadKVCache  # noqa: E402
+from sparda.kernels.cold_slots import dequantize_cold_triton  # noqa: E402
 from sparda.cache.transfer import UvaEngine  # noqa: E402
 from sparda.config import SelectionConfig  # noqa: E402
 from sparda.model.llama import StepInfo  # noqa: E402
@@ -24,7 +27,7 @@ def _step(phase, rows, q_pos, max_kv_len):
                     max_kv_len=max_kv_len)
 
 
-def test_mixed_uva_gather_equals_sync():
+def test_mixed_uva_gather_equals_sync(monkeypatch):
     cfg = SelectionConfig(**SMALL)
     b, h, d, cap, prompt, steps = 3, 2, 16, 160, 50, 40
     caches = []
@@ -52,7 +55,10 @@ def test_mixed_uva_gather_equals_sync():
                 ids[r, j, :len(chosen) + 1] = torch.cat([chosen, torch.tensor([cur])])
         for cache in caches:
             cache.append(0, k_all[:, :, pos:pos + 1], v_all[:, :, pos:pos + 1], step)
-            cache.fetch(0, ids, torch.full((b,), pos))
+            with monkeypatch.context() as patch:
+                if cache is caches[1]:  # the uva path also dequantises through the Triton kernel
+                    patch.setattr(kernels, "dequantize_cold_slots", dequantize_cold_triton)
+                cache.fetch(0, ids, torch.full((b,), pos))
         sync, uva = caches
         assert torch.equal(sync.k_slots[0], uva.k_slots[0]) and torch.equal(sync.v_slots[0], uva.v_slots[0]), pos
         assert torch.equal(sync.hot.hot[0], uva.hot.hot[0])

@@ -501,8 +501,9 @@ class OffloadKVCache:
     def _fetch_mixed(self, layer: int, load: torch.Tensor, prefetch: bool) -> None:
         """``mixed``: copy the slot diff's misses ``load [B, H, S]``, a hot block's ``dtype``
         copy from the pool, a cold block's int4 codes and scales into :attr:`cold_k` /
-        :attr:`cold_v`, dequantised from there into its slot (static shapes: the whole
-        staging buffer is dequantised and the cold slots taken from it). Counts the pool
+        :attr:`cold_v`, dequantised from there into its slot
+        (:func:`sparda.kernels.dequantize_cold_slots`: on CUDA only the slots that received
+        a cold block are read and written). Counts the pool
         misses (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`)."""
         pref = self.prefetcher
         from_pool, cold = self.hot.split(layer, load)
@@ -517,10 +518,7 @@ class OffloadKVCache:
                 self.engine.gather(chunk, k_slots, v_slots, from_pool)
             for chunk in self.host.chunks[layer]:
                 self.engine.gather_planes(chunk, planes, cold)
-            take = (cold >= 0)[..., None, None]
-            for slots, staged in ((k_slots, ck), (v_slots, cv)):
-                part = slots[:, :, :s]
-                part.copy_(torch.where(take, staged.dequantize(self.dtype), part))
+            kernels.dequantize_cold_slots(ck, cv, k_slots[:, :, :s], v_slots[:, :, :s], cold)
 
         pref.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch)
 

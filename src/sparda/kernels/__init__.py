@@ -22,6 +22,7 @@ from sparda.kernels import quant, reference, twins
 from sparda.kernels._common import supported_head_dim
 
 try:  # Triton is optional: without it every call takes the PyTorch twin.
+    from sparda.kernels import cold_slots as _cold_slots
     from sparda.kernels import compress as _compress
     from sparda.kernels import decode_attention as _decode
     from sparda.kernels import prefill_attention as _prefill
@@ -41,6 +42,7 @@ __all__ = [
     "compress_keys",
     "decode_attention",
     "decode_attention_slots",
+    "dequantize_cold_slots",
     "prefill_attention",
     "rope_append",
     "select_decode_blocks",
@@ -311,6 +313,32 @@ def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, bloc
         _slot_diff.slot_diff_triton(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact)
     else:
         twins.slot_diff_reference(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact)
+
+
+def dequantize_cold_slots(staged_k: quant.QuantizedKV, staged_v: quant.QuantizedKV, k_dst: torch.Tensor,
+                          v_dst: torch.Tensor, cold: torch.Tensor) -> None:
+    """``--kv-dtype mixed``: dequantise the cold blocks a fetch staged into their slots, in
+    place (design §6.1; no host sync, static shapes for CUDA graphs).
+
+    Args:
+        staged_k, staged_v: :class:`~sparda.kernels.quant.QuantizedKV` ``[B, H, S, block, d]``
+            (codes ``[..., d']`` uint8, scales ``[..., 2]`` fp32 ``(step, lo)``), one staged
+            block per slot.
+        k_dst, v_dst: ``[B, H, S, block, d]`` slots in the model dtype (a view of the
+            layer's slot buffer), written where ``cold >= 0``.
+        cold: ``[B, H, S]`` int64, the host block each slot received as int4 (``-1``: none,
+            the slot keeps its values).
+    On CUDA one Triton launch for K and V whose programs for slots with no cold block do
+    nothing (:mod:`sparda.kernels.cold_slots`); elsewhere
+    :func:`~sparda.kernels.twins.dequantize_cold_reference`.
+
+    Raises:
+        SpardaError: mismatched shapes, strides or dtypes (Triton path).
+    """
+    if _on_triton(k_dst, v_dst, cold, staged_k.data) and supported_head_dim(k_dst.shape[-1]):
+        _cold_slots.dequantize_cold_triton(staged_k, staged_v, k_dst, v_dst, cold)
+    else:
+        twins.dequantize_cold_reference(staged_k, staged_v, k_dst, v_dst, cold)
 
 
 def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,

@@ -368,3 +368,13 @@ def select_prefill_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch
     if return_scores:
         return mask, (torch.cat(all_scores, 2) if all_scores else torch.zeros(shape, device=ck.device))
     return mask
+
+
+def dequantize_cold_reference(staged_k, staged_v, k_dst: torch.Tensor, v_dst: torch.Tensor,
+                              cold: torch.Tensor) -> None:
+    """PyTorch twin of :func:`sparda.kernels.dequantize_cold_slots`: ``k_dst[b, h, s] =
+    dequantize(staged_k[b, h, s])`` (and V) where ``cold[b, h, s] >= 0``, in place; other
+    slots unchanged. Dequantises the whole staging buffer (static shapes)."""
+    take = (cold >= 0)[..., None, None]
+    for dst, staged in ((k_dst, staged_k), (v_dst, staged_v)):
+        dst.copy_(torch.where(take, staged.dequantize(dst.dtype), dst))
