@@ -220,19 +220,6 @@ def _prefill_topk_kernel(
 
 
 @triton.jit
-def _row_rule(cols, t, N, BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, BUDGET: tl.constexpr,
-              DENSE_LEN: tl.constexpr):
-    """``(valid, base)``, ``[N_P]`` bool each, for one query at position ``t`` (int32
-    scalar): the causally valid blocks, and those of them that are forced (sinks, local
-    window) or all selected under the dense fallback (``reference.select_blocks``)."""
-    cur = tl.where(t >= 0, t // BS, -1)
-    valid = (cols <= cur) & (cols < N)
-    forced = (cols < INIT) | (cols > cur - LOCAL)
-    dense = (t + 1 < DENSE_LEN) | (cur + 1 <= BUDGET)
-    return valid, valid & (forced | dense)
-
-
-@triton.jit
 def _prefill_topk_bracket_kernel(
     SCR, MASK, QPOS, stride_pb, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_mt,
     H, Tq, N, BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, TOPK: tl.constexpr,
@@ -241,22 +228,32 @@ def _prefill_topk_bracket_kernel(
     """The select phase with ``topk_search="bracket"``: one query row per program, grid
     ``(Tq, B*H)``; the same mask as :func:`_select_rows` (design §3.4).
 
-    Differences from the fixed 32-step bisection: the search runs on 31-bit keys
-    ``key >> 1``, for which ``count(key >> 1 >= mid) = N_P + sum(((key >> 1) - mid) >> 31)``
-    (the difference cannot overflow: two instructions per score instead of a compare, a
-    select and an add); it starts from the row's own ``[min, max]`` and stops as soon as
-    ``count == k`` (then ``key >> 1 >= mid`` is exactly the top k: no tie pass); only a
-    row whose k-th and (k+1)-th keys share their 31-bit key ends with ``hi - lo == 1``
-    and decides between the two full keys ``2 lo``, ``2 lo + 1``, then breaks ties at
-    that key by block index (the prefix sum the bisection path always runs)."""
+    Differences from the fixed 32-step bisection: the candidates (valid, neither forced nor
+    under the dense fallback) are the block range ``INIT .. c_hi``, so their count and
+    membership come from scalars, not from per-block flags kept across the search; the
+    search runs on 31-bit keys ``key >> 1``, for which ``count(key >> 1 >= mid) = N_P +
+    sum(((key >> 1) - mid) >> 31)`` (the difference cannot overflow: two instructions per
+    score instead of a compare, a select and an add); it starts from the row's own
+    ``[min, max]`` and stops as soon as ``count == k`` (then ``key >> 1 >= mid`` is exactly
+    the top k: no tie pass); only a row whose k-th and (k+1)-th keys share their 31-bit key
+    ends with ``hi - lo == 1`` and decides between the two full keys ``2 lo`` and ``2 lo +
+    1``, then breaks ties at that key by block index (the prefix sum the bisection path
+    always runs)."""
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     r = tl.program_id(0)
     cols = tl.arange(0, N_P)
     t = tl.load(QPOS + b * stride_pb + r).to(tl.int32)
-    valid, base = _row_rule(cols, t, N, BS, INIT, LOCAL, BUDGET, DENSE_LEN)
-    cand = valid & (~base)
+    cur = tl.where(t >= 0, t // BS, -1)
+    last = tl.minimum(cur, N - 1)  # the query's own block: later ones are never selected
+    dense = (t + 1 < DENSE_LEN) | (cur + 1 <= BUDGET)
+    # candidates: blocks INIT .. cur - LOCAL (the others up to ``last`` are forced), none
+    # under the dense fallback
+    c_hi = tl.where(dense, INIT - 1, tl.minimum(cur - LOCAL, last))
+    n_cand = tl.maximum(c_hi - INIT + 1, 0)
+    kk = tl.minimum(n_cand, TOPK)
+    cand = (cols >= INIT) & (cols <= c_hi)
     sc = tl.load(SCR + b * stride_sb + h * stride_sh + r.to(tl.int64) * stride_st + cols, mask=cand, other=0.0)
     bits = sc.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving int32 (_rank_key)
@@ -266,10 +263,8 @@ def _prefill_topk_bracket_kernel(
     # non-candidates: INT32_MIN, below every candidate (>= key(-FLT_MAX) = -2139095040), so
     # their 31-bit key -2^30 lies below every candidate's (>= -1069547520)
     key = tl.where(cand, key, -2147483648)
-    n_cand = tl.sum(cand.to(tl.int32), 0)
-    kk = tl.minimum(n_cand, TOPK)
     # invariant: count(key >> 1 >= lo) >= kk > count(key >> 1 >= hi)
-    lo = tl.min(tl.where(cand, key >> 1, 1069547520), 0)
+    lo = tl.min(tl.where(key > -2147483648, key >> 1, 1069547520), 0)
     hi = (tl.max(key, 0) >> 1) + 1
     found = n_cand <= TOPK  # every candidate is chosen (none when there are none)
     while (hi - lo > 1) & (~found):
@@ -279,8 +274,8 @@ def _prefill_topk_bracket_kernel(
         found = cnt == kk
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid)
-    valid, base = _row_rule(cols, t, N, BS, INIT, LOCAL, BUDGET, DENSE_LEN)  # recomputed: fewer live registers
-    sel = base | ((key >> 1) >= lo)
+    forced = (cols <= last) & ((cols < INIT) | (cols > c_hi))  # the valid non-candidates
+    sel = forced | ((key >> 1) >= lo)
     if found == 0:
         # lo is the kk-th largest 31-bit key; the kk-th full key is 2 lo + 1 if at least
         # kk keys reach it, else 2 lo; ties at that key go to the lower block index
@@ -289,7 +284,7 @@ def _prefill_topk_bracket_kernel(
         gt = key > tau
         eq = key == tau
         rank = tl.cumsum(eq.to(tl.int32), 0) - 1
-        sel = base | gt | (eq & (rank < kk - tl.sum(gt.to(tl.int32), 0)))
+        sel = forced | gt | (eq & (rank < kk - tl.sum(gt.to(tl.int32), 0)))
     tl.store(MASK + b * stride_mb + h * stride_mh + r.to(tl.int64) * stride_mt + cols, sel.to(tl.uint8),
              mask=cols < N)
 
