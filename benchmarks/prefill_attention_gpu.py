@@ -42,8 +42,13 @@ Usage (one CUDA GPU, from the repository root):
    position, so its chunks do not average half of the last one), and the host microseconds
    one call takes while the GPU is busy (the launch cost a GPU left idle by a host sync waits for).
 
-6. ``regs`` (only when asked for): registers, spills and shared memory of the two selection
-   launches as compiled for that chunk.
+6. ``regs`` (only when asked for): registers, spills and shared memory of the selection
+   launches as compiled for that chunk (the scoring launch and both top-k searches).
+
+7. ``topk`` (only when asked for): the top-k launch alone (the selection call minus the
+   scoring launch alone) on the Forecast's last chunk, both shapes, for each search
+   (``bisect``, ``bracket``) x 1 / 2 warps x register cap (none, 168, 128: Triton's
+   ``maxnreg``), with its mask against the default's.
 
 ``--parts`` picks some of them (default: the first five). The top-k launches under Nsight
 Compute: ``ncu --clock-control none -k regex:_prefill_topk -c 4 --set full -o OUT/topk
@@ -143,7 +148,8 @@ def _tie_rows(scores: torch.Tensor, q_pos: torch.Tensor, cfg) -> float:
     bits = x.view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).masked_fill(~cand, -2**31)
     top = key.topk(cfg.topk_blocks + 1, dim=-1).values
-    enough = cand.sum(-1) > cfg.topk_blocks
+    dense = (q_pos + 1 < cfg.dense_len) | (q_pos // cfg.block_size + 1 <= cfg.budget_blocks)  # no top-k there
+    enough = ((cand.sum(-1) > cfg.topk_blocks) & ~dense[:, None]).expand(top.shape[:-1])
     tie = (top[..., -2] >> 1) == (top[..., -1] >> 1)
     return float((tie & enough).float().sum() / enough.float().sum().clamp_min(1))
 
@@ -255,6 +261,61 @@ def tune(cfg) -> list[dict]:
     return rows
 
 
+class _MaxRegs:
+    """Stands in for a Triton kernel: ``[grid](...)`` launches it with ``maxnreg`` (a register cap
+    per thread, a Triton launch option on CUDA) added."""
+
+    def __init__(self, kernel, maxnreg: int):
+        self.kernel, self.maxnreg = kernel, maxnreg
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, maxnreg=self.maxnreg, **kwargs)
+
+
+def topk(cfg) -> list[dict]:
+    """Part ``topk``: the top-k launch alone on the last 8K chunk of a 128K prompt (Forecast,
+    both 8B shapes): the whole selection call with each search (``bisect``, ``bracket``), warp
+    count and register cap, minus the scoring launch alone; masks against the default's."""
+    ps = sys.modules[select_prefill_blocks_triton.__module__]
+    num_keys, num_q, d = 131072, 8192, 128
+    num_ck = reference.num_compressed(num_keys, cfg.kernel_size, cfg.kernel_stride)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q_pos = torch.arange(num_keys - num_q, num_keys, device="cuda").view(1, -1)
+    rows = []
+    for label, heads in (("forecast (MiniCPM)", 2), ("forecast (Llama)", 8)):
+        ck = torch.randn(1, heads, num_ck, d, device="cuda", generator=gen).bfloat16()
+        query = (torch.randn(1, heads, num_q, d, device="cuda", generator=gen) * 0.3).bfloat16()
+
+        def call(**kw):
+            return select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=True,
+                                                **kw)
+
+        want = call()
+        kernel, ps._prefill_topk_kernel = ps._prefill_topk_kernel, _NoLaunch()
+        try:
+            scoring = cuda_ms(call, reps=10)
+        finally:
+            ps._prefill_topk_kernel = kernel
+        for search, name in (("bisect", "_prefill_topk_kernel"), ("bracket", "_prefill_topk_bracket_kernel")):
+            for warps in (1, 2):
+                for maxnreg in (None, 168, 128):
+                    original = getattr(ps, name)
+                    if maxnreg:
+                        setattr(ps, name, _MaxRegs(original, maxnreg))
+                    try:
+                        ms = _tune_ms(lambda: call(topk_search=search, topk_warps=warps), 10, "topk", label,
+                                      search, warps, maxnreg)
+                        same = ms is not None and bool(torch.equal(call(topk_search=search, topk_warps=warps), want))
+                    finally:
+                        setattr(ps, name, original)
+                    rows.append({"selector": label, "search": search, "num_warps": warps, "maxnreg": maxnreg,
+                                 "chunk_ms": None if ms is None else round(ms, 3), "scoring_ms": round(scoring, 3),
+                                 "topk_ms": None if ms is None else round(ms - scoring, 3), "equal": same})
+                    print("topk", rows[-1], flush=True)
+        del ck, query, want
+    return rows
+
+
 def chunks(cfg, total: int = 131072, chunk: int = 8192) -> list[dict]:
     """Part 5 (see the module docstring): one row per selector, ``per_chunk`` ms and host us."""
     import time
@@ -356,8 +417,9 @@ def main() -> None:
                     help="comma list of check, timing, selection, tune, chunks, regs [default: all but regs]")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    if any(p not in ("check", "timing", "selection", "tune", "chunks", "regs") for p in parts):
-        ap.error(f"--parts: unknown part in {args.parts!r}; choose from check, timing, selection, tune, chunks, regs")
+    if any(p not in ("check", "timing", "selection", "tune", "chunks", "regs", "topk") for p in parts):
+        ap.error(f"--parts: unknown part in {args.parts!r}; choose from check, timing, selection, tune, chunks, "
+                 "regs, topk")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the interpreter tests cover the CPU: tests/kernels/test_prefill_attention.py)")
     old = None
@@ -374,6 +436,7 @@ def main() -> None:
     report["tune"] = tune(cfg) if "tune" in parts else []
     report["chunks"] = chunks(cfg) if "chunks" in parts else []
     report["regs"] = regs(cfg) if "regs" in parts else []
+    report["topk"] = topk(cfg) if "topk" in parts else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_attention_gpu.json").write_text(json.dumps(report, indent=1))
@@ -393,6 +456,9 @@ def main() -> None:
               f", bracket top-k {r['bracket_layer_ms']:.2f}"
               f" (16 chunks summed; last chunk x16 "
               f"{r['last_chunk_x16_ms']:.1f}), host {r['host_us_per_call']:.0f} us per call")
+    for r in report["topk"]:
+        print(f"topk {r['selector']:<20} {r['search']:<8} warps {r['num_warps']} maxnreg {r['maxnreg'] or '-':>4} "
+              f"{'-' if r['topk_ms'] is None else r['topk_ms']:>7} ms top-k (chunk {r['chunk_ms']}), equal {r['equal']}")
     for r in report["tune"]:
         name = r.get("shape") or r.get("selector")
         print(f"tune {r['kernel']:<9} {name:<20} block_m {r['block_m']:>3} warps {r['num_warps']} "
