@@ -45,10 +45,11 @@ Usage (one CUDA GPU, from the repository root):
 6. ``regs`` (only when asked for): registers, spills and shared memory of the selection
    launches as compiled for that chunk (the scoring launch and both top-k searches).
 
-7. ``topk`` (only when asked for): the top-k launch alone (the selection call minus the
-   scoring launch alone) on the Forecast's last chunk, both shapes, for each search
-   (``bisect``, ``bracket``) x 1 / 2 warps x register cap (none, 168, 128: Triton's
-   ``maxnreg``), with its mask against the default's.
+7. ``topk`` (only when asked for): the Forecast's two launches on its last chunk, both
+   shapes: the scoring launch alone for 64 / 128 tokens per program x 4 / 8 warps x 1-3
+   pipeline stages, then the top-k launch alone (the selection call minus the scoring
+   launch alone) for each search (``bisect``, ``bracket``) x 1 / 2 warps x register cap
+   (none, 168, 128: Triton's ``maxnreg``), masks against the default's.
 
 ``--parts`` picks some of them (default: the first five). The top-k launches under Nsight
 Compute: ``ncu --clock-control none -k regex:_prefill_topk -c 4 --set full -o OUT/topk
@@ -273,9 +274,11 @@ class _MaxRegs:
 
 
 def topk(cfg) -> list[dict]:
-    """Part ``topk``: the top-k launch alone on the last 8K chunk of a 128K prompt (Forecast,
-    both 8B shapes): the whole selection call with each search (``bisect``, ``bracket``), warp
-    count and register cap, minus the scoring launch alone; masks against the default's."""
+    """Part ``topk``: the Forecast's two selection launches on the last 8K chunk of a 128K
+    prompt (both 8B shapes). The scoring launch alone (top-k launch replaced by a no-op) for
+    tokens per program 64 / 128 x 4 / 8 warps x pipeline stages 1-3; then the top-k launch
+    alone (the whole call minus the default scoring alone) for each search (``bisect``,
+    ``bracket``), warp count and register cap; masks against the default's."""
     ps = sys.modules[select_prefill_blocks_triton.__module__]
     num_keys, num_q, d = 131072, 8192, 128
     num_ck = reference.num_compressed(num_keys, cfg.kernel_size, cfg.kernel_stride)
@@ -291,6 +294,23 @@ def topk(cfg) -> list[dict]:
                                                 **kw)
 
         want = call()
+        for block_m in (64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    ms = _tune_ms(lambda: call(block_m=block_m, num_warps=warps, num_stages=stages), 10, "scoring",
+                                  label, block_m, warps, stages)
+                    same = ms is not None and bool(torch.equal(call(block_m=block_m, num_warps=warps,
+                                                                    num_stages=stages), want))
+                    kernel, ps._prefill_topk_kernel = ps._prefill_topk_kernel, _NoLaunch()
+                    try:
+                        alone = ms and _tune_ms(lambda: call(block_m=block_m, num_warps=warps, num_stages=stages),
+                                                10, "scoring", label, block_m, warps, stages)
+                    finally:
+                        ps._prefill_topk_kernel = kernel
+                    rows.append({"selector": label, "launch": "scoring", "block_m": block_m, "num_warps": warps,
+                                 "num_stages": stages, "chunk_ms": None if ms is None else round(ms, 3),
+                                 "scoring_ms": None if not alone else round(alone, 3), "equal": same})
+                    print("topk", rows[-1], flush=True)
         kernel, ps._prefill_topk_kernel = ps._prefill_topk_kernel, _NoLaunch()
         try:
             scoring = cuda_ms(call, reps=10)
@@ -308,7 +328,8 @@ def topk(cfg) -> list[dict]:
                         same = ms is not None and bool(torch.equal(call(topk_search=search, topk_warps=warps), want))
                     finally:
                         setattr(ps, name, original)
-                    rows.append({"selector": label, "search": search, "num_warps": warps, "maxnreg": maxnreg,
+                    rows.append({"selector": label, "launch": "topk", "search": search, "num_warps": warps,
+                                 "maxnreg": maxnreg,
                                  "chunk_ms": None if ms is None else round(ms, 3), "scoring_ms": round(scoring, 3),
                                  "topk_ms": None if ms is None else round(ms - scoring, 3), "equal": same})
                     print("topk", rows[-1], flush=True)
@@ -457,6 +478,11 @@ def main() -> None:
               f" (16 chunks summed; last chunk x16 "
               f"{r['last_chunk_x16_ms']:.1f}), host {r['host_us_per_call']:.0f} us per call")
     for r in report["topk"]:
+        if r["launch"] == "scoring":
+            print(f"topk {r['selector']:<20} scoring block_m {r['block_m']:>3} warps {r['num_warps']} stages "
+                  f"{r['num_stages']} {'-' if r['scoring_ms'] is None else r['scoring_ms']:>7} ms scoring (chunk "
+                  f"{r['chunk_ms']}), equal {r['equal']}")
+            continue
         print(f"topk {r['selector']:<20} {r['search']:<8} warps {r['num_warps']} maxnreg {r['maxnreg'] or '-':>4} "
               f"{'-' if r['topk_ms'] is None else r['topk_ms']:>7} ms top-k (chunk {r['chunk_ms']}), equal {r['equal']}")
     for r in report["tune"]:

@@ -156,6 +156,8 @@ def test_select_launches_agree(groups):
         assert torch.equal(bracket, fused), f"seed {seed}, bracket, topk_warps {warps}"
     with pytest.raises(ValueError, match="select_launch"):
         select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, select_launch="other")
+    with pytest.raises(ValueError, match="num_stages"):
+        select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, num_stages=0)
     with pytest.raises(ValueError, match="topk_search"):
         select_prefill_blocks_triton(q, ck, q_pos, num_blocks, CFG, topk_search="radix")
     with pytest.raises(ValueError, match="one row per program"):

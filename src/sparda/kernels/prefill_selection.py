@@ -302,7 +302,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
                                  block_m: int | None = None, return_scores: bool = False,
                                  num_warps: int | None = None, select_launch: str = "split",
                                  topk_rows: int | None = None, topk_warps: int | None = None,
-                                 topk_search: str = "bisect"):
+                                 topk_search: str = "bisect", num_stages: int = 1):
     """Triton twin of :func:`sparda.kernels.twins.select_prefill_reference` (see
     :func:`sparda.kernels.select_prefill_blocks` for the arguments).
 
@@ -318,6 +318,8 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     ``rows * next_pow2(N) / 2048`` clamped to 1..8, so a lane holds at most 64 scores);
     ``"fused"`` runs it at the end of the scoring program (one program per 128 rows walks
     every row group's 32 bisection steps in turn). Both give the same mask.
+    ``num_stages``: the scoring launch's software pipelining depth (Triton; tuning,
+    default 1: a deeper pipeline needs shared memory per stage).
     ``topk_search``: how the split launch finds each row's k-th key: ``"bisect"`` (default:
     32 fixed bisection steps on int32 keys, then a prefix sum for ties) or ``"bracket"``
     (``_prefill_topk_bracket_kernel``: one row per program, 31-bit keys, the row's own
@@ -343,6 +345,8 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
         block_m = 16 // g_p
     if select_launch not in ("split", "fused"):
         raise ValueError(f"select_launch must be 'split' or 'fused', got {select_launch!r}")
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
     if topk_search not in ("bisect", "bracket"):
         raise ValueError(f"topk_search must be 'bisect' or 'bracket', got {topk_search!r}")
     bracket = topk_search == "bracket"
@@ -402,7 +406,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks,
             DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee, FUSED_SELECT=fused,
             num_warps=num_warps or (8 if query.is_cuda and not softmax and block_m >= 128 else 4),
-            num_stages=1)  # no software pipelining: the unpipelined tiles fit Hopper's 227 KiB
+            num_stages=num_stages)  # default 1, no software pipelining: those tiles fit Hopper's 227 KiB
         if bracket:
             _prefill_topk_bracket_kernel[(s1 - s0, bsz * heads)](
                 scratch, m_sub, pos_sub, pos_sub.stride(0),
