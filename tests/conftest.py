@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import random
 
@@ -11,6 +13,48 @@ import torch
 
 #: environment variable that replays a failed test's inputs: SPARDA_TEST_SEED=N pytest ...
 SEED_ENV = "SPARDA_TEST_SEED"
+#: environment variable that replays the random models of module- and session-scoped fixtures
+#: (shared by several tests, so drawn from a seed of the whole run, not of one test)
+SESSION_SEED_ENV = "SPARDA_SESSION_SEED"
+SESSION_SEED = int(os.environ.get(SESSION_SEED_ENV) or random.SystemRandom().randrange(2**31))
+
+
+def derived_seed(*parts) -> int:
+    """A seed in ``[0, 2^31)`` fixed by :data:`SESSION_SEED` and ``parts`` (e.g. a fixture's
+    module and name), whatever ran before: a shared fixture replays on its own."""
+    digest = hashlib.sha256(repr((SESSION_SEED, *parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") % 2**31
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Seed torch, numpy and ``random`` inside the block; restore their states after it."""
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
+
+
+def pytest_report_header(config):
+    return f"sparda session seed={SESSION_SEED} (replay shared fixtures: {SESSION_SEED_ENV}={SESSION_SEED})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A fixture shared beyond one test (module, class, package or session scope) is built
+    under :func:`derived_seed` of its scope's node and name, not under whatever random state
+    the tests before it left: a failed test replays with its fixtures' random models."""
+    if fixturedef.scope == "function":
+        yield
+        return
+    with seeded(derived_seed(request.node.nodeid, fixturedef.argname)):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +62,8 @@ def fresh_seed(request):
     """Seed torch, numpy and ``random`` with a fresh seed for each test (or ``$SPARDA_TEST_SEED``).
 
     The seed is stored on the test item; :func:`pytest_runtest_makereport` adds a
-    ``sparda seed`` section (``seed=N`` and the replay command) to a failed test's report.
+    ``sparda seed`` section (``seed=N``, the session seed of the shared fixtures and the
+    replay command) to a failed test's report.
     Tests that need their own generators derive them from this seed (``torch.initial_seed()``).
     """
     env = os.environ.get(SEED_ENV)
@@ -37,8 +82,9 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     seed = getattr(item, "sparda_seed", None)
     if report.failed and seed is not None:
-        report.sections.append(("sparda seed", f"seed={seed}  (replay: {SEED_ENV}={seed} python3 -m pytest "
-                                               f"'{item.nodeid}')"))
+        report.sections.append(("sparda seed", f"seed={seed} session seed={SESSION_SEED}  (replay: "
+                                               f"{SESSION_SEED_ENV}={SESSION_SEED} {SEED_ENV}={seed} "
+                                               f"python3 -m pytest '{item.nodeid}')"))
 
 
 @pytest.fixture(scope="session")
@@ -89,9 +135,10 @@ def make_tiny(tmp_path_factory, bundled_tokenizer):
         key = (arch, repr(sorted(extra.items())))
         if key not in made:
             config = tiny_config(arch, len(bundled_tokenizer), **extra)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            with torch.no_grad():  # larger weights than the default init: peaky, non-trivial logits
-                for p in model.parameters():
+            # drawn from the session seed and the key: the same weights whichever test asks first
+            with seeded(derived_seed("make_tiny", *key)), torch.no_grad():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                for p in model.parameters():  # larger weights than the default init: peaky logits
                     if p.dim() > 1:
                         p.normal_(0, 0.08)
             path = tmp_path_factory.mktemp(f"tiny-{arch}")
