@@ -15,7 +15,11 @@ Usage (one CUDA GPU, from the repository root):
    earlier ``prefill_attention.py``, if given), the packed kernel's estimate for the whole
    layer (16 such chunks; earlier chunks reach fewer blocks) against causal flash SDPA over
    the whole 128K layer; the mean number of blocks a tile walks against the blocks a token
-   selected.
+   selected. Random queries make neighbouring tokens' selections nearly disjoint (a tile of
+   4 tokens walks ~2.8x one token's blocks), real ones do not (``prefill_overlap.py``: the
+   bundled model's ``sparda`` keeps 83 % of a token's top-k for the next token): the same
+   kernel also runs on synthetic masks whose neighbouring tokens keep :data:`KEEPS` of their
+   top-k (``bench.traces.synthetic_masks``).
 
 3. ``selection``: the prefill selection kernel alone on the same chunk (last 8,192 tokens of
    128K): query-based with G = 16 and G = 4 and the Forecast (one head), ms per chunk and x16
@@ -90,6 +94,23 @@ def _inputs(heads: int, groups: int, num_keys: int, num_q: int, cfg, d: int = 12
     return q, k, v, mask, q_pos, kv_len
 
 
+#: top-k reuse between neighbouring query tokens for the synthetic masks of ``timing``: 0.83
+#: is what ``sparda``'s prefill selection keeps on the bundled model (benchmarks/prefill_overlap.py,
+#: docs/benchmarks/prefill-overlap-2026-12-04-cpu.json), 0.9 the decode trace's step-to-step reuse
+KEEPS = (0.83, 0.9)
+
+
+def _synthetic_mask(heads: int, num_keys: int, num_q: int, cfg, keep: float, seed: int = 0) -> torch.Tensor:
+    """``[1, H, num_q, N]`` bool prefill masks of the last ``num_q`` tokens of ``num_keys``: per
+    token the forced blocks plus ``topk_blocks`` others, ``round(keep * k)`` of them the previous
+    token's (``bench.traces.synthetic_masks``, consecutive tokens taken as decode steps)."""
+    from sparda.bench.traces import synthetic_masks
+
+    num_blocks = -(-num_keys // cfg.block_size)
+    masks = synthetic_masks(1, heads, cfg, [num_keys - num_q], num_q, num_blocks, keep, seed=seed)
+    return masks[:, 0, 0, :, :num_blocks].permute(1, 0, 2).unsqueeze(0).contiguous()
+
+
 def check(cfg) -> list[dict]:
     rows = []
     for groups in (1, 4, 16):
@@ -113,6 +134,15 @@ def timing(cfg, old) -> list[dict]:
             _, counts = tile_block_lists(mask, q_pos, kv_len, heads, 131072, cfg.block_size, tokens)
             row[f"blocks_per_tile_{label}"] = float(counts.float().mean())
         row["packed_ms"] = cuda_ms(lambda: prefill_attention(q, k, v, mask, q_pos, kv_len, cfg.block_size), reps=5)
+        for keep in KEEPS:  # neighbouring tokens sharing their top-k as real selections do
+            synth = _synthetic_mask(heads, 131072, 8192, cfg, keep).to(mask.device)
+            _, counts = tile_block_lists(synth, q_pos, kv_len, heads, 131072, cfg.block_size, max(1, 64 // g_p))
+            row[f"keep_{keep}"] = {
+                "blocks_per_token": round(float(synth.sum(-1).float().mean()), 1),
+                "blocks_per_tile": round(float(counts.float().mean()), 1),
+                "ms": round(cuda_ms(lambda: prefill_attention(q, k, v, synth, q_pos, kv_len, cfg.block_size), reps=5), 3)}
+            print("timing", shape, "keep", keep, row[f"keep_{keep}"], flush=True)
+            del synth
         if old is not None:
             row["old_ms"] = cuda_ms(lambda: old.prefill_attention_triton(q, k, v, mask, q_pos, kv_len, cfg.block_size),
                                     reps=5)
@@ -467,6 +497,11 @@ def main() -> None:
         print(f"{r['shape']:<11} {r['groups']:>3} {r['blocks_per_token']:>9.1f} {r['blocks_per_tile_packed']:>9.1f} "
               f"{r['blocks_per_tile_old']:>12.1f} {r['packed_ms']:>9.2f} {r.get('old_ms', 0):>8.2f} "
               f"{r['packed_layer_ms_est']:>9.1f} {r['sdpa_layer_ms']:>10.1f}")
+        for keep in KEEPS:
+            if f"keep_{keep}" in r:
+                syn = r[f"keep_{keep}"]
+                print(f"{'':<11} synthetic masks, top-k keep {keep}: {syn['blocks_per_tile']:.1f} blocks per tile, "
+                      f"{syn['ms']:.2f} ms per chunk (random masks: {r['packed_ms']:.2f})")
     for r in report["selection"]:
         print(f"selection {r['selector']:<20} {r['chunk_ms']:>8.2f} ms per chunk = scoring {r['scoring_ms']:.2f} + top-k "
               f"{r['topk_ms']:.2f} (fused select {r['fused_chunk_ms']:.2f}, equal {r['split_equals_fused']}; "
