@@ -5,6 +5,7 @@ Usage (one CUDA GPU, from the repository root; under 8 minutes on an H200: point
 
     PYTHONPATH=src python3 benchmarks/prefill_gpu.py OUT [--budget-s 420] [--lengths 32768,65536,131072]
         [--models minicpm-8b,llama-8b] [--methods dense,sparse,...] [--chunk 8192] [--skip-parity]
+        [--keep 0.83]
 
 Random bf16 weights at the 8B shapes of :mod:`sparda.bench.models`, the ``paper`` preset,
 block-sparse prefill. Three parts, each failing soft (an error is recorded and the
@@ -20,7 +21,9 @@ script goes on) and all bounded by ``--budget-s``:
    (``forecast_ms_per_layer``: the Forecast projection and its RoPE for the next layer,
    which ``select`` does not include; ~0 for the query-based methods), peak GPU memory and
    peak minus weights. A point runs twice when the budget allows (the first compiles the
-   kernels); ``warm`` says which was kept.
+   kernels); ``warm`` says which was kept. ``--keep H``: the block-sparse points attend over
+   synthetic masks whose neighbouring tokens keep ``H`` of their top-k (:class:`SyntheticMasks`;
+   the selection kernels still run and are timed), records say ``masks``.
 3. ``parity``: 128K MiniCPM-8B shape, offloaded ``sparda`` with chunked prefill then 64
    greedy tokens, against the same with unchunked prefill (``chunked_vs_unchunked``, the
    criterion) and, time permitting, on-device ``sparda`` with unchunked prefill
@@ -33,6 +36,7 @@ Writes ``OUT/prefill_gpu.json`` (atomically) and prints a short table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -127,6 +131,47 @@ class LayerTimer:
         self.method.__dict__.pop("before_layer", None)
 
 
+class SyntheticMasks:
+    """``--keep H``: while active, ``kernels.select_prefill_blocks`` still runs (its cost is
+    measured) but returns a synthetic mask instead of its own: per token the forced blocks
+    plus ``topk_blocks`` others, ``round(H * k)`` of them the previous token's
+    (``bench.traces.synthetic_masks``; random queries make neighbouring tokens' selections
+    nearly disjoint, real ones keep ~83 %, ``benchmarks/prefill_overlap.py``). One mask per
+    chunk, shared by its layers, keyed by the call's shapes (queries, blocks, KV heads: no
+    host sync) and drawn at the first call of that chunk (so in the first, compiling run;
+    the second, warm run finds them all; the chunk is taken to end at ``blocks x block``)."""
+
+    def __init__(self, keep: float, cfg):
+        self.keep, self.cfg, self.cache = keep, cfg, {}
+        self.made_in_timed_run = False
+
+    def __enter__(self):
+        from sparda import kernels
+
+        self._kernels, self._original = kernels, kernels.select_prefill_blocks
+
+        def select(query, ck, q_pos, num_blocks, cfg, **kw):
+            self._original(query, ck, q_pos, num_blocks, cfg, **kw)  # its cost stays in the timing
+            heads, tq = ck.shape[1], q_pos.shape[1]
+            key = (tq, num_blocks, heads)
+            if key not in self.cache:
+                from sparda.bench.traces import synthetic_masks
+
+                start = num_blocks * cfg.block_size - tq
+                masks = synthetic_masks(1, heads, cfg, [start], tq, num_blocks, self.keep, seed=len(self.cache))
+                self.cache[key] = masks[:, 0, 0, :, :num_blocks].permute(1, 0, 2).unsqueeze(0).to(
+                    q_pos.device, non_blocking=True)
+                self.made_in_timed_run = self.timed
+            return self.cache[key].expand(q_pos.shape[0], -1, -1, -1)
+
+        self.timed = False
+        kernels.select_prefill_blocks = select
+        return self
+
+    def __exit__(self, *exc):
+        self._kernels.select_prefill_blocks = self._original
+
+
 def _prefill_once(llm, ids, timer):
     cache = llm.new_cache(1, len(ids) + 64)
     llm.method.reset()
@@ -143,25 +188,32 @@ def _prefill_once(llm, ids, timer):
     return ttft, peak, first
 
 
-def run_point(model, forecast, weights, label, length, chunk, deadline):
+def run_point(model, forecast, weights, label, length, chunk, deadline, keep=None):
     method, offload = METHODS[label]
     llm = LLM.from_model(model, _NoText(), method=method, preset="paper", forecast=forecast, offload=offload,
                          prefill_chunk_tokens=0 if label == "dense" else chunk)
     ids = torch.randint(0, model.config.vocab_size, (length,)).tolist()
     timer = LayerTimer(llm.method, model.shape.num_layers // 2)
+    synthetic = SyntheticMasks(keep, llm.config.selection) if keep is not None and label != "dense" else None
     try:
-        ttft, peak, _ = _prefill_once(llm, ids, timer)
-        warm = False
-        if time.perf_counter() + 1.5 * ttft < deadline:  # the first run compiled the kernels
+        with synthetic or contextlib.nullcontext():
             ttft, peak, _ = _prefill_once(llm, ids, timer)
-            warm = True
+            warm = False
+            if time.perf_counter() + 1.5 * ttft < deadline:  # the first run compiled the kernels
+                if synthetic is not None:
+                    synthetic.timed = True
+                ttft, peak, _ = _prefill_once(llm, ids, timer)
+                warm = True
         layer = timer.totals()
     finally:
         timer.close()
-    return {"ttft_s": round(ttft, 3), "prefill_tok_s": round(length / ttft, 1), **layer,
-            "peak_gpu_gib": round(peak / GIB, 3), "peak_minus_weights_gib": round((peak - weights) / GIB, 3),
-            "warm": warm, "chunk_tokens": 0 if label == "dense" else chunk,
-            "offloaded": bool(getattr(llm.method, "offloaded", False) or llm.config.offload)}
+    rec = {"ttft_s": round(ttft, 3), "prefill_tok_s": round(length / ttft, 1), **layer,
+           "peak_gpu_gib": round(peak / GIB, 3), "peak_minus_weights_gib": round((peak - weights) / GIB, 3),
+           "warm": warm, "chunk_tokens": 0 if label == "dense" else chunk,
+           "offloaded": bool(getattr(llm.method, "offloaded", False) or llm.config.offload)}
+    if synthetic is not None:  # masks drawn inside the kept run would count in its TTFT
+        rec.update(masks=f"synthetic, top-k keep {keep}", masks_drawn_in_kept_run=synthetic.made_in_timed_run or not warm)
+    return rec
 
 
 def kernel_check() -> list[dict]:
@@ -258,7 +310,12 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--keep", type=float, default=None,
+                    help="block-sparse points attend over synthetic masks whose neighbouring tokens keep this "
+                         "fraction of their top-k (the selection kernels still run); default: the kernels' masks")
     args = ap.parse_args()
+    if args.keep is not None and not 0.0 <= args.keep <= 1.0:
+        ap.error(f"--keep must lie in [0, 1], got {args.keep}")
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         ap.error(f"unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}")  # exit 2
@@ -270,7 +327,8 @@ def main() -> None:
     deadline = t0 + args.budget_s
     lengths = [int(x) for x in args.lengths.split(",")]
     report = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "budget_s": args.budget_s, "chunk_tokens": args.chunk, "points": []}
+              "torch": torch.__version__, "budget_s": args.budget_s, "chunk_tokens": args.chunk,
+              "keep": args.keep, "points": []}
 
     def save():
         tmp = out_dir / "prefill_gpu.json.tmp"
@@ -301,7 +359,7 @@ def main() -> None:
                 else:
                     try:
                         rec.update(run_point(model, forecast, weights, label, length, args.chunk,
-                                             deadline - parity_s))
+                                             deadline - parity_s, keep=args.keep))
                         rec["status"] = "ok"
                     except Exception as exc:  # OOM or a bug: record, free, go on
                         rec.update(status="error", error=repr(exc)[:500], trace=traceback.format_exc()[-1500:])
