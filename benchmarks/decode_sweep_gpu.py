@@ -588,8 +588,9 @@ def kvquant(out: Path, budget: float) -> list[dict]:
 
 def cold_slots_check(batch: int = 24, heads: int = 2, d: int = 128, block: int = 64) -> dict:
     """The mixed fetch's dequantisation of staged cold blocks (``kernels.dequantize_cold_slots``)
-    on the GPU: the Triton launch against the PyTorch twin on the same bf16 slots (largest
-    difference in bf16 ulps of the written slots, untouched slots equal), and both timed at the
+    on the GPU: the Triton launch and the PyTorch twin on the same bf16 slots, each against
+    float64 (largest error in bf16 ulps of max(|value|, |lo|): about 0.5, one rounding to bf16,
+    whether or not the multiply-add is fused; untouched slots equal), and both timed at the
     MiniCPM-8B shape's staging buffer (``S`` slots of the default slot factor at 128K) with
     ``cold_fraction`` of the slots receiving a cold block: ms per layer and x31 layers."""
     from sparda.bench.models import selection_config
@@ -611,14 +612,23 @@ def cold_slots_check(batch: int = 24, heads: int = 2, d: int = 128, block: int =
         dequantize_cold_triton(staged[0], staged[1], got[0][:, :, :slots], got[1][:, :, :slots], cold)
         twins.dequantize_cold_reference(staged[0], staged[1], ref[0][:, :, :slots], ref[1][:, :, :slots], cold)
         take = (cold >= 0)
-        ulps = max(float(((g[:, :, :slots][take].float() - r[:, :, :slots][take].float()).abs()
-                          / r[:, :, :slots][take].float().abs().clamp_min(1e-30) * 128).max()) for g, r in zip(got, ref))
+
+        def ulps(out, st) -> float:
+            """Largest error against float64 in bf16 ulps of max(|value|, |lo|): ``q * step + lo``
+            in fp32 cancels near 0, where an ulp of the value itself would be no scale."""
+            exact = quant.dequantize(st.data, st.scale.double(), "int4", torch.float64)
+            size = torch.maximum(exact.abs(), st.scale[..., 1:].double().abs())[take]
+            ulp = torch.exp2(torch.floor(torch.log2(size.clamp_min(1e-30))) - 7)
+            return float(((out[:, :, :slots][take].double() - exact[take]).abs() / ulp).max())
+
+        errs = {name: max(ulps(o, st) for o, st in zip(outs, staged)) for name, outs in (("triton", got), ("twin", ref))}
         same = all(torch.equal(g[:, :, :slots][~take], b[:, :, :slots][~take]) and torch.equal(g[:, :, slots], b[:, :, slots])
                    for g, b in zip(got, base))
         k_dst, v_dst = got[0][:, :, :slots], got[1][:, :, :slots]
         tri = cuda_ms(lambda: dequantize_cold_triton(staged[0], staged[1], k_dst, v_dst, cold), reps=20)
         twin = cuda_ms(lambda: twins.dequantize_cold_reference(staged[0], staged[1], k_dst, v_dst, cold), reps=20)
-        row[f"cold {frac}"] = {"max_ulps": round(ulps, 3), "untouched_equal": same, "triton_ms": round(tri, 4),
+        row[f"cold {frac}"] = {"triton_max_ulps": round(errs["triton"], 3), "twin_max_ulps": round(errs["twin"], 3),
+                               "untouched_equal": same, "triton_ms": round(tri, 4),
                                "twin_ms": round(twin, 4), "triton_ms_x31": round(31 * tri, 3),
                                "twin_ms_x31": round(31 * twin, 3)}
     return row

@@ -464,3 +464,22 @@ def test_forecast_prefill_ops_per_chunk(offload, monkeypatch):
     assert [e for e in log if e[3] in _SYNC_OPS] == []
     assert len({e[1] for e in want}) >= 2  # at least two selecting chunks
     assert log == want, next(((i, a, b) for i, (a, b) in enumerate(zip(log, want)) if a != b), (len(log), len(want)))
+
+
+def test_bracket_top_k_at_positions_past_int32():
+    """The bracket search reads positions as int64, like the rule and the bisection: query
+    positions near and past 2^31 select what ``reference.select_blocks`` selects (the top-k
+    launch on given block scores, N = 8)."""
+    import sparda.kernels.prefill_selection as ps
+
+    cfg = SelectionConfig(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1, local_blocks=2,
+                          topk_blocks=2, dense_len=2048)
+    n = 8
+    scores = torch.randn(1, 1, 3, n)
+    q_pos = torch.tensor([[2**31 - 1, 2**31 + 100, 2**32 + 64 * 5]])
+    mask = torch.full((1, 1, 3, n), 7, dtype=torch.uint8)
+    ps._prefill_topk_bracket_kernel[(3, 1)](
+        scores, mask, q_pos, q_pos.stride(0), scores.stride(0), scores.stride(1), scores.stride(2),
+        mask.stride(0), mask.stride(1), mask.stride(2), 1, 3, n, BS=64, INIT=1, LOCAL=2, TOPK=2,
+        BUDGET=cfg.budget_blocks, DENSE_LEN=cfg.dense_len, N_P=n, num_warps=1)
+    assert torch.equal(mask.bool(), reference.select_blocks(scores, q_pos, cfg))

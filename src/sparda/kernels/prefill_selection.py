@@ -244,13 +244,14 @@ def _prefill_topk_bracket_kernel(
     h = (pid_bh % H).to(tl.int64)
     r = tl.program_id(0)
     cols = tl.arange(0, N_P)
-    t = tl.load(QPOS + b * stride_pb + r).to(tl.int32)
+    t = tl.load(QPOS + b * stride_pb + r).to(tl.int64)  # positions in int64, block indices in int32
     cur = tl.where(t >= 0, t // BS, -1)
     last = tl.minimum(cur, N - 1)  # the query's own block: later ones are never selected
     dense = (t + 1 < DENSE_LEN) | (cur + 1 <= BUDGET)
     # candidates: blocks INIT .. cur - LOCAL (the others up to ``last`` are forced), none
     # under the dense fallback
-    c_hi = tl.where(dense, INIT - 1, tl.minimum(cur - LOCAL, last))
+    c_hi = tl.where(dense, INIT - 1, tl.minimum(cur - LOCAL, last)).to(tl.int32)
+    last = last.to(tl.int32)
     n_cand = tl.maximum(c_hi - INIT + 1, 0)
     kk = tl.minimum(n_cand, TOPK)
     cand = (cols >= INIT) & (cols <= c_hi)
