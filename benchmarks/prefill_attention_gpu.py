@@ -19,7 +19,7 @@ Usage (one CUDA GPU, from the repository root):
    4 tokens walks ~2.8x one token's blocks), real ones do not (``prefill_overlap.py``: the
    bundled model's ``sparda`` keeps 83 % of a token's top-k for the next token): the same
    kernel also runs on synthetic masks whose neighbouring tokens keep :data:`KEEPS` of their
-   top-k (``bench.traces.synthetic_masks``).
+   top-k (``bench.traces.synthetic_prefill_mask``).
 
 3. ``selection``: the prefill selection kernel alone on the same chunk (last 8,192 tokens of
    128K): query-based with G = 16 and G = 4 and the Forecast (one head), ms per chunk and x16
@@ -75,6 +75,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sparda.bench.timing import cuda_ms  # noqa: E402
+from sparda.bench.traces import synthetic_prefill_mask  # noqa: E402
 from sparda.config import SelectionConfig  # noqa: E402
 from sparda.kernels import prefill_attention, reference  # noqa: E402
 from sparda.kernels.prefill_attention import prefill_attention_triton, tile_block_lists  # noqa: E402
@@ -98,17 +99,6 @@ def _inputs(heads: int, groups: int, num_keys: int, num_q: int, cfg, d: int = 12
 #: is what ``sparda``'s prefill selection keeps on the bundled model (benchmarks/prefill_overlap.py,
 #: docs/benchmarks/prefill-overlap-2026-12-04-cpu.json), 0.9 the decode trace's step-to-step reuse
 KEEPS = (0.83, 0.9)
-
-
-def _synthetic_mask(heads: int, num_keys: int, num_q: int, cfg, keep: float, seed: int = 0) -> torch.Tensor:
-    """``[1, H, num_q, N]`` bool prefill masks of the last ``num_q`` tokens of ``num_keys``: per
-    token the forced blocks plus ``topk_blocks`` others, ``round(keep * k)`` of them the previous
-    token's (``bench.traces.synthetic_masks``, consecutive tokens taken as decode steps)."""
-    from sparda.bench.traces import synthetic_masks
-
-    num_blocks = -(-num_keys // cfg.block_size)
-    masks = synthetic_masks(1, heads, cfg, [num_keys - num_q], num_q, num_blocks, keep, seed=seed)
-    return masks[:, 0, 0, :, :num_blocks].permute(1, 0, 2).unsqueeze(0).contiguous()
 
 
 def check(cfg) -> list[dict]:
@@ -135,7 +125,7 @@ def timing(cfg, old) -> list[dict]:
             row[f"blocks_per_tile_{label}"] = float(counts.float().mean())
         row["packed_ms"] = cuda_ms(lambda: prefill_attention(q, k, v, mask, q_pos, kv_len, cfg.block_size), reps=5)
         for keep in KEEPS:  # neighbouring tokens sharing their top-k as real selections do
-            synth = _synthetic_mask(heads, 131072, 8192, cfg, keep).to(mask.device)
+            synth = synthetic_prefill_mask(heads, cfg, 131072, 8192, mask.shape[-1], keep).to(mask.device)
             _, counts = tile_block_lists(synth, q_pos, kv_len, heads, 131072, cfg.block_size, max(1, 64 // g_p))
             row[f"keep_{keep}"] = {
                 "blocks_per_token": round(float(synth.sum(-1).float().mean()), 1),
@@ -175,9 +165,9 @@ def _tie_rows(scores: torch.Tensor, q_pos: torch.Tensor, cfg) -> float:
     blocks = torch.arange(num_blocks, device=scores.device).view(1, 1, 1, -1)
     cur = (q_pos // cfg.block_size)[:, None, :, None]
     cand = (blocks <= cur) & ~reference.forced_blocks(q_pos, num_blocks, cfg)
-    x = scores.nan_to_num(nan=-1e30, neginf=-1e30, posinf=3.4028234663852886e38)
-    bits = x.view(torch.int32)
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).masked_fill(~cand, -2**31)
+    # the rule's ranking key without its block-index bits (reference.select_blocks' sanitising)
+    key = reference._rank_key(scores.nan_to_num(nan=-1e30, neginf=-1e30)) >> 24
+    key = key.masked_fill(~cand, -2**40)
     top = key.topk(cfg.topk_blocks + 1, dim=-1).values
     dense = (q_pos + 1 < cfg.dense_len) | (q_pos // cfg.block_size + 1 <= cfg.budget_blocks)  # no top-k there
     enough = ((cand.sum(-1) > cfg.topk_blocks) & ~dense[:, None]).expand(top.shape[:-1])

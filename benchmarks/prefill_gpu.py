@@ -135,7 +135,7 @@ class SyntheticMasks:
     """``--keep H``: while active, ``kernels.select_prefill_blocks`` still runs (its cost is
     measured) but returns a synthetic mask instead of its own: per token the forced blocks
     plus ``topk_blocks`` others, ``round(H * k)`` of them the previous token's
-    (``bench.traces.synthetic_masks``; random queries make neighbouring tokens' selections
+    (``bench.traces.synthetic_prefill_mask``; random queries make neighbouring tokens' selections
     nearly disjoint, real ones keep ~83 %, ``benchmarks/prefill_overlap.py``). One mask per
     chunk, shared by its layers, keyed by the call's shapes (queries, blocks, KV heads: no
     host sync) and drawn at the first call of that chunk (so in the first, compiling run;
@@ -155,12 +155,10 @@ class SyntheticMasks:
             heads, tq = ck.shape[1], q_pos.shape[1]
             key = (tq, num_blocks, heads)
             if key not in self.cache:
-                from sparda.bench.traces import synthetic_masks
+                from sparda.bench.traces import synthetic_prefill_mask
 
-                start = num_blocks * cfg.block_size - tq
-                masks = synthetic_masks(1, heads, cfg, [start], tq, num_blocks, self.keep, seed=len(self.cache))
-                self.cache[key] = masks[:, 0, 0, :, :num_blocks].permute(1, 0, 2).unsqueeze(0).to(
-                    q_pos.device, non_blocking=True)
+                self.cache[key] = synthetic_prefill_mask(heads, cfg, num_blocks * cfg.block_size, tq, num_blocks,
+                                                         self.keep, seed=len(self.cache)).to(q_pos.device)
                 self.made_in_timed_run = self.timed
             return self.cache[key].expand(q_pos.shape[0], -1, -1, -1)
 

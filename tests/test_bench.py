@@ -519,3 +519,29 @@ def test_a_parity_check_leaves_the_tpots_steps_unchanged(fresh_seed, monkeypatch
     assert got[0]["missed_bytes_per_step"] > 0
     for key in ("missed_bytes_per_step", "hit_rate", "timed_missed_bytes_per_step"):
         assert got[1][key] == got[0][key], (fresh_seed, key, got[0][key], got[1][key])
+
+
+def test_synthetic_prefill_mask_keeps_the_top_k_between_neighbours(fresh_seed):
+    """Token ``i`` of the last ``Tq`` of ``T`` keys sits at position ``T - Tq + i``: it selects
+    its own block, nothing after it, the forced blocks and ``topk_blocks`` others, of which
+    at least ``round(keep * k)`` the previous token chose too (counted by brute force)."""
+    from sparda.bench.traces import synthetic_prefill_mask
+    from sparda.config import SelectionConfig
+    from sparda.kernels.reference import forced_blocks
+
+    cfg = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
+                          topk_blocks=6, dense_len=64)
+    num_keys, tq, keep = 900, 40, 0.5
+    num_blocks = -(-num_keys // cfg.block_size)
+    mask = synthetic_prefill_mask(2, cfg, num_keys, tq, num_blocks, keep, seed=fresh_seed)
+    assert mask.shape == (1, 2, tq, num_blocks) and mask.dtype == torch.bool
+    q_pos = torch.arange(num_keys - tq, num_keys).view(1, -1)
+    cur = (q_pos // cfg.block_size)[0]
+    blocks = torch.arange(num_blocks)
+    forced = forced_blocks(q_pos, num_blocks, cfg)[0, 0] & (blocks <= cur[:, None])
+    m = mask[0]
+    assert (m[:, torch.arange(tq), cur]).all() and not (m & (blocks > cur[:, None])).any()
+    assert (m | ~forced).all()
+    top = m & ~forced
+    assert (top.sum(-1) == cfg.topk_blocks).all()
+    assert ((top[:, 1:] & top[:, :-1]).sum(-1) >= round(keep * cfg.topk_blocks)).all()

@@ -186,6 +186,21 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
     return torch.from_numpy(out[..., :num_blocks])
 
 
+def synthetic_prefill_mask(num_kv_heads: int, selection, num_keys: int, num_queries: int, num_blocks: int,
+                           keep: float, seed: int = 0) -> torch.Tensor:
+    """Prefill masks of the last ``num_queries`` tokens of ``num_keys`` whose neighbouring tokens
+    keep ``keep`` of their top-k (:func:`synthetic_masks`, consecutive tokens taken as decode
+    steps): ``[1, H, num_queries, num_blocks]`` bool (CPU). Real selections keep most of their
+    top-k from one token to the next, random weights almost none (docs/benchmarks/prefill-overlap-*).
+
+    Raises:
+        SpardaError: ``keep`` outside ``[0, 1]``.
+    """
+    masks = synthetic_masks(1, num_kv_heads, selection, [num_keys - num_queries], num_queries, num_blocks, keep,
+                            seed=seed)
+    return masks[:, 0, 0, :, :num_blocks].permute(1, 0, 2).unsqueeze(0).contiguous()
+
+
 def synthetic_masks(num_layers: int, num_kv_heads: int, selection, start_pos: list[int], steps: int,
                     num_blocks: int, hit_rate: float, seed: int = 0) -> torch.Tensor:
     """Block masks with a chosen step-to-step reuse, for the bench's ``--hit-rate`` sweep.

@@ -408,22 +408,16 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee, FUSED_SELECT=fused,
             num_warps=num_warps or (8 if query.is_cuda and not softmax and block_m >= 128 else 4),
             num_stages=num_stages)  # default 1, no software pipelining: those tiles fit Hopper's 227 KiB
-        if bracket:
-            _prefill_topk_bracket_kernel[(s1 - s0, bsz * heads)](
+        if not fused:  # the rule as its own launch, one of the two searches
+            kernel, extra = ((_prefill_topk_bracket_kernel, {}) if bracket
+                             else (_prefill_topk_kernel, {"RS": topk_rows}))
+            kernel[(-(-(s1 - s0) // topk_rows), bsz * heads)](
                 scratch, m_sub, pos_sub, pos_sub.stride(0),
                 scratch.stride(0), scratch.stride(1), scratch.stride(2),
                 m_sub.stride(0), m_sub.stride(1), m_sub.stride(2),
                 heads, s1 - s0, num_blocks, BS=cfg.block_size, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
                 TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks, DENSE_LEN=cfg.dense_len, N_P=n_p,
-                num_warps=topk_warps)
-        elif not fused:
-            _prefill_topk_kernel[(-(-(s1 - s0) // topk_rows), bsz * heads)](
-                scratch, m_sub, pos_sub, pos_sub.stride(0),
-                scratch.stride(0), scratch.stride(1), scratch.stride(2),
-                m_sub.stride(0), m_sub.stride(1), m_sub.stride(2),
-                heads, s1 - s0, num_blocks, BS=cfg.block_size, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-                TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks, DENSE_LEN=cfg.dense_len, N_P=n_p,
-                RS=topk_rows, num_warps=topk_warps)
+                num_warps=topk_warps, **extra)
     if return_scores:
         scores = scratch
         return mask.view(torch.bool), scores
