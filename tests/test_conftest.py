@@ -30,7 +30,7 @@ def test_fails(fresh_seed, shared):
 
 def _pytest(tmp_path: Path, seed: str, session: str, *args) -> str:
     env = dict(os.environ, SPARDA_TEST_SEED=seed, SPARDA_SESSION_SEED=session)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py", *args],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rN", "-p", "no:cacheprovider", "test_probe.py", *args],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stdout + run.stderr  # one test failed, on purpose
     return run.stdout

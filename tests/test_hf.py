@@ -17,9 +17,10 @@ def _hf(path):
 
 
 def _greedy(model, ids, n):
+    prompt = torch.tensor([ids])  # an explicit mask: generate() would mask prompt tokens equal to pad_token_id
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
@@ -61,6 +62,17 @@ def test_refusals(make_tiny):
         model.generate(torch.ones(2, 5, dtype=torch.long), max_new_tokens=2)
     with pytest.raises(SpardaError, match="batch of 2 .beam search"):
         model.generate(torch.ones(1, 5, dtype=torch.long), max_new_tokens=2, num_beams=2, do_sample=False)
+    ids = torch.randint(1, 49152, (1, int(torch.randint(20, 60, ()))))
+    where = int(torch.randint(0, ids.shape[1], ()))
+    mask = torch.ones_like(ids)
+    mask[0, where] = 0
+    with pytest.raises(SpardaError, match=f"attention_mask masks 1 of {ids.shape[1]} .*one at a time"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    ids[0, where] = 7  # generate() builds that mask itself from a prompt token equal to pad_token_id
+    with pytest.raises(SpardaError, match=f"attention_mask masks 1 of {ids.shape[1]}"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=7, eos_token_id=None)
+    mask[0, where] = 1  # the same prompt unmasked decodes
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False).shape[1] == ids.shape[1] + 2
     with pytest.raises(SpardaError, match="on-device methods; 'sparse-offload' offloads"):
         sparda.hf.enable(model, method="sparse-offload")
 

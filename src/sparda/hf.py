@@ -191,6 +191,22 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return session.attend(module.layer_idx, query), None
 
 
+def _check_no_padding(attention_mask) -> None:
+    """Refuse a prompt's ``attention_mask [B, T]`` that masks tokens (checked once per
+    sequence, at its prefill). sparda attends to every cached token at consecutive positions,
+    so a masked token would be attended to anyway while transformers shifts the later tokens'
+    RoPE positions. generate() also builds such a mask by itself when the prompt contains
+    ``pad_token_id``. Raises SpardaError naming the count and the fix."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return
+    masked = int((attention_mask == 0).sum())
+    if masked:
+        raise SpardaError(f"sparda.hf attends to every token, but the attention_mask masks {masked} of "
+                          f"{attention_mask.shape[-1]} (padding, or generate() masking a prompt token equal to "
+                          "pad_token_id); pass unpadded prompts one at a time with "
+                          "attention_mask=torch.ones_like(input_ids)")
+
+
 def _no_mask(*args, **kwargs):
     return None
 
@@ -265,6 +281,7 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
         if not isinstance(cache, cache_cls):
             if cache is not None and cache.get_seq_length():
                 raise SpardaError("the model was given a cache filled without sparda; let generate() make one")
+            _check_no_padding(kwargs.get("attention_mask"))
             kwargs[name] = cache_cls(session)
             kwargs["use_cache"] = True
         return args, kwargs
