@@ -5,7 +5,7 @@ Usage (one CUDA GPU, from the repository root; under 8 minutes on an H200: point
 
     PYTHONPATH=src python3 benchmarks/prefill_gpu.py OUT [--budget-s 420] [--lengths 32768,65536,131072]
         [--models minicpm-8b,llama-8b] [--methods dense,sparse,...] [--chunk 8192] [--skip-parity]
-        [--keep 0.83]
+        [--keep 0.83] [--profile]
 
 Random bf16 weights at the 8B shapes of :mod:`sparda.bench.models`, the ``paper`` preset,
 block-sparse prefill. Three parts, each failing soft (an error is recorded and the
@@ -23,7 +23,10 @@ script goes on) and all bounded by ``--budget-s``:
    peak minus weights. A point runs twice when the budget allows (the first compiles the
    kernels); ``warm`` says which was kept. ``--keep H``: the block-sparse points attend over
    synthetic masks whose neighbouring tokens keep ``H`` of their top-k (:class:`SyntheticMasks`;
-   the selection kernels still run and are timed), records say ``masks``.
+   the selection kernels still run and are timed), records say ``masks``. ``--profile``: one
+   more prefill of each warm point under ``torch.profiler`` (``profile``: kernel count and
+   time, GPU busy and idle ms against the wall, synchronising/allocating runtime calls;
+   :func:`sparda.bench.gpu_profile.profile_call`), to find host time the GPU waits on.
 3. ``parity``: 128K MiniCPM-8B shape, offloaded ``sparda`` with chunked prefill then 64
    greedy tokens, against the same with unchunked prefill (``chunked_vs_unchunked``, the
    criterion) and, time permitting, on-device ``sparda`` with unchunked prefill
@@ -50,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sparda.attention import base, dense as dense_mod  # noqa: E402
+from sparda.bench.gpu_profile import profile_call  # noqa: E402
 from sparda.bench.models import build_model, random_forecast, weight_bytes  # noqa: E402
 from sparda.engine.llm import LLM  # noqa: E402
 
@@ -173,7 +177,8 @@ class SyntheticMasks:
 def _prefill_once(llm, ids, timer):
     cache = llm.new_cache(1, len(ids) + 64)
     llm.method.reset()
-    timer.reset()
+    if timer is not None:
+        timer.reset()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -186,7 +191,7 @@ def _prefill_once(llm, ids, timer):
     return ttft, peak, first
 
 
-def run_point(model, forecast, weights, label, length, chunk, deadline, keep=None):
+def run_point(model, forecast, weights, label, length, chunk, deadline, keep=None, profile=False):
     method, offload = METHODS[label]
     llm = LLM.from_model(model, _NoText(), method=method, preset="paper", forecast=forecast, offload=offload,
                          prefill_chunk_tokens=0 if label == "dense" else chunk)
@@ -205,10 +210,16 @@ def run_point(model, forecast, weights, label, length, chunk, deadline, keep=Non
         layer = timer.totals()
     finally:
         timer.close()
+    traced = None
+    if profile and warm and time.perf_counter() + 3 * ttft < deadline:  # the profiler slows the run
+        with synthetic or contextlib.nullcontext():
+            traced = profile_call(lambda: _prefill_once(llm, ids, None))
     rec = {"ttft_s": round(ttft, 3), "prefill_tok_s": round(length / ttft, 1), **layer,
            "peak_gpu_gib": round(peak / GIB, 3), "peak_minus_weights_gib": round((peak - weights) / GIB, 3),
            "warm": warm, "chunk_tokens": 0 if label == "dense" else chunk,
            "offloaded": bool(getattr(llm.method, "offloaded", False) or llm.config.offload)}
+    if profile:
+        rec["profile"] = traced if traced is not None else "skipped (time budget, or no warm run)"
     if synthetic is not None:  # masks drawn inside the kept run would count in its TTFT
         rec.update(masks=f"synthetic, top-k keep {keep}", masks_drawn_in_kept_run=synthetic.made_in_timed_run or not warm)
     return rec
@@ -311,6 +322,9 @@ def main() -> None:
     ap.add_argument("--keep", type=float, default=None,
                     help="block-sparse points attend over synthetic masks whose neighbouring tokens keep this "
                          "fraction of their top-k (the selection kernels still run); default: the kernels' masks")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each warm point, one more prefill under torch.profiler: GPU busy and idle ms, "
+                         "synchronising and allocating runtime calls, the kernels with the most time")
     args = ap.parse_args()
     if args.keep is not None and not 0.0 <= args.keep <= 1.0:
         ap.error(f"--keep must lie in [0, 1], got {args.keep}")
@@ -357,13 +371,13 @@ def main() -> None:
                 else:
                     try:
                         rec.update(run_point(model, forecast, weights, label, length, args.chunk,
-                                             deadline - parity_s, keep=args.keep))
+                                             deadline - parity_s, keep=args.keep, profile=args.profile))
                         rec["status"] = "ok"
                     except Exception as exc:  # OOM or a bug: record, free, go on
                         rec.update(status="error", error=repr(exc)[:500], trace=traceback.format_exc()[-1500:])
                     torch.cuda.empty_cache()
                 report["points"].append(rec)
-                print(f"[{time.perf_counter() - t0:5.0f} s]", {k: v for k, v in rec.items() if k != "trace"},
+                print(f"[{time.perf_counter() - t0:5.0f} s]", {k: v for k, v in rec.items() if k not in ("trace", "profile")},
                       flush=True)
                 save()
         del model, forecast

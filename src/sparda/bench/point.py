@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from sparda.bench.gpu_profile import kernel_summary
 from sparda.bench.models import method_extra_bytes, weight_bytes
 from sparda.bench.roofline import kv_read_bytes, roofline_ms
 from sparda.bench.timing import ComponentTimer
@@ -435,10 +436,9 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
 
 
 def profile_kernels(step, steps: int) -> dict:
-    """``kernels_per_step``, ``gpu_kernel_ms`` (summed GPU kernel time per step, every
-    stream, ms) and ``kernel_top`` (the 12 kernel names with the most time: launches and ms
-    per step) of ``steps`` calls of ``step()``, from ``torch.profiler`` (CUDA activity;
-    kernels inside replayed CUDA graphs count one by one). Memcpy/memset records are left out."""
+    """:func:`sparda.bench.gpu_profile.kernel_summary` (``kernels_per_step``,
+    ``gpu_kernel_ms``, ``kernel_top``) of ``steps`` calls of ``step()``, from
+    ``torch.profiler`` (CUDA activity; kernels inside replayed CUDA graphs count one by one)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -446,21 +446,7 @@ def profile_kernels(step, steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels, total_us, by_name = 0, 0.0, {}
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        if ev.name.startswith(("Memcpy", "Memset", "cudaMem")):
-            continue
-        kernels += 1
-        us = ev.time_range.elapsed_us()
-        total_us += us
-        calls, name_us = by_name.get(ev.name[:80], (0, 0.0))
-        by_name[ev.name[:80]] = (calls + 1, name_us + us)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"kernels_per_step": round(kernels / steps, 1), "gpu_kernel_ms": round(total_us / steps / 1e3, 4),
-            "kernel_top": [{"name": n, "per_step": round(c / steps, 1), "ms": round(u / steps / 1e3, 4)}
-                           for n, (c, u) in top]}
+    return kernel_summary(prof.events(), steps)
 
 
 def restart(state: dict, cache, index: int = 0) -> None:
