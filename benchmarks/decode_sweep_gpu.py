@@ -23,6 +23,10 @@ printed last:
   ``sparse`` at B8..B16 and offloaded ``sparda`` at B16, B24, MiniCPM-8B shape, 128K.
 * ``grid``: the rest of the grid (Llama-3-8B and MiniCPM-8B shapes, 32K / 64K / 128K,
   B1..B24, every method), shortest contexts first, no parity.
+* ``grid-long``: Llama-3-8B shape at 128K and 64K (B1, B4) and MiniCPM-8B shape at 128K B1,
+  every method, under the current defaults.
+* ``baselines``: the seeds' selectors beside ``sparse`` and offloaded ``sparda``, MiniCPM-8B
+  shape, 128K, B4 and B16, parity 16.
 * ``early``: offloaded ``sparda`` attending to its resident blocks before the prefetch
   wait (``early_attention``, design §6): the overlapped slot attention in bf16 against the
   fp32 twin; greedy tokens with it on vs off vs ``sparda-no-prefetch`` and graph vs eager
@@ -73,7 +77,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from sparda.bench.sweep import SWEEP_METHODS, SweepConfig, run_sweep  # noqa: E402
+from sparda.bench.sweep import BASELINE_METHODS, SWEEP_METHODS, SweepConfig, run_sweep  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 T0 = time.perf_counter()
@@ -185,6 +189,13 @@ ALL = ["sparda", "sparse-offload", "dense", "sparse", "sparda-no-prefetch", "inf
 assert sorted(ALL) == sorted(SWEEP_METHODS)
 
 
+def baselines(out: Path, budget: float) -> list[dict]:
+    """The seeds' selectors (issue #13) beside ``sparse`` and offloaded ``sparda``: MiniCPM-8B
+    shape, 128K, B4 and B16, on the GPU (their KV cache stays on the device), parity 16."""
+    return _sweep(out / "baselines", budget, methods=["sparda", "sparse", *BASELINE_METHODS], batches=[4, 16],
+                  parity_steps=16)
+
+
 def hitrate(out: Path, budget: float) -> list[dict]:
     return _sweep(out / "hitrate", budget, methods=["sparda", "sparse-offload"], batches=[4, 16],
                   hit_rates=[0.5, 0.7, 0.8, 0.9])
@@ -221,6 +232,20 @@ def grid(out: Path, budget: float) -> list[dict]:
             recs += _sweep(Path("/tmp/sweeps/grid") / f"{model}-{ctx // 1024}k", left, models=[model],
                            contexts=[ctx], methods=ALL, batches=batches, repeats=2)
             done()
+    return recs
+
+
+def grid_long(out: Path, budget: float) -> list[dict]:
+    """The long-context corner of ``grid`` under the current defaults: Llama-3-8B shape at 128K
+    and 64K, B1 and B4, every method, then MiniCPM-8B shape at 128K B1."""
+    recs = []
+    for model, ctx, batches in (("llama-8b", 131072, [1, 4]), ("llama-8b", 65536, [1, 4]),
+                                ("minicpm-8b", 131072, [1])):
+        left = budget - (time.perf_counter() - T0)
+        if left < 60:
+            break
+        recs += _sweep(out / f"grid-{model}-{ctx // 1024}k", left, models=[model], contexts=[ctx], methods=ALL,
+                       batches=batches, repeats=2)
     return recs
 
 
@@ -693,7 +718,7 @@ def recheck(out: Path, budget: float) -> list[dict]:
 
 
 PARTS = {"check": check, "recheck": recheck, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
-         "hitrate": hitrate, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid,
+         "hitrate": hitrate, "baselines": baselines, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid, "grid-long": grid_long,
          "kvquant": kvquant, "kvmixed": kvmixed, "spare": spare, "tune-synth": tune_synth}
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ Writes ``OUT/prefill_attention_gpu.json`` and prints a short table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -158,6 +159,21 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+@contextlib.contextmanager
+def _scoring_only(ps):
+    """While active, both top-k launches of the prefill selection launch nothing: a call
+    times its scoring launch alone."""
+    names = ("_prefill_topk_kernel", "_prefill_topk_bracket_kernel")
+    saved = {name: getattr(ps, name) for name in names}
+    for name in names:
+        setattr(ps, name, _NoLaunch())
+    try:
+        yield
+    finally:
+        for name, kernel in saved.items():
+            setattr(ps, name, kernel)
+
+
 def _tie_rows(scores: torch.Tensor, q_pos: torch.Tensor, cfg) -> float:
     """Fraction of query rows whose k-th and (k+1)-th candidate block scores share their
     31-bit key (``topk_search="bracket"`` runs its tie pass on those rows)."""
@@ -187,20 +203,17 @@ def selection(cfg) -> list[dict]:
         shape = (1, heads, num_q, d) if groups is None else (1, heads, groups, num_q, d)
         query = (torch.randn(shape, device="cuda", generator=gen) * 0.3).bfloat16()
         ms = {launch: cuda_ms(lambda: select_prefill_blocks_triton(
-            query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None, select_launch=launch),
-            reps=5) for launch in ("split", "fused")}
+            query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None, select_launch=launch,
+            topk_search="bisect"), reps=5) for launch in ("split", "fused")}
         ps = sys.modules[select_prefill_blocks_triton.__module__]
-        topk_kernel, ps._prefill_topk_kernel = ps._prefill_topk_kernel, _NoLaunch()
-        try:  # the scoring launch alone: split minus this is the top-k launch
+        with _scoring_only(ps):  # the scoring launch alone: split minus this is the top-k launch
             ms["scoring"] = cuda_ms(lambda: select_prefill_blocks_triton(
                 query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None), reps=5)
-        finally:
-            ps._prefill_topk_kernel = topk_kernel
         ms["bracket"] = cuda_ms(lambda: select_prefill_blocks_triton(
             query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None, topk_search="bracket"), reps=5)
         masks = [select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
                                               lookahead=groups is None, **kw)
-                 for kw in ({}, {"select_launch": "fused"}, {"topk_search": "bracket"})]
+                 for kw in ({"topk_search": "bisect"}, {"select_launch": "fused"}, {"topk_search": "bracket"})]
         scores = select_prefill_blocks_triton(query, ck, q_pos, num_keys // cfg.block_size, cfg,
                                               lookahead=groups is None, return_scores=True)[1]
         rows.append({"selector": label, "kv_heads": heads, "chunk_ms": round(ms["split"], 3),
@@ -321,21 +334,15 @@ def topk(cfg) -> list[dict]:
                                   label, block_m, warps, stages)
                     same = ms is not None and bool(torch.equal(call(block_m=block_m, num_warps=warps,
                                                                     num_stages=stages), want))
-                    kernel, ps._prefill_topk_kernel = ps._prefill_topk_kernel, _NoLaunch()
-                    try:
+                    with _scoring_only(ps):
                         alone = ms and _tune_ms(lambda: call(block_m=block_m, num_warps=warps, num_stages=stages),
                                                 10, "scoring", label, block_m, warps, stages)
-                    finally:
-                        ps._prefill_topk_kernel = kernel
                     rows.append({"selector": label, "launch": "scoring", "block_m": block_m, "num_warps": warps,
                                  "num_stages": stages, "chunk_ms": None if ms is None else round(ms, 3),
                                  "scoring_ms": None if not alone else round(alone, 3), "equal": same})
                     print("topk", rows[-1], flush=True)
-        kernel, ps._prefill_topk_kernel = ps._prefill_topk_kernel, _NoLaunch()
-        try:
+        with _scoring_only(ps):
             scoring = cuda_ms(call, reps=10)
-        finally:
-            ps._prefill_topk_kernel = kernel
         for search, name in (("bisect", "_prefill_topk_kernel"), ("bracket", "_prefill_topk_bracket_kernel")):
             for warps in (1, 2):
                 for maxnreg in (None, 168, 128):

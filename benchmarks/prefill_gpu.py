@@ -5,7 +5,7 @@ Usage (one CUDA GPU, from the repository root; under 8 minutes on an H200: point
 
     PYTHONPATH=src python3 benchmarks/prefill_gpu.py OUT [--budget-s 420] [--lengths 32768,65536,131072]
         [--models minicpm-8b,llama-8b] [--methods dense,sparse,...] [--chunk 8192] [--skip-parity]
-        [--keep 0.83] [--profile]
+        [--keep 0.83] [--profile] [--topk-search bisect,bracket] [--query-stages 1,3]
 
 Random bf16 weights at the 8B shapes of :mod:`sparda.bench.models`, the ``paper`` preset,
 block-sparse prefill. Three parts, each failing soft (an error is recorded and the
@@ -27,6 +27,11 @@ script goes on) and all bounded by ``--budget-s``:
    more prefill of each warm point under ``torch.profiler`` (``profile``: kernel count and
    time, GPU busy and idle ms against the wall, synchronising/allocating runtime calls;
    :func:`sparda.bench.gpu_profile.profile_call`), to find host time the GPU waits on.
+   ``--topk-search A,B``: each block-sparse point once per top-k search of the prefill
+   selection kernel (``bracket``, the default, or ``bisect``; records say ``topk_search``).
+   ``--query-stages 1,3``: each query-based point (``sparse``, ``sparse-offload``) once per
+   pipeline depth of its scoring launch (records say ``query_num_stages``), so that the
+   baseline runs at its fastest launch shape too.
 3. ``parity``: 128K MiniCPM-8B shape, offloaded ``sparda`` with chunked prefill then 64
    greedy tokens, against the same with unchunked prefill (``chunked_vs_unchunked``, the
    criterion) and, time permitting, on-device ``sparda`` with unchunked prefill
@@ -172,6 +177,32 @@ class SyntheticMasks:
 
     def __exit__(self, *exc):
         self._kernels.select_prefill_blocks = self._original
+
+
+@contextlib.contextmanager
+def selection_options(search=None, query_stages=None):
+    """While active, the prefill selection kernel runs with ``topk_search=search`` and the
+    query-based selector's scoring launch with ``num_stages=query_stages`` (``None``: the
+    kernel's defaults)."""
+    if search is None and query_stages is None:
+        yield
+        return
+    from sparda.kernels import prefill_selection as ps
+
+    original = ps.select_prefill_blocks_triton
+
+    def select(query, *args, **kwargs):
+        if search is not None:
+            kwargs["topk_search"] = search
+        if query_stages is not None and query.dim() == 5:  # [B, H, G, Tq, d]: query-based
+            kwargs["num_stages"] = query_stages
+        return original(query, *args, **kwargs)
+
+    ps.select_prefill_blocks_triton = select
+    try:
+        yield
+    finally:
+        ps.select_prefill_blocks_triton = original
 
 
 def _prefill_once(llm, ids, timer):
@@ -322,12 +353,27 @@ def main() -> None:
     ap.add_argument("--keep", type=float, default=None,
                     help="block-sparse points attend over synthetic masks whose neighbouring tokens keep this "
                          "fraction of their top-k (the selection kernels still run); default: the kernels' masks")
+    ap.add_argument("--topk-search", default=None,
+                    help="comma-separated top-k searches of the prefill selection kernel (bisect, bracket): "
+                         "each block-sparse point runs once per search; default: the kernel's default")
+    ap.add_argument("--query-stages", default=None,
+                    help="comma-separated pipeline depths of the query-based selector's scoring launch: each "
+                         "sparse / sparse-offload point runs once per depth; default: the kernel's default")
     ap.add_argument("--profile", action="store_true",
                     help="after each warm point, one more prefill under torch.profiler: GPU busy and idle ms, "
                          "synchronising and allocating runtime calls, the kernels with the most time")
     args = ap.parse_args()
     if args.keep is not None and not 0.0 <= args.keep <= 1.0:
         ap.error(f"--keep must lie in [0, 1], got {args.keep}")
+    searches = args.topk_search.split(",") if args.topk_search else [None]
+    if not set(searches) <= {None, "bisect", "bracket"}:
+        ap.error(f"--topk-search takes bisect and/or bracket, got {args.topk_search!r}")  # exit 2
+    try:
+        stages = [int(x) for x in args.query_stages.split(",")] if args.query_stages else [None]
+    except ValueError:
+        stages = [0]
+    if not all(x is None or 1 <= x <= 4 for x in stages):
+        ap.error(f"--query-stages takes integers from 1 to 4, got {args.query_stages!r}")  # exit 2
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         ap.error(f"unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}")  # exit 2
@@ -364,14 +410,21 @@ def main() -> None:
             report["points"].append({"model": name, "status": "error", "error": repr(exc)})
             continue
         for length in lengths:
-            for label in args.methods.split(","):
+            for label, search, stage in [(lab, s, st) for lab in args.methods.split(",")
+                                         for s in ([None] if lab == "dense" else searches)
+                                         for st in (stages if lab.startswith("sparse") else [None])]:
                 rec = {"model": name, "length": length, "method": label}
+                if search is not None:
+                    rec["topk_search"] = search
+                if stage is not None:
+                    rec["query_num_stages"] = stage
                 if time.perf_counter() > deadline - parity_s:
                     rec["status"] = "skipped (time budget)"
                 else:
                     try:
-                        rec.update(run_point(model, forecast, weights, label, length, args.chunk,
-                                             deadline - parity_s, keep=args.keep, profile=args.profile))
+                        with selection_options(search, stage):
+                            rec.update(run_point(model, forecast, weights, label, length, args.chunk,
+                                                 deadline - parity_s, keep=args.keep, profile=args.profile))
                         rec["status"] = "ok"
                     except Exception as exc:  # OOM or a bug: record, free, go on
                         rec.update(status="error", error=repr(exc)[:500], trace=traceback.format_exc()[-1500:])
@@ -393,10 +446,12 @@ def main() -> None:
     print(f"\n{'model':11} {'len':>7} {'method':19} {'TTFT s':>7} {'tok/s':>9} {'sel ms/L':>9} {'attn ms/L':>9} "
           f"{'peak GiB':>8} {'-weights':>8}")
     for r in report["points"]:
+        label = (r.get("method", "") + (f"/{r['topk_search']}" if r.get("topk_search") else "")
+                 + (f"/s{r['query_num_stages']}" if r.get("query_num_stages") else ""))
         if r.get("status") != "ok":
-            print(f"{r.get('model', ''):11} {r.get('length', ''):>7} {r.get('method', ''):19} {r['status']}")
+            print(f"{r.get('model', ''):11} {r.get('length', ''):>7} {label:19} {r['status']}")
             continue
-        print(f"{r['model']:11} {r['length']:>7} {r['method']:19} {r['ttft_s']:>7.2f} {r['prefill_tok_s']:>9.0f} "
+        print(f"{r['model']:11} {r['length']:>7} {label:19} {r['ttft_s']:>7.2f} {r['prefill_tok_s']:>9.0f} "
               f"{r['select_ms_per_layer'] or 0:>9.2f} {r['attention_ms_per_layer'] or 0:>9.2f} "
               f"{r['peak_gpu_gib']:>8.2f} {r['peak_minus_weights_gib']:>8.2f}")
 

@@ -19,7 +19,6 @@ from sparda.config import SelectionConfig  # noqa: E402
 from sparda.errors import SpardaError  # noqa: E402
 from sparda.kernels import reference, select_prefill_blocks, twins  # noqa: E402
 from sparda.kernels.prefill_selection import select_prefill_blocks_triton  # noqa: E402
-from sparda.kernels._common import next_pow2  # noqa: E402
 
 # The paper's ratios (k = 2s, B_s = 4s) at block 16, a tight budget and a dense fallback.
 CFG = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1,
@@ -409,6 +408,7 @@ def _prefill_ops(llm, ids, monkeypatch):
 
     monkeypatch.setattr(ps, "_prefill_select_kernel", Launch(ps._prefill_select_kernel, "kernel"))
     monkeypatch.setattr(ps, "_prefill_topk_kernel", Launch(ps._prefill_topk_kernel, "topk"))
+    monkeypatch.setattr(ps, "_prefill_topk_bracket_kernel", Launch(ps._prefill_topk_bracket_kernel, "topk"))
     method = llm.method
     for hook in ("before_layer", "select"):
         def traced(layer, q, h, cache, step, *rest, _fn=getattr(method, hook), _hook=hook):
@@ -449,7 +449,7 @@ def test_forecast_prefill_ops_per_chunk(offload, monkeypatch):
         if end - 1 < max(cfg.dense_len - 1, cfg.budget_blocks * cfg.block_size):
             continue  # every query under the dense fallback: no Forecast, no selection
         n, c = -(-end // cfg.block_size), reference.num_compressed(end, cfg.kernel_size, cfg.kernel_stride)
-        rows = max(1, min(8, 2048 // next_pow2(max(n, 2))))  # the top-k launch's default rows per program
+        rows = 1  # the default top-k search (bracket) runs one row per program
         rope = [("aten.linear", [((1, tq, heads * d), f32)]), ("aten.neg", [((1, heads, tq, d // 2), f32)]),
                 ("aten.cat", [((1, heads, tq, d), f32)])] + [(op, [((1, heads, tq, d), f32)])
                                                               for op in ("aten.mul", "aten.mul", "aten.add")]

@@ -290,12 +290,21 @@ def _prefill_topk_bracket_kernel(
              mask=cols < N)
 
 
-def _default_block_m(rows_per_token: int, on_gpu: bool) -> int:
-    """Query tokens per program: ``BLOCK_M * G_P`` dot-product rows, 128 on the GPU
-    (tensor-core tiles; each compressed-key load serves 128 rows), 64 elsewhere (fewer
-    programs under the interpreter)."""
-    target = 128 if on_gpu else 64
+def _default_block_m(rows_per_token: int, on_gpu: bool, softmax: bool = True) -> int:
+    """Query tokens per program: ``BLOCK_M * G_P`` dot-product rows, 128 on the GPU for the
+    query-based selector (tensor-core tiles; each compressed-key load serves 128 rows) and
+    64 for the Forecast's one-head rows (with 4 warps and a 3-stage pipeline 35 % faster
+    than 128 rows at 8 warps on the H200 at 128K, both 8B shapes:
+    docs/benchmarks/prefill-2026-12-04-h200.md), 64 elsewhere (fewer programs under the
+    interpreter)."""
+    target = 128 if on_gpu and softmax else 64
     return max(1, target // rows_per_token)
+
+
+#: Register cap of the bracket top-k launch on CUDA (Triton ``maxnreg``): uncapped it takes
+#: 255 registers per thread; at 128, with 2 warps per row, it ran 10-20 % faster on the H200
+#: (docs/benchmarks/prefill-2026-12-04-h200.md).
+_BRACKET_MAXNREG = 128
 
 
 def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
@@ -303,29 +312,34 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
                                  block_m: int | None = None, return_scores: bool = False,
                                  num_warps: int | None = None, select_launch: str = "split",
                                  topk_rows: int | None = None, topk_warps: int | None = None,
-                                 topk_search: str = "bisect", num_stages: int = 1):
+                                 topk_search: str | None = None, num_stages: int | None = None):
     """Triton twin of :func:`sparda.kernels.twins.select_prefill_reference` (see
     :func:`sparda.kernels.select_prefill_blocks` for the arguments).
 
-    ``block_m``: query tokens per program (a power of two; default 128 / ``G_P`` on the
-    GPU, 64 / ``G_P`` elsewhere, at least 1, with ``G_P`` the group padded to a power of two).
+    ``block_m``: query tokens per program (a power of two; default on the GPU 128 / ``G_P``
+    for the query-based selector and 64 for the Forecast, 64 / ``G_P`` elsewhere, at least 1,
+    with ``G_P`` the group padded to a power of two).
     ``return_scores``: also return the ``[B, H, Tq, N]`` fp32 block scores; entries past a
     query's own block are unspecified (the rule never reads them). ``num_warps``: Triton
-    launch parameter (tuning; default 8 on the GPU for the Forecast's 128-token tiles, else 4:
-    the fastest on the H200 at 128K, docs/benchmarks/prefill-2026-12-03-h200.md).
+    launch parameter (tuning; default 8 for 128-token Forecast tiles on the GPU, else 4).
+    ``num_stages``: the scoring launch's software pipelining depth (Triton; tuning; default
+    3 for the Forecast's 64-row tiles on the GPU, else 1: a deeper pipeline needs shared
+    memory per stage). These defaults were the fastest on the H200 at 128K
+    (docs/benchmarks/prefill-2026-12-03-h200.md, prefill-2026-12-04-h200.md).
     ``select_launch``: ``"split"`` (default) runs the rule (forced blocks, fallback, top-k)
-    as a second launch over the scratch scores, ``topk_rows`` query rows per program
-    (default: ``2048 // next_pow2(N)`` clamped to 1..8) and ``topk_warps`` warps (default
-    ``rows * next_pow2(N) / 2048`` clamped to 1..8, so a lane holds at most 64 scores);
-    ``"fused"`` runs it at the end of the scoring program (one program per 128 rows walks
-    every row group's 32 bisection steps in turn). Both give the same mask.
-    ``num_stages``: the scoring launch's software pipelining depth (Triton; tuning,
-    default 1: a deeper pipeline needs shared memory per stage).
-    ``topk_search``: how the split launch finds each row's k-th key: ``"bisect"`` (default:
-    32 fixed bisection steps on int32 keys, then a prefix sum for ties) or ``"bracket"``
-    (``_prefill_topk_bracket_kernel``: one row per program, 31-bit keys, the row's own
-    ``[min, max]`` as the start, stop at ``count == k``; the prefix sum only on a tie at
-    the k-th key). Same mask; ``"bracket"`` takes ``topk_rows`` 1 only.
+    as a second launch over the scratch scores; ``"fused"`` runs it at the end of the
+    scoring program (one program per 128 rows walks every row group's 32 bisection steps in
+    turn). Both give the same mask.
+    ``topk_search``: how the split launch finds each row's k-th key: ``"bracket"`` (default
+    unless ``select_launch="fused"`` or ``topk_rows > 1`` asks for the bisection:
+    ``_prefill_topk_bracket_kernel``, one row per program, 31-bit keys, the row's own
+    ``[min, max]`` as the start, stop at ``count == k``, the prefix sum only on a tie at the
+    k-th key; ``topk_warps`` default 2 from 1,024 blocks up, else 1; register cap
+    ``_BRACKET_MAXNREG`` on CUDA; about half the bisection's time on the H200) or
+    ``"bisect"`` (32 fixed bisection steps on int32 keys, then a prefix sum for ties;
+    ``topk_rows`` rows per program, default ``2048 // next_pow2(N)`` clamped to 1..8, and
+    ``topk_warps`` default ``rows * next_pow2(N) / 2048`` clamped to 1..8, so a lane holds
+    at most 64 scores). Same mask; ``"bracket"`` takes ``topk_rows`` 1 only.
 
     Returns:
         ``mask [B, H, Tq, N]`` bool, or ``(mask, scores)``.
@@ -339,15 +353,19 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     groups = query.shape[2] if softmax else 1
     g_p = next_pow2(groups)
     if block_m is None:
-        block_m = _default_block_m(g_p, query.is_cuda)
+        block_m = _default_block_m(g_p, query.is_cuda, softmax)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     if block_m * g_p < 16:  # tl.dot needs at least 16 rows
         block_m = 16 // g_p
     if select_launch not in ("split", "fused"):
         raise ValueError(f"select_launch must be 'split' or 'fused', got {select_launch!r}")
+    if num_stages is None:  # the Forecast's 64-row tiles pipeline 3 deep on the GPU (measured)
+        num_stages = 3 if query.is_cuda and not softmax and block_m * g_p <= 64 else 1
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    if topk_search is None:
+        topk_search = "bracket" if select_launch == "split" and topk_rows in (None, 1) else "bisect"
     if topk_search not in ("bisect", "bracket"):
         raise ValueError(f"topk_search must be 'bisect' or 'bracket', got {topk_search!r}")
     bracket = topk_search == "bracket"
@@ -377,7 +395,8 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     if isinstance(topk_rows, bool) or not isinstance(topk_rows, int) or topk_rows < 1 or topk_rows & (topk_rows - 1):
         raise ValueError(f"topk_rows must be a power of two, got {topk_rows}")
     if topk_warps is None:
-        topk_warps = max(1, min(8, topk_rows * n_p // 2048))
+        # bracket: 2 warps from 1,024 blocks up (measured at 2,048); bisection: a lane holds <= 64 scores
+        topk_warps = max(1, min(8, n_p // 1024)) if bracket else max(1, min(8, topk_rows * n_p // 2048))
     if isinstance(topk_warps, bool) or not isinstance(topk_warps, int) or topk_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"topk_warps must be a power of two from 1 to 32, got {topk_warps!r}")
     nb = 64 if query.is_cuda else 16
@@ -409,8 +428,8 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             num_warps=num_warps or (8 if query.is_cuda and not softmax and block_m >= 128 else 4),
             num_stages=num_stages)  # default 1, no software pipelining: those tiles fit Hopper's 227 KiB
         if not fused:  # the rule as its own launch, one of the two searches
-            kernel, extra = ((_prefill_topk_bracket_kernel, {}) if bracket
-                             else (_prefill_topk_kernel, {"RS": topk_rows}))
+            kernel, extra = ((_prefill_topk_bracket_kernel, {"maxnreg": _BRACKET_MAXNREG} if query.is_cuda else {})
+                             if bracket else (_prefill_topk_kernel, {"RS": topk_rows}))
             kernel[(-(-(s1 - s0) // topk_rows), bsz * heads)](
                 scratch, m_sub, pos_sub, pos_sub.stride(0),
                 scratch.stride(0), scratch.stride(1), scratch.stride(2),
