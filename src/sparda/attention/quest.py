@@ -46,8 +46,10 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, q_pos: torc
         ``sum_g (q+ . hi + q- . lo)``, ``-inf`` at pages not yet complete.
     """
     qf = q.float()
-    bound = (torch.matmul(qf.clamp(min=0), hi.float().unsqueeze(2).transpose(-1, -2))
-             + torch.matmul(qf.clamp(max=0), lo.float().unsqueeze(2).transpose(-1, -2))).sum(2)
+    # the group sum moved inside: sum_g (q+_g . hi) = (sum_g q+_g) . hi, one [Tq, d] x [d, P_n]
+    # product per KV head instead of G (broadcasting hi over the group copied it G times)
+    bound = (torch.matmul(qf.clamp(min=0).sum(2), hi.float().transpose(-1, -2))
+             + torch.matmul(qf.clamp(max=0).sum(2), lo.float().transpose(-1, -2)))
     ends = (torch.arange(lo.shape[-2], device=q.device) + 1) * page - 1
     done = ends.view(1, 1, 1, -1) <= q_pos.view(q_pos.shape[0], 1, -1, 1)
     return bound.masked_fill(~done, float("-inf"))
