@@ -26,7 +26,7 @@ printed last:
 * ``grid-long``: Llama-3-8B shape at 128K and 64K (B1, B4) and MiniCPM-8B shape at 128K B1,
   every method, under the current defaults.
 * ``baselines``: the seeds' selectors beside ``sparse`` and offloaded ``sparda``, MiniCPM-8B
-  shape, 128K, B4 and B16, parity 16.
+  shape, 128K, B4 and B16, parity 16; ``quest``: that method alone at the same points.
 * ``early``: offloaded ``sparda`` attending to its resident blocks before the prefetch
   wait (``early_attention``, design §6): the overlapped slot attention in bf16 against the
   fp32 twin; greedy tokens with it on vs off vs ``sparda-no-prefetch`` and graph vs eager
@@ -194,6 +194,11 @@ def baselines(out: Path, budget: float) -> list[dict]:
     shape, 128K, B4 and B16, on the GPU (their KV cache stays on the device), parity 16."""
     return _sweep(out / "baselines", budget, methods=["sparda", "sparse", *BASELINE_METHODS], batches=[4, 16],
                   parity_steps=16)
+
+
+def quest(out: Path, budget: float) -> list[dict]:
+    """``quest`` alone at the points of ``baselines`` (re-timing after a change to its scoring)."""
+    return _sweep(out / "quest", budget, methods=["quest"], batches=[4, 16], parity_steps=16)
 
 
 def hitrate(out: Path, budget: float) -> list[dict]:
@@ -718,7 +723,7 @@ def recheck(out: Path, budget: float) -> list[dict]:
 
 
 PARTS = {"check": check, "recheck": recheck, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
-         "hitrate": hitrate, "baselines": baselines, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid, "grid-long": grid_long,
+         "hitrate": hitrate, "baselines": baselines, "quest": quest, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid, "grid-long": grid_long,
          "kvquant": kvquant, "kvmixed": kvmixed, "spare": spare, "tune-synth": tune_synth}
 
 if __name__ == "__main__":

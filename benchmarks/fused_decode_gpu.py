@@ -158,6 +158,27 @@ def kernel_checks(out_dir: Path) -> list[dict]:
         o2 = ref.block_sparse_attention(qp.float(), kp.float(), vp.float(), None, qpos,
                                         torch.tensor([2048], device=DEV), 64)
         rows.append({"kernel": "prefill_attention (bf16 dot)", "dtype": "bfloat16", "G": g, "max_rel_err": _rel(o1, o2)})
+    # decode selection in bf16 for the other group sizes and the Forecast's mode (one head, raw
+    # dot, the next layer's compressed keys cut at the window complete before this token)
+    for mode in ("forecast", 3, 8):
+        b, hk, d, t = 4, 2, 128, 8192
+        k = torch.randn(b, hk, t, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+        kv_len = torch.tensor([t, t - 5, 3000, 777], device=DEV)
+        ck = ref.compress_keys(k, 32, 16)
+        sel = SelectionConfig(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1, local_blocks=4,
+                              topk_blocks=16, dense_len=1024)
+        if mode == "forecast":
+            q = torch.randn(b, hk, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+            ck_len = torch.clamp((kv_len - 1 - 32) // 16 + 1, min=0)  # windows complete at q_pos - 1
+        else:
+            q = torch.randn(b, hk, mode, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+            ck_len = None
+        ids_t = kernels.select_decode_blocks(q, ck, kv_len - 1, t // 64, sel, ck_len=ck_len)
+        ids_r = twins.select_decode_reference(q, ck, kv_len - 1, t // 64, sel, ck_len=ck_len)
+        same = float((twins.ids_to_block_mask(ids_t, t // 64) == twins.ids_to_block_mask(ids_r, t // 64)).float().mean())
+        rows.append({"kernel": f"select_decode({'forecast' if mode == 'forecast' else 'query'}, bf16 dot)",
+                     "dtype": "bfloat16", "G": 1 if mode == "forecast" else mode, "mask_agreement": round(same, 5),
+                     "max_rel_err": 1 - same})
     for r in rows:
         print(r, flush=True)
     (out_dir / "kernels.json").write_text(json.dumps(rows, indent=1))
