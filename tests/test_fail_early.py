@@ -226,6 +226,8 @@ def test_cli_seed_reaches_sampling(tiny_llm, make_tiny):
     (["generate", "-p", "   "], "empty prompt"),
     (["generate", "-p", "hi", "--method", "infinigen", "--offload"], "--offload is not supported for method "
                                                                       "'infinigen'"),
+    (["generate", "-p", "hi", "--method", "shallow", "--offload", "--shallow-select-once"],
+     "--shallow-select-once does not run offloaded"),
     (["demo", "--context-tokens", "100000"], "--context-tokens 100000 does not fit the model's context of 4096"),
     (["demo", "--depth", "1.5"], "--depth must lie in [0, 1]"),
 ])

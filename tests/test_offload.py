@@ -116,6 +116,25 @@ def test_offloaded_sparda_matches_device_sparda(tiny, forecast_file):
         assert cache.offload_stats(96)["misses"] > 0
 
 
+@pytest.mark.parametrize("shallow_layers", [1, 2])
+def test_offloaded_shallow_matches_device_shallow(tiny, shallow_layers):
+    """``shallow --offload`` (design §7: the shallow layers resident, every deep layer's blocks
+    fetched once the mask is known) gives on-device ``shallow``'s logits (fp32) on a batch of
+    three lengths, with blocks dropped and fetched; ``--shallow-select-once`` is refused."""
+    ref = _llm(tiny, "shallow", shallow_layers=shallow_layers)
+    off = _llm(tiny, "shallow", shallow_layers=shallow_layers, offload=True)
+    assert off.method.offloaded and off.method.cache_resident_layers() == tuple(range(shallow_layers))
+    prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (97, 150, 41)]
+    worst, same, cache = _run_lockstep(ref, off, prompts, 96)
+    assert worst <= 1e-5 and same
+    assert cache.offloaded == tuple(range(shallow_layers, off.shape.num_layers))
+    stats = cache.offload_stats(96)
+    assert stats["misses"] > 0 and stats["hits"] > 0
+    assert off.method.read_fraction() < 0.9  # the deep layers read a subset
+    with pytest.raises(SpardaError, match="--shallow-select-once does not run offloaded"):
+        _llm(tiny, "shallow", offload=True, shallow_select_once=True)
+
+
 @pytest.mark.parametrize("method", ["sparse", "sparda"])
 def test_offloaded_dense_heads_match_the_device_path(tiny, forecast_file, method):
     """Dense heads (design §3.7) on the offloaded cache: their layers stay resident and those

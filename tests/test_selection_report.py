@@ -43,49 +43,57 @@ def _select_loop(score, t, cfg):
 
 def _brute_report(llm, fc, ids, q_idx):
     """float64 loops over layers, query positions and KV heads: per layer the free-block hits
-    of sparda and oracle vs sparse, and the attention mass each selection covers."""
+    of sparda and oracle vs sparse, the attention mass each selection covers, and each
+    selector's free blocks at ``t + 1`` that it also picked at ``t`` (step-to-step reuse)."""
     cfg, s = llm.config.selection, llm.shape
     kernel, stride, bs = cfg.kernel_size, cfg.kernel_stride, cfg.block_size
     forced_of = lambda t: {b for b in range(t // bs + 1) if b < cfg.init_blocks or b > t // bs - cfg.local_blocks}
     rows, h_prev = [], None
     with torch.no_grad():
         walk = list(llm.model.dense_layers(torch.tensor([ids])))
+    windows = [j for j in range(len(ids)) if j * stride + kernel <= len(ids)]
     for layer, h, q, k, cos, sin in walk:
         q, k, cos, sin = q[0].double(), k[0].double(), cos[0, 0].double(), sin[0, 0].double()
         src = (h if layer == 0 else h_prev)[0].double()
         w = fc.scorer(layer).weight.detach().double()
         acc = dict(hits_sparda=0, hits_oracle=0, total=0, hits_sparse_o=0, hits_sparda_o=0, total_o=0,
-                   mass_sparse=0.0, mass_oracle=0.0, mass_sparda=0.0, near=0, n=0)
+                   mass_sparse=0.0, mass_oracle=0.0, mass_sparda=0.0, near=0, n=0, near_reuse=0,
+                   **{f"{kind}_{m}": 0 for kind in ("reuse_hits", "reuse_total") for m in ("sparse", "oracle", "sparda")})
+
+        def pick(t, head):
+            """Every selector's blocks at ``t`` for one KV head, the block mass, near ties."""
+            ck = {j: k[head, j * stride:j * stride + kernel].mean(0) for j in windows}
+            fh = (w @ src[t]).view(s.num_kv_heads, s.head_dim)[head]
+            half = s.head_dim // 2
+            fh = fh * cos[t] + torch.cat((-fh[half:], fh[:half])) * sin[t]
+            group, mass = {j: 0.0 for j in windows}, [0.0] * (t // bs + 1)
+            for g in range(s.group_size):
+                seen = [j for j in windows if j * stride + kernel - 1 <= t]
+                p = torch.softmax(torch.stack([q[head, g, t] @ ck[j] for j in seen]) / math.sqrt(s.head_dim), 0)
+                for j, pj in zip(seen, p.tolist()):
+                    group[j] += pj
+                pk = torch.softmax(k[head, :t + 1] @ q[head, g, t] / math.sqrt(s.head_dim), 0)
+                for i in range(t + 1):
+                    mass[i // bs] += float(pk[i])
+            last = t if layer == 0 else t - 1  # the lookahead rule of the Forecast
+            scores = {"sparse": {}, "oracle": {}, "sparda": {}}
+            for b in range(t // bs + 1):
+                over = [j for j in windows if j * stride < (b + 1) * bs and j * stride + kernel > b * bs]
+                seen = [j for j in over if j * stride + kernel - 1 <= t]
+                scores["sparse"][b] = max((group[j] for j in seen), default=None)
+                ahead = [float(fh @ ck[j]) for j in over if j * stride + kernel - 1 <= last]
+                scores["sparda"][b] = max(ahead, default=None)
+                scores["oracle"][b] = mass[b]
+            picked, near = {}, 0
+            for name, sc in scores.items():
+                picked[name], tie = _select_loop(sc, t, cfg)
+                near += tie
+            return picked, mass, near
+
         for t in q_idx:
-            windows = [j for j in range(len(ids)) if j * stride + kernel <= len(ids)]
-            f = w @ src[t]
             for head in range(s.num_kv_heads):
-                ck = {j: k[head, j * stride:j * stride + kernel].mean(0) for j in windows}
-                fh = f.view(s.num_kv_heads, s.head_dim)[head]
-                half = s.head_dim // 2
-                fh = fh * cos[t] + torch.cat((-fh[half:], fh[:half])) * sin[t]
-                group, mass = {j: 0.0 for j in windows}, [0.0] * (t // bs + 1)
-                for g in range(s.group_size):
-                    seen = [j for j in windows if j * stride + kernel - 1 <= t]
-                    p = torch.softmax(torch.stack([q[head, g, t] @ ck[j] for j in seen]) / math.sqrt(s.head_dim), 0)
-                    for j, pj in zip(seen, p.tolist()):
-                        group[j] += pj
-                    pk = torch.softmax(k[head, :t + 1] @ q[head, g, t] / math.sqrt(s.head_dim), 0)
-                    for i in range(t + 1):
-                        mass[i // bs] += float(pk[i])
-                last = t if layer == 0 else t - 1  # the lookahead rule of the Forecast
-                scores = {"sparse": {}, "oracle": {}, "sparda": {}}
-                for b in range(t // bs + 1):
-                    over = [j for j in windows if j * stride < (b + 1) * bs and j * stride + kernel > b * bs]
-                    seen = [j for j in over if j * stride + kernel - 1 <= t]
-                    scores["sparse"][b] = max((group[j] for j in seen), default=None)
-                    ahead = [float(fh @ ck[j]) for j in over if j * stride + kernel - 1 <= last]
-                    scores["sparda"][b] = max(ahead, default=None)
-                    scores["oracle"][b] = mass[b]
-                picked = {}
-                for name, sc in scores.items():
-                    picked[name], near = _select_loop(sc, t, cfg)
-                    acc["near"] += near
+                picked, mass, near = pick(t, head)
+                acc["near"] += near
                 free = {name: sel - forced_of(t) for name, sel in picked.items()}
                 acc["hits_sparda"] += len(free["sparda"] & free["sparse"])
                 acc["hits_oracle"] += len(free["oracle"] & free["sparse"])
@@ -93,9 +101,16 @@ def _brute_report(llm, fc, ids, q_idx):
                 acc["hits_sparse_o"] += len(free["sparse"] & free["oracle"])
                 acc["hits_sparda_o"] += len(free["sparda"] & free["oracle"])
                 acc["total_o"] += len(free["oracle"])
-                for name in scores:
+                for name in picked:
                     acc[f"mass_{name}"] += sum(mass[b] for b in picked[name]) / s.group_size
                 acc["n"] += 1
+                if t + 1 < len(ids):
+                    later, _, near_next = pick(t + 1, head)
+                    acc["near_reuse"] += near + near_next
+                    for name, sel in later.items():
+                        nxt = sel - forced_of(t + 1)
+                        acc[f"reuse_hits_{name}"] += len(free[name] & nxt)
+                        acc[f"reuse_total_{name}"] += len(nxt)
         rows.append(acc)
         h_prev = h
     return rows
@@ -127,6 +142,12 @@ def test_report_values_match_float64_brute_force(make_tiny, tmp_path):
         assert rows["sparda"]["recall_vs_oracle"] == pytest.approx(acc["hits_sparda_o"] / acc["total_o"], abs=slack)
         for m in rows:
             assert rows[m]["mass"] == pytest.approx(acc[f"mass_{m}"] / acc["n"], abs=1e-3 + slack)
+            if acc[f"reuse_total_{m}"]:  # step-to-step reuse of the free top-k (t -> t + 1)
+                reuse_slack = acc["near_reuse"] / acc[f"reuse_total_{m}"] + 1e-4
+                assert rows[m]["reuse"] == pytest.approx(acc[f"reuse_hits_{m}"] / acc[f"reuse_total_{m}"],
+                                                         abs=reuse_slack), (layer, m)
+            else:
+                assert rows[m]["reuse"] is None
     # near ties widen the tolerance above; they must stay rare for the comparison to mean anything
     # (one near tie per ~20 top-k decisions at most; seed 276515991 had 5 of 216)
     decisions = sum(acc["n"] for acc in brute) * 3

@@ -105,9 +105,9 @@ def model_options(func):
         click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available]."),
         click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU]."),
         click.option("--offload/--no-offload", default=None,
-                     help="Keep the full KV cache in host memory, selected blocks on the device (design §6) "
-                          "[default: on for sparda on CUDA, off otherwise; sparse-offload and "
-                          "sparda-no-prefetch always offload]."),
+                     help="Keep the full KV cache in host memory, selected blocks on the device (design §6; "
+                          "methods sparse, sparda and shallow) [default: on for sparda on CUDA, off otherwise; "
+                          "sparse-offload and sparda-no-prefetch always offload]."),
         click.option("--forecast", default=None,
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
         click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
@@ -153,7 +153,7 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
     from sparda.attention.registry import check_kv_dtype_cache, check_offload
     from sparda.engine.llm import LLM, resolve_device
 
-    check_offload(method or "sparda", extra.get("offload"))
+    check_offload(method or "sparda", extra.get("offload"), bool(extra.get("shallow_select_once")))
     if extra.get("kv_dtype") == "mixed":  # before the progress line: one error line
         from sparda.cache.hot import check_hot
         from sparda.config import SelectionConfig

@@ -30,6 +30,7 @@ import torch
 from sparda import kernels
 from sparda.attention.blocksparse import SparseAttention
 from sparda.attention.forecast import ForecastAttention
+from sparda.attention.shallow import ShallowAttention
 
 
 class OffloadDecodeMixin:
@@ -193,5 +194,55 @@ class SpardaNoPrefetchAttention(OffloadedForecastAttention):
     prefetch = False
 
 
+class OffloadedShallowAttention(OffloadDecodeMixin, ShallowAttention):
+    """``shallow --offload``: the shallow-layer shared mask (design §7) on the offloaded cache.
+
+    Layers ``0..N-1`` stay whole on the device (they attend densely and measure the block
+    mass); the deep layers ``N..L-1`` live in host memory. The mask is known once layer
+    ``N-1`` has run, and it is the same for every deep layer, so in layer ``N-1`` the
+    fetches of *all* deep layers are enqueued at once: on CUDA each on the selection and
+    copy streams (:meth:`~sparda.cache.prefetch.Prefetcher.ahead`), every deep layer waiting
+    for its own copy just before its attention (:meth:`OffloadKVCache.attend`), so the copy
+    of layer ``l`` overlaps the compute of layers ``N-1 .. l-1``; off CUDA (and with
+    ``prefetch = False``) synchronously, on the compute stream. Same mask, same tokens as
+    on-device ``shallow`` (tests: fp32 logits).
+    """
+
+    name = "shallow"
+    #: decode reads the shared mask, not BlockSparseMethod.attend's: no dense heads (design §3.7)
+    supports_dense_heads = False
+    #: enqueue the deep layers' copies on the side streams (False: on the compute stream)
+    prefetch = True
+
+    def cache_resident_layers(self) -> tuple[int, ...]:
+        """The shallow layers ``0..N-1``: they read every block of their K/V each step."""
+        return tuple(range(self.num_shallow))
+
+    def attend(self, layer, q, h, cache, step):
+        """``q [B, H, G, Tq, d]`` -> same shape, ``q``'s dtype. Prefill and the shallow layers:
+        :meth:`ShallowAttention.attend` (dense; the last shallow layer makes the mask, then
+        the deep layers' fetches are enqueued). Deep layers in decode: attention over their
+        slots (the fetch of layer ``N-1`` filled them). Raises SpardaError (Triton path) on a
+        shape/dtype mismatch."""
+        if step.phase != "decode" or layer < self.num_shallow:
+            out = super().attend(layer, q, h, cache, step)
+            if step.phase == "decode" and layer == self.num_shallow - 1:
+                self._fetch_deep(cache, step)
+            return out
+        return self._attend_decode(layer, q, None, cache, step)
+
+    def _fetch_deep(self, cache, step) -> None:
+        """Make this step's shared mask resident in every deep layer's slots (design §7)."""
+        mask, pos = self._mask[:, :, -1, :], step.q_pos[:, 0]  # [B, H, N] bool, [B]
+        counters = self._counters(step)  # allocated on the compute stream
+        for deep in range(self.num_shallow, self.shape.num_layers):
+            if self.prefetch and cache.prefetcher.cuda:
+                with cache.prefetcher.ahead(deep, mask, pos):
+                    cache.fetch(deep, mask, pos, prefetch=True, counters=counters)
+            else:
+                cache.fetch(deep, mask, pos, counters=counters)
+
+
 #: on-device method name -> its offloaded variant (``--offload``)
-OFFLOADED = {"sparse": SparseOffloadAttention, "sparda": OffloadedForecastAttention}
+OFFLOADED = {"sparse": SparseOffloadAttention, "sparda": OffloadedForecastAttention,
+             "shallow": OffloadedShallowAttention}

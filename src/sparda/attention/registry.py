@@ -44,15 +44,23 @@ def register(name: str, cls: type[AttentionMethod]) -> None:
     METHOD_CLASSES[name] = cls
 
 
-def check_offload(method: str, offload: bool | None) -> None:
+def check_offload(method: str, offload: bool | None, shallow_select_once: bool = False) -> None:
     """Refuse ``--offload`` for a method without an offloaded variant (no model needed).
 
-    Raises SpardaError naming the methods that do offload.
+    Also refuses ``shallow --offload --shallow-select-once``: that variant reads every block
+    from the prompt's local window on, a set that grows with decode past any fixed number
+    of GPU slots.
+
+    Raises SpardaError naming the methods that do offload, or the flag to drop.
     """
     if offload and method not in OFFLOADED and method not in ALWAYS_OFFLOADED:
         raise SpardaError(
-            f"--offload is not supported for method {method!r}; use it with sparse or sparda, "
+            f"--offload is not supported for method {method!r}; use it with sparse, sparda or shallow, "
             "or the always-offloaded sparse-offload / sparda-no-prefetch")
+    if offload and method == "shallow" and shallow_select_once:
+        raise SpardaError("--shallow-select-once does not run offloaded: it reads every block written since the "
+                          "prompt's local window, more than the offloaded cache's GPU slots hold as decode goes "
+                          "on; drop --offload or --shallow-select-once")
 
 
 def check_kv_dtype_cache(kv_dtype: str | None, method: str, offload: bool | None, cuda: bool) -> None:
@@ -76,7 +84,7 @@ def build_method(config: SpardaConfig, shape, **kwargs) -> AttentionMethod:
 
     Raises SpardaError if the method is not available in this build or cannot offload.
     """
-    check_offload(config.method, config.offload)
+    check_offload(config.method, config.offload, config.shallow_select_once)
     cls = METHOD_CLASSES.get(config.method)
     if config.offload and config.method in OFFLOADED:  # --offload: the offloaded variant (design §6)
         cls = OFFLOADED[config.method]

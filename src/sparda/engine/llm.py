@@ -205,7 +205,7 @@ class LLM:
         if forecast is not None and self.config.method not in FORECAST_METHODS:
             raise SpardaError(f"--forecast applies to the sparda methods only, not {self.config.method!r}; "
                               "drop --forecast or pick --method sparda")
-        check_offload(self.config.method, offload)  # before the model loads
+        check_offload(self.config.method, offload, self.config.shallow_select_once)  # before the model loads
         self.device = resolve_device(device)
         check_kv_dtype_cache(self.kv_dtype, self.config.method, offload, self.device.type == "cuda")
         self.dtype = resolve_dtype(dtype, self.device)

@@ -8,7 +8,10 @@ layer's block selection by each method is compared with
   ``recall_vs_sparse`` = shared free blocks / sparse free blocks;
 * the ``oracle`` free top-k (blocks ranked by true attention mass): ``recall_vs_oracle``;
 * the true attention mass its whole selection (forced blocks included) covers, per
-  query head: ``mass``.
+  query head: ``mass``;
+* ``reuse``: step-to-step reuse, the fraction of its free top-k blocks at ``t + 1`` that it
+  also picked at ``t`` (each query position ``t`` of the window but the last), as decode
+  steps see it: what the previous step leaves resident in an offloaded cache's GPU slots.
 
 Methods: ``sparse``, ``oracle``, ``sparda`` (shipped or ``--forecast`` weights),
 ``sparda-random`` (a seeded random-init Forecast), ``sparda-qinit`` (the untrained
@@ -115,8 +118,9 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
         queries: query positions per length (evenly spaced over the second half).
     Returns:
         ``{method: {"per_layer": [{"layer", "recall_vs_sparse", "recall_vs_oracle", "mass"}],
-        "mean_recall_vs_sparse", "mean_recall_vs_oracle", "mean_mass", "setup": {text, lengths, queries,
-        budget_blocks}}}`` (keyed by method only).
+        "reuse"}], "mean_recall_vs_sparse", "mean_recall_vs_oracle", "mean_mass", "mean_reuse", "setup":
+        {text, lengths, queries, budget_blocks}}}`` (keyed by method only; ``reuse`` is None for a
+        layer where no next-step pair selected a free block).
     Raises:
         SpardaError: unknown method, ``queries < 1``, a length outside
             ``[dense_len, model context]``, text shorter than a length, unreadable file.
@@ -142,50 +146,67 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
         body, source = read_text(text, "--text"), text
     ids_all = llm.tokenizer.encode(body, add_special_tokens=False)
     selectors = _selectors(list(methods), net, shape, cfg, forecast, llm.model_dir)
-    stats = {m: [[0.0] * 5 for _ in range(shape.num_layers)] for m in methods}  # hs, ts, ho, to, mass
+    stats = {m: [[0.0] * 7 for _ in range(shape.num_layers)] for m in methods}  # hs, ts, ho, to, mass, rh, rt
     counts = [0] * shape.num_layers
     for length in lengths:
         if len(ids_all) < length:
             raise SpardaError(f"the text has {len(ids_all)} tokens, fewer than the length {length}")
         ids, q_idx = eval_window(ids_all, length, queries, llm.device)
-        q_pos = q_idx.view(1, -1)
+        pair = q_idx + 1 < length  # positions with a next step inside the window
         num_blocks = -(-length // cfg.block_size)
-        forced = ref.forced_blocks(q_pos, num_blocks, cfg)
+        kv_len = torch.tensor([length], device=ids.device)
         h_prev = None
-        baseline_state: dict = {}
+        states: tuple[dict, dict] = ({}, {})  # the seeds' selectors' state at q_idx, at q_idx + 1
         for layer, h, q, k, cos, sin in net.dense_layers(ids):
             ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()
-            qs = q[..., q_idx, :]
-            mass = ref.block_attention_mass(qs, k, q_pos, torch.tensor([length], device=k.device), cfg.block_size)
-            sparse_free = ref.select_blocks(ref.pool_to_blocks(ref.query_group_scores(
-                qs, ck, q_pos, cfg.kernel_size, cfg.kernel_stride), num_blocks, cfg), q_pos, cfg) & ~forced
-            oracle_free = ref.select_blocks(mass, q_pos, cfg) & ~forced
+
+            def masks(idx, state):
+                """Every method's selection and free top-k at positions ``idx``, and the oracle's mass."""
+                pos = idx.view(1, -1)
+                forced = ref.forced_blocks(pos, num_blocks, cfg)
+                mass = ref.block_attention_mass(q[..., idx, :], k, pos, kv_len, cfg.block_size)
+                out = {}
+                for name in methods:
+                    if name in BASELINES:
+                        sel = _baseline_mask(name, layer, q, k, idx, pos, mass, state, llm, cfg)
+                    elif name == "oracle":
+                        sel = ref.select_blocks(mass, pos, cfg)
+                    else:
+                        sc = selectors[name](layer, h_prev, h, q, k, ck, cos, sin, idx, pos)
+                        sel = ref.select_blocks(ref.pool_to_blocks(sc, num_blocks, cfg), pos, cfg)
+                    out[name] = (sel, sel & ~forced)
+                sparse_free = ref.select_blocks(ref.pool_to_blocks(ref.query_group_scores(
+                    q[..., idx, :], ck, pos, cfg.kernel_size, cfg.kernel_stride), num_blocks, cfg), pos, cfg) & ~forced
+                return out, mass, sparse_free, ref.select_blocks(mass, pos, cfg) & ~forced
+
+            now, mass, sparse_free, oracle_free = masks(q_idx, states[0])
+            nxt = masks(q_idx[pair] + 1, states[1])[0] if bool(pair.any()) else {}
             counts[layer] += 1
             for name in methods:
-                if name in BASELINES:
-                    sel = _baseline_mask(name, layer, q, k, q_idx, q_pos, mass, baseline_state, llm, cfg)
-                elif name == "oracle":
-                    sel = ref.select_blocks(mass, q_pos, cfg)
-                else:
-                    sc = selectors[name](layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos)
-                    sel = ref.select_blocks(ref.pool_to_blocks(sc, num_blocks, cfg), q_pos, cfg)
-                free = sel & ~forced
+                sel, free = now[name]
                 acc = stats[name][layer]
                 acc[0] += (free & sparse_free).sum().item()
                 acc[1] += sparse_free.sum().item()
                 acc[2] += (free & oracle_free).sum().item()
                 acc[3] += oracle_free.sum().item()
                 acc[4] += ((mass * sel).sum(-1) / shape.group_size).mean().item()
+                if name in nxt:
+                    later = nxt[name][1]
+                    acc[5] += (free[:, :, pair] & later).sum().item()
+                    acc[6] += later.sum().item()
             h_prev = h
     report = {}
     for name in methods:
         rows = []
-        for layer, (hs, ts, ho, to, ms) in enumerate(stats[name]):
+        for layer, (hs, ts, ho, to, ms, rh, rt) in enumerate(stats[name]):
             rows.append({"layer": layer, "recall_vs_sparse": round(hs / ts, 4) if ts else 1.0,
                          "recall_vs_oracle": round(ho / to, 4) if to else 1.0,
-                         "mass": round(ms / max(counts[layer], 1), 4)})
+                         "mass": round(ms / max(counts[layer], 1), 4),
+                         "reuse": round(rh / rt, 4) if rt else None})
         report[name] = {"per_layer": rows, **{f"mean_{key}": round(sum(r[key] for r in rows) / len(rows), 4)
                                               for key in ("recall_vs_sparse", "recall_vs_oracle", "mass")}}
+        reuse = [r["reuse"] for r in rows if r["reuse"] is not None]
+        report[name]["mean_reuse"] = round(sum(reuse) / len(reuse), 4) if reuse else None
     setup = {"text": source, "lengths": list(lengths), "queries": queries, "budget_blocks": cfg.budget_blocks}
     for name in methods:
         report[name]["setup"] = setup
@@ -244,14 +265,19 @@ def format_report(report: dict) -> str:
     methods = list(report)
     setup = report[methods[0]]["setup"]
     lines = [f"selection report ({setup['text']}, lengths {setup['lengths']}, "
-             f"{setup['queries']} queries/length); cells: recall vs sparse / vs oracle / mass",
-             "layer " + " ".join(f"{m:>22}" for m in methods)]
+             f"{setup['queries']} queries/length); cells: recall vs sparse / vs oracle / mass / step-to-step reuse",
+             "layer " + " ".join(f"{m:>28}" for m in methods)]
     num_layers = len(report[methods[0]]["per_layer"])
     for layer in range(num_layers):
         cells = [report[m]["per_layer"][layer] for m in methods]
         lines.append(f"{layer:>5} " + " ".join(
-            f"{c['recall_vs_sparse']:>8.3f}/{c['recall_vs_oracle']:.3f}/{c['mass']:.3f}" for c in cells))
+            f"{c['recall_vs_sparse']:>8.3f}/{c['recall_vs_oracle']:.3f}/{c['mass']:.3f}/{_num(c['reuse'])}"
+            for c in cells))
     lines.append(" mean " + " ".join(
         f"{report[m]['mean_recall_vs_sparse']:>8.3f}/{report[m]['mean_recall_vs_oracle']:.3f}/{report[m]['mean_mass']:.3f}"
-        for m in methods))
+        f"/{_num(report[m]['mean_reuse'])}" for m in methods))
     return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "  -  " if x is None else f"{x:.3f}"
