@@ -279,17 +279,19 @@ def tune(cfg) -> list[dict]:
             for warps in (4, 8):
                 ms = _tune_ms(lambda: select_prefill_blocks_triton(
                     query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None,
-                    block_m=tokens, num_warps=warps), 5, "selection", label, tokens, warps)
+                    block_m=tokens, num_warps=warps, num_stages=1), 5, "selection", label, tokens, warps)
                 rows.append({"kernel": "selection", "selector": label, "block_m": tokens, "rows": tokens * g_p,
-                             "num_warps": warps, "chunk_ms": None if ms is None else round(ms, 3)})
+                             "num_warps": warps, "num_stages": 1, "chunk_ms": None if ms is None else round(ms, 3)})
                 print("tune", rows[-1], flush=True)
-        for topk_rows in (1, 2, 4, 8):  # the top-k launch: rows per program x warps (default scoring shape)
+        for topk_rows in (1, 2, 4, 8):  # the bisection's launch: rows per program x warps (default scoring)
             for topk_warps in (1, 2, 4, 8):
                 ms = _tune_ms(lambda: select_prefill_blocks_triton(
                     query, ck, q_pos, num_keys // cfg.block_size, cfg, lookahead=groups is None,
-                    topk_rows=topk_rows, topk_warps=topk_warps), 3, "topk", label, topk_rows, topk_warps)
-                rows.append({"kernel": "topk", "selector": label, "block_m": topk_rows, "rows": topk_rows,
-                             "num_warps": topk_warps, "chunk_ms": None if ms is None else round(ms, 3)})
+                    topk_rows=topk_rows, topk_warps=topk_warps, topk_search="bisect"), 3, "topk", label,
+                    topk_rows, topk_warps)
+                rows.append({"kernel": "topk", "search": "bisect", "selector": label, "block_m": topk_rows,
+                             "rows": topk_rows, "num_warps": topk_warps,
+                             "chunk_ms": None if ms is None else round(ms, 3)})
                 print("tune", rows[-1], flush=True)
         del ck, query
     return rows
@@ -346,8 +348,10 @@ def topk(cfg) -> list[dict]:
         for search, name in (("bisect", "_prefill_topk_kernel"), ("bracket", "_prefill_topk_bracket_kernel")):
             for warps in (1, 2):
                 for maxnreg in (None, 168, 128):
-                    original = getattr(ps, name)
-                    if maxnreg:
+                    original, cap = getattr(ps, name), ps._BRACKET_MAXNREG
+                    if search == "bracket":  # the launch reads its cap from the module (None: uncapped)
+                        ps._BRACKET_MAXNREG = maxnreg
+                    elif maxnreg:
                         setattr(ps, name, _MaxRegs(original, maxnreg))
                     try:
                         ms = _tune_ms(lambda: call(topk_search=search, topk_warps=warps), 10, "topk", label,
@@ -355,6 +359,7 @@ def topk(cfg) -> list[dict]:
                         same = ms is not None and bool(torch.equal(call(topk_search=search, topk_warps=warps), want))
                     finally:
                         setattr(ps, name, original)
+                        ps._BRACKET_MAXNREG = cap
                     rows.append({"selector": label, "launch": "topk", "search": search, "num_warps": warps,
                                  "maxnreg": maxnreg,
                                  "chunk_ms": None if ms is None else round(ms, 3), "scoring_ms": round(scoring, 3),

@@ -44,7 +44,7 @@ def _select_loop(score, t, cfg):
 def _brute_report(llm, fc, ids, q_idx):
     """float64 loops over layers, query positions and KV heads: per layer the free-block hits
     of sparda and oracle vs sparse, the attention mass each selection covers, and each
-    selector's free blocks at ``t + 1`` that it also picked at ``t`` (step-to-step reuse)."""
+    selector's free blocks at ``t + 1`` that its whole selection at ``t`` held (step-to-step reuse)."""
     cfg, s = llm.config.selection, llm.shape
     kernel, stride, bs = cfg.kernel_size, cfg.kernel_stride, cfg.block_size
     forced_of = lambda t: {b for b in range(t // bs + 1) if b < cfg.init_blocks or b > t // bs - cfg.local_blocks}
@@ -107,9 +107,9 @@ def _brute_report(llm, fc, ids, q_idx):
                 if t + 1 < len(ids):
                     later, _, near_next = pick(t + 1, head)
                     acc["near_reuse"] += near + near_next
-                    for name, sel in later.items():
+                    for name, sel in later.items():  # free at t + 1, held by the whole selection at t
                         nxt = sel - forced_of(t + 1)
-                        acc[f"reuse_hits_{name}"] += len(free[name] & nxt)
+                        acc[f"reuse_hits_{name}"] += len(picked[name] & nxt)
                         acc[f"reuse_total_{name}"] += len(nxt)
         rows.append(acc)
         h_prev = h
@@ -122,7 +122,7 @@ def test_report_values_match_float64_brute_force(make_tiny, tmp_path):
     model, weights, text = _setup(make_tiny, tmp_path)
     llm = LLM(str(model), method="dense", device="cpu", dense_len=64, topk_blocks=3, local_blocks=2,
               block_size=32)
-    length, queries = 300, 12
+    length, queries = 300, 14  # query 287 and its next step cross a block boundary (288 = 9 x 32)
     report = selection_report(llm=llm, text=str(text), methods=["sparse", "oracle", "sparda", "sparda-random",
                                                                   "infinigen"],
                               lengths=[length], queries=queries, preset="small", forecast=str(weights))

@@ -31,6 +31,7 @@ from sparda import kernels
 from sparda.attention.blocksparse import SparseAttention
 from sparda.attention.forecast import ForecastAttention
 from sparda.attention.shallow import ShallowAttention
+from sparda.kernels import reference as ref
 
 
 class OffloadDecodeMixin:
@@ -234,13 +235,14 @@ class OffloadedShallowAttention(OffloadDecodeMixin, ShallowAttention):
     def _fetch_deep(self, cache, step) -> None:
         """Make this step's shared mask resident in every deep layer's slots (design §7)."""
         mask, pos = self._mask[:, :, -1, :], step.q_pos[:, 0]  # [B, H, N] bool, [B]
+        ids = ref.block_mask_to_indices(mask, min(cache.select_width, mask.shape[-1]))  # once for every layer
         counters = self._counters(step)  # allocated on the compute stream
         for deep in range(self.num_shallow, self.shape.num_layers):
             if self.prefetch and cache.prefetcher.cuda:
-                with cache.prefetcher.ahead(deep, mask, pos):
-                    cache.fetch(deep, mask, pos, prefetch=True, counters=counters)
+                with cache.prefetcher.ahead(deep, ids, pos):
+                    cache.fetch(deep, ids, pos, prefetch=True, counters=counters)
             else:
-                cache.fetch(deep, mask, pos, counters=counters)
+                cache.fetch(deep, ids, pos, counters=counters)
 
 
 #: on-device method name -> its offloaded variant (``--offload``)

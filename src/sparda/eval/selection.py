@@ -9,9 +9,10 @@ layer's block selection by each method is compared with
 * the ``oracle`` free top-k (blocks ranked by true attention mass): ``recall_vs_oracle``;
 * the true attention mass its whole selection (forced blocks included) covers, per
   query head: ``mass``;
-* ``reuse``: step-to-step reuse, the fraction of its free top-k blocks at ``t + 1`` that it
-  also picked at ``t`` (each query position ``t`` of the window but the last), as decode
-  steps see it: what the previous step leaves resident in an offloaded cache's GPU slots.
+* ``reuse``: step-to-step reuse, the fraction of its free top-k blocks at ``t + 1`` that its
+  whole selection at ``t`` (forced blocks included) already held (each query position ``t``
+  of the window but the last), as decode steps see it: a block the previous step read is
+  resident in an offloaded cache's GPU slots.
 
 Methods: ``sparse``, ``oracle``, ``sparda`` (shipped or ``--forecast`` weights),
 ``sparda-random`` (a seeded random-init Forecast), ``sparda-qinit`` (the untrained
@@ -117,8 +118,8 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
         methods: selector names from :data:`KNOWN`. lengths: context lengths in tokens.
         queries: query positions per length (evenly spaced over the second half).
     Returns:
-        ``{method: {"per_layer": [{"layer", "recall_vs_sparse", "recall_vs_oracle", "mass"}],
-        "reuse"}], "mean_recall_vs_sparse", "mean_recall_vs_oracle", "mean_mass", "mean_reuse", "setup":
+        ``{method: {"per_layer": [{"layer", "recall_vs_sparse", "recall_vs_oracle", "mass", "reuse"}],
+        "mean_recall_vs_sparse", "mean_recall_vs_oracle", "mean_mass", "mean_reuse", "setup":
         {text, lengths, queries, budget_blocks}}}`` (keyed by method only; ``reuse`` is None for a
         layer where no next-step pair selected a free block).
     Raises:
@@ -192,7 +193,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
                 acc[4] += ((mass * sel).sum(-1) / shape.group_size).mean().item()
                 if name in nxt:
                     later = nxt[name][1]
-                    acc[5] += (free[:, :, pair] & later).sum().item()
+                    acc[5] += (sel[:, :, pair] & later).sum().item()  # resident after step t
                     acc[6] += later.sum().item()
             h_prev = h
     report = {}

@@ -301,9 +301,9 @@ def _default_block_m(rows_per_token: int, on_gpu: bool, softmax: bool = True) ->
     return max(1, target // rows_per_token)
 
 
-#: Register cap of the bracket top-k launch on CUDA (Triton ``maxnreg``): uncapped it takes
-#: 255 registers per thread; at 128, with 2 warps per row, it ran 10-20 % faster on the H200
-#: (docs/benchmarks/prefill-2026-12-04-h200.md).
+#: Register cap of the bracket top-k launch on CUDA (Triton ``maxnreg``; ``None``: uncapped,
+#: 255 registers per thread): at 128, with 2 warps per row, it ran 10-20 % faster on the H200
+#: (docs/benchmarks/prefill-2026-12-04-h200.md). Read at each launch (benchmarks vary it).
 _BRACKET_MAXNREG = 128
 
 
@@ -334,7 +334,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     unless ``select_launch="fused"`` or ``topk_rows > 1`` asks for the bisection:
     ``_prefill_topk_bracket_kernel``, one row per program, 31-bit keys, the row's own
     ``[min, max]`` as the start, stop at ``count == k``, the prefix sum only on a tie at the
-    k-th key; ``topk_warps`` default 2 from 1,024 blocks up, else 1; register cap
+    k-th key; ``topk_warps`` default 2 from ``N_P = 2,048`` up, else 1; register cap
     ``_BRACKET_MAXNREG`` on CUDA; about half the bisection's time on the H200) or
     ``"bisect"`` (32 fixed bisection steps on int32 keys, then a prefix sum for ties;
     ``topk_rows`` rows per program, default ``2048 // next_pow2(N)`` clamped to 1..8, and
@@ -395,8 +395,9 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     if isinstance(topk_rows, bool) or not isinstance(topk_rows, int) or topk_rows < 1 or topk_rows & (topk_rows - 1):
         raise ValueError(f"topk_rows must be a power of two, got {topk_rows}")
     if topk_warps is None:
-        # bracket: 2 warps from 1,024 blocks up (measured at 2,048); bisection: a lane holds <= 64 scores
-        topk_warps = max(1, min(8, n_p // 1024)) if bracket else max(1, min(8, topk_rows * n_p // 2048))
+        # bracket: 2 warps at N_P >= 2,048 (measured there: 10-20 % faster than 1), else 1;
+        # bisection: a lane holds <= 64 scores
+        topk_warps = (2 if n_p >= 2048 else 1) if bracket else max(1, min(8, topk_rows * n_p // 2048))
     if isinstance(topk_warps, bool) or not isinstance(topk_warps, int) or topk_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"topk_warps must be a power of two from 1 to 32, got {topk_warps!r}")
     nb = 64 if query.is_cuda else 16
@@ -426,9 +427,10 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
             INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks, BUDGET=cfg.budget_blocks,
             DENSE_LEN=cfg.dense_len, N_P=n_p, RS=rs, SOFTMAX=softmax, IEEE=ieee, FUSED_SELECT=fused,
             num_warps=num_warps or (8 if query.is_cuda and not softmax and block_m >= 128 else 4),
-            num_stages=num_stages)  # default 1, no software pipelining: those tiles fit Hopper's 227 KiB
+            num_stages=num_stages)  # default above: 3 for the Forecast's 64-row GPU tiles, else 1
         if not fused:  # the rule as its own launch, one of the two searches
-            kernel, extra = ((_prefill_topk_bracket_kernel, {"maxnreg": _BRACKET_MAXNREG} if query.is_cuda else {})
+            kernel, extra = ((_prefill_topk_bracket_kernel,
+                              {"maxnreg": _BRACKET_MAXNREG} if query.is_cuda and _BRACKET_MAXNREG else {})
                              if bracket else (_prefill_topk_kernel, {"RS": topk_rows}))
             kernel[(-(-(s1 - s0) // topk_rows), bsz * heads)](
                 scratch, m_sub, pos_sub, pos_sub.stride(0),
