@@ -189,16 +189,11 @@ ALL = ["sparda", "sparse-offload", "dense", "sparse", "sparda-no-prefetch", "inf
 assert sorted(ALL) == sorted(SWEEP_METHODS)
 
 
-def baselines(out: Path, budget: float) -> list[dict]:
+def baselines(out: Path, budget: float, methods=("sparda", "sparse", *BASELINE_METHODS),
+              name: str = "baselines") -> list[dict]:
     """The seeds' selectors (issue #13) beside ``sparse`` and offloaded ``sparda``: MiniCPM-8B
     shape, 128K, B4 and B16, on the GPU (their KV cache stays on the device), parity 16."""
-    return _sweep(out / "baselines", budget, methods=["sparda", "sparse", *BASELINE_METHODS], batches=[4, 16],
-                  parity_steps=16)
-
-
-def quest(out: Path, budget: float) -> list[dict]:
-    """``quest`` alone at the points of ``baselines`` (re-timing after a change to its scoring)."""
-    return _sweep(out / "quest", budget, methods=["quest"], batches=[4, 16], parity_steps=16)
+    return _sweep(out / name, budget, methods=list(methods), batches=[4, 16], parity_steps=16)
 
 
 def hitrate(out: Path, budget: float) -> list[dict]:
@@ -723,7 +718,7 @@ def recheck(out: Path, budget: float) -> list[dict]:
 
 
 PARTS = {"check": check, "recheck": recheck, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
-         "hitrate": hitrate, "baselines": baselines, "quest": quest, "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid, "grid-long": grid_long,
+         "hitrate": hitrate, "baselines": baselines, "quest": lambda out, budget: baselines(out, budget, ["quest"], "quest"), "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid, "grid-long": grid_long,
          "kvquant": kvquant, "kvmixed": kvmixed, "spare": spare, "tune-synth": tune_synth}
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from sparda import kernels
 from sparda.attention.blocksparse import SparseAttention
 from sparda.attention.forecast import ForecastAttention
 from sparda.attention.shallow import ShallowAttention
-from sparda.kernels import reference as ref
 
 
 class OffloadDecodeMixin:
@@ -204,16 +203,13 @@ class OffloadedShallowAttention(OffloadDecodeMixin, ShallowAttention):
     fetches of *all* deep layers are enqueued at once: on CUDA each on the selection and
     copy streams (:meth:`~sparda.cache.prefetch.Prefetcher.ahead`), every deep layer waiting
     for its own copy just before its attention (:meth:`OffloadKVCache.attend`), so the copy
-    of layer ``l`` overlaps the compute of layers ``N-1 .. l-1``; off CUDA (and with
-    ``prefetch = False``) synchronously, on the compute stream. Same mask, same tokens as
-    on-device ``shallow`` (tests: fp32 logits).
+    of layer ``l`` overlaps the compute of layers ``N-1 .. l-1``; off CUDA the same calls
+    copy synchronously. Same mask, same tokens as on-device ``shallow`` (tests: fp32 logits).
     """
 
     name = "shallow"
     #: decode reads the shared mask, not BlockSparseMethod.attend's: no dense heads (design §3.7)
     supports_dense_heads = False
-    #: enqueue the deep layers' copies on the side streams (False: on the compute stream)
-    prefetch = True
 
     def cache_resident_layers(self) -> tuple[int, ...]:
         """The shallow layers ``0..N-1``: they read every block of their K/V each step."""
@@ -235,14 +231,11 @@ class OffloadedShallowAttention(OffloadDecodeMixin, ShallowAttention):
     def _fetch_deep(self, cache, step) -> None:
         """Make this step's shared mask resident in every deep layer's slots (design §7)."""
         mask, pos = self._mask[:, :, -1, :], step.q_pos[:, 0]  # [B, H, N] bool, [B]
-        ids = ref.block_mask_to_indices(mask, min(cache.select_width, mask.shape[-1]))  # once for every layer
+        ids = cache.selection_ids(mask)  # once for every deep layer
         counters = self._counters(step)  # allocated on the compute stream
         for deep in range(self.num_shallow, self.shape.num_layers):
-            if self.prefetch and cache.prefetcher.cuda:
-                with cache.prefetcher.ahead(deep, ids, pos):
-                    cache.fetch(deep, ids, pos, prefetch=True, counters=counters)
-            else:
-                cache.fetch(deep, ids, pos, counters=counters)
+            with cache.prefetcher.ahead(deep, ids, pos):
+                cache.fetch(deep, ids, pos, prefetch=True, counters=counters)
 
 
 #: on-device method name -> its offloaded variant (``--offload``)

@@ -446,6 +446,13 @@ class OffloadKVCache:
                           "offload-aware method such as sparse-offload or sparda --offload), not view")
 
     # ---------------------------------------------------------- fetch/attend
+    def selection_ids(self, selection: torch.Tensor) -> torch.Tensor:
+        """:meth:`fetch`'s block ids: a ``[B, H, N']`` bool block mask as ascending int64 ids
+        ``[B, H, min(select_width, N')]`` (``-1`` padded, no host sync); ids pass unchanged."""
+        if selection.dtype != torch.bool:
+            return selection
+        return ref.block_mask_to_indices(selection, min(self.select_width, selection.shape[-1]))
+
     def fetch(self, layer: int, selection: torch.Tensor, pos: torch.Tensor, prefetch: bool = False,
               counters: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Make ``layer``'s selected blocks resident in its slots (decode).
@@ -468,10 +475,8 @@ class OffloadKVCache:
         """
         if layer in self.resident:
             return
-        ids = selection
-        if selection.dtype == torch.bool:
-            ids = ref.block_mask_to_indices(selection, min(self.select_width, selection.shape[-1]))
-        elif ids.shape[-1] > self.select_width:
+        ids = self.selection_ids(selection)
+        if ids.shape[-1] > self.select_width:
             raise SpardaError(f"fetch: {ids.shape[-1]} block ids per row exceed the selection width "
                               f"{self.select_width} of this cache; select with width=cache.select_width")
         if not ids.is_contiguous():

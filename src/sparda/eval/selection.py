@@ -162,7 +162,8 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
             ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()
 
             def masks(idx, state):
-                """Every method's selection and free top-k at positions ``idx``, and the oracle's mass."""
+                """Every method's selection and free top-k at positions ``idx``, the oracle's mass
+                and the forced blocks."""
                 pos = idx.view(1, -1)
                 forced = ref.forced_blocks(pos, num_blocks, cfg)
                 mass = ref.block_attention_mass(q[..., idx, :], k, pos, kv_len, cfg.block_size)
@@ -176,12 +177,14 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
                         sc = selectors[name](layer, h_prev, h, q, k, ck, cos, sin, idx, pos)
                         sel = ref.select_blocks(ref.pool_to_blocks(sc, num_blocks, cfg), pos, cfg)
                     out[name] = (sel, sel & ~forced)
-                sparse_free = ref.select_blocks(ref.pool_to_blocks(ref.query_group_scores(
-                    q[..., idx, :], ck, pos, cfg.kernel_size, cfg.kernel_stride), num_blocks, cfg), pos, cfg) & ~forced
-                return out, mass, sparse_free, ref.select_blocks(mass, pos, cfg) & ~forced
+                return out, mass, forced
 
-            now, mass, sparse_free, oracle_free = masks(q_idx, states[0])
-            nxt = masks(q_idx[pair] + 1, states[1])[0] if bool(pair.any()) else {}
+            now, mass, forced = masks(q_idx, states[0])
+            q_pos = q_idx.view(1, -1)
+            sparse_free = ref.select_blocks(ref.pool_to_blocks(ref.query_group_scores(
+                q[..., q_idx, :], ck, q_pos, cfg.kernel_size, cfg.kernel_stride), num_blocks, cfg), q_pos, cfg) & ~forced
+            oracle_free = ref.select_blocks(mass, q_pos, cfg) & ~forced
+            nxt = masks(q_idx[pair] + 1, states[1])[0] if bool(pair.any()) else {}  # selections only
             counts[layer] += 1
             for name in methods:
                 sel, free = now[name]
