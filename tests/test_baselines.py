@@ -313,3 +313,27 @@ def test_shallow(group, budget, fresh_seed):
 def test_shallow_select_once(group, fresh_seed):
     check("shallow", group, "select", {"shallow_layers": 2, "shallow_select_once": True}, seed=fresh_seed)
     check("shallow", group, "budget", {"shallow_layers": 1, "shallow_select_once": True}, seed=fresh_seed + 1)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_h2o_prefill_mass_from_the_sdpa_backward(group, fresh_seed, monkeypatch):
+    """h2o's prefill block mass (the gradient SDPA's backward gives V) equals the summed
+    probabilities of an fp64 softmax: whole prompts, a later chunk (queries at the last
+    ``Tq`` of ``T`` key positions) and queries split to stay under MASS_CHUNK_BYTES."""
+    from sparda.attention import h2o
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    for total, tq, chunk_bytes in ((53, 53, 1 << 28), (77, 20, 1 << 28), (64, 64, 4 * 2 * group * 64 * 5)):
+        monkeypatch.setattr(h2o, "MASS_CHUNK_BYTES", chunk_bytes)
+        q = torch.randn(1, 2, group, tq, D, generator=gen) * 2
+        k = torch.randn(1, 2, total, D, generator=gen) * 2
+        with torch.inference_mode():
+            got = h2o.prefill_block_mass(q, k, 8)
+        pos = torch.arange(total - tq, total)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", q.double(), k.double()) / math.sqrt(D)
+        logits = logits.masked_fill(torch.arange(total).view(1, -1) > pos.view(-1, 1), float("-inf"))
+        probs = torch.softmax(logits, dim=-1).sum((2, 3))  # [1, H, T]
+        want = torch.nn.functional.pad(probs, (0, -total % 8)).view(1, 2, -1, 8).sum(-1)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert abs(float(got.sum()) - 2 * group * tq) < 1e-3

@@ -150,3 +150,50 @@ def test_prefill_passes_its_row_as_a_host_int(tiny, forecast_file, monkeypatch):
     assert len(seen) == 3 and all(s == ("prefill", 2, 2) for s in seen)
     step = StepInfo("prefill", torch.tensor([1]), torch.arange(5).view(1, -1), torch.tensor([5]), None, None, 5)
     assert step.row == 1
+
+
+# the seeds' selectors keep prefill state for decode (h2o's accumulated mass, snapkv's
+# observation window, quest's page bounds, shallow's EMA and fixed set); method, options
+SEED_CASES = [("h2o", {}), ("snapkv", {}), ("snapkv", {"snapkv_window": 48}), ("quest", {}), ("streaming", {}),
+              ("shallow", {"shallow_layers": 1}), ("shallow", {"shallow_layers": 1, "shallow_select_once": True})]
+
+
+def _decode_logits(llm, ids: list[int], follow: list[int]) -> torch.Tensor:
+    """Prefill ``ids`` into row 0 of a fresh cache, then teacher-force ``follow`` through
+    decode steps; ``[len(follow), V]`` fp32 logits of the decode steps."""
+    llm.method.reset()
+    cache = llm.new_cache(1, len(ids) + len(follow))
+    with torch.inference_mode():
+        llm.prefill(cache, 0, ids)
+        rows = torch.zeros(1, dtype=torch.long)
+        out = []
+        for i, tok in enumerate(follow):
+            pos = len(ids) + i
+            out.append(llm._decode_step(cache, torch.tensor([tok]), torch.tensor([pos]), rows, pos + 1)[0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("method,options", SEED_CASES,
+                         ids=[m + "".join(f"-{k}={v}" for k, v in o.items()) for m, o in SEED_CASES])
+def test_chunked_prefill_gives_the_seed_selectors_unchunked_decode(tiny, fresh_seed, method, options):
+    """The seeds' selectors prefill densely and select in decode from what prefill left them;
+    decode logits after 37-token chunks and after chunks whose last one is shorter than the
+    observation window (``snapkv``) equal those after the whole prompt at once, and the
+    selection drops blocks (decode logits differ from dense's)."""
+    from sparda.engine.llm import LLM
+
+    num_tokens = int(torch.randint(190, 230, ()))
+    ids = torch.randint(100, 20000, (num_tokens,)).tolist()
+    follow = torch.randint(100, 20000, (12,)).tolist()
+
+    def run(name, chunk, opts):
+        llm = LLM(str(tiny), method=name, device="cpu", prefill_chunk_tokens=chunk, cuda_graphs=False,
+                  dense_heads="none", **SMALL, **opts)
+        return _decode_logits(llm, ids, follow)
+
+    whole = run(method, 0, options)
+    for chunk in (37, num_tokens - 5):  # the second leaves a 5-token last chunk
+        out = run(method, chunk, options)
+        assert _rel(out, whole) < 2e-5, (chunk, _rel(out, whole))
+    dense = run("dense", 0, {})
+    assert _rel(whole, dense) > 1e-3  # decode really selects

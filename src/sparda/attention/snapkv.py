@@ -33,15 +33,20 @@ def window_votes(q: torch.Tensor, k: torch.Tensor, window: int, block_size: int,
     """SnapKV block scores of one prompt: ``[1, H, N]`` fp32.
 
     Args:
-        q: ``[1, H, G, T, d]`` prompt queries; k: ``[1, H, T, d]`` prompt keys (positions ``0..T-1``).
+        q: ``[1, H, G, Tq, d]``: the prompt's last ``Tq`` queries (positions ``T - Tq .. T - 1``),
+            ``Tq >= min(window, T)``; k: ``[1, H, T, d]`` prompt keys (positions ``0..T-1``).
         window: observation window (the last ``min(window, T)`` queries).
         block_size: tokens per block; ``N = ceil(T / block_size)``.
         kernel: token max-pool kernel (odd; padding ``kernel // 2``).
+    Raises:
+        ValueError: ``q`` holds fewer queries than the window.
     """
     t, d = k.shape[-2], k.shape[-1]
     w = min(window, t)
+    if q.shape[-2] < w:
+        raise ValueError(f"window_votes needs the last {w} queries, got {q.shape[-2]}")
     pos = torch.arange(t - w, t, device=q.device)
-    logits = torch.einsum("bhgqd,bhkd->bhgqk", q[..., t - w:, :].float(), k.float()) / math.sqrt(d)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", q[..., q.shape[-2] - w:, :].float(), k.float()) / math.sqrt(d)
     causal = torch.arange(t, device=q.device).view(1, -1) <= pos.view(-1, 1)
     probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
     votes = probs.sum((2, 3))  # [1, H, T]
@@ -61,6 +66,9 @@ class SnapKVAttention(BlockSparseMethod):
     def __init__(self, config, shape, model=None, model_dir=None) -> None:
         super().__init__(config, shape, model=model, model_dir=model_dir)
         self.window = config.snapkv_window
+        #: (row, layer) -> the last ``window`` prefill queries ``[1, H, G, <= window, d]`` of the
+        #: chunks so far (:meth:`prefill_select`)
+        self._window_q: dict[tuple[int, int], torch.Tensor] = {}
 
         def make(rows, capacity, device):
             dims = (rows, shape.num_kv_heads, -(-capacity // config.selection.block_size))
@@ -69,12 +77,21 @@ class SnapKVAttention(BlockSparseMethod):
         self.state = RowState(make)
 
     def prefill_select(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache, step) -> None:
-        """Choose the prompt's kept blocks of ``layer`` (row ``step.rows[0]``) and store them."""
+        """Choose the prompt's kept blocks of ``layer`` (row ``step.rows[0]``) and store them.
+
+        Chunked prefill: every chunk chooses from the prompt so far (the last chunk's choice
+        stands); a chunk shorter than the window takes the window's earlier queries from the
+        chunks before it (kept per row and layer, ``window`` queries each), so the votes
+        equal an unchunked prefill's."""
         cfg = self.selection
         st = self.state.of(cache)
         t = k.shape[-2]
         row = step.rows[:1]
         last = step.q_pos[:, -1:]
+        key = (step.row, layer)
+        if q.shape[-2] < t and key in self._window_q:  # a later chunk: the window may reach back
+            q = torch.cat([self._window_q[key], q], dim=-2)
+        self._window_q[key] = q[..., -self.window:, :].clone()
         chosen = ref.select_blocks(window_votes(q, k, self.window, cfg.block_size).unsqueeze(2), last, cfg)
         start = min((t - 1) // cfg.block_size - cfg.local_blocks + 1, (t - min(self.window, t)) // cfg.block_size)
         start = max(start, 0)
