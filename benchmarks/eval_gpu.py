@@ -14,8 +14,8 @@ one time budget measured from the start of this call:
    held-out windows at 4,096 and 7,680 tokens (at 2,048 every query falls under the
    ``small`` preset's dense fallback, so ppl would equal dense's);
 3. ``OUT/budget``: the budget sweep, ``passkey`` (30 samples) and ``ppl`` (8 windows)
-   at 7,680 tokens for sparse, sparda and oracle at 5, 10, 17, 25 and 50 % of the context
-   (dense once, as the reference);
+   at 7,680 tokens for sparse, sparda, oracle and infinigen at 5, 10, 17, 25 and 50 % of
+   the context (dense once, as the reference);
 4. ``kvquant`` (issue #14), ``OUT/kv-<dtype>`` for KV-cache dtypes bf16, int8 and int4:
    ``passkey`` (30 samples) at 7,680 tokens and ``ppl-decode`` (16 windows, their last 512
    tokens fed through decode, against dense over an unquantised cache) at 4,096 and 7,680
@@ -65,7 +65,7 @@ from sparda.io import atomic_write  # noqa: E402
 TASKS = ("passkey", "passkey-synth", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery",
          "vt", "cwe", "fwe")
 METHODS = ("dense", "sparse", "oracle", "sparda", "sparda-random", "infinigen")
-SWEEP_METHODS = ("dense", "sparse", "sparda", "oracle")
+SWEEP_METHODS = ("dense", "sparse", "sparda", "oracle", "infinigen")
 BUDGETS = (5.0, 10.0, 17.0, 25.0, 50.0)
 KV_DTYPES = ("bf16", "int8", "int4")
 KV_METHODS = ("dense", "sparda")

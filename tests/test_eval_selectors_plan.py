@@ -214,3 +214,56 @@ def test_section_says_not_run_incomplete_or_not_comparable(tmp_path, fresh_seed)
     assert "ran with dense heads 3:1" in "\n".join(selectors_section(out, main))
     (out / "main" / "plan.json").unlink()
     assert "cannot read" in "\n".join(selectors_section(out, main))
+
+
+@pytest.mark.parametrize("k", [3, 11, 14])
+def test_dense_ceiling_note_when_the_reference_is_at_dense(tmp_path, fresh_seed, k):
+    """The page says that "sparda ≥ infinigen + 10" cannot be met with the defaults exactly
+    when dense − infinigen, paired on the same prompts, is below 10 points (dense reads
+    every block, so no selector is expected above it), with that difference."""
+    from sparda.eval.accuracy_doc import dense_ceiling_notes
+
+    rng = random.Random(fresh_seed)
+    dense = _scores(rng, 0.7)
+    scores = dict(dense=dense, infinigen=_minus(rng, dense, k), sparda=_scores(rng, 0.6), sparse=_scores(rng, 0.6))
+    main = [_rec(m, *key, s) for m, sc in scores.items() for key, s in sc.items()]
+    notes = dense_ceiling_notes(main)
+    gap = 100 * k / len(PROMPTS)
+    if gap >= 10:
+        assert notes == [], (fresh_seed, k)
+        return
+    assert len(notes) == 1, (fresh_seed, notes)
+    assert notes[0].startswith(f"With the defaults, `dense` − `infinigen` = {gap:+.1f} [") and \
+        "cannot be met in this configuration" in notes[0], (fresh_seed, notes)
+    _write(tmp_path / "run" / "main", main)
+    assert notes[0] in render(tmp_path / "run", tmp_path / "doc")
+
+
+def test_calls_table_and_full_eval_timing():
+    """Plans a call advanced (done counts that grew since the last report) and the full
+    eval's calls, seconds and verdict against two calls of 600 s."""
+    from sparda.eval.accuracy_doc import advanced_plans, full_eval_timing
+
+    def call(wall, **plans):
+        return dict(wall_s=wall, plans={n: (p if isinstance(p, str) else dict(done=p[0], complete=p[1]))
+                                        for n, p in plans.items()})
+
+    calls = [call(500, main=(100, False), selectors=(5, False)),
+             call(590, main=(200, True), ppl=(4, True), baselines=(50, True), **{"baselines-ppl": (3, True)}),
+             call(40, main=(200, True), selectors=(9, True), **{"baselines-ppl": "not started (time budget)"})]
+    advanced = advanced_plans(calls)
+    assert advanced == [{"main": 100, "selectors": 5}, {"main": 200, "ppl": 4, "baselines": 50, "baselines-ppl": 3},
+                        {"selectors": 9}]
+    text = full_eval_timing(calls, advanced)
+    assert "2 call(s), 1090 s of wall time in all (500 + 590), complete" in text and text.endswith(": met.")
+    slow = [call(500, main=(100, False)), call(601, main=(200, True), ppl=(4, True), baselines=(50, True),
+                                                 **{"baselines-ppl": (3, True)})]
+    assert full_eval_timing(slow, advanced_plans(slow)).endswith("**not met**.")
+    three = calls[:1] + [call(300, main=(200, True)), calls[1]]
+    assert "3 call(s)" in full_eval_timing(three, advanced_plans(three)) and \
+        full_eval_timing(three, advanced_plans(three)).endswith("**not met**.")
+    unfinished = calls[:1]
+    assert "INCOMPLETE" in full_eval_timing(unfinished, advanced_plans(unfinished))
+    assert full_eval_timing([call(10, selectors=(3, True))], [{"selectors": 3}]) is None
+    no_baselines = [call(100, main=(200, True), ppl=(4, True))]
+    assert "INCOMPLETE" in full_eval_timing(no_baselines, advanced_plans(no_baselines))

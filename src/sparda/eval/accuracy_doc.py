@@ -429,6 +429,69 @@ def selectors_section(out: Path, main: list[dict], selectors: dict | None = None
     return lines
 
 
+#: the plans of the full eval that issue #12 asks to finish within two 10-minute GPU calls
+FULL_EVAL = ("main", "ppl", "baselines", "baselines-ppl")
+#: that target: calls, seconds per call
+FULL_EVAL_TARGET = (2, 600)
+
+
+def advanced_plans(calls: list[dict]) -> list[dict[str, int]]:
+    """Per call of ``calls.json`` (in order), the plans it advanced and their records done
+    after it: a plan advanced when its ``done`` count grew over the last call that reported
+    it (or, on its first report, is above 0)."""
+    last: dict[str, int] = {}
+    out = []
+    for call in calls:
+        mine = {}
+        for name, prog in call.get("plans", {}).items():
+            if isinstance(prog, dict) and isinstance(prog.get("done"), int):
+                if prog["done"] > last.get(name, 0):
+                    mine[name] = prog["done"]
+                last[name] = prog["done"]
+        out.append(mine)
+    return out
+
+
+def full_eval_timing(calls: list[dict], advanced: list[dict[str, int]]) -> str | None:
+    """One sentence: how many calls and seconds of wall time the plans of :data:`FULL_EVAL`
+    took (the calls that advanced any of them), whether all of them completed, against
+    :data:`FULL_EVAL_TARGET`; ``None`` when no call advanced them."""
+    ran = [(c, a) for c, a in zip(calls, advanced) if set(a) & set(FULL_EVAL)]
+    if not ran:
+        return None
+    latest: dict[str, dict] = {}
+    for call, _ in ran:
+        latest.update({n: p for n, p in call.get("plans", {}).items() if isinstance(p, dict)})
+    complete = all(latest.get(n, {}).get("complete") for n in FULL_EVAL)
+    wall = sum(c["wall_s"] for c, _ in ran)
+    count, per_call = FULL_EVAL_TARGET
+    met = len(ran) <= count and all(c["wall_s"] <= per_call for c, _ in ran) and complete
+    parts = " + ".join(f"{c['wall_s']:.0f}" for c, _ in ran)
+    return (f"**Run time of the full eval** ({', '.join(f'`{n}`' for n in FULL_EVAL)}): {len(ran)} call(s), "
+            f"{wall:.0f} s of wall time in all ({parts}), "
+            f"{'complete' if complete else 'INCOMPLETE'}; issue #12 asks for at most {count} calls of "
+            f"{per_call} s: {'met' if met else '**not met**'}.")
+
+
+def dense_ceiling_notes(main: list[dict]) -> list[str]:
+    """For each criterion of :data:`MEAN_CRITERIA` with a positive margin: a sentence when
+    its reference is so close to ``dense`` that ``dense`` itself, which reads every block,
+    would not reach the margin over it (paired on the same prompts), so no selector can
+    be expected to; ``[]`` otherwise or without the records."""
+    notes = []
+    for a, b, margin in MEAN_CRITERIA:
+        if margin <= 0:
+            continue
+        d = paired_difference(main, "dense", b)
+        if d is None or 100 * d["diff"] >= margin:
+            continue
+        notes.append(f"With the defaults, `dense` − `{b}` = {_points(d)} points: `dense` itself, reading every "
+                     f"block, is not {margin:g} points above `{b}`, so \"{_criterion_name(a, b, margin)}\" "
+                     "cannot be met in this configuration by any selector; the selectors are compared where "
+                     "selection alone decides (`dense_heads none`, section \"Selectors without dense heads\").")
+    return notes
+
+
 def _shift(md: str) -> str:
     """Report headings one level down (``###`` -> ``####``), to nest under the page's."""
     return "\n".join("#" + line if line.startswith("###") else line for line in md.splitlines())
@@ -449,12 +512,19 @@ def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
     if calls:
         devices = sorted({c["device"] for c in calls})
         commits = sorted({c["commit"] for c in calls})
+        advanced = advanced_plans(calls)
         lines += [f"Device: {', '.join(devices)}; torch {', '.join(sorted({c['torch'] for c in calls}))}. "
                   f"Commit(s): {', '.join(f'`{c}`' for c in commits)}. Model: the bundled SmolLM2-135M-Instruct "
                   f"(30 layers), preset `small`, dtype bf16 on CUDA. {len(calls)} call(s), "
-                  f"{sum(c['wall_s'] for c in calls) / 60:.1f} min in all:", "", "| started (UTC) | wall s | command |",
-                  "|---|---|---|"]
-        lines += [f"| {c['started_utc']} | {c['wall_s']:.0f} | `{c['command']}` |" for c in calls]
+                  f"{sum(c['wall_s'] for c in calls) / 60:.1f} min in all (a call's wall time covers all it ran):", "",
+                  "| started (UTC) | wall s | commit | plans advanced (records done after the call) | command |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {c['started_utc']} | {c['wall_s']:.0f} | `{c['commit']}` | "
+                  f"{', '.join(f'{n} ({d})' for n, d in a.items()) or '–'} | `{c['command']}` |"
+                  for c, a in zip(calls, advanced)]
+        timing = full_eval_timing(calls, advanced)
+        if timing:
+            lines += ["", timing]
     for name in ("main", "budget") + (("baselines",) if baselines else ()):
         progress = out / name / "progress.json"
         if progress.is_file():
@@ -466,6 +536,8 @@ def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
         lines += ["", note]
     selectors = selector_records(out)
     lines += ["", "## Issue #12 criteria", "", *criteria(main, budget, selectors)]
+    for note in dense_ceiling_notes(main):
+        lines += ["", note]
     sections = [("main", "Tasks, perplexity, selection (`main`)", main), ("budget", "Budget sweep (`budget`)", budget)]
     if baselines:
         sections[0] = ("main", "Tasks, perplexity, selection (`main` and the seeds' selectors, `baselines`)",
