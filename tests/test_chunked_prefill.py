@@ -155,7 +155,9 @@ def test_prefill_passes_its_row_as_a_host_int(tiny, forecast_file, monkeypatch):
 # the seeds' selectors keep prefill state for decode (h2o's accumulated mass, snapkv's
 # observation window, quest's page bounds, shallow's EMA and fixed set); method, options
 SEED_CASES = [("h2o", {}), ("snapkv", {}), ("snapkv", {"snapkv_window": 48}), ("quest", {}), ("streaming", {}),
-              ("shallow", {"shallow_layers": 1}), ("shallow", {"shallow_layers": 1, "shallow_select_once": True})]
+              ("quest", {"sparse_prefill": True}), ("streaming", {"sparse_prefill": True}),
+              ("shallow", {"shallow_layers": 1}), ("shallow", {"shallow_layers": 1, "shallow_select_once": True}),
+              ("shallow", {"shallow_layers": 1, "offload": True})]
 
 
 def _decode_logits(llm, ids: list[int], follow: list[int]) -> torch.Tensor:
