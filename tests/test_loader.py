@@ -208,3 +208,30 @@ def test_other_gguf_gets_no_shipped_assets_even_under_the_bundled_name(tmp_path,
     shutil.copytree(make_tiny("llama"), plain)
     assert _shipped_assets(plain) == {"name": loader.BUNDLED_NAME, "forecast": False, "dense_heads": [],
                                       "shallow": []}
+
+
+def test_convert_gguf_keeps_a_concurrent_twin_and_replaces_a_leftover(tmp_path, monkeypatch, make_tiny):
+    """Two processes converting the same GGUF (``benchmarks/eval_gpu.py --workers``): the one
+    that finishes second keeps the first one's directory (it may be loading from it) and
+    leaves no temporary directory; a half-written leftover (no config.json) is replaced."""
+    import transformers
+
+    tiny = make_tiny("llama")
+    monkeypatch.setattr(loader, "cache_root", lambda: tmp_path / "cache")
+    for cls in (transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        real = cls.from_pretrained
+        monkeypatch.setattr(cls, "from_pretrained", lambda folder, *a, real=real, gguf_file=None, **k: real(tiny, **k))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(os.urandom(100))
+    out = tmp_path / "cache" / "m-x"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "twin").write_text("the first process's conversion")
+    assert loader.convert_gguf(gguf, out) == out
+    assert (out / "twin").is_file() and not list(out.parent.glob(".tmp-*"))
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / "model.safetensors").write_text("half")  # a crash's leftover: no config.json
+    loader.convert_gguf(gguf, out)
+    assert not (out / "twin").exists() and json.loads((out / loader.SOURCE_FILE).read_text())["gguf"] == str(gguf)
+    assert (out / "config.json").is_file() and not list(out.parent.glob(".tmp-*"))

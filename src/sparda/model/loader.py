@@ -109,7 +109,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
 
     Uses ``transformers`` GGUF loading (needs the ``gguf`` package). The loaded model's
     quantization config is dropped before ``save_pretrained``. The directory is written
-    to a temporary name and renamed, so a crash never leaves a half-written model.
+    to a temporary name and renamed, so a crash never leaves a half-written model; if
+    another process wrote ``out_dir`` meanwhile (``out_dir`` is named by the content's
+    digest), that one is kept, never deleted under a process that may be loading it.
 
     Returns:
         ``out_dir`` (weights fp32 safetensors, tokenizer, ``sparda_source.json``).
@@ -141,9 +143,13 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         rebuilt.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "digest": file_digest(gguf)}))
-        if out_dir.exists():
+        if out_dir.exists() and not (out_dir / "config.json").is_file():  # a half-written leftover
             shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        if not out_dir.exists():  # else a concurrent process converted the same content first: keep it
+            tmp.rename(out_dir)
+    except OSError as exc:
+        if not (out_dir / "config.json").is_file():  # not a concurrent twin: a real failure
+            raise SpardaError(f"cannot write the converted model {out_dir}: {exc.strerror or exc}") from exc
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
