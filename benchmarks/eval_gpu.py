@@ -34,6 +34,12 @@ one time budget measured from the start of this call:
    plan measures the selectors alone (:func:`selector_plans`; ``ppl`` and ``selection`` are
    left out: dense heads act in decode only, and both score prefill / the bare selection).
 
+``--workers N`` runs the plans of up to ``N`` output directories at once, each directory's
+plans in order in a child process (:func:`run_workers`): one prompt's prefill leaves the GPU
+mostly idle while the CPU dispatches its kernels (about 45 ms per prompt on the H200 for
+the bundled model, whatever its length), so a second process fills it; the records are the
+same, their timings those of processes sharing the GPU.
+
 Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
 prints a short table. When the budget runs out the plans stop between batches; copy
 ``OUT`` back, and the next call with the same ``OUT`` continues where this one stopped.
@@ -114,7 +120,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "such as kvquant-int8) "
                         "[default: all]")
     p.add_argument("--estimate", action="store_true", help="print the plans' work and a time estimate, run nothing")
-    return p.parse_args(argv)
+    p.add_argument("--workers", type=int, default=1,
+                   help="run the plans of different output directories in this many processes at once [1]")
+    p.add_argument("--worker-report", default=None, help=argparse.SUPPRESS)  # a worker's plans' progress (JSON)
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1, got {args.workers}")
+    return args
 
 
 def plans(args) -> list[tuple[str, EvalPlan]]:
@@ -362,7 +374,72 @@ def _kv_summary_lines(out: Path) -> list[str]:
     return lines
 
 
+def run_in_order(args, named: list[tuple[str, EvalPlan]], started: float) -> dict:
+    """Run ``named`` one after another in this process within the time budget; returns
+    ``{name: progress dict, or "not started (time budget)"}``. Raises SpardaError."""
+    done = {}
+    for name, plan in named:
+        left = args.time_budget_s - (time.perf_counter() - started)
+        spent = any(isinstance(p, dict) and p.get("stopped") == "time budget" for p in done.values())
+        if left <= 0 or spent:
+            done[name] = "not started (time budget)"
+            continue
+        print(f"== {name}: {plan.out} ({left:.0f} s left)", file=sys.stderr, flush=True)
+        run_eval(plan, time_budget_s=left)
+        done[name] = json.loads((Path(plan.out) / "progress.json").read_text())
+    return done
+
+
+def run_workers(args, argv: list[str], named: list[tuple[str, EvalPlan]], started: float) -> tuple[dict, int]:
+    """``--workers N``: the plans grouped by output directory (plans sharing one run in
+    order, as they share its journal), up to ``N`` groups at once, each in a child process
+    of this script (``--plans`` its group, the budget left, ``--workers 1``; its output in
+    ``OUT/worker-<i>.log``). A group not started before the budget runs out is "not started".
+    The GPU is mostly idle while one process dispatches a prefill's kernels, so two
+    processes nearly halve the wall time; records are the same (greedy decoding), their
+    timings those of processes sharing the GPU.
+
+    Returns ``({name: progress or "not started (time budget)"}, exit status)``: the status
+    is the first non-zero status of a child (its log's last lines are printed), else 0."""
+    groups: dict[str, list[str]] = {}
+    for name, plan in named:
+        groups.setdefault(plan.out, []).append(name)
+    pending, running, done, status = list(groups.values()), [], {}, 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    index = 0
+    while pending or running:
+        while pending and len(running) < args.workers:
+            names = pending.pop(0)
+            left = args.time_budget_s - (time.perf_counter() - started)
+            if left <= 0:
+                done.update({n: "not started (time budget)" for n in names})
+                continue
+            index += 1
+            report, log = out / f".worker-{index}.json", out / f"worker-{index}.log"
+            report.unlink(missing_ok=True)
+            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--plans", ",".join(names),
+                   "--time-budget-s", f"{left:.1f}", "--workers", "1", "--worker-report", str(report)]
+            print(f"== worker {index}: {', '.join(names)} ({left:.0f} s left; log {log})", file=sys.stderr, flush=True)
+            with open(log, "w") as handle:
+                proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT)
+            running.append((proc, names, report, log))
+        time.sleep(0.2)
+        for item in [r for r in running if r[0].poll() is not None]:
+            running.remove(item)
+            proc, names, report, log = item
+            got = json.loads(report.read_text()) if report.is_file() else {}
+            done.update({n: got.get(n, f"failed (exit {proc.returncode}, {log})") for n in names})
+            report.unlink(missing_ok=True)
+            if proc.returncode:
+                status = status or proc.returncode
+                tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-5:]
+                print(f"worker {', '.join(names)} exited {proc.returncode}:\n  " + "\n  ".join(tail), file=sys.stderr)
+    return {name: done[name] for name, _ in named if name in done}, status
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.estimate:
         try:
@@ -373,35 +450,33 @@ def main(argv=None) -> int:
         return 0
     started, start_utc = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
     out = Path(args.out)
-    done = {}
+    status = 0
     try:
-        for name, plan in plans(args):
-            left = args.time_budget_s - (time.perf_counter() - started)
-            spent = any(isinstance(p, dict) and p.get("stopped") == "time budget" for p in done.values())
-            if left <= 0 or spent:
-                done[name] = "not started (time budget)"
-                continue
-            print(f"== {name}: {plan.out} ({left:.0f} s left)", file=sys.stderr, flush=True)
-            run_eval(plan, time_budget_s=left)
-            progress = json.loads((Path(plan.out) / "progress.json").read_text())
-            done[name] = progress
+        named = plans(args)
+        if args.workers > 1 and len({plan.out for _, plan in named}) > 1:
+            done, status = run_workers(args, argv, named, started)
+        else:
+            done = run_in_order(args, named, started)
     except SpardaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.worker_report:  # a child of run_workers: its parent records the call
+        atomic_write(Path(args.worker_report), json.dumps(done))
+        return 0
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
     calls_path = out / "calls.json"
     calls = json.loads(calls_path.read_text()) if calls_path.is_file() else []
     calls.append(dict(started_utc=start_utc, wall_s=round(time.perf_counter() - started, 1), commit=_commit(args.commit),
-                      device=_device_name(args.device), torch=torch.__version__, argv=sys.argv[1:],
-                      command="python3 benchmarks/eval_gpu.py " + " ".join(sys.argv[1:]), plans=done))
+                      device=_device_name(args.device), torch=torch.__version__, argv=argv,
+                      command="python3 benchmarks/eval_gpu.py " + " ".join(argv), plans=done))
     atomic_write(calls_path, json.dumps(calls, indent=1))
     print(_summary_table(out))
     complete = all(isinstance(p, dict) and p.get("complete") for p in done.values())
     print(f"{'all plans complete' if complete else 'not complete: copy OUT back and run the same command again'}; "
           f"{calls[-1]['wall_s']:.0f} s this call", file=sys.stderr)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

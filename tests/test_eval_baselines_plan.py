@@ -198,3 +198,33 @@ def test_page_refuses_baselines_of_other_prompts_and_notes_other_assets(tmp_path
     _write(out / "baselines", _records(rng, ("quest",)), decode_tokens=EvalPlan.decode_tokens + 1)
     with pytest.raises(SpardaError, match="decode_tokens"):
         render(out, tmp_path / "doc")
+
+
+def test_workers_run_the_directories_at_once_with_the_same_records(make_tiny, tmp_path, capsys):
+    """``--workers 2``: main (+ ppl) and baselines (+ ppl) in two child processes give the
+    records of one process running them in order (same keys, completions, scores), one
+    ``calls.json`` entry naming every plan, each worker's log; a worker that fails makes
+    the call's exit status non-zero and its plans say so."""
+    eval_gpu = _script("eval_gpu")
+    small = ["--model", str(make_tiny("llama")), "--device", "cpu", "--tasks", "passkey", "--methods", "dense,sparse",
+             "--lengths", "300", "--ppl-lengths", "300", "--samples", "2", "--ppl-windows", "1",
+             "--batch-size", "2", "--baseline-methods", "streaming", "--commit", "abc1234",
+             "--plans", "main,ppl,baselines"]
+    together, alone = tmp_path / "together", tmp_path / "alone"
+    assert eval_gpu.main([str(together), *small, "--workers", "2"]) == 0
+    assert eval_gpu.main([str(alone), *small]) == 0
+    calls = json.loads((together / "calls.json").read_text())
+    assert len(calls) == 1 and list(calls[0]["plans"]) == ["main", "ppl", "baselines", "baselines-ppl"]
+    assert all(p["complete"] for p in calls[0]["plans"].values()) and "--workers 2" in calls[0]["command"]
+    assert (together / "worker-1.log").is_file() and (together / "worker-2.log").is_file()
+    assert not list(together.glob(".worker-*"))
+    for sub in ("main", "baselines"):
+        got, want = ({json.loads(line)["key"]: json.loads(line)
+                      for line in (d / sub / "results.jsonl").read_text().splitlines()} for d in (together, alone))
+        assert sorted(got) == sorted(want) and len(got) > 2
+        for key, rec in want.items():
+            assert (got[key]["score"], got[key].get("completion")) == (rec["score"], rec.get("completion")), key
+    bad = [*small, "--model", str(tmp_path / "missing"), "--workers", "2"]
+    assert eval_gpu.main([str(tmp_path / "bad"), *bad]) == 2
+    plans = json.loads((tmp_path / "bad" / "calls.json").read_text())[0]["plans"]
+    assert all(str(p).startswith("failed (exit 2") for p in plans.values()), plans

@@ -79,6 +79,10 @@ python3 benchmarks/eval_gpu.py OUT --commit $(git rev-parse --short HEAD)   # re
 python3 benchmarks/accuracy_doc.py OUT                                       # this page
 ```
 
+`--workers 2` runs the plans of two output directories at once (`main` and `baselines`, say)
+in two processes sharing the GPU, which one process leaves mostly idle while it dispatches
+a prompt's prefill kernels; same records (tested on the CPU), not yet timed on the GPU.
+
 On the CPU, `sparda eval --quick --out runs/quick` runs `passkey`, `niah-single` and `ppl`
 at 2,560 tokens (2 samples, 1 window) for dense, sparse, oracle and sparda: 2 min 38 s on
 the near-idle 2-core development CPU (2026-12-01, commit `7650e1c`, batches of 2), 15.7 min
