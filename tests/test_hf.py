@@ -75,6 +75,9 @@ def test_refusals(make_tiny):
     assert model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False).shape[1] == ids.shape[1] + 2
     with pytest.raises(SpardaError, match="on-device methods; 'sparse-offload' offloads"):
         sparda.hf.enable(model, method="sparse-offload")
+    for stateful in ("h2o", "quest", "snapkv", "shallow"):  # their per-row state is not carried by sparda.hf
+        with pytest.raises(SpardaError, match=f"{stateful}' keeps state across decode steps: use sparda.LLM"):
+            sparda.hf.enable(model, method=stateful)
 
 
 @pytest.mark.slow

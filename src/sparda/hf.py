@@ -244,7 +244,8 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
         ``model``.
     Raises:
         SpardaError: unsupported architecture or config field, an offloaded or unknown
-            method, bad budget, missing Forecast weights.
+            method, a method with per-row decode state (``h2o``, ``quest``, ``snapkv``,
+            ``shallow``: use :class:`sparda.LLM`), bad budget, missing Forecast weights.
     """
     from sparda.attention.registry import ALWAYS_OFFLOADED, build_method
     from sparda.config import SelectionConfig, SpardaConfig, resolve_sparse_prefill
@@ -268,6 +269,10 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
                            sparse_prefill=resolve_sparse_prefill(preset, sparse_prefill, dense_prefill),
                            offload=False)
     built = build_method(sconfig, shape, model=model, model_dir=getattr(model, "name_or_path", None) or None)
+    if getattr(built, "state", None) is not None:  # RowState: h2o, quest, snapkv, shallow
+        raise SpardaError(f"sparda.hf runs the selectors without per-row decode state (dense, sparse, oracle, "
+                          f"sparda, sparda-random, infinigen); {method!r} keeps state across decode steps: "
+                          "use sparda.LLM")
     session = Session(model, sconfig, built, shape)
     _register()
     session.previous_attn = config._attn_implementation

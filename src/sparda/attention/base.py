@@ -82,26 +82,38 @@ class AttentionMethod:
         self._accumulate("blocks_read", read)
         self._accumulate("blocks_valid", valid)
 
+    def _counter(self, key: str, rows: int, device) -> torch.Tensor:
+        """The ``[rows]`` int64 counter of ``key`` on ``device``, made current in
+        :attr:`stats`. One tensor per (key, rows, device) for the method's lifetime, zeroed
+        when it becomes current again: a CUDA graph captured on a batch of that size (an
+        engine's) adds into it on replay, so it must never be freed while another batch
+        size (a ``generate`` call between engine steps) counts elsewhere."""
+        pool = self.__dict__.setdefault("_counter_pool", {})
+        cur = self.stats[key]
+        if torch.is_tensor(cur) and cur.shape == (rows,) and cur.device == torch.device(device):
+            return cur
+        slot = (key, rows, str(device))
+        tensor = pool.get(slot)
+        if tensor is None:
+            tensor = pool[slot] = torch.zeros(rows, dtype=torch.long, device=device)
+        else:
+            tensor.zero_()
+        if not torch.is_tensor(cur):  # host counts of earlier steps carry over
+            tensor.add_(int(cur))
+        self.stats[key] = tensor
+        return tensor
+
     def _accumulate(self, key: str, value: torch.Tensor) -> None:
         """``stats[key] += value`` in place (``[B]`` int64 on the device), so that a captured
-        CUDA graph keeps counting on replay; the first decode step allocates the counter."""
-        cur = self.stats[key]
-        if torch.is_tensor(cur) and cur.shape == value.shape and cur.device == value.device:
-            cur.add_(value)
-        elif torch.is_tensor(cur):  # another batch than the last one counted: start afresh
-            self.stats[key] = value.to(torch.long).clone()
-        else:
-            self.stats[key] = value.to(torch.long) + int(cur)
+        CUDA graph keeps counting on replay; the first decode step of a batch size takes
+        that size's counter (:meth:`_counter`), starting afresh."""
+        self._counter(key, value.shape[0], value.device).add_(value)
 
     def _counters(self, step) -> tuple[torch.Tensor, torch.Tensor]:
         """``(blocks_read, blocks_valid)``: ``[B]`` int64 device counters of this decode step's
         rows, allocated on first use, for kernels that count in place (the slot diff)."""
         b, dev = step.q_pos.shape[0], step.q_pos.device
-        for key in ("blocks_read", "blocks_valid"):
-            cur = self.stats[key]
-            if not (torch.is_tensor(cur) and cur.shape == (b,) and cur.device == dev):
-                self.stats[key] = torch.zeros(b, dtype=torch.long, device=dev)
-        return self.stats["blocks_read"], self.stats["blocks_valid"]
+        return self._counter("blocks_read", b, dev), self._counter("blocks_valid", b, dev)
 
     def _count_ids(self, step, ids: torch.Tensor) -> None:
         """:meth:`_count` from selected block ids ``[B, H, W]`` (``-1`` padded) instead of a mask."""

@@ -17,7 +17,14 @@ import torch
 
 
 class RowState:
-    """Named device tensors sized by one KV cache, made by ``make(rows, capacity, device)``.
+    """Named device tensors sized by a KV cache, made by ``make(rows, capacity, device)``,
+    one set per live cache.
+
+    Each cache gets its own tensors at its first use, kept as long as the cache lives (a
+    weak reference drops them with it): an engine's cache and the cache of a
+    ``generate`` or ``logits`` call on the same model between two engine steps never
+    share or replace each other's state, and a CUDA graph captured on one cache keeps
+    pointing at live tensors.
 
     Args:
         make: returns ``name -> tensor`` whose first dim is the cache's ``rows`` (``B_cap``),
@@ -26,18 +33,26 @@ class RowState:
 
     def __init__(self, make: Callable[[int, int, torch.device], dict[str, object]]) -> None:
         self._make = make
-        self._cache = None
-        self.tensors: dict[str, object] = {}
+        self._states: dict[int, tuple[weakref.ref, dict[str, object]]] = {}
 
     def of(self, cache) -> dict[str, object]:
-        """The tensors for ``cache`` (a ``DeviceKVCache``: ``lengths [B_cap]``, ``capacity``),
-        allocated at the first prefill into a new cache and reused after that."""
-        if self._cache is None or self._cache() is not cache:
-            rows, device = cache.lengths.shape[0], cache.lengths.device
-            with torch.inference_mode():
-                self.tensors = self._make(rows, cache.capacity, device)
-            self._cache = weakref.ref(cache)
-        return self.tensors
+        """The tensors of ``cache`` (a ``DeviceKVCache``: ``lengths [B_cap]``, ``capacity``),
+        allocated at its first use and reused after that."""
+        key = id(cache)
+        entry = self._states.get(key)
+        if entry is not None and entry[0]() is cache:
+            return entry[1]
+        rows, device = cache.lengths.shape[0], cache.lengths.device
+        with torch.inference_mode():
+            tensors = self._make(rows, cache.capacity, device)
+        states = self._states
+
+        def forget(ref, key=key):  # the cache is gone: drop its state (unless the id was reused)
+            if key in states and states[key][0] is ref:
+                del states[key]
+
+        self._states[key] = (weakref.ref(cache, forget), tensors)
+        return tensors
 
 
 def block_ids(num_blocks: int, device) -> torch.Tensor:
