@@ -123,6 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1,
                    help="run the plans of different output directories in this many processes at once [1]")
     p.add_argument("--worker-report", default=None, help=argparse.SUPPRESS)  # a worker's plans' progress (JSON)
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # a worker's: epoch seconds
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
@@ -374,9 +375,20 @@ def _kv_summary_lines(out: Path) -> list[str]:
     return lines
 
 
-def run_in_order(args, named: list[tuple[str, EvalPlan]], started: float) -> dict:
+def _journal_lines(plan: EvalPlan) -> int:
+    """Records in ``plan``'s journal (``DIR/results.jsonl``), 0 without one."""
+    path = Path(plan.out) / "results.jsonl"
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as handle:
+        return sum(1 for _ in handle)
+
+
+def run_in_order(args, named: list[tuple[str, EvalPlan]], started: float, report=None) -> dict:
     """Run ``named`` one after another in this process within the time budget; returns
-    ``{name: progress dict, or "not started (time budget)"}``. Raises SpardaError."""
+    ``{name: progress dict with "new" (records this call added to the journal), or "not
+    started (time budget)"}``; ``report(done)`` is called after each plan (a worker's
+    report to its parent). Raises SpardaError."""
     done = {}
     for name, plan in named:
         left = args.time_budget_s - (time.perf_counter() - started)
@@ -385,56 +397,75 @@ def run_in_order(args, named: list[tuple[str, EvalPlan]], started: float) -> dic
             done[name] = "not started (time budget)"
             continue
         print(f"== {name}: {plan.out} ({left:.0f} s left)", file=sys.stderr, flush=True)
+        before = _journal_lines(plan)
         run_eval(plan, time_budget_s=left)
-        done[name] = json.loads((Path(plan.out) / "progress.json").read_text())
+        progress = Path(plan.out) / "progress.json"
+        if not progress.is_file():  # the budget ran out before its first record
+            done[name] = "not started (time budget)"
+        else:
+            done[name] = {**json.loads(progress.read_text()), "new": _journal_lines(plan) - before}
+        if report is not None:
+            report(done)
     return done
 
 
 def run_workers(args, argv: list[str], named: list[tuple[str, EvalPlan]], started: float) -> tuple[dict, int]:
     """``--workers N``: the plans grouped by output directory (plans sharing one run in
     order, as they share its journal), up to ``N`` groups at once, each in a child process
-    of this script (``--plans`` its group, the budget left, ``--workers 1``; its output in
-    ``OUT/worker-<i>.log``). A group not started before the budget runs out is "not started".
-    The GPU is mostly idle while one process dispatches a prefill's kernels, so two
-    processes nearly halve the wall time; records are the same (greedy decoding), their
-    timings those of processes sharing the GPU.
+    of this script (``--plans`` its group, ``--workers 1``, the call's deadline; its output
+    in ``OUT/worker-<i>.log``). No group starts once the budget is spent or a group stopped
+    on it. The GPU is mostly idle while one process dispatches a prompt's prefill kernels,
+    so two processes nearly halve the wall time; records are the same (greedy decoding),
+    their timings those of processes sharing the GPU. The children are stopped if this
+    process is interrupted.
 
-    Returns ``({name: progress or "not started (time budget)"}, exit status)``: the status
-    is the first non-zero status of a child (its log's last lines are printed), else 0."""
+    Returns ``({name: progress, "not started (time budget)" or "failed (...)"}, exit
+    status)``: the status is the first non-zero status of a child (its log's last lines
+    are printed), else 0; a failed child's plans that finished keep their progress."""
     groups: dict[str, list[str]] = {}
     for name, plan in named:
         groups.setdefault(plan.out, []).append(name)
     pending, running, done, status = list(groups.values()), [], {}, 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + args.time_budget_s - (time.perf_counter() - started)
     index = 0
-    while pending or running:
-        while pending and len(running) < args.workers:
-            names = pending.pop(0)
-            left = args.time_budget_s - (time.perf_counter() - started)
-            if left <= 0:
-                done.update({n: "not started (time budget)" for n in names})
-                continue
-            index += 1
-            report, log = out / f".worker-{index}.json", out / f"worker-{index}.log"
+    try:
+        while pending or running:
+            spent = any(isinstance(p, dict) and p.get("stopped") == "time budget" for p in done.values())
+            while pending and len(running) < args.workers:
+                names = pending.pop(0)
+                if deadline - time.time() <= 0 or spent:
+                    done.update({n: "not started (time budget)" for n in names})
+                    continue
+                index += 1
+                report, log = out / f".worker-{index}.json", out / f"worker-{index}.log"
+                report.unlink(missing_ok=True)
+                cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--plans", ",".join(names),
+                       "--time-budget-s", f"{deadline - time.time():.1f}", "--deadline", f"{deadline:.3f}",
+                       "--workers", "1", "--worker-report", str(report)]
+                print(f"== worker {index}: {', '.join(names)} ({deadline - time.time():.0f} s left; log {log})",
+                      file=sys.stderr, flush=True)
+                with open(log, "w") as handle:
+                    proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT)
+                running.append((proc, names, report, log))
+            time.sleep(0.2)
+            for item in [r for r in running if r[0].poll() is not None]:
+                running.remove(item)
+                proc, names, report, log = item
+                got = json.loads(report.read_text()) if report.is_file() else {}
+                report.unlink(missing_ok=True)
+                done.update({n: got.get(n, f"failed (exit {proc.returncode}, {log})") for n in names})
+                if proc.returncode:
+                    status = status or proc.returncode
+                    tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-5:]
+                    print(f"worker {', '.join(names)} exited {proc.returncode}:\n  " + "\n  ".join(tail),
+                          file=sys.stderr)
+    finally:
+        for proc, _, report, _ in running:  # interrupted: no orphans writing into OUT
+            proc.terminate()
+            proc.wait()
             report.unlink(missing_ok=True)
-            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--plans", ",".join(names),
-                   "--time-budget-s", f"{left:.1f}", "--workers", "1", "--worker-report", str(report)]
-            print(f"== worker {index}: {', '.join(names)} ({left:.0f} s left; log {log})", file=sys.stderr, flush=True)
-            with open(log, "w") as handle:
-                proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT)
-            running.append((proc, names, report, log))
-        time.sleep(0.2)
-        for item in [r for r in running if r[0].poll() is not None]:
-            running.remove(item)
-            proc, names, report, log = item
-            got = json.loads(report.read_text()) if report.is_file() else {}
-            done.update({n: got.get(n, f"failed (exit {proc.returncode}, {log})") for n in names})
-            report.unlink(missing_ok=True)
-            if proc.returncode:
-                status = status or proc.returncode
-                tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-5:]
-                print(f"worker {', '.join(names)} exited {proc.returncode}:\n  " + "\n  ".join(tail), file=sys.stderr)
     return {name: done[name] for name, _ in named if name in done}, status
 
 
@@ -449,19 +480,24 @@ def main(argv=None) -> int:
             return 2
         return 0
     started, start_utc = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if args.deadline is not None:  # a worker: the parent's deadline, its own start-up counted
+        args.time_budget_s = min(args.time_budget_s, args.deadline - time.time())
     out = Path(args.out)
     status = 0
+    report = None
+    if args.worker_report:  # a child of run_workers: its parent records the call
+        report = lambda done: atomic_write(Path(args.worker_report), json.dumps(done))  # noqa: E731
     try:
         named = plans(args)
         if args.workers > 1 and len({plan.out for _, plan in named}) > 1:
             done, status = run_workers(args, argv, named, started)
         else:
-            done = run_in_order(args, named, started)
+            done = run_in_order(args, named, started, report)
     except SpardaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.worker_report:  # a child of run_workers: its parent records the call
-        atomic_write(Path(args.worker_report), json.dumps(done))
+    if report is not None:
+        report(done)
         return 0
     import torch
 

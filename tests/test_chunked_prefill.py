@@ -199,3 +199,28 @@ def test_chunked_prefill_gives_the_seed_selectors_unchunked_decode(tiny, fresh_s
         assert _rel(out, whole) < 2e-5, (chunk, _rel(out, whole))
     dense = run("dense", 0, {})
     assert _rel(whole, dense) > 1e-3  # decode really selects
+
+
+@pytest.mark.parametrize("method", ["h2o", "quest", "snapkv", "shallow"])
+def test_a_reused_row_starts_from_its_own_prefill(tiny, fresh_seed, method):
+    """Prefill a long prompt into row 0, then a shorter one into the same row (a request
+    taking a freed row): every per-row state tensor of row 0 equals a fresh cache's after
+    the shorter prompt alone (nothing of the first occupant is left), unchunked and chunked."""
+    from sparda.engine.llm import LLM
+
+    long_ids = torch.randint(100, 20000, (int(torch.randint(180, 220, ())),)).tolist()
+    short_ids = torch.randint(100, 20000, (int(torch.randint(60, 120, ())),)).tolist()
+    for chunk in (0, 37):
+        llm = LLM(str(tiny), method=method, device="cpu", prefill_chunk_tokens=chunk, cuda_graphs=False,
+                  shallow_layers=1 if method == "shallow" else None, **SMALL)
+        reused, fresh = llm.new_cache(2, 230), llm.new_cache(2, 230)
+        with torch.inference_mode():
+            llm.prefill(reused, 0, long_ids)
+            llm.prefill(reused, 0, short_ids)
+            llm.prefill(fresh, 0, short_ids)
+        got, want = llm.method.state.of(reused), llm.method.state.of(fresh)
+        for name, tensors in want.items():
+            for i, w in enumerate(tensors if isinstance(tensors, list) else [tensors]):
+                g = got[name][i] if isinstance(tensors, list) else got[name]
+                torch.testing.assert_close(g[0], w[0], rtol=1e-5, atol=1e-5,
+                                           msg=f"{method} {name}[{i}] chunk {chunk} seed {fresh_seed}")

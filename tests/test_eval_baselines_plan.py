@@ -224,7 +224,21 @@ def test_workers_run_the_directories_at_once_with_the_same_records(make_tiny, tm
         assert sorted(got) == sorted(want) and len(got) > 2
         for key, rec in want.items():
             assert (got[key]["score"], got[key].get("completion")) == (rec["score"], rec.get("completion")), key
+    for first, second in (("main", "ppl"), ("baselines", "baselines-ppl")):  # records each plan added
+        lines = len((together / first.split("-")[0] / "results.jsonl").read_text().splitlines())
+        assert calls[0]["plans"][first]["new"] > 0 and calls[0]["plans"][second]["new"] > 0
+        assert calls[0]["plans"][first]["new"] + calls[0]["plans"][second]["new"] == lines
     bad = [*small, "--model", str(tmp_path / "missing"), "--workers", "2"]
     assert eval_gpu.main([str(tmp_path / "bad"), *bad]) == 2
     plans = json.loads((tmp_path / "bad" / "calls.json").read_text())[0]["plans"]
     assert all(str(p).startswith("failed (exit 2") for p in plans.values()), plans
+    # a worker failing on its second plan (ppl below 256 tokens) keeps its first plan's progress
+    late = [*small, "--ppl-lengths", "100", "--workers", "2"]
+    assert eval_gpu.main([str(tmp_path / "late"), *late]) == 2
+    plans = json.loads((tmp_path / "late" / "calls.json").read_text())[0]["plans"]
+    assert plans["main"]["complete"] and plans["main"]["new"] > 0, plans
+    assert str(plans["ppl"]).startswith("failed (exit 2"), plans
+    # no time left: nothing runs, nothing fails, no worker report is left behind
+    assert eval_gpu.main([str(tmp_path / "none"), *small, "--workers", "2", "--time-budget-s", "0.01"]) == 0
+    plans = json.loads((tmp_path / "none" / "calls.json").read_text())[0]["plans"]
+    assert set(plans.values()) == {"not started (time budget)"} and not list((tmp_path / "none").glob(".worker-*"))

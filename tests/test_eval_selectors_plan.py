@@ -267,3 +267,9 @@ def test_calls_table_and_full_eval_timing():
     assert full_eval_timing([call(10, selectors=(3, True))], [{"selectors": 3}]) is None
     no_baselines = [call(100, main=(200, True), ppl=(4, True))]
     assert "INCOMPLETE" in full_eval_timing(no_baselines, advanced_plans(no_baselines))
+    # entries with the records each call added ("new"): a narrower call that lowered "done"
+    # does not make the next call, which added nothing, look like progress
+    narrow = [dict(wall_s=300, plans={"main": dict(done=813, complete=False, new=813)}),
+              dict(wall_s=20, plans={"main": dict(done=4878, complete=True, new=0)})]
+    assert advanced_plans(narrow) == [{"main": 813}, {}]
+    assert advanced_plans([dict(wall_s=1, plans=None), dict(plans={"main": "not started (time budget)"})]) == [{}, {}]

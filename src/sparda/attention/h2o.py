@@ -45,8 +45,9 @@ def prefill_block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tor
 
     The column sums of the attention probabilities ``P`` are ``P^T 1``: the gradient that
     SDPA's backward pass gives ``V`` for an output gradient of ones. So the mass comes from
-    a forward and backward of fused, memory-efficient attention (``O(T)`` memory on CUDA)
-    instead of materialised ``[G, Tq, T]`` probabilities; about as fast in fp32 on the H200
+    a forward and backward of fused, memory-efficient attention instead of materialised
+    ``[G, Tq, T]`` fp32 probabilities (a later chunk passes a ``[Tq, T]`` bool mask, one
+    byte per query and key, not per head); about as fast in fp32 on the H200
     (docs/benchmarks/h2o-prefill-2026-12-04-h200.md). Off CUDA (math backend) queries go
     :data:`MASS_CHUNK_BYTES` at a time. Equals :func:`sparda.kernels.reference.block_attention_mass`
     summed over queries and the group (test).

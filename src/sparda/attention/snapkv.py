@@ -100,6 +100,11 @@ class SnapKVAttention(BlockSparseMethod):
         st["fixed"][layer][row, :, :fixed.shape[-1]] = fixed
         st["start"][row] = start
 
+    def reset(self) -> None:
+        """Clear counters and the stashed window queries of earlier prefills."""
+        super().reset()
+        self._window_q.clear()
+
     def state_from_cache(self, cache, context: int) -> None:
         """Benchmarks: a cache filled without a prefill gets a budget-sized fixed set per row
         (:func:`~sparda.attention.row_state.prime_fixed_set`; no queries exist to vote)."""

@@ -441,15 +441,17 @@ FULL_EVAL_TARGET = (2, 600)
 
 def advanced_plans(calls: list[dict]) -> list[dict[str, int]]:
     """Per call of ``calls.json`` (in order), the plans it advanced and their records done
-    after it: a plan advanced when its ``done`` count grew over the last call that reported
-    it (or, on its first report, is above 0)."""
+    after it: a plan advanced when the call added records to its journal (``new``, recorded
+    since the 2026-12-04 runs) or, for older entries without it, when its ``done`` count grew
+    over the last call that reported it (on its first report: is above 0)."""
     last: dict[str, int] = {}
     out = []
     for call in calls:
         mine = {}
-        for name, prog in call.get("plans", {}).items():
+        for name, prog in (call.get("plans") or {}).items():
             if isinstance(prog, dict) and isinstance(prog.get("done"), int):
-                if prog["done"] > last.get(name, 0):
+                grew = prog["new"] > 0 if isinstance(prog.get("new"), int) else prog["done"] > last.get(name, 0)
+                if grew:
                     mine[name] = prog["done"]
                 last[name] = prog["done"]
         out.append(mine)
@@ -465,12 +467,12 @@ def full_eval_timing(calls: list[dict], advanced: list[dict[str, int]]) -> str |
         return None
     latest: dict[str, dict] = {}
     for call, _ in ran:
-        latest.update({n: p for n, p in call.get("plans", {}).items() if isinstance(p, dict)})
+        latest.update({n: p for n, p in (call.get("plans") or {}).items() if isinstance(p, dict)})
     complete = all(latest.get(n, {}).get("complete") for n in FULL_EVAL)
-    wall = sum(c["wall_s"] for c, _ in ran)
+    walls = [float(c.get("wall_s") or 0.0) for c, _ in ran]
     count, per_call = FULL_EVAL_TARGET
-    met = len(ran) <= count and all(c["wall_s"] <= per_call for c, _ in ran) and complete
-    parts = " + ".join(f"{c['wall_s']:.0f}" for c, _ in ran)
+    met = len(ran) <= count and all(w <= per_call for w in walls) and complete
+    wall, parts = sum(walls), " + ".join(f"{w:.0f}" for w in walls)
     return (f"**Run time of the full eval** ({', '.join(f'`{n}`' for n in FULL_EVAL)}): {len(ran)} call(s), "
             f"{wall:.0f} s of wall time in all ({parts}), "
             f"{'complete' if complete else 'INCOMPLETE'}; issue #12 asks for at most {count} calls of "
