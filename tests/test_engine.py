@@ -207,11 +207,11 @@ def test_logprobs_equal_the_log_softmax_of_the_model(make_tiny):
         assert list(entry["top_logprobs"].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize("method", ["h2o", "quest", "snapkv", "shallow"])
+@pytest.mark.parametrize("method", ["h2o", "quest", "snapkv", "shallow", "sparse"])
 def test_per_row_state_survives_another_cache_between_engine_steps(make_tiny, fresh_seed, method):
-    """The stateful selectors keep their per-row state per KV cache: a ``generate`` call on
-    the same LLM (its own cache) between two steps of an engine leaves the engine's
-    requests decoding exactly as they would alone (log-probabilities and tokens)."""
+    """Per-row state and decode counters are kept per KV cache: a ``generate`` call on the
+    same LLM (its own cache) between two steps of an engine leaves the engine's requests
+    decoding exactly as they would alone (log-probabilities, tokens, KV read fraction)."""
     llm = LLM(make_tiny("llama"), method=method, device="cpu", shallow_layers=1 if method == "shallow" else None,
               **SMALL_BLOCKS)
     (first, other), _ = _draw(2, 120, 180)
@@ -229,3 +229,4 @@ def test_per_row_state_survives_another_cache_between_engine_steps(make_tiny, fr
     got = outputs[seq.request_id]
     assert got.token_ids == solo.token_ids, f"seed {fresh_seed}"
     assert [e["logprob"] for e in got.logprobs] == pytest.approx([e["logprob"] for e in solo.logprobs], abs=1e-5)
+    assert got.stats["kv_read_fraction"] == solo.stats["kv_read_fraction"] < 1, f"seed {fresh_seed}"

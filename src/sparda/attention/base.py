@@ -8,6 +8,8 @@ allocate cache memory.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from sparda.attention.dense_heads import dense_head_mask, widen_to_dense
@@ -22,7 +24,11 @@ class AttentionMethod:
     Attributes:
         config: the :class:`SpardaConfig`.
         shape: the model's :class:`~sparda.model.llama.ModelShape`.
-        stats: counters summed over decode steps (``blocks_read``, ``blocks_valid``).
+        stats: counters summed over decode steps (``blocks_read``, ``blocks_valid``), of
+            the KV cache last given to :meth:`bind` (one set per live cache: an engine's
+            counters and those of a ``generate`` call between its steps stay apart, and a
+            CUDA graph captured on a cache counts into that cache's tensors), or of no
+            cache (methods driven directly, ``sparda.hf``).
     """
 
     name = "base"
@@ -35,7 +41,42 @@ class AttentionMethod:
         self.config = config
         self.selection = config.selection
         self.shape = shape
-        self.stats: dict[str, float] = {"blocks_read": 0.0, "blocks_valid": 0.0}
+        self._unbound_stats: dict[str, object] = {"blocks_read": 0.0, "blocks_valid": 0.0}
+        self._bound: weakref.ref | None = None
+        self._cache_stats: dict[int, tuple[weakref.ref, dict[str, object]]] = {}
+
+    def bind(self, cache) -> None:
+        """Count into ``cache``'s counters from now on (:attr:`stats`); ``None``: unbound.
+        ``sparda.LLM`` binds its cache at each prefill, decode step and graph replay."""
+        self._bound = None if cache is None else weakref.ref(cache)
+
+    @property
+    def stats(self) -> dict[str, object]:
+        """The decode counters of the bound cache (made at its first use); once that cache
+        is freed (a finished ``generate``), still its last counters until another is bound."""
+        cache = self._bound() if self._bound is not None else None
+        if cache is None:
+            last = self.__dict__.get("_last_stats")
+            return self._unbound_stats if last is None or self._bound is None else last
+        key = id(cache)
+        entry = self._cache_stats.get(key)
+        if entry is not None and entry[0]() is cache:
+            self._last_stats = entry[1]
+            return entry[1]
+        store = self._cache_stats
+
+        def forget(ref, key=key):  # the cache is gone (unless its id was reused)
+            if key in store and store[key][0] is ref:
+                del store[key]
+
+        fresh: dict[str, object] = {"blocks_read": 0.0, "blocks_valid": 0.0}
+        store[key] = (weakref.ref(cache, forget), fresh)
+        self._last_stats = fresh
+        return fresh
+
+    @stats.setter
+    def stats(self, value: dict[str, object]) -> None:
+        self._unbound_stats = value
 
     def reset(self) -> None:
         """Clear per-request state and counters (called before each prefill); device
@@ -83,30 +124,24 @@ class AttentionMethod:
         self._accumulate("blocks_valid", valid)
 
     def _counter(self, key: str, rows: int, device) -> torch.Tensor:
-        """The ``[rows]`` int64 counter of ``key`` on ``device``, made current in
-        :attr:`stats`. One tensor per (key, rows, device) for the method's lifetime, zeroed
-        when it becomes current again: a CUDA graph captured on a batch of that size (an
-        engine's) adds into it on replay, so it must never be freed while another batch
-        size (a ``generate`` call between engine steps) counts elsewhere."""
-        pool = self.__dict__.setdefault("_counter_pool", {})
-        cur = self.stats[key]
+        """The ``[rows]`` int64 counter of ``key`` on ``device`` in :attr:`stats`, made
+        (zeroed, plus any host count of earlier steps) when the current one has another
+        shape: a batch of another size than the last one counted starts afresh. A bound
+        cache keeps its size, so the tensors a captured graph adds into are never replaced."""
+        stats = self.stats
+        cur = stats[key]
         if torch.is_tensor(cur) and cur.shape == (rows,) and cur.device == torch.device(device):
             return cur
-        slot = (key, rows, str(device))
-        tensor = pool.get(slot)
-        if tensor is None:
-            tensor = pool[slot] = torch.zeros(rows, dtype=torch.long, device=device)
-        else:
-            tensor.zero_()
+        tensor = torch.zeros(rows, dtype=torch.long, device=device)
         if not torch.is_tensor(cur):  # host counts of earlier steps carry over
             tensor.add_(int(cur))
-        self.stats[key] = tensor
+        stats[key] = tensor
         return tensor
 
     def _accumulate(self, key: str, value: torch.Tensor) -> None:
         """``stats[key] += value`` in place (``[B]`` int64 on the device), so that a captured
-        CUDA graph keeps counting on replay; the first decode step of a batch size takes
-        that size's counter (:meth:`_counter`), starting afresh."""
+        CUDA graph keeps counting on replay; the first decode step allocates the counter
+        (:meth:`_counter`)."""
         self._counter(key, value.shape[0], value.device).add_(value)
 
     def _counters(self, step) -> tuple[torch.Tensor, torch.Tensor]:

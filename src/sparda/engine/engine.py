@@ -100,6 +100,7 @@ class Engine:
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.vocab_size = llm.model.lm_head.out_features
         self.cache = llm.new_cache(max_batch, max_model_len)
+        llm.method.bind(self.cache)
         llm.method.reset()  # once: from here on, per-row counters are zeroed at admission
         self.scheduler = Scheduler(max_batch, max_model_len, max_waiting)
         self.eos_ids = llm._eos_ids()
@@ -211,7 +212,9 @@ class Engine:
                 seq.on_delta(delta)
 
     def _row_counters(self) -> list[torch.Tensor]:
-        """Per-row ``[B]`` counters: the method's block counts, the offload hits/misses."""
+        """Per-row ``[B]`` counters: the method's block counts (of this engine's cache), the
+        offload hits/misses."""
+        self.llm.method.bind(self.cache)
         counters = [v for v in getattr(self.llm.method, "stats", {}).values()
                     if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == self.max_batch]
         prefetcher = getattr(self.cache, "prefetcher", None)
@@ -299,6 +302,7 @@ class Engine:
         now = time.perf_counter()
         first = seq.first_token or now
         decoded = max(len(seq.output_ids) - 1, 0)
+        self.llm.method.bind(self.cache)  # its counters, not those of a generate() between steps
         stats = {
             "prompt_tokens": seq.num_prompt,
             "new_tokens": len(seq.output_ids),

@@ -86,6 +86,7 @@ class DecodeRunner:
         Returns logits ``[B, V]`` fp32. With graphs this is the graph's static output
         tensor: read (or copy) it before the next step overwrites it.
         """
+        self.llm.method.bind(self.cache)  # a replay counts into this cache's counters: read them
         if not self.use_graphs:
             return self.eager(live_len)
         key = self.llm.method.graph_key(live_len)

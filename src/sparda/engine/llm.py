@@ -352,6 +352,7 @@ class LLM:
         layer, so the logits equal an unchunked prefill's while activations stay one
         chunk's; offloaded caches write each chunk to host memory (on CUDA on a side
         stream, :meth:`~sparda.cache.offload.OffloadKVCache.chunked_prefill`)."""
+        self.method.bind(cache)  # its decode counters (AttentionMethod.stats)
         rows = torch.tensor([row], device=self.device)
         chunk = getattr(self, "prefill_chunk_tokens", 0) or len(ids)
         session = getattr(cache, "chunked_prefill", None)
@@ -372,6 +373,7 @@ class LLM:
         """The static-shape decode step (docs/cuda_graphs.md): views span the cache's
         capacity, per-row lengths mask the rest; ``live_len`` (host int) only steers
         host-side branches. ``tokens, positions, rows [B]`` int64 -> logits ``[B, V]`` fp32."""
+        self.method.bind(cache)
         step = self._step("decode", rows, positions.view(-1, 1), cache.capacity, live_len)
         fused = self._fused_decoder()
         if fused is not None:
@@ -420,8 +422,9 @@ class LLM:
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Next-token logits ``[T, V]`` (fp32) at every position of ``ids``, with this method
         in prefill (used for perplexity and agreement)."""
-        self.method.reset()
         cache = self.new_cache(1, len(ids))
+        self.method.bind(cache)
+        self.method.reset()
         return self.prefill(cache, 0, ids, all_logits=True)
 
     # --------------------------------------------------------------- generate
@@ -462,6 +465,7 @@ class LLM:
         batch = len(prompt_token_ids)
         capacity = max(len(ids) for ids in prompt_token_ids) + max_new_tokens
         cache = self.new_cache(batch, capacity)
+        self.method.bind(cache)
         self.method.reset()
         gen = torch.Generator(device=self.device).manual_seed(seed)
         eos = set() if ignore_eos else self._eos_ids()
