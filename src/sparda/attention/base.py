@@ -13,9 +13,15 @@ import weakref
 import torch
 
 from sparda.attention.dense_heads import dense_head_mask, widen_to_dense
+from sparda.attention.row_state import PerCache
 from sparda.config import SpardaConfig
 from sparda import kernels
 from sparda.kernels import reference as ref
+
+
+def _fresh_counters() -> dict[str, object]:
+    """Decode counters before the first decode step (host zeros; device ``[B]`` after it)."""
+    return {"blocks_read": 0.0, "blocks_valid": 0.0}
 
 
 class AttentionMethod:
@@ -41,9 +47,10 @@ class AttentionMethod:
         self.config = config
         self.selection = config.selection
         self.shape = shape
-        self._unbound_stats: dict[str, object] = {"blocks_read": 0.0, "blocks_valid": 0.0}
+        self._unbound_stats: dict[str, object] = _fresh_counters()
         self._bound: weakref.ref | None = None
-        self._cache_stats: dict[int, tuple[weakref.ref, dict[str, object]]] = {}
+        self._last_stats: dict[str, object] | None = None
+        self._cache_stats = PerCache(lambda cache: _fresh_counters())
 
     def bind(self, cache) -> None:
         """Count into ``cache``'s counters from now on (:attr:`stats`); ``None``: unbound.
@@ -56,23 +63,9 @@ class AttentionMethod:
         is freed (a finished ``generate``), still its last counters until another is bound."""
         cache = self._bound() if self._bound is not None else None
         if cache is None:
-            last = self.__dict__.get("_last_stats")
-            return self._unbound_stats if last is None or self._bound is None else last
-        key = id(cache)
-        entry = self._cache_stats.get(key)
-        if entry is not None and entry[0]() is cache:
-            self._last_stats = entry[1]
-            return entry[1]
-        store = self._cache_stats
-
-        def forget(ref, key=key):  # the cache is gone (unless its id was reused)
-            if key in store and store[key][0] is ref:
-                del store[key]
-
-        fresh: dict[str, object] = {"blocks_read": 0.0, "blocks_valid": 0.0}
-        store[key] = (weakref.ref(cache, forget), fresh)
-        self._last_stats = fresh
-        return fresh
+            return self._unbound_stats if self._bound is None or self._last_stats is None else self._last_stats
+        self._last_stats = self._cache_stats.of(cache)
+        return self._last_stats
 
     @stats.setter
     def stats(self, value: dict[str, object]) -> None:

@@ -16,15 +16,39 @@ from typing import Callable
 import torch
 
 
-class RowState:
-    """Named device tensors sized by a KV cache, made by ``make(rows, capacity, device)``,
-    one set per live cache.
+class PerCache:
+    """One value per live KV cache, made by ``make(cache)`` at the cache's first use and
+    dropped with it (a weak reference): an engine's cache and the cache of a ``generate``
+    or ``logits`` call on the same model between two engine steps never share or replace
+    each other's value, and a CUDA graph captured on one cache keeps pointing at live
+    tensors. Used for the stateful selectors' :class:`RowState` and the methods' decode
+    counters (:attr:`sparda.attention.base.AttentionMethod.stats`).
+    """
 
-    Each cache gets its own tensors at its first use, kept as long as the cache lives (a
-    weak reference drops them with it): an engine's cache and the cache of a
-    ``generate`` or ``logits`` call on the same model between two engine steps never
-    share or replace each other's state, and a CUDA graph captured on one cache keeps
-    pointing at live tensors.
+    def __init__(self, make: Callable[[object], object]) -> None:
+        self._make = make
+        self._values: dict[int, tuple[weakref.ref, object]] = {}
+
+    def of(self, cache):
+        """``cache``'s value, made at its first use."""
+        key = id(cache)
+        entry = self._values.get(key)
+        if entry is not None and entry[0]() is cache:
+            return entry[1]
+        value = self._make(cache)
+        values = self._values
+
+        def forget(ref, key=key):  # the cache is gone: drop its value (unless the id was reused)
+            if key in values and values[key][0] is ref:
+                del values[key]
+
+        values[key] = (weakref.ref(cache, forget), value)
+        return value
+
+
+class RowState(PerCache):
+    """Named device tensors sized by a KV cache, made by ``make(rows, capacity, device)``,
+    one set per live cache (:class:`PerCache`).
 
     Args:
         make: returns ``name -> tensor`` whose first dim is the cache's ``rows`` (``B_cap``),
@@ -32,27 +56,10 @@ class RowState:
     """
 
     def __init__(self, make: Callable[[int, int, torch.device], dict[str, object]]) -> None:
-        self._make = make
-        self._states: dict[int, tuple[weakref.ref, dict[str, object]]] = {}
-
-    def of(self, cache) -> dict[str, object]:
-        """The tensors of ``cache`` (a ``DeviceKVCache``: ``lengths [B_cap]``, ``capacity``),
-        allocated at its first use and reused after that."""
-        key = id(cache)
-        entry = self._states.get(key)
-        if entry is not None and entry[0]() is cache:
-            return entry[1]
-        rows, device = cache.lengths.shape[0], cache.lengths.device
-        with torch.inference_mode():
-            tensors = self._make(rows, cache.capacity, device)
-        states = self._states
-
-        def forget(ref, key=key):  # the cache is gone: drop its state (unless the id was reused)
-            if key in states and states[key][0] is ref:
-                del states[key]
-
-        self._states[key] = (weakref.ref(cache, forget), tensors)
-        return tensors
+        def made(cache):  # a DeviceKVCache: lengths [B_cap], capacity
+            with torch.inference_mode():
+                return make(cache.lengths.shape[0], cache.capacity, cache.lengths.device)
+        super().__init__(made)
 
 
 def block_ids(num_blocks: int, device) -> torch.Tensor:

@@ -143,17 +143,31 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         rebuilt.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "digest": file_digest(gguf)}))
-        if out_dir.exists() and not (out_dir / "config.json").is_file():  # a half-written leftover
-            shutil.rmtree(out_dir)
-        if not out_dir.exists():  # else a concurrent process converted the same content first: keep it
-            tmp.rename(out_dir)
+        _publish(tmp, out_dir)
     except OSError as exc:
-        if not (out_dir / "config.json").is_file():  # not a concurrent twin: a real failure
-            raise SpardaError(f"cannot write the converted model {out_dir}: {exc.strerror or exc}") from exc
+        _write_failed(out_dir, exc)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished model directory ``tmp`` to ``out_dir``, unless another process
+    made a complete ``out_dir`` first (it may be loading from it: kept, ``tmp`` is left for
+    the caller to remove); a half-written leftover (no config.json) is replaced. Raises
+    OSError (the callers accept it when a concurrent twin completed ``out_dir``)."""
+    if out_dir.exists() and not (out_dir / "config.json").is_file():
+        shutil.rmtree(out_dir)
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+
+
+def _write_failed(out_dir: Path, exc: OSError) -> None:
+    """Raise SpardaError for a failed write of ``out_dir``, unless a concurrent process
+    completed it (then that one is used)."""
+    if not (out_dir / "config.json").is_file():
+        raise SpardaError(f"cannot write the converted model {out_dir}: {exc.strerror or exc}") from exc
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -182,12 +196,9 @@ def link_conversion(done: Path, gguf: Path, out_dir: Path) -> Path:
         shutil.copytree(done, tmp, copy_function=_link_or_copy, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(SOURCE_FILE))
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "digest": file_digest(gguf)}))
-        if out_dir.exists() and not (out_dir / "config.json").is_file():  # a half-written leftover
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        _publish(tmp, out_dir)
     except OSError as exc:
-        if not (out_dir / "config.json").is_file():  # not a concurrent twin: a real failure
-            raise SpardaError(f"cannot write the converted model {out_dir}: {exc.strerror or exc}") from exc
+        _write_failed(out_dir, exc)
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
