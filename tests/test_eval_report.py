@@ -98,3 +98,21 @@ def test_ppl_intervals_and_budget_sweep():
     assert sweep["50"]["top1_agreement"] == pytest.approx(0.97) and sweep["5"]["accuracy"]["n"] == 1
     text = markdown(records, agg)
     assert "| sparse | 4096 | 5 | 7.8 |" in text
+
+
+def test_prefill_time_is_per_prompt():
+    """A batched prefill's time (design §3.8) is divided among the prompts it ran; records
+    without ``prefill_batch`` (older runs, one prompt per forward) count whole."""
+    rng = np.random.default_rng(int(np.random.randint(2**31)))
+    records, _ = _records(rng)
+    sparse = [r for r in records if r["label"] == "sparse" and r["task"] != "ppl"]
+    want = []
+    for r in sparse:
+        r["prefill_ms"] = float(rng.uniform(10, 100))
+        if rng.random() < 0.5:
+            r["prefill_batch"] = int(rng.integers(1, 17))
+        want.append(r["prefill_ms"] / r.get("prefill_batch", 1))
+    agg = aggregate(records)
+    assert agg["efficiency"]["sparse"]["prefill_ms"] == pytest.approx(float(np.mean(want)), rel=1e-12)
+    assert agg["efficiency"]["dense"]["prefill_ms"] == pytest.approx(1.0)
+    assert "prefill ms / prompt" in markdown(records, agg)

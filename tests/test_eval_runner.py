@@ -15,7 +15,7 @@ from sparda.eval.runner import EvalPlan, load_results, run_eval
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread hand-offs dominate on 2 cores
 
-VOLATILE = {"prefill_ms", "decode_tok_s", "seconds", "batch"}  # timings; the batch a record ran in
+VOLATILE = {"prefill_ms", "decode_tok_s", "seconds", "batch", "prefill_batch"}  # timings; the batch a record ran in
 
 
 TEXT = ("It was a fine morning in Highbury. Emma walked to the village and met Harriet.\n" * 30 +
@@ -329,9 +329,10 @@ def test_offloaded_hit_rate_is_the_runtime_count(make_tiny, tmp_path, monkeypatc
 
 
 def test_batched_eval_equals_unbatched(make_tiny, tmp_path):
-    """Batches of prompts of different lengths (and of tasks with different answer budgets)
-    give each sample the record it gets alone: same completion and score, same step-to-step
-    hit rate over its own decode steps; ppl within 1e-5 (greedy, fp32)."""
+    """Batches of prompts of different lengths (and of tasks with different answer budgets),
+    prefilled in one forward, give each sample the record it gets alone: same completion
+    and score, same step-to-step hit rate over its own decode steps; ppl within 1e-5
+    (greedy, fp32)."""
     plan = _plan(make_tiny("llama"), tmp_path / "one", batch_size=1)
     plan.tasks = ("passkey", "niah-multikey", "ppl")
     plan.methods = ("dense", "sparse", "sparda-random")
@@ -341,6 +342,9 @@ def test_batched_eval_equals_unbatched(make_tiny, tmp_path):
     batched = {r["key"]: r for r in (run_eval(plan, progress=False), load_results(tmp_path / "three" / "results.jsonl"))[1]}
     assert single.keys() == batched.keys() and len(single) == 2 * 4 * 3 + 3
     assert {r["batch"] for r in batched.values() if r["task"] != "ppl"} == {3, 1}
+    # every method here prefills a batch in one forward (design §3.8)
+    assert {r["prefill_batch"] for r in batched.values() if r["task"] != "ppl"} == {3, 1}
+    assert {r["prefill_batch"] for r in single.values() if r["task"] != "ppl"} == {1}
     lengths = {r["prompt_tokens"] for r in batched.values() if r["task"] == "passkey"}
     assert len(lengths) > 1  # the batch really mixes prompt lengths
     hit_rates = 0

@@ -8,6 +8,7 @@ allocate cache memory.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -38,6 +39,12 @@ class AttentionMethod:
     """
 
     name = "base"
+    #: a prefill of several right-padded prompts at once (design §3.8) gives each row what its
+    #: prefill alone gives: a method whose prefill is a function of each query's position
+    #: and the keys before it, or that keeps its per-row state from each row's own tokens
+    #: (:func:`prefill_rows`), says so; ``sparda.LLM`` prefills the prompts of any other
+    #: method one at a time
+    batched_prefill = False
 
     def __init__(self, config: SpardaConfig, shape, model=None, model_dir=None) -> None:
         #: the :class:`~sparda.model.llama.CausalLM` (lookahead methods read its weights)
@@ -153,6 +160,26 @@ class AttentionMethod:
 
     def _count_dense(self, step) -> None:
         self._count(step, None)
+
+
+def prefill_rows(step, q: torch.Tensor, k: torch.Tensor):
+    """The rows of a prefill step, for methods that keep per-row state from their prompt.
+
+    Yields ``(row_step, q_row, k_row)``: for a batched prefill (``step.row_lengths``,
+    design §3.8) one per batch row, cut to that row's real tokens (``q_row [1, H_kv, G, n, d]``,
+    ``k_row [1, H_kv, n, d]``) with the one-row :class:`~sparda.model.llama.StepInfo` its
+    prefill alone would have (``rows``, ``q_pos``, ``kv_len``, RoPE tables, ``max_kv_len
+    = n``, ``row``); otherwise ``(step, q, k)`` itself once.
+    """
+    if step.row_lengths is None:
+        yield step, q, k
+        return
+    for i, (row, n) in enumerate(step.row_lengths):
+        sub = dataclasses.replace(step, rows=step.rows[i:i + 1], q_pos=step.q_pos[i:i + 1, :n],
+                                  kv_len=step.kv_len.new_full((1,), n), cos=step.cos[i:i + 1, :, :n],
+                                  sin=step.sin[i:i + 1, :, :n], max_kv_len=n, live_len=n, row=row,
+                                  row_lengths=None, projections={})
+        yield sub, q[i:i + 1, ..., :n, :], k[i:i + 1, :, :n]
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,

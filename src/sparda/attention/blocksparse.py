@@ -38,6 +38,7 @@ class SparseAttention(BlockSparseMethod):
     """Query-based block-sparse attention (design §3.2–3.5)."""
 
     name = "sparse"
+    batched_prefill = True  # per-query prefill (design §3.8)
 
     def select(self, layer, q, h, cache, step, first=0):
         """Block mask ``[B, H_kv, Tq - first, N]`` bool (design §3.2-3.4).
@@ -81,6 +82,7 @@ class OracleAttention(BlockSparseMethod):
     """Selects the top-k blocks by exact attention mass (group-summed softmax), design §8."""
 
     name = "oracle"
+    batched_prefill = True  # per-query prefill (design §3.8)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
         """True attention mass per block ``[B, H_kv, Tq_chunk, N]`` fp32, group-summed (design §8).

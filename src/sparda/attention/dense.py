@@ -17,6 +17,7 @@ class DenseAttention(AttentionMethod):
     ``W`` on a sliding-window layer (``shape.window(layer)``)."""
 
     name = "dense"
+    batched_prefill = True  # per-query prefill (design §3.8)
 
     def attend(self, layer, q, h, cache, step):
         """Dense causal attention: ``q [B, H_kv, G, Tq, d]`` -> same shape, ``q``'s dtype.

@@ -266,6 +266,7 @@ class ForecastAttention(BlockSparseMethod):
     """
 
     name = "sparda"
+    batched_prefill = True  # per-query prefill (design §3.8)
 
     def __init__(self, config, shape, model=None, model_dir=None, forecast: Forecast | None = None) -> None:
         super().__init__(config, shape, model=model, model_dir=model_dir)

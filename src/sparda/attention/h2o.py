@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from sparda.attention.base import BlockSparseMethod, dense_attention, sparse_attention
+from sparda.attention.base import BlockSparseMethod, dense_attention, prefill_rows, sparse_attention
 from sparda.attention.row_state import RowState
 from sparda.kernels import reference as ref
 
@@ -116,6 +116,7 @@ class H2OAttention(BlockSparseMethod):
     """Method ``h2o``: sinks + local window + heavy-hitter blocks, evicted blocks never return."""
 
     name = "h2o"
+    batched_prefill = True  # the mass of each row's own queries (design §3.8)
     #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
     supports_dense_heads = False
 
@@ -150,11 +151,12 @@ class H2OAttention(BlockSparseMethod):
         k, v, _ = cache.view(layer, step.rows, step.max_kv_len)
         st = self.state.of(cache)
         if step.phase == "prefill":
-            row = step.rows[:1]
-            mass = self.prefill_mass(q, k, step)
-            if q.shape[-2] == k.shape[-2]:  # the first (or only) chunk of the prompt starts afresh
-                st["acc"][layer][row] = 0.0
-            st["acc"][layer][row, :, :mass.shape[-1]] += mass  # a later chunk adds its queries' mass
+            for sub, q_row, k_row in prefill_rows(step, q, k):  # a batched prefill: each row's own prompt
+                row = sub.rows[:1]
+                mass = self.prefill_mass(q_row, k_row, sub)
+                if q_row.shape[-2] == k_row.shape[-2]:  # the first (or only) chunk of the prompt starts afresh
+                    st["acc"][layer][row] = 0.0
+                st["acc"][layer][row, :, :mass.shape[-1]] += mass  # a later chunk adds its queries' mass
             return dense_attention(q, k, v, step)
         mask = self.decode_mask(layer, cache, step)
         self._count(step, mask[..., -1, :])

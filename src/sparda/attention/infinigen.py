@@ -63,6 +63,7 @@ class InfiniGenAttention(BlockSparseMethod):
     """
 
     name = "infinigen"
+    batched_prefill = True  # per-query prefill (design §3.8)
 
     def __init__(self, config, shape, model=None, model_dir=None, partial_ratio: float = PARTIAL_RATIO) -> None:
         super().__init__(config, shape, model=model, model_dir=model_dir)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sparda.attention.base import BlockSparseMethod
+from sparda.attention.base import BlockSparseMethod, prefill_rows
 from sparda.attention.row_state import RowState
 
 
@@ -68,6 +68,7 @@ class QuestAttention(BlockSparseMethod):
     """Method ``quest``: per-page key bounds, query-aware top-k blocks every step."""
 
     name = "quest"
+    batched_prefill = True  # each row's own page bounds (design §3.8)
 
     def __init__(self, config, shape, model=None, model_dir=None) -> None:
         super().__init__(config, shape, model=model, model_dir=model_dir)
@@ -84,19 +85,21 @@ class QuestAttention(BlockSparseMethod):
     def update_bounds(self, layer: int, cache, step) -> None:
         """Write this step's keys into the page bounds of ``layer`` (in place, no host sync).
 
-        Prefill (one row, positions ``0..T-1``): every page from the row's keys. Decode (one
+        Prefill (positions ``0..T-1``; each row of a batched prefill its own, design §3.8):
+        every page from the row's keys. Decode (one
         token per row at ``q_pos``): its page restarts at the page's first token, else takes
         the element-wise min / max with the stored bound."""
         st = self.state.of(cache)
         lo, hi = st["lo"][layer], st["hi"][layer]
         k, _, _ = cache.view(layer, step.rows, step.max_kv_len)
         if step.phase == "prefill":
-            row = step.rows[:1]
-            mn, mx = page_bounds(k[:1], self.page)
-            lo[row] = float("inf")
-            hi[row] = float("-inf")
-            lo[row, :, :mn.shape[-2]] = mn.to(lo.dtype)
-            hi[row, :, :mx.shape[-2]] = mx.to(hi.dtype)
+            for sub, _, k_row in prefill_rows(step, k, k):  # a batched prefill: each row's own keys
+                row = sub.rows[:1]
+                mn, mx = page_bounds(k_row, self.page)
+                lo[row] = float("inf")
+                hi[row] = float("-inf")
+                lo[row, :, :mn.shape[-2]] = mn.to(lo.dtype)
+                hi[row, :, :mx.shape[-2]] = mx.to(hi.dtype)
             return
         pos = step.q_pos[:, -1]
         new = k[torch.arange(k.shape[0], device=k.device), :, pos].to(lo.dtype)  # [B, H, d]

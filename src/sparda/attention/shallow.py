@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from sparda.attention.base import BlockSparseMethod, dense_attention
+from sparda.attention.base import BlockSparseMethod, dense_attention, prefill_rows
 from sparda.attention.row_state import RowState, block_ids, decode_attention_any, fixed_set_mask, prime_fixed_set
 from sparda.kernels import reference as ref
 from sparda.model.loader import shipped_name
@@ -75,6 +75,7 @@ class ShallowAttention(BlockSparseMethod):
     """Method ``shallow``: dense layers ``< N`` fuse their attention into the deep layers' mask."""
 
     name = "shallow"
+    batched_prefill = True  # each row's mask from its own last query (design §3.8)
     #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
     supports_dense_heads = False
 
@@ -84,7 +85,7 @@ class ShallowAttention(BlockSparseMethod):
         #: dense layers ``N`` (at least one deep layer remains)
         self.num_shallow = max(1, min(wanted, shape.num_layers - 1))
         self.select_once = bool(config.shallow_select_once)
-        self._sum: torch.Tensor | None = None   # this step: shallow masses summed so far
+        self._sum = None  # this step: shallow masses summed so far ([B, H, N]; prefill: a list per row)
         self._mask: torch.Tensor | None = None  # this step: the deep layers' mask [B, H, 1, N]
 
         def make(rows, capacity, device):
@@ -116,6 +117,17 @@ class ShallowAttention(BlockSparseMethod):
                 self._mask = fixed_set_mask(st["fixed"][step.rows][..., :num_blocks], st["start"][step.rows],
                                             step.q_pos, cfg.block_size)
             return
+        if step.phase == "prefill":  # per row: a batched prefill's rows each from their own prompt
+            rows = list(prefill_rows(step, q, k))
+            masses = [shallow_block_mass(q_row, k_row, sub.q_pos, sub.kv_len, cfg.block_size)
+                      for sub, q_row, k_row in rows]
+            self._sum = masses if layer == 0 else [a + b for a, b in zip(self._sum, masses)]
+            if layer == self.num_shallow - 1:
+                st = self.state.of(cache)
+                for (sub, _, k_row), total in zip(rows, self._sum):
+                    self._prefill_state(st, total / self.num_shallow, k_row.shape[-2], sub)
+                self._sum = None
+            return
         mass = shallow_block_mass(q, k, step.q_pos, step.kv_len, cfg.block_size)
         self._sum = mass if layer == 0 else self._sum + mass
         if layer != self.num_shallow - 1:
@@ -123,21 +135,24 @@ class ShallowAttention(BlockSparseMethod):
         st = self.state.of(cache)
         current = self._sum / self.num_shallow
         self._sum = None
-        if step.phase == "prefill":
-            row, n = step.rows[:1], current.shape[-1]
-            st["ema"][row] = 0.0
-            st["ema"][row, :, :n] = current
-            chosen = ref.select_blocks(current.unsqueeze(2), step.q_pos[:, -1:], cfg)[:, :, 0]
-            t = k.shape[-2]
-            start = max((t - 1) // cfg.block_size - cfg.local_blocks + 1, 0)
-            st["fixed"][row] = False
-            st["fixed"][row, :, :n] = chosen & (block_ids(n, k.device)[:, :, 0] < start)
-            st["start"][row] = start
-            return
         n = current.shape[-1]
         score = EMA_CURRENT * current + (1.0 - EMA_CURRENT) * st["ema"][step.rows][..., :n]
         st["ema"][step.rows, :, :n] = score
         self._mask = ref.select_blocks(score.unsqueeze(2), step.q_pos, cfg)
+
+    def _prefill_state(self, st: dict, current: torch.Tensor, t: int, step) -> None:
+        """A one-row prefill's state (row ``step.rows[:1]``, ``t`` tokens): the EMA starts at
+        ``current [1, H, N]`` (the shallow layers' mean block mass of the last query) and
+        the fixed set is its §3.4 choice before the local window."""
+        cfg = self.selection
+        row, n = step.rows[:1], current.shape[-1]
+        st["ema"][row] = 0.0
+        st["ema"][row, :, :n] = current
+        chosen = ref.select_blocks(current.unsqueeze(2), step.q_pos[:, -1:], cfg)[:, :, 0]
+        start = max((t - 1) // cfg.block_size - cfg.local_blocks + 1, 0)
+        st["fixed"][row] = False
+        st["fixed"][row, :, :n] = chosen & (block_ids(n, current.device)[:, :, 0] < start)
+        st["start"][row] = start
 
     def attend(self, layer, q, h, cache, step):
         """``q [B, H_kv, G, Tq, d]`` -> same shape. Prefill and layers ``< N``: dense (they feed

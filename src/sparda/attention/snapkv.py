@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from sparda.attention.base import BlockSparseMethod, dense_attention
+from sparda.attention.base import BlockSparseMethod, dense_attention, prefill_rows
 from sparda.attention.row_state import RowState, block_ids, decode_attention_any, fixed_set_mask, prime_fixed_set
 from sparda.kernels import reference as ref
 
@@ -60,6 +60,7 @@ class SnapKVAttention(BlockSparseMethod):
     """Method ``snapkv``: blocks chosen once from the observation window, then fixed."""
 
     name = "snapkv"
+    batched_prefill = True  # each row's own observation window (design §3.8)
     #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
     supports_dense_heads = False
 
@@ -117,7 +118,8 @@ class SnapKVAttention(BlockSparseMethod):
         decode over the fixed set plus the recent blocks (:func:`fixed_set_mask`)."""
         k, v, _ = cache.view(layer, step.rows, step.max_kv_len)
         if step.phase == "prefill":
-            self.prefill_select(layer, q, k, cache, step)
+            for sub, q_row, k_row in prefill_rows(step, q, k):  # a batched prefill: each row's own window
+                self.prefill_select(layer, q_row, k_row, cache, sub)
             return dense_attention(q, k, v, step)
         st = self.state.of(cache)
         fixed = st["fixed"][layer][step.rows]

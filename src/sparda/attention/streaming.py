@@ -22,6 +22,7 @@ class StreamingAttention(BlockSparseMethod):
     """Method ``streaming``: sinks + the most recent ``local_blocks + topk_blocks`` blocks."""
 
     name = "streaming"
+    batched_prefill = True  # per-query prefill (design §3.8)
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
         """Positional block scores ``[B, H_kv, Tq_chunk, N]`` fp32: block ``b`` scores ``b``, so

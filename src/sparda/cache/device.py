@@ -62,6 +62,9 @@ class DeviceKVCache:
             ``kv_dtype`` ``mixed`` (offloaded caches only).
     """
 
+    #: :meth:`append` takes a batched prefill (``StepInfo.row_lengths``, design §3.8)
+    batched_prefill = True
+
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, kv_dtype: str = "bf16") -> None:
@@ -109,28 +112,21 @@ class DeviceKVCache:
             k, v: ``[B, H_kv, Tq, d]`` post-RoPE, cast to the cache dtype on write, for rows
                 ``step.rows`` at positions ``step.q_pos``. Prefill writes one row, positions
                 ``step.max_kv_len - Tq .. step.max_kv_len - 1`` (a chunk; from 0 unless the
-                prefill is chunked), and the compressed keys those tokens complete; decode
-                writes one token per row (``Tq = 1``).
+                prefill is chunked), and the compressed keys those tokens complete; a batched
+                prefill (``step.row_lengths``) writes each row's real tokens from 0, as that
+                row's prefill alone would; decode writes one token per row (``Tq = 1``).
             step: the :class:`~sparda.model.llama.StepInfo` (``phase``, ``rows [B]``,
                 ``q_pos [B, Tq]`` int64).
         No bounds checks: positions must be ``< capacity`` (torch raises IndexError otherwise).
         """
         cfg = self.selection
         if step.phase == "prefill":
-            row = step.row
             end = step.max_kv_len
-            start = end - k.shape[-2]
-            self.k[layer][row, :, start:end] = k[0]
-            self.v[layer][row, :, start:end] = v[0]
-            if self.ring is not None:  # quantised: compressed keys from the unquantised keys
-                j0, ck = window_keys(self.ring[layer][row], k[0], start, end, cfg.kernel_size, cfg.kernel_stride)
-                fill_ring(self.ring[layer][row], k[0], start, end, cfg.kernel_size)
+            if step.row_lengths is not None:  # batched prefill: each row's real tokens only
+                for i, (row, num) in enumerate(step.row_lengths):
+                    self._append_prefill(layer, row, k[i, :, :num], v[i, :, :num], 0, num)
             else:
-                j0, ck = kernels.completed_compressed_keys(self.k[layer][row], start, end, cfg.kernel_size,
-                                                           cfg.kernel_stride)
-            self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
-            if layer == len(self.k) - 1:
-                self.lengths[row] = end
+                self._append_prefill(layer, step.row, k[0], v[0], end - k.shape[-2], end)
             return
         rows = step.rows
         pos = step.q_pos[:, 0]
@@ -144,6 +140,24 @@ class DeviceKVCache:
             ref.update_compressed_keys(self.ck[layer], self.k[layer], rows, pos, cfg.kernel_size, cfg.kernel_stride)
         if layer == len(self.k) - 1:
             self.lengths[rows] = pos + 1
+
+    def _append_prefill(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int,
+                        end: int) -> None:
+        """Prefill append of one row: ``k, v [H_kv, end - start, d]`` at tokens ``start ..
+        end - 1``, then the compressed keys they complete; the row's length is ``end``
+        after the last layer."""
+        cfg = self.selection
+        self.k[layer][row, :, start:end] = k
+        self.v[layer][row, :, start:end] = v
+        if self.ring is not None:  # quantised: compressed keys from the unquantised keys
+            j0, ck = window_keys(self.ring[layer][row], k, start, end, cfg.kernel_size, cfg.kernel_stride)
+            fill_ring(self.ring[layer][row], k, start, end, cfg.kernel_size)
+        else:
+            j0, ck = kernels.completed_compressed_keys(self.k[layer][row], start, end, cfg.kernel_size,
+                                                       cfg.kernel_stride)
+        self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
+        if layer == len(self.k) - 1:
+            self.lengths[row] = end
 
     def rope_append(self, layer: int, qkv: torch.Tensor, step, group: int, num_f: int):
         """Fused decode append (design §6): RoPE of this step's queries, keys and ``num_f``

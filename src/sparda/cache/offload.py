@@ -108,6 +108,9 @@ class OffloadKVCache:
         SpardaError: host or device memory does not suffice (bytes named), bad engine.
     """
 
+    #: :meth:`append` takes a batched prefill (``StepInfo.row_lengths``, design §3.8)
+    batched_prefill = True
+
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
@@ -225,7 +228,9 @@ class OffloadKVCache:
 
         Prefill writes one row, one chunk of positions ``step.max_kv_len - Tq ..`` (from 0
         unless chunked; :meth:`_append_prefill`: host, ring, compressed keys; the layer's
-        K/V so far stay reachable through :meth:`view` while the layer runs). Decode writes one
+        K/V so far stay reachable through :meth:`view` while the layer runs); a batched
+        prefill (``step.row_lengths``) each row's real tokens from 0, as its prefill alone,
+        and :meth:`view` exposes the whole padded batch's K/V while the layer runs. Decode writes one
         token per row (every row of the cache) into the partial slot, without waiting for the
         layer's prefetch (the gather writes only the other slots; :meth:`attend` waits).
         ``step`` is the :class:`~sparda.model.llama.StepInfo` (``rows [B]``,
@@ -236,7 +241,15 @@ class OffloadKVCache:
         """
         cfg = self.selection
         if step.phase == "prefill":
-            self._append_prefill(layer, k, v, step)
+            if step.row_lengths is None:
+                end = step.max_kv_len
+                self._append_prefill(layer, step.row, k[0], v[0], end - k.shape[-2], end)
+                return
+            for i, (row, num) in enumerate(step.row_lengths):  # batched prefill: real tokens only
+                self._append_prefill(layer, row, k[i, :, :num], v[i, :, :num], 0, num)
+            if layer not in self.resident:  # the batch's K/V as stored, for view while the layer runs
+                self._stash = (layer, quant.as_float(self._quantized(k), self.dtype),
+                               quant.as_float(self._quantized(v), self.dtype))
             return
         if step.rows.numel() != self.batch:
             raise SpardaError("offloaded decode steps must cover every cache row")
@@ -335,9 +348,10 @@ class OffloadKVCache:
             return [(k.data, v.data), (k.scale, v.scale)]
         return [(k, v)]
 
-    def _append_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
-        """Prefill append of one row: tokens ``start .. end-1`` with ``end = step.max_kv_len``
-        (a chunk, :mod:`sparda.cache.chunked_prefill`; ``start = 0`` unless chunked).
+    def _append_prefill(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int,
+                        end: int) -> None:
+        """Prefill append of one row: ``k, v [H_kv, end - start, d]`` at tokens ``start ..
+        end - 1`` (a chunk, :mod:`sparda.cache.chunked_prefill`; ``start = 0`` unless chunked).
 
         Offloaded layers: the chunk's K/V go to the host store; the layer's tokens ``< end``
         are exposed to :meth:`view` while the layer runs (the chunk itself, or after
@@ -345,16 +359,13 @@ class OffloadKVCache:
         Then the compressed keys the chunk completes, the ring of the last ``kernel_size``
         keys and the partial block slot."""
         cfg = self.selection
-        row = step.row
-        end = step.max_kv_len
-        start = end - k.shape[-2]
         staging = self._staging
         if staging is None and start > 0:  # chunks outside chunked_prefill(): synchronous copies
             staging = self._staging = self._new_staging(asynchronous=False)
-        kq, vq = self._quantized(k[0]), self._quantized(v[0])  # as stored (quantised once)
+        kq, vq = self._quantized(k), self._quantized(v)  # as stored (quantised once)
         if layer in self.resident:
-            self.k_full[layer][row, :, start:end] = k[0] if self.mixed else kq  # mixed: the model dtype
-            self.v_full[layer][row, :, start:end] = v[0] if self.mixed else vq
+            self.k_full[layer][row, :, start:end] = k if self.mixed else kq  # mixed: the model dtype
+            self.v_full[layer][row, :, start:end] = v if self.mixed else vq
             keys = self.k_full[layer][row]
         else:
             if staging is None:
@@ -362,7 +373,7 @@ class OffloadKVCache:
             else:
                 staging.write(layer, row, kq, vq, start)
             if self.mixed:  # exact copies in the hot pool; the window at `end` is hot (sparda.cache.hot)
-                self.host.write_pool_tokens(layer, row, k[0].to(self.dtype), v[0].to(self.dtype), start)
+                self.host.write_pool_tokens(layer, row, k.to(self.dtype), v.to(self.dtype), start)
                 self.hot.prefill(layer, row, end)
             self.slot_map[layer][row] = -1
             if start == 0:
@@ -384,9 +395,9 @@ class OffloadKVCache:
         if staging is not None and layer + 1 < self.num_layers:
             staging.prefetch(layer + 1, row, start)  # the next layer's earlier chunks, while this one runs
         if isinstance(kq, quant.QuantizedKV):  # compressed keys and ring from the unquantised keys
-            j0, ck = window_keys(self.ring[layer][row], k[0], start, end, cfg.kernel_size, cfg.kernel_stride)
+            j0, ck = window_keys(self.ring[layer][row], k, start, end, cfg.kernel_size, cfg.kernel_stride)
             self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck
-            fill_ring(self.ring[layer][row], k[0], start, end, cfg.kernel_size)
+            fill_ring(self.ring[layer][row], k, start, end, cfg.kernel_size)
         else:
             j0, ck = kernels.completed_compressed_keys(keys, start, end, cfg.kernel_size, cfg.kernel_stride)
             self.ck[layer][row, :, j0:j0 + ck.shape[-2]] = ck

@@ -29,6 +29,9 @@ from sparda.model.loader import load_model
 
 #: prompt tokens per prefill chunk by default (``LLM(prefill_chunk_tokens=...)``, ``--prefill-chunk``)
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
+#: padded prompt tokens per batched prefill forward by default (``LLM(prefill_batch_tokens=...)``,
+#: design §3.8): bounds the activations of one forward as the chunk size does for one prompt
+DEFAULT_PREFILL_BATCH_TOKENS = 65536
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -41,7 +44,9 @@ class Completion:
     Attributes:
         text: the decoded completion (special tokens skipped).
         token_ids: generated token ids (EOS included if it was produced).
-        stats: ``prompt_tokens``, ``new_tokens``, ``prefill_ms``, ``decode_tok_s``,
+        stats: ``prompt_tokens``, ``new_tokens``, ``prefill_ms`` (wall time of the prefill
+            forward that ran this prompt, with the ``prefill_batch - 1`` others batched with
+            it, design §3.8; first token sampled), ``decode_tok_s``,
             ``kv_cache_bytes`` (this sequence's K and V, all layers, host or device; offloaded
             runs report host and device bytes under ``offload``), ``kv_read_fraction``
             (fraction of KV blocks read per decode step, 1.0 for dense).
@@ -76,18 +81,33 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+def _token_count(value, name: str, zero: str, example: str) -> int:
+    """``value`` as an int >= 0 (``None``: 0). Raises SpardaError naming ``name``, what 0
+    means (``zero``) and an ``example`` otherwise."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpardaError(f"{name} must be an integer >= 0 ({zero}), got {value!r}; use e.g. {example}")
+    return value
+
+
 def check_prefill_chunk(value) -> int:
     """``prefill_chunk_tokens`` as an int >= 0 (0 or ``None``: the whole prompt in one chunk).
 
     Raises:
         SpardaError: not an integer, or negative.
     """
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpardaError(f"prefill_chunk_tokens must be an integer >= 0 (0: no chunking), got {value!r}; "
-                          "use e.g. --prefill-chunk 8192")
-    return value
+    return _token_count(value, "prefill_chunk_tokens", "0: no chunking", "--prefill-chunk 8192")
+
+
+def check_prefill_batch(value) -> int:
+    """``prefill_batch_tokens`` as an int >= 0 (0 or ``None``: one prompt per prefill forward).
+
+    Raises:
+        SpardaError: not an integer, or negative.
+    """
+    return _token_count(value, "prefill_batch_tokens", "0: one prompt per prefill",
+                        f"prefill_batch_tokens={DEFAULT_PREFILL_BATCH_TOKENS}")
 
 
 def default_offload(method: str, device: torch.device) -> bool:
@@ -162,6 +182,10 @@ class LLM:
             ``prefill_chunk_tokens`` (default :data:`DEFAULT_PREFILL_CHUNK_TOKENS`: prompts are
             prefilled that many tokens at a time, so activations are one chunk's; ``0`` or
             ``None`` = the whole prompt at once; same logits either way) /
+            ``prefill_batch_tokens`` (default :data:`DEFAULT_PREFILL_BATCH_TOKENS`: ``generate``
+            prefills up to that many padded prompt tokens in one forward, prompts right-padded
+            to the longest, for methods whose prefill allows it (design §3.8); ``0`` = one
+            prompt per forward; same logits either way, up to summation order) /
             the method options of :class:`~sparda.config.SpardaConfig` (``quest_page_size``,
             ``snapkv_window``, ``shallow_layers``, ``shallow_select_once``).
     Raises:
@@ -186,6 +210,9 @@ class LLM:
         #: prompt tokens per prefill chunk (0: the whole prompt at once)
         self.prefill_chunk_tokens = check_prefill_chunk(overrides.pop("prefill_chunk_tokens",
                                                                       DEFAULT_PREFILL_CHUNK_TOKENS))
+        #: padded prompt tokens per batched prefill forward (0: one prompt per forward, design §3.8)
+        self.prefill_batch_tokens = check_prefill_batch(overrides.pop("prefill_batch_tokens",
+                                                                      DEFAULT_PREFILL_BATCH_TOKENS))
         prefill = (overrides.pop("sparse_prefill", None), overrides.pop("dense_prefill", None))
         offload = overrides.pop("offload", None)
         #: offload transfer engine: auto, uva, copy or sync (design §6)
@@ -238,7 +265,7 @@ class LLM:
 
         Device and dtype are the model's. ``forecast`` (a :class:`Forecast`) is handed to the
         ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``/``kv_dtype``/
-        ``sparse_prefill``/``dense_prefill``/``prefill_chunk_tokens``/``dense_heads`` as in :class:`LLM`, except that ``offload``
+        ``sparse_prefill``/``dense_prefill``/``prefill_chunk_tokens``/``prefill_batch_tokens``/``dense_heads`` as in :class:`LLM`, except that ``offload``
         defaults to off on every device (the caller builds the model and decides where its
         cache lives) and ``sparse_prefill`` to on at every preset (benchmarks time the
         block-sparse prefill). Raises SpardaError for a bad method, preset or budget.
@@ -252,6 +279,8 @@ class LLM:
         llm.fused_decode = bool(overrides.pop("fused_decode", True))
         llm.prefill_chunk_tokens = check_prefill_chunk(overrides.pop("prefill_chunk_tokens",
                                                                      DEFAULT_PREFILL_CHUNK_TOKENS))
+        llm.prefill_batch_tokens = check_prefill_batch(overrides.pop("prefill_batch_tokens",
+                                                                     DEFAULT_PREFILL_BATCH_TOKENS))
         offload = overrides.pop("offload", None)
         llm.transfer = overrides.pop("transfer", None) or "auto"
         llm.kv_dtype = check_kv_dtype(overrides.pop("kv_dtype", None))
@@ -368,6 +397,66 @@ class LLM:
                     outs = outs[-1:]
         return torch.cat(outs) if all_logits else outs[-1]
 
+    def prefill_groups(self, cache, prompts: list[list[int]]) -> list[list[int]]:
+        """Indices of ``prompts`` grouped for :meth:`prefill_batch`, in order: consecutive
+        prompts share a forward while the group's padded tokens (size x longest) stay within
+        :attr:`prefill_batch_tokens` (design §3.8). A prompt longer than one prefill chunk,
+        a method or cache without batched prefill, or ``prefill_batch_tokens = 0`` gives
+        groups of one."""
+        budget = getattr(self, "prefill_batch_tokens", 0)
+        chunk = getattr(self, "prefill_chunk_tokens", 0)
+        batched = budget and self.method.batched_prefill and getattr(cache, "batched_prefill", False)
+        groups: list[list[int]] = []
+        longest = 0
+        for index, ids in enumerate(prompts):
+            fits = batched and (not chunk or len(ids) <= chunk)
+            if (fits and groups and groups[-1][-1] == index - 1 and longest
+                    and (len(groups[-1]) + 1) * max(longest, len(ids)) <= budget):
+                groups[-1].append(index)
+                longest = max(longest, len(ids))
+            else:
+                groups.append([index])
+                longest = len(ids) if fits else 0
+        return groups
+
+    @torch.inference_mode()
+    def prefill_batch(self, cache, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Run several prompts into cache rows ``rows`` through one forward (design §3.8);
+        returns each prompt's last-token logits ``[B, V]`` fp32.
+
+        The prompts are right-padded to the longest; the cache writes each row's real
+        tokens only, and causality keeps the padding out of every real query, so each row
+        gets the logits and cache state of its :meth:`prefill` alone (up to floating-point
+        summation order). One prompt runs :meth:`prefill` itself.
+
+        Raises:
+            SpardaError: the method or cache has no batched prefill
+                (:attr:`~sparda.attention.base.AttentionMethod.batched_prefill`), or the
+                longest prompt exceeds one prefill chunk (:attr:`prefill_chunk_tokens`).
+        """
+        if len(prompts) == 1:
+            return self.prefill(cache, rows[0], prompts[0])[-1:]
+        if not (self.method.batched_prefill and getattr(cache, "batched_prefill", False)):
+            raise SpardaError(f"method {self.config.method} has no batched prefill; prefill its prompts one at a time")
+        longest = max(len(ids) for ids in prompts)
+        chunk = getattr(self, "prefill_chunk_tokens", 0)
+        if chunk and longest > chunk:
+            raise SpardaError(f"a prompt of {longest} tokens exceeds one prefill chunk ({chunk}); prefill it alone")
+        order = sorted(range(len(rows)), key=rows.__getitem__)  # ascending rows: a cache's whole-batch view
+        if order != list(range(len(rows))):
+            logits = self.prefill_batch(cache, [rows[i] for i in order], [prompts[i] for i in order])
+            return logits[torch.tensor(order, device=logits.device).argsort()]
+        self.method.bind(cache)
+        x = torch.tensor([ids + [0] * (longest - len(ids)) for ids in prompts], device=self.device)
+        q_pos = torch.arange(longest, device=self.device).expand(len(prompts), longest)
+        cos, sin = self.model.rotary(q_pos, self.dtype)
+        step = StepInfo(phase="prefill", rows=torch.tensor(rows, device=self.device), q_pos=q_pos,
+                        kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin, max_kv_len=longest,
+                        row_lengths=tuple(zip(rows, (len(ids) for ids in prompts))))
+        session = getattr(cache, "chunked_prefill", None)
+        with session() if session is not None else contextlib.nullcontext():
+            return self.model(x, step, cache, self.method)[:, 0]
+
     def _decode_step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                      live_len: int) -> torch.Tensor:
         """The static-shape decode step (docs/cuda_graphs.md): views span the cache's
@@ -470,13 +559,15 @@ class LLM:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         eos = set() if ignore_eos else self._eos_ids()
 
-        first, prefill_ms = [], []
-        for row, ids in enumerate(prompt_token_ids):
+        first, prefill_ms, group_size = [], [0.0] * batch, [1] * batch
+        for group in self.prefill_groups(cache, prompt_token_ids):  # design §3.8
             start = time.perf_counter()
-            logits = self.prefill(cache, row, ids)
-            first.append(sample(logits[-1:], temperature, top_p, gen))
+            logits = self.prefill_batch(cache, group, [prompt_token_ids[row] for row in group])
+            first += [sample(logits[i:i + 1], temperature, top_p, gen) for i in range(len(group))]
             self._sync()
-            prefill_ms.append((time.perf_counter() - start) * 1e3)
+            for row in group:  # each row waited for its group's forward
+                prefill_ms[row] = (time.perf_counter() - start) * 1e3
+                group_size[row] = len(group)
         tokens = torch.cat(first)
         positions = torch.tensor([len(ids) for ids in prompt_token_ids], device=self.device)
         max_position = max(len(ids) for ids in prompt_token_ids)
@@ -513,6 +604,7 @@ class LLM:
                 "prompt_tokens": len(ids),
                 "new_tokens": len(out[b]),
                 "prefill_ms": round(prefill_ms[b], 3),
+                "prefill_batch": group_size[b],
                 # this sequence's tokens over its own decode time (steps while it ran)
                 "decode_tok_s": round(step_rate, 3) if decoded else 0.0,
                 "kv_cache_bytes": int(per_token * (len(ids) + len(out[b]) - 1)),  # the last token is never cached

@@ -40,9 +40,10 @@ def _dense_heads_field(llm) -> str:
 def task_records(models, spec, batch: list, length: int) -> list[dict]:
     """Generate one batch of samples with ``spec`` and score each.
 
-    Every prompt of the batch goes through one :meth:`sparda.LLM.generate` call (prefill
-    row by row, decode batched); greedy decoding, so each record equals what the sample
-    gives alone (tests/test_eval_runner.py).
+    Every prompt of the batch goes through one :meth:`sparda.LLM.generate` call (one
+    batched prefill forward where the method allows it, else row by row; decode batched,
+    design §3.8); greedy decoding, so each record equals what the sample gives alone
+    (tests/test_eval_runner.py).
 
     Args:
         models: the runner's ``_Models`` (one loaded model, one method per spec).
@@ -89,7 +90,7 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
             seed=seed, score=score(sample, out.text), exact=exact_match(sample.answers, out.text),
             answers=list(sample.answers), completion=out.text[:400],
             prompt_tokens=stats["prompt_tokens"], new_tokens=stats["new_tokens"],
-            prefill_ms=stats["prefill_ms"], decode_tok_s=stats["decode_tok_s"],
+            prefill_ms=stats["prefill_ms"], prefill_batch=stats["prefill_batch"], decode_tok_s=stats["decode_tok_s"],
             kv_read_fraction=stats["kv_read_fraction"],
             kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
             host_bytes_copied_per_token=stats["offload"].get("bytes_per_token") if "offload" in stats else None,

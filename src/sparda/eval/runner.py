@@ -1,8 +1,9 @@
 """``sparda eval``: every task x method x length x sample, batched and resumable (design §8).
 
 The samples of one task x length run through one method in batches of
-``plan.batch_size`` (one :meth:`sparda.LLM.generate` call each: greedy, so a sample's
-record is the one it gets alone). Each finished sample is appended (one JSON line,
+``plan.batch_size`` (one :meth:`sparda.LLM.generate` call each, its prompts prefilled in
+one forward where the method allows it, design §3.8: greedy, so a sample's record is the
+one it gets alone). Each finished sample is appended (one JSON line,
 flushed and fsynced) to ``DIR/results.jsonl``; a rerun with the same plan skips every key
 already there, so an interrupted run resumes where it stopped, and a time budget stops a
 run cleanly between batches (``DIR/progress.json`` says how far it got). The tables, plots and ``summary.json`` are
@@ -35,6 +36,8 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DECODE_TOKENS = 256
 #: samples per generate call when ``batch_size`` is not given: CUDA, CPU
 DEFAULT_BATCH = {"cuda": 16, "cpu": 4}
+#: tokens a task's prompt may exceed its length by (chat template, answer instructions)
+PROMPT_SLACK = 256
 QUICK = dict(tasks=("passkey", "niah-single", PPL), lengths=(2560,), samples=2, ppl_windows=1,
              methods=("dense", "sparse", "oracle", "sparda"))
 FULL = dict(tasks=("passkey", "niah-single", "niah-multikey", "vt", "cwe", PPL), lengths=(4096, 7680),
@@ -227,6 +230,10 @@ class _Models:
         # each offloaded method's copy gets mixed in get()
         self.base = LLM(plan.model, method="dense", preset=plan.preset, device=plan.device, dtype=plan.dtype,
                         kv_dtype="bf16" if plan.kv_dtype == "mixed" else plan.kv_dtype, **plan.overrides)
+        # one prefill forward per generate call where the method allows it (design §3.8): room for
+        # the batch's prompts (the chat template adds a few dozen tokens to the task's length)
+        self.base.prefill_batch_tokens = max(self.base.prefill_batch_tokens,
+                                             plan.resolved_batch_size() * (max(plan.lengths) + PROMPT_SLACK))
         self._identity = model_identity(self.base.model.config, self.base.shape)
         self._cache: dict = {}
         self._reference = None

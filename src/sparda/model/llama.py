@@ -197,7 +197,8 @@ class StepInfo:
 
     Attributes:
         phase: ``"prefill"`` or ``"decode"``.
-        rows: ``[B]`` int64 cache rows this forward writes (prefill: one row).
+        rows: ``[B]`` int64 cache rows this forward writes (prefill: one row, or several in a
+            batched prefill).
         q_pos: ``[B, Tq]`` int64 absolute positions of the query tokens.
         kv_len: ``[B]`` int64 valid keys per row after this step's append.
         cos, sin: RoPE tables ``[B, 1, Tq, d]`` for the query positions.
@@ -210,7 +211,13 @@ class StepInfo:
             defaults to ``max_kv_len``.
         row: host int, prefill only: ``rows[0]``, the one row a prefill writes. Caches read
             it instead of ``rows`` so that a prefill's appends do not sync with the device
-            once per layer; computed from ``rows`` (one sync) when not given.
+            once per layer; computed from ``rows`` (one sync) when not given. ``None`` in a
+            batched prefill.
+        row_lengths: batched prefill only (:meth:`sparda.LLM.prefill_batch`, design §3.8):
+            ``((cache row, tokens), ...)`` host ints, one per batch row in order; the prompts
+            are right-padded to ``Tq``, and each row's real tokens are its first ``tokens``.
+            Caches write only those; a padded query sees the row's real keys and zeros
+            (causal), so no real query sees padding. ``None`` otherwise.
     """
 
     phase: str
@@ -225,13 +232,14 @@ class StepInfo:
     #: of this step, rotated, from the stacked QKV(+F) GEMM; empty otherwise
     projections: dict = field(default_factory=dict)
     row: int | None = None
+    row_lengths: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_kv_len is None:  # one device sync; the engine passes it to avoid that
             self.max_kv_len = int(self.kv_len.max().item())
         if self.live_len is None:
             self.live_len = self.max_kv_len
-        if self.row is None and self.phase == "prefill":  # one device sync; the engine passes it
+        if self.row is None and self.phase == "prefill" and self.row_lengths is None:  # one sync
             self.row = int(self.rows[0])
 
 
@@ -325,7 +333,8 @@ class CausalLM(nn.Module):
 
         Appends this step's K/V to ``cache`` (rows ``step.rows``) and attends with
         ``method``. Returns logits ``[B, Tq, V]`` if ``all_logits`` else ``[B, 1, V]``
-        (last position), in fp32.
+        (last position; a batched prefill: each row's last real token, ``step.row_lengths``),
+        in fp32.
         """
         x = self.model.embed_tokens(input_ids)
         for index, layer in enumerate(self.model.layers):
@@ -338,5 +347,9 @@ class CausalLM(nn.Module):
             x = x + layer.self_attn.o_proj(out.reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if not all_logits:
-            x = x[:, -1:]
+            if step.row_lengths is not None:  # batched prefill: each row's last real token
+                last = torch.tensor([n - 1 for _, n in step.row_lengths], device=x.device)
+                x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)
+            else:
+                x = x[:, -1:]
         return self.lm_head(self.model.norm(x)).float()
