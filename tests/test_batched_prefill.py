@@ -193,9 +193,10 @@ def test_prefill_groups_respect_the_token_budget(tiny, forecast_file):
 
 
 def test_prefill_batch_refuses_what_it_cannot_batch(tiny, forecast_file):
-    """A method without batched prefill, and a prompt longer than one prefill chunk, are
-    refused with one line naming the way out (``generate`` prefills such prompts one at a
-    time); bad ``prefill_batch_tokens`` values too."""
+    """A method without batched prefill, a prompt longer than one prefill chunk, rows that
+    are not one distinct row per prompt and an empty prompt are refused with one line
+    naming the problem (``generate`` prefills the first two kinds one at a time); bad
+    ``prefill_batch_tokens`` values too."""
     from sparda.engine.llm import LLM
 
     plain = _llm(tiny, "sparse", {}, None, forecast_file)
@@ -209,6 +210,12 @@ def test_prefill_batch_refuses_what_it_cannot_batch(tiny, forecast_file):
     sparse = _llm(tiny, "sparse", {}, None, forecast_file, prefill_chunk_tokens=25)
     with pytest.raises(SpardaError, match="prefill it alone"):
         sparse.prefill_batch(sparse.new_cache(2, 64), [0, 1], [[5] * 30, [6] * 20])
+    with pytest.raises(SpardaError, match="distinct cache row"):  # two prompts into one row
+        sparse.prefill_batch(sparse.new_cache(2, 64), [0, 0], [[5] * 10, [6] * 20])
+    with pytest.raises(SpardaError, match="distinct cache row"):
+        sparse.prefill_batch(sparse.new_cache(2, 64), [0], [[5] * 10, [6] * 20])
+    with pytest.raises(SpardaError, match="empty prompt"):
+        sparse.prefill_batch(sparse.new_cache(2, 64), [0, 1], [[5] * 10, []])
     for bad in (-1, 2.5, "64k", True):
         with pytest.raises(SpardaError, match="prefill_batch_tokens"):
             LLM(str(tiny), method="dense", device="cpu", prefill_batch_tokens=bad)

@@ -183,7 +183,9 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
 def stats_line(stats: dict) -> str:
     """The one-line summary printed after a completion."""
     return (f"[prompt {stats['prompt_tokens']} tok | new {stats['new_tokens']} tok | "
-            f"prefill {stats['prefill_ms']:.0f} ms | decode {stats['decode_tok_s']:.1f} tok/s | "
+            f"prefill {stats['prefill_ms']:.0f} ms"
+            + (f" (batch of {stats['prefill_batch']} prompts)" if stats.get("prefill_batch", 1) > 1 else "")
+            + f" | decode {stats['decode_tok_s']:.1f} tok/s | "
             f"KV cache {stats['kv_cache_bytes'] / 2**20:.1f} MiB | "
             f"KV blocks read/step {stats['kv_read_fraction']:.1%}"
             + (f" | offload hit rate {stats['offload']['hit_rate']:.1%}, "

@@ -30,8 +30,10 @@ from sparda.model.loader import load_model
 #: prompt tokens per prefill chunk by default (``LLM(prefill_chunk_tokens=...)``, ``--prefill-chunk``)
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 #: padded prompt tokens per batched prefill forward by default (``LLM(prefill_batch_tokens=...)``,
-#: design §3.8): bounds the activations of one forward as the chunk size does for one prompt
-DEFAULT_PREFILL_BATCH_TOKENS = 65536
+#: design §3.8): bounds the activations of one forward of several prompts, as the chunk size
+#: does for one prompt (the larger of the two bounds a prefill's peak; cf. vLLM's
+#: ``max_num_batched_tokens``)
+DEFAULT_PREFILL_BATCH_TOKENS = 16384
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -184,8 +186,10 @@ class LLM:
             ``None`` = the whole prompt at once; same logits either way) /
             ``prefill_batch_tokens`` (default :data:`DEFAULT_PREFILL_BATCH_TOKENS`: ``generate``
             prefills up to that many padded prompt tokens in one forward, prompts right-padded
-            to the longest, for methods whose prefill allows it (design §3.8); ``0`` = one
-            prompt per forward; same logits either way, up to summation order) /
+            to the longest, for methods whose prefill allows it (design §3.8); it bounds that
+            forward's activations as ``prefill_chunk_tokens`` does one prompt's, so lower both
+            where memory is tight; ``0`` = one prompt per forward; same logits either way, up
+            to summation order) /
             the method options of :class:`~sparda.config.SpardaConfig` (``quest_page_size``,
             ``snapkv_window``, ``shallow_layers``, ``shallow_select_once``).
     Raises:
@@ -430,10 +434,16 @@ class LLM:
         summation order). One prompt runs :meth:`prefill` itself.
 
         Raises:
-            SpardaError: the method or cache has no batched prefill
-                (:attr:`~sparda.attention.base.AttentionMethod.batched_prefill`), or the
-                longest prompt exceeds one prefill chunk (:attr:`prefill_chunk_tokens`).
+            SpardaError: rows not one distinct row per prompt, an empty prompt, a method or
+                cache without batched prefill
+                (:attr:`~sparda.attention.base.AttentionMethod.batched_prefill`), or a
+                longest prompt over one prefill chunk (:attr:`prefill_chunk_tokens`).
         """
+        if len(rows) != len(prompts) or len(set(rows)) != len(rows):
+            raise SpardaError(f"prefill_batch needs one distinct cache row per prompt, got rows {rows} for "
+                              f"{len(prompts)} prompts")
+        if any(not ids for ids in prompts):
+            raise SpardaError("empty prompt; pass some text")
         if len(prompts) == 1:
             return self.prefill(cache, rows[0], prompts[0])[-1:]
         if not (self.method.batched_prefill and getattr(cache, "batched_prefill", False)):

@@ -42,8 +42,9 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
 
     Every prompt of the batch goes through one :meth:`sparda.LLM.generate` call (one
     batched prefill forward where the method allows it, else row by row; decode batched,
-    design §3.8); greedy decoding, so each record equals what the sample gives alone
-    (tests/test_eval_runner.py).
+    design §3.8); greedy decoding, so each record equals what the sample gives alone in
+    fp32 (tests/test_eval_runner.py); in bf16 another batch size sums in another order,
+    which can flip a near tie.
 
     Args:
         models: the runner's ``_Models`` (one loaded model, one method per spec).

@@ -3,7 +3,7 @@
 The samples of one task x length run through one method in batches of
 ``plan.batch_size`` (one :meth:`sparda.LLM.generate` call each, its prompts prefilled in
 one forward where the method allows it, design §3.8: greedy, so a sample's record is the
-one it gets alone). Each finished sample is appended (one JSON line,
+one it gets alone, exactly in fp32; in bf16 up to summation order). Each finished sample is appended (one JSON line,
 flushed and fsynced) to ``DIR/results.jsonl``; a rerun with the same plan skips every key
 already there, so an interrupted run resumes where it stopped, and a time budget stops a
 run cleanly between batches (``DIR/progress.json`` says how far it got). The tables, plots and ``summary.json`` are

@@ -216,8 +216,9 @@ class StepInfo:
         row_lengths: batched prefill only (:meth:`sparda.LLM.prefill_batch`, design §3.8):
             ``((cache row, tokens), ...)`` host ints, one per batch row in order; the prompts
             are right-padded to ``Tq``, and each row's real tokens are its first ``tokens``.
-            Caches write only those; a padded query sees the row's real keys and zeros
-            (causal), so no real query sees padding. ``None`` otherwise.
+            Caches write only those. A real query sees only keys at or before its position
+            (causal), all real; a padded query also sees what the row holds past its length,
+            and its output is dropped. ``None`` otherwise.
     """
 
     phase: str
