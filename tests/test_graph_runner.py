@@ -188,3 +188,30 @@ def test_offload_timing_on_the_cpu_counts_copies(tiny, forecast_file):
     out = llm.generate(None, prompt_token_ids=[torch.randint(100, 20000, (200,)).tolist()],
                        max_new_tokens=8, ignore_eos=True)[0].stats["offload"]
     assert out["misses"] > 0 and out["copy_ms"] > 0 and out["exposed_wait_ms"] == out["copy_ms"]
+
+
+@pytest.mark.parametrize("method,extra", [("sparse", {}), ("sparda", {"offload": True}), ("h2o", {})],
+                         ids=["sparse", "sparda-offloaded", "h2o"])
+def test_generate_rounds_the_cache_capacity(tiny, forecast_file, monkeypatch, method, extra):
+    """``generate`` allocates a capacity rounded up to ``CAPACITY_ROUND`` tokens (within the
+    model's context) so that calls of similar lengths share decode shapes; the extra
+    capacity changes no token against an exact-capacity cache (prompts of different
+    lengths, a generation that crosses the dense fallback)."""
+    from sparda.engine import llm as llm_module
+
+    llm = _llm(tiny, forecast_file, method, extra)
+    limit = llm.shape.max_positions
+    for tokens in torch.randint(1, limit + 1, (200,)).tolist() + [1, limit, 512, 513]:
+        cap = llm.cache_capacity(tokens)
+        assert tokens <= cap <= max(tokens, limit) and cap - tokens < llm_module.CAPACITY_ROUND
+        assert cap % llm_module.CAPACITY_ROUND == 0 or cap == limit
+    made = []
+    real = llm.new_cache
+    monkeypatch.setattr(llm, "new_cache", lambda batch, capacity: made.append(capacity) or real(batch, capacity))
+    prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (int(torch.randint(120, 150, ())), 70)]
+    rounded = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=40, ignore_eos=True)
+    monkeypatch.setattr(llm_module, "CAPACITY_ROUND", 1)
+    exact = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=40, ignore_eos=True)
+    want = max(map(len, prompts)) + 40
+    assert made == [max(want, min(-(-want // 512) * 512, limit)), want] and made[0] > want
+    assert [o.token_ids for o in rounded] == [o.token_ids for o in exact]

@@ -35,6 +35,9 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 #: ``max_num_batched_tokens``)
 DEFAULT_PREFILL_BATCH_TOKENS = 16384
 
+#: ``generate``'s KV-cache capacity is a multiple of this many tokens (:meth:`LLM.cache_capacity`)
+CAPACITY_ROUND = 512
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -361,6 +364,16 @@ class LLM:
             return method.cache_resident_layers()
         return getattr(method, "resident_layers", ())
 
+    def cache_capacity(self, tokens: int) -> int:
+        """The KV-cache capacity ``generate`` allocates for ``tokens`` tokens per row: rounded up
+        to a multiple of :data:`CAPACITY_ROUND` tokens (not past the model's context unless
+        ``tokens`` is). Decode views span the capacity, and the Triton decode kernels are
+        specialised on its block count, so calls of similar lengths share compiled kernels
+        instead of compiling a new specialisation per exact length; the rows' own lengths
+        mask the rest (same tokens)."""
+        rounded = -(-tokens // CAPACITY_ROUND) * CAPACITY_ROUND
+        return max(tokens, min(rounded, self.shape.max_positions))
+
     def new_cache(self, batch: int, capacity: int):
         """An empty KV cache for ``batch`` rows of ``capacity`` tokens (``kv_dtype`` storage)."""
         s = self.shape
@@ -562,7 +575,7 @@ class LLM:
         for ids in prompt_token_ids:
             self._check_length(len(ids), max_new_tokens)
         batch = len(prompt_token_ids)
-        capacity = max(len(ids) for ids in prompt_token_ids) + max_new_tokens
+        capacity = self.cache_capacity(max(len(ids) for ids in prompt_token_ids) + max_new_tokens)
         cache = self.new_cache(batch, capacity)
         self.method.bind(cache)
         self.method.reset()
