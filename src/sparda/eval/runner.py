@@ -272,9 +272,7 @@ class _Models:
             config = SpardaConfig(method=spec.method, selection=selection, sparse_prefill=sparse_prefill,
                                   offload=default_offload(spec.method, self.base.device))  # as `sparda generate`
             llm = copy.copy(self.base)
-            # the next batch of this spec and shape reuses its cache and replays its CUDA graphs;
-            # one cache per method, not per budget x length (a sweep's would add up)
-            llm.keep_cache = spec.budget_pct is None
+            llm.keep_cache = True  # the next batch of this spec and shape replays its CUDA graphs
             llm.config = config
             llm.method = build_method(config, llm.shape, model=llm.model, model_dir=llm.model_dir)
             llm._set_dense_heads(self.plan.dense_heads, self._identity)  # as LLM(method=...) (design §3.7)
