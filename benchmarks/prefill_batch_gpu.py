@@ -14,9 +14,7 @@ with room for all of them in one forward. Records, per method and length: the sh
 prompts whose greedy tokens agree exactly (bf16: a different summation order may flip a
 near tie late in a completion), the share of first tokens that agree, the mean
 prefill wall time per prompt of each (CUDA-synchronised, after one warm-up call), and the
-CUDA kernels launched by one prefill of the batch (``torch.profiler``); then the time of a
-``generate`` call that reuses the previous call's cache (``keep_cache``: its CUDA graphs
-replay instead of being captured) and its token agreement with a fresh cache's. Writes
+CUDA kernels launched by one prefill of the batch (``torch.profiler``). Writes
 ``DIR/prefill_batch.json`` and prints a short table.
 """
 
@@ -112,14 +110,6 @@ def main(argv=None) -> int:
                 result[f"{name}_prefill_ms_per_prompt"] = sum(
                     o.stats["prefill_ms"] / o.stats["prefill_batch"] for o in outs[name]) / len(prompts)
                 result[f"{name}_kernels"] = _kernels(llm, prompts)
-            llm.keep_cache = True  # a second call of the same shape reuses the cache and replays its graphs
-            _run(llm, prompts, args.new_tokens)
-            start = time.perf_counter()
-            kept = _run(llm, prompts, args.new_tokens)
-            result["kept_s"] = time.perf_counter() - start
-            result["kept_tokens_agree"] = sum(a.token_ids == b.token_ids for a, b in zip(kept, outs["batched"])) / len(kept)
-            llm.keep_cache = False
-            llm.__dict__.pop("_kept_cache", None)
             same = [a.token_ids == b.token_ids for a, b in zip(outs["alone"], outs["batched"])]
             first = [a.token_ids[0] == b.token_ids[0] for a, b in zip(outs["alone"], outs["batched"])]
             result.update(tokens_agree=sum(same) / len(same), first_token_agrees=sum(first) / len(first))
@@ -135,12 +125,11 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "prefill_batch.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
     print(f"\n{'method':<14} {'len':>5} {'tok agree':>9} {'1st agree':>9} {'ms/prompt 1x':>12} "
-          f"{'ms/prompt B':>11} {'kernels 1x':>10} {'kernels B':>9} {'gen s 1x':>8} {'gen s B':>7} {'kept s':>6}")
+          f"{'ms/prompt B':>11} {'kernels 1x':>10} {'kernels B':>9} {'gen s 1x':>8} {'gen s B':>7}")
     for r in rows:
         print(f"{r['method']:<14} {r['length']:>5} {r['tokens_agree']:>9.2f} {r['first_token_agrees']:>9.2f} "
               f"{r['alone_prefill_ms_per_prompt']:>12.1f} {r['batched_prefill_ms_per_prompt']:>11.1f} "
-              f"{str(r['alone_kernels']):>10} {str(r['batched_kernels']):>9} {r['alone_s']:>8.2f} {r['batched_s']:>7.2f} "
-              f"{r['kept_s']:>6.2f}")
+              f"{str(r['alone_kernels']):>10} {str(r['batched_kernels']):>9} {r['alone_s']:>8.2f} {r['batched_s']:>7.2f}")
     return 0
 
 

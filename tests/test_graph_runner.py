@@ -215,33 +215,3 @@ def test_generate_rounds_the_cache_capacity(tiny, forecast_file, monkeypatch, me
     want = max(map(len, prompts)) + 40
     assert made == [max(want, min(-(-want // 512) * 512, limit)), want] and made[0] > want
     assert [o.token_ids for o in rounded] == [o.token_ids for o in exact]
-
-
-@pytest.mark.parametrize("method,extra", [("sparse", {}), ("sparda", {"offload": True}), ("h2o", {}),
-                                          ("shallow", {"shallow_layers": 1})],
-                         ids=["sparse", "sparda-offloaded", "h2o", "shallow"])
-def test_kept_cache_gives_a_fresh_cache_results(tiny, forecast_file, method, extra):
-    """``keep_cache=True``: a second ``generate`` of the same shape reuses the first call's
-    cache (and its decode runner), and gives the tokens, KV read fractions and offload
-    hit / miss counts of a fresh cache; a call of another shape gets a new cache."""
-    kept = _llm(tiny, forecast_file, method, dict(extra, keep_cache=True))
-    fresh = _llm(tiny, forecast_file, method, extra)
-
-    def prompts():
-        return [torch.randint(100, 20000, (n,)).tolist() for n in (int(torch.randint(120, 150, ())), 90)]
-
-    first = kept.generate(None, prompt_token_ids=prompts(), max_new_tokens=30, ignore_eos=True)
-    cache = kept._kept_cache[2]
-    again = prompts()
-    got = kept.generate(None, prompt_token_ids=again, max_new_tokens=30, ignore_eos=True)
-    assert kept._kept_cache[2] is cache
-    want = fresh.generate(None, prompt_token_ids=again, max_new_tokens=30, ignore_eos=True)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for g, w in zip(got, want):
-        assert g.stats["kv_read_fraction"] == w.stats["kv_read_fraction"]
-        if "offload" in w.stats:
-            assert (g.stats["offload"]["hits"], g.stats["offload"]["misses"]) == \
-                (w.stats["offload"]["hits"], w.stats["offload"]["misses"])
-    assert first[0].token_ids != got[0].token_ids  # other prompts: the reuse was not a replay of the first call
-    kept.generate(None, prompt_token_ids=again[:1], max_new_tokens=30, ignore_eos=True)
-    assert kept._kept_cache[2] is not cache and kept._kept_cache[2].lengths.shape[0] == 1

@@ -187,11 +187,6 @@ class LLM:
             ``prefill_chunk_tokens`` (default :data:`DEFAULT_PREFILL_CHUNK_TOKENS`: prompts are
             prefilled that many tokens at a time, so activations are one chunk's; ``0`` or
             ``None`` = the whole prompt at once; same logits either way) /
-            ``keep_cache`` (default False: each ``generate`` call allocates its KV cache and frees
-            it on return; True keeps the last one while it lives, and a next call with the same
-            number of prompts and rounded capacity (:meth:`cache_capacity`) reuses it and
-            replays its CUDA graphs instead of capturing them again; its memory stays held
-            between calls, so for many calls of one shape, as ``sparda eval`` makes) /
             ``prefill_batch_tokens`` (default :data:`DEFAULT_PREFILL_BATCH_TOKENS`: ``generate``
             prefills up to that many padded prompt tokens in one forward, prompts right-padded
             to the longest, for methods whose prefill allows it (design §3.8); it bounds that
@@ -222,8 +217,6 @@ class LLM:
         #: prompt tokens per prefill chunk (0: the whole prompt at once)
         self.prefill_chunk_tokens = check_prefill_chunk(overrides.pop("prefill_chunk_tokens",
                                                                       DEFAULT_PREFILL_CHUNK_TOKENS))
-        #: generate keeps its last KV cache (and its CUDA graphs) for a next call of the same shape
-        self.keep_cache = bool(overrides.pop("keep_cache", False))
         #: padded prompt tokens per batched prefill forward (0: one prompt per forward, design §3.8)
         self.prefill_batch_tokens = check_prefill_batch(overrides.pop("prefill_batch_tokens",
                                                                       DEFAULT_PREFILL_BATCH_TOKENS))
@@ -279,7 +272,7 @@ class LLM:
 
         Device and dtype are the model's. ``forecast`` (a :class:`Forecast`) is handed to the
         ``sparda*`` methods; ``overrides`` are selection fields plus ``offload``/``transfer``/``kv_dtype``/
-        ``sparse_prefill``/``dense_prefill``/``prefill_chunk_tokens``/``prefill_batch_tokens``/``keep_cache``/``dense_heads`` as in :class:`LLM`, except that ``offload``
+        ``sparse_prefill``/``dense_prefill``/``prefill_chunk_tokens``/``prefill_batch_tokens``/``dense_heads`` as in :class:`LLM`, except that ``offload``
         defaults to off on every device (the caller builds the model and decides where its
         cache lives) and ``sparse_prefill`` to on at every preset (benchmarks time the
         block-sparse prefill). Raises SpardaError for a bad method, preset or budget.
@@ -293,7 +286,6 @@ class LLM:
         llm.fused_decode = bool(overrides.pop("fused_decode", True))
         llm.prefill_chunk_tokens = check_prefill_chunk(overrides.pop("prefill_chunk_tokens",
                                                                      DEFAULT_PREFILL_CHUNK_TOKENS))
-        llm.keep_cache = bool(overrides.pop("keep_cache", False))
         llm.prefill_batch_tokens = check_prefill_batch(overrides.pop("prefill_batch_tokens",
                                                                      DEFAULT_PREFILL_BATCH_TOKENS))
         offload = overrides.pop("offload", None)
@@ -371,29 +363,6 @@ class LLM:
         if hasattr(method, "cache_resident_layers"):
             return method.cache_resident_layers()
         return getattr(method, "resident_layers", ())
-
-    def _generate_cache(self, batch: int, capacity: int):
-        """The KV cache of one ``generate`` call: a new one, or with :attr:`keep_cache` the
-        previous call's when this LLM, its method and settings and the shape are the same
-        (its offload counters zeroed; every row is prefilled afresh, as an engine reuses a
-        row), so its decode runner's CUDA graphs replay instead of being captured again.
-        A kept cache of another shape is dropped before the new one is allocated."""
-        if not getattr(self, "keep_cache", False):
-            return self.new_cache(batch, capacity)
-        key = (self.config, getattr(self, "kv_dtype", "bf16"), repr(getattr(self, "kv_hot", None)),
-               getattr(self, "slot_factor", None), getattr(self, "transfer", None),
-               getattr(self, "early_attention", False), getattr(self, "offload_timing", False), batch, capacity)
-        kept = self.__dict__.pop("_kept_cache", None)
-        if kept is not None and kept[0] is self.method and kept[1] == key:
-            cache = kept[2]
-            prefetcher = getattr(cache, "prefetcher", None)
-            if prefetcher is not None:
-                prefetcher.reset()
-        else:
-            del kept  # free the old cache before allocating the new one
-            cache = self.new_cache(batch, capacity)
-        self._kept_cache = (self.method, key, cache)
-        return cache
 
     def cache_capacity(self, tokens: int) -> int:
         """The KV-cache capacity ``generate`` allocates for ``tokens`` tokens per row: rounded up
@@ -607,7 +576,7 @@ class LLM:
             self._check_length(len(ids), max_new_tokens)
         batch = len(prompt_token_ids)
         capacity = self.cache_capacity(max(len(ids) for ids in prompt_token_ids) + max_new_tokens)
-        cache = self._generate_cache(batch, capacity)
+        cache = self.new_cache(batch, capacity)
         self.method.bind(cache)
         self.method.reset()
         gen = torch.Generator(device=self.device).manual_seed(seed)

@@ -272,7 +272,6 @@ class _Models:
             config = SpardaConfig(method=spec.method, selection=selection, sparse_prefill=sparse_prefill,
                                   offload=default_offload(spec.method, self.base.device))  # as `sparda generate`
             llm = copy.copy(self.base)
-            llm.keep_cache = True  # the next batch of this spec and shape replays its CUDA graphs
             llm.config = config
             llm.method = build_method(config, llm.shape, model=llm.model, model_dir=llm.model_dir)
             llm._set_dense_heads(self.plan.dense_heads, self._identity)  # as LLM(method=...) (design §3.7)
