@@ -370,7 +370,8 @@ class LLM:
         ``tokens`` is). Decode views span the capacity, and the Triton decode kernels are
         specialised on its block count, so calls of similar lengths share compiled kernels
         instead of compiling a new specialisation per exact length; the rows' own lengths
-        mask the rest (same tokens)."""
+        mask the rest (same tokens in fp32; on CUDA a wider block list can split a bf16
+        decode sum differently, docs/cuda_graphs.md)."""
         rounded = -(-tokens // CAPACITY_ROUND) * CAPACITY_ROUND
         return max(tokens, min(rounded, self.shape.max_positions))
 
