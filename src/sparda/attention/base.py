@@ -162,24 +162,25 @@ class AttentionMethod:
         self._count(step, None)
 
 
-def prefill_rows(step, q: torch.Tensor, k: torch.Tensor):
+def prefill_rows(step, *tensors: torch.Tensor):
     """The rows of a prefill step, for methods that keep per-row state from their prompt.
 
-    Yields ``(row_step, q_row, k_row)``: for a batched prefill (``step.row_lengths``,
-    design §3.8) one per batch row, cut to that row's real tokens (``q_row [1, H_kv, G, n, d]``,
-    ``k_row [1, H_kv, n, d]``) with the one-row :class:`~sparda.model.llama.StepInfo` its
-    prefill alone would have (``rows``, ``q_pos``, ``kv_len``, RoPE tables, ``max_kv_len
-    = n``, ``row``); otherwise ``(step, q, k)`` itself once.
+    Yields ``(row_step, *rows)`` with ``tensors`` (batch first, tokens in dim -2: queries
+    ``[B, H_kv, G, T, d]``, keys ``[B, H_kv, T, d]``): for a batched prefill
+    (``step.row_lengths``, design §3.8) one per batch row, each tensor cut to that row's
+    real tokens (``[1, ..., n, d]``), with the one-row :class:`~sparda.model.llama.StepInfo`
+    its prefill alone would have (``rows``, ``q_pos``, ``kv_len``, RoPE tables,
+    ``max_kv_len = n``, ``row``); otherwise ``(step, *tensors)`` itself once.
     """
     if step.row_lengths is None:
-        yield step, q, k
+        yield (step, *tensors)
         return
     for i, (row, n) in enumerate(step.row_lengths):
         sub = dataclasses.replace(step, rows=step.rows[i:i + 1], q_pos=step.q_pos[i:i + 1, :n],
                                   kv_len=step.kv_len.new_full((1,), n), cos=step.cos[i:i + 1, :, :n],
                                   sin=step.sin[i:i + 1, :, :n], max_kv_len=n, live_len=n, row=row,
                                   row_lengths=None, projections={})
-        yield sub, q[i:i + 1, ..., :n, :], k[i:i + 1, :, :n]
+        yield (sub, *(t[i:i + 1, ..., :n, :] for t in tensors))
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,

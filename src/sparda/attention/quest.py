@@ -93,7 +93,7 @@ class QuestAttention(BlockSparseMethod):
         lo, hi = st["lo"][layer], st["hi"][layer]
         k, _, _ = cache.view(layer, step.rows, step.max_kv_len)
         if step.phase == "prefill":
-            for sub, _, k_row in prefill_rows(step, k, k):  # a batched prefill: each row's own keys
+            for sub, k_row in prefill_rows(step, k):  # a batched prefill: each row's own keys
                 row = sub.rows[:1]
                 mn, mx = page_bounds(k_row, self.page)
                 lo[row] = float("inf")

@@ -120,13 +120,9 @@ class DeviceKVCache:
         No bounds checks: positions must be ``< capacity`` (torch raises IndexError otherwise).
         """
         cfg = self.selection
-        if step.phase == "prefill":
-            end = step.max_kv_len
-            if step.row_lengths is not None:  # batched prefill: each row's real tokens only
-                for i, (row, num) in enumerate(step.row_lengths):
-                    self._append_prefill(layer, row, k[i, :, :num], v[i, :, :num], 0, num)
-            else:
-                self._append_prefill(layer, step.row, k[0], v[0], end - k.shape[-2], end)
+        if step.phase == "prefill":  # a batched prefill: each row's real tokens only
+            for i, row, start, end in step.prefill_spans(k.shape[-2]):
+                self._append_prefill(layer, row, k[i, :, :end - start], v[i, :, :end - start], start, end)
             return
         rows = step.rows
         pos = step.q_pos[:, 0]

@@ -240,16 +240,16 @@ class OffloadKVCache:
             SpardaError: a decode step that does not cover every cache row.
         """
         cfg = self.selection
-        if step.phase == "prefill":
-            if step.row_lengths is None:
-                end = step.max_kv_len
-                self._append_prefill(layer, step.row, k[0], v[0], end - k.shape[-2], end)
+        if step.phase == "prefill":  # a batched prefill: each row's real tokens only
+            for i, row, start, end in step.prefill_spans(k.shape[-2]):
+                stored = self._append_prefill(layer, row, k[i, :, :end - start], v[i, :, :end - start], start, end)
+            if layer in self.resident:
                 return
-            for i, (row, num) in enumerate(step.row_lengths):  # batched prefill: real tokens only
-                self._append_prefill(layer, row, k[i, :, :num], v[i, :, :num], 0, num)
-            if layer not in self.resident:  # the batch's K/V as stored, for view while the layer runs
-                self._stash = (layer, quant.as_float(self._quantized(k), self.dtype),
-                               quant.as_float(self._quantized(v), self.dtype))
+            if step.row_lengths is None:  # view() exposes the layer's K/V as stored while it runs: the row's so far
+                keys, values = (quant.as_float(t[:, :step.max_kv_len], self.dtype)[None] for t in stored)
+            else:  # ... or the padded batch's
+                keys, values = (quant.as_float(self._quantized(t), self.dtype) for t in (k, v))
+            self._stash = (layer, keys, values)
             return
         if step.rows.numel() != self.batch:
             raise SpardaError("offloaded decode steps must cover every cache row")
@@ -354,10 +354,12 @@ class OffloadKVCache:
         end - 1`` (a chunk, :mod:`sparda.cache.chunked_prefill`; ``start = 0`` unless chunked).
 
         Offloaded layers: the chunk's K/V go to the host store; the layer's tokens ``< end``
-        are exposed to :meth:`view` while the layer runs (the chunk itself, or after
-        ``start > 0`` a device buffer holding the earlier chunks read back from the host).
+        are the chunk itself, or after ``start > 0`` a device buffer holding the earlier
+        chunks read back from the host.
         Then the compressed keys the chunk completes, the ring of the last ``kernel_size``
-        keys and the partial block slot."""
+        keys and the partial block slot. Returns an offloaded layer's tokens ``< end`` of
+        the row as stored (``keys, values [H_kv, >= end, d]``, for :meth:`view` while the
+        layer runs), ``None`` for a resident layer."""
         cfg = self.selection
         staging = self._staging
         if staging is None and start > 0:  # chunks outside chunked_prefill(): synchronous copies
@@ -382,8 +384,6 @@ class OffloadKVCache:
                 keys, values = staging.history(layer, row, start)
                 keys[:, start:end] = kq
                 values[:, start:end] = vq
-            self._stash = (layer, quant.as_float(keys[:, :end], self.dtype)[None],
-                           quant.as_float(values[:, :end], self.dtype)[None])
             first = (end - 1) // cfg.block_size * cfg.block_size
             if self.mixed:  # the current block is hot: its exact tokens from the pool
                 pk, pv = self.host.pool_block(layer, row, slice(None), first // cfg.block_size)
@@ -405,6 +405,7 @@ class OffloadKVCache:
             self.ring[layer][row, :, pos % cfg.kernel_size] = keys[:, pos]
         if layer == self.num_layers - 1:
             self.lengths[row] = end
+        return None if layer in self.resident else (keys, values)
 
     def _new_staging(self, asynchronous: bool):
         from sparda.cache.chunked_prefill import PrefillStaging

@@ -425,11 +425,10 @@ class LLM:
         chunk = getattr(self, "prefill_chunk_tokens", 0)
         batched = budget and self.method.batched_prefill and getattr(cache, "batched_prefill", False)
         groups: list[list[int]] = []
-        longest = 0
+        longest = 0  # of the last group, 0 if it cannot take more prompts
         for index, ids in enumerate(prompts):
             fits = batched and (not chunk or len(ids) <= chunk)
-            if (fits and groups and groups[-1][-1] == index - 1 and longest
-                    and (len(groups[-1]) + 1) * max(longest, len(ids)) <= budget):
+            if fits and longest and (len(groups[-1]) + 1) * max(longest, len(ids)) <= budget:
                 groups[-1].append(index)
                 longest = max(longest, len(ids))
             else:
@@ -467,9 +466,7 @@ class LLM:
         if chunk and longest > chunk:
             raise SpardaError(f"a prompt of {longest} tokens exceeds one prefill chunk ({chunk}); prefill it alone")
         order = sorted(range(len(rows)), key=rows.__getitem__)  # ascending rows: a cache's whole-batch view
-        if order != list(range(len(rows))):
-            logits = self.prefill_batch(cache, [rows[i] for i in order], [prompts[i] for i in order])
-            return logits[torch.tensor(order, device=logits.device).argsort()]
+        rows, prompts = [rows[i] for i in order], [prompts[i] for i in order]
         self.method.bind(cache)
         x = torch.tensor([ids + [0] * (longest - len(ids)) for ids in prompts], device=self.device)
         q_pos = torch.arange(longest, device=self.device).expand(len(prompts), longest)
@@ -479,7 +476,8 @@ class LLM:
                         row_lengths=tuple(zip(rows, (len(ids) for ids in prompts))))
         session = getattr(cache, "chunked_prefill", None)
         with session() if session is not None else contextlib.nullcontext():
-            return self.model(x, step, cache, self.method)[:, 0]
+            logits = self.model(x, step, cache, self.method)[:, 0]
+        return logits[torch.tensor(order, device=logits.device).argsort()]  # the callers' order
 
     def _decode_step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                      live_len: int) -> torch.Tensor:

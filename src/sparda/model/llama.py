@@ -235,6 +235,15 @@ class StepInfo:
     row: int | None = None
     row_lengths: tuple[tuple[int, int], ...] | None = None
 
+    def prefill_spans(self, tokens: int) -> list[tuple[int, int, int, int]]:
+        """``(batch index, cache row, start, end)`` of each row a prefill step of ``tokens``
+        query tokens writes, tokens ``start .. end - 1``: the one row of a prefill (a chunk
+        ending at ``max_kv_len``), or each row's real tokens of a batched prefill
+        (:attr:`row_lengths`, from 0)."""
+        if self.row_lengths is None:
+            return [(0, self.row, self.max_kv_len - tokens, self.max_kv_len)]
+        return [(i, row, 0, n) for i, (row, n) in enumerate(self.row_lengths)]
+
     def __post_init__(self) -> None:
         if self.max_kv_len is None:  # one device sync; the engine passes it to avoid that
             self.max_kv_len = int(self.kv_len.max().item())
