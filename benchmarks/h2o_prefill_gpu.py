@@ -1,16 +1,19 @@
-"""h2o's prefill block mass on the GPU: the SDPA-backward pass against the materialised softmax.
+"""h2o's prefill block mass on the GPU: the Triton kernel against the SDPA-backward twin.
 
 Usage (from the repository root, on a CUDA machine):
 
     python3 benchmarks/h2o_prefill_gpu.py [--out FILE.json]
 
 For the bundled model's attention shape (3 KV heads x 3 query heads, d = 64, block 32) at
-2,048, 4,096 and 7,680 tokens, bf16 queries and keys (as the model gives them): the mass of
-:func:`sparda.attention.h2o.prefill_block_mass` (SDPA forward + backward, fp32) against
-:func:`sparda.kernels.reference.block_attention_mass` summed over queries and the group (the
-pass it replaced, fp32 softmax materialised in 256 MB query chunks), plus a later prefill
-chunk (the last 1,000 queries of the keys). Prints the largest relative error and the time
-of each (median of 5 after a warm-up, CUDA-synchronised), in a short table.
+2,048, 4,096 and 7,680 tokens, bf16 queries and keys (as the model gives them), plus a
+later prefill chunk (the last 1,000 queries of 7,680 keys) and one fp32 case:
+:func:`sparda.kernels.prefill_block_mass` (on CUDA the two Triton passes of
+:mod:`sparda.kernels.attention_mass`: bf16 ``tl.dot`` with fp32 accumulation, IEEE fp32
+dots for fp32 inputs) against :func:`sparda.kernels.twins.token_attention_mass_reference`
+summed onto blocks (SDPA forward + backward in fp32, the path it replaced on CUDA) and
+against float64 (a materialised softmax, query chunks). Prints the largest relative errors
+and the time of each path (median of 5 after a warm-up, CUDA-synchronised), in a short
+table; exits 1 if the Triton mass is off by more than 1e-3 relative to float64.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from sparda.attention import h2o  # noqa: E402
-from sparda.kernels import reference as ref  # noqa: E402
+from sparda import kernels  # noqa: E402
+from sparda.kernels import twins  # noqa: E402
 
 H, G, D, BLOCK = 3, 3, 64, 32
 
@@ -44,13 +47,32 @@ def _time(fn, repeats: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def old_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The materialised pass (before): reference block mass per query, summed."""
+def twin_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The SDPA-backward path (fp32), summed onto blocks."""
+    mass = twins.token_attention_mass_reference(q, k)
+    total = k.shape[-2]
+    mass = torch.nn.functional.pad(mass, (0, -total % BLOCK))
+    return mass.view(*mass.shape[:-1], -1, BLOCK).sum(-1)
+
+
+def fp64_mass(q: torch.Tensor, k: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """float64 softmax, materialised ``chunk`` queries at a time, summed onto blocks."""
     t, total = q.shape[-2], k.shape[-2]
-    q_pos = torch.arange(total - t, total, device=q.device).view(1, -1)
-    kv_len = torch.tensor([total], device=q.device)
-    chunk = max(1, h2o.MASS_CHUNK_BYTES // (4 * H * G * t))
-    return ref.block_attention_mass(q, k, q_pos, kv_len, BLOCK, chunk=chunk).sum(2)
+    kd = k.double()
+    keys = torch.arange(total, device=q.device)
+    mass = torch.zeros(k.shape[0], H, total, dtype=torch.float64, device=q.device)
+    for s in range(0, t, chunk):
+        qd = q[..., s:s + chunk, :].double()
+        pos = torch.arange(total - t + s, total - t + s + qd.shape[-2], device=q.device)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qd, kd) / D ** 0.5
+        logits = logits.masked_fill(keys.view(1, -1) > pos.view(-1, 1), float("-inf"))
+        mass += torch.softmax(logits, -1).sum((2, 3))
+    mass = torch.nn.functional.pad(mass, (0, -total % BLOCK))
+    return mass.view(*mass.shape[:-1], -1, BLOCK).sum(-1)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.double() - b).abs() / b.abs().clamp(min=1e-3)).max())
 
 
 def main(argv=None) -> int:
@@ -63,22 +85,26 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     with torch.inference_mode():
-        for total, t in ((2048, 2048), (4096, 4096), (7680, 7680), (7680, 1000)):
-            q = (torch.randn(1, H, G, t, D, device="cuda", generator=gen) * 1.5).bfloat16()
-            k = (torch.randn(1, H, total, D, device="cuda", generator=gen) * 1.5).bfloat16()
-            new, old = h2o.prefill_block_mass(q, k, BLOCK), old_mass(q, k)
-            err = float(((new - old).abs() / old.abs().clamp(min=1e-3)).max())
-            rows.append(dict(keys=total, queries=t, max_rel_err=err, sum_new=float(new.sum()), sum_want=G * H * t,
-                             ms_sdpa_backward=_time(lambda: h2o.prefill_block_mass(q, k, BLOCK)),
-                             ms_materialised=_time(lambda: old_mass(q, k))))
+        for total, t, dtype in ((2048, 2048, torch.bfloat16), (4096, 4096, torch.bfloat16),
+                                (7680, 7680, torch.bfloat16), (7680, 1000, torch.bfloat16),
+                                (4096, 4096, torch.float32)):
+            q = (torch.randn(1, H, G, t, D, device="cuda", generator=gen) * 1.5).to(dtype)
+            k = (torch.randn(1, H, total, D, device="cuda", generator=gen) * 1.5).to(dtype)
+            new, old, want = kernels.prefill_block_mass(q, k, BLOCK), twin_mass(q, k), fp64_mass(q, k)
+            rows.append(dict(keys=total, queries=t, dtype=str(dtype).split(".")[-1],
+                             rel_err_triton=_rel(new, want), rel_err_sdpa=_rel(old, want),
+                             sum_triton=float(new.sum()), sum_want=G * H * t,
+                             ms_triton=_time(lambda: kernels.prefill_block_mass(q, k, BLOCK)),
+                             ms_sdpa_backward=_time(lambda: twin_mass(q, k))))
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shape=dict(H=H, G=G, d=D, block=BLOCK))
     if args.out:
         Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=1))
-    print(f"{'keys':>6} {'queries':>7} {'max rel err':>11} {'SDPA bwd ms':>11} {'materialised ms':>15} {'speed-up':>8}")
+    print(f"{'keys':>6} {'queries':>7} {'dtype':>8} {'err triton':>10} {'err sdpa':>9} {'triton ms':>9} "
+          f"{'SDPA bwd ms':>11} {'speed-up':>8}")
     for r in rows:
-        print(f"{r['keys']:>6} {r['queries']:>7} {r['max_rel_err']:>11.2e} {r['ms_sdpa_backward']:>11.2f} "
-              f"{r['ms_materialised']:>15.2f} {r['ms_materialised'] / r['ms_sdpa_backward']:>7.1f}x")
-    ok = all(r["max_rel_err"] < 1e-3 for r in rows)
+        print(f"{r['keys']:>6} {r['queries']:>7} {r['dtype']:>8} {r['rel_err_triton']:>10.2e} {r['rel_err_sdpa']:>9.2e} "
+              f"{r['ms_triton']:>9.2f} {r['ms_sdpa_backward']:>11.2f} {r['ms_sdpa_backward'] / r['ms_triton']:>7.1f}x")
+    ok = all(r["rel_err_triton"] < 1e-3 for r in rows)
     print("masses agree" if ok else "MASSES DIFFER")
     return 0 if ok else 1
 

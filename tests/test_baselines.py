@@ -319,16 +319,19 @@ def test_shallow_select_once(group, fresh_seed):
 def test_h2o_prefill_mass_from_the_sdpa_backward(group, fresh_seed, monkeypatch):
     """h2o's prefill block mass (the gradient SDPA's backward gives V) equals the summed
     probabilities of an fp64 softmax: whole prompts, a later chunk (queries at the last
-    ``Tq`` of ``T`` key positions) and queries split to stay under MASS_CHUNK_BYTES."""
-    from sparda.attention import h2o
+    ``Tq`` of ``T`` key positions) and queries split to stay under MASS_CHUNK_BYTES (the
+    CPU path of ``kernels.prefill_block_mass``; the Triton kernel's own tests are in
+    tests/kernels/test_attention_mass.py)."""
+    from sparda import kernels
+    from sparda.kernels import twins
 
     gen = torch.Generator().manual_seed(fresh_seed)
     for total, tq, chunk_bytes in ((53, 53, 1 << 28), (77, 20, 1 << 28), (64, 64, 4 * 2 * group * 64 * 5)):
-        monkeypatch.setattr(h2o, "MASS_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(twins, "MASS_CHUNK_BYTES", chunk_bytes)
         q = torch.randn(1, 2, group, tq, D, generator=gen) * 2
         k = torch.randn(1, 2, total, D, generator=gen) * 2
         with torch.inference_mode():
-            got = h2o.prefill_block_mass(q, k, 8)
+            got = kernels.prefill_block_mass(q, k, 8)
         pos = torch.arange(total - tq, total)
         logits = torch.einsum("bhgqd,bhkd->bhgqk", q.double(), k.double()) / math.sqrt(D)
         logits = logits.masked_fill(torch.arange(total).view(1, -1) > pos.view(-1, 1), float("-inf"))

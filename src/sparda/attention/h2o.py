@@ -29,62 +29,8 @@ import torch
 
 from sparda.attention.base import BlockSparseMethod, dense_attention, prefill_rows, sparse_attention
 from sparda.attention.row_state import RowState
+from sparda.kernels import prefill_block_mass
 from sparda.kernels import reference as ref
-
-#: off CUDA, bytes of the fp32 ``[H * G, queries, T]`` probabilities that SDPA's math
-#: backend holds per call of :func:`prefill_block_mass` (queries are split to stay under it)
-MASS_CHUNK_BYTES = 1 << 28
-
-
-def prefill_block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Attention mass per key block summed over a prefill chunk's queries and the group.
-
-    ``mass[b, h, n] = sum_g sum_t sum_{i in block n} softmax_i(q_{g,t} . k_i / sqrt(d))``
-    over the causally visible keys (query ``t`` of ``Tq`` sits at key position
-    ``T - Tq + t``: the whole prompt, or the last chunk of a chunked prefill), in fp32.
-
-    The column sums of the attention probabilities ``P`` are ``P^T 1``: the gradient that
-    SDPA's backward pass gives ``V`` for an output gradient of ones. So the mass comes from
-    a forward and backward of fused, memory-efficient attention instead of materialised
-    ``[G, Tq, T]`` fp32 probabilities (a later chunk passes a ``[Tq, T]`` bool mask, one
-    byte per query and key, not per head); about as fast in fp32 on the H200
-    (docs/benchmarks/h2o-prefill-2026-12-04-h200.md). Off CUDA (math backend) queries go
-    :data:`MASS_CHUNK_BYTES` at a time. Equals :func:`sparda.kernels.reference.block_attention_mass`
-    summed over queries and the group (test).
-
-    Args:
-        q: ``[B, H, G, Tq, d]``; k: ``[B, H, T, d]`` with ``T >= Tq``, every key valid.
-        block_size: tokens per KV block.
-    Returns:
-        ``[B, H, N]`` fp32, ``N = ceil(T / block_size)``; sums to ``G * Tq`` per ``(b, h)``.
-    """
-    b, h, g, t, d = q.shape
-    total = k.shape[-2]
-    num_blocks = -(-total // block_size)
-    if t == 0:
-        return q.new_zeros(b, h, num_blocks, dtype=torch.float32)
-    on_cuda = q.device.type == "cuda"
-    step = t if on_cuda else max(1, MASS_CHUNK_BYTES // (4 * b * h * g * total))
-    columns = []
-    keys = torch.arange(total, device=q.device)
-    with torch.inference_mode(False), torch.enable_grad():  # SDPA's backward: normal tensors
-        kf = k.float().repeat_interleave(g, dim=1)  # [B, H*G, T, d]
-        for start in range(0, t, step):
-            stop = min(t, start + step)
-            qf = q[..., start:stop, :].reshape(b, h * g, stop - start, d).float().clone()
-            v = torch.zeros(b, h * g, total, d, dtype=torch.float32, device=q.device, requires_grad=True)
-            if stop - start == total:  # the whole prompt in one call: plain causal
-                out = torch.nn.functional.scaled_dot_product_attention(qf, kf, v, is_causal=True)
-            else:
-                pos = torch.arange(total - t + start, total - t + stop, device=q.device)
-                allowed = keys.view(1, -1) <= pos.view(-1, 1)  # [Tq_chunk, T]
-                out = torch.nn.functional.scaled_dot_product_attention(qf, kf, v, attn_mask=allowed)
-            out.backward(torch.ones_like(out))
-            columns.append(v.grad[..., 0])
-    mass = torch.stack(columns).sum(0).view(b, h, g, total).sum(2)
-    mass = torch.nn.functional.pad(mass, (0, num_blocks * block_size - total))
-    return mass.view(b, h, num_blocks, block_size).sum(-1)
-
 
 def selected_block_mass(q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, q_pos: torch.Tensor,
                         kv_len: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -130,7 +76,7 @@ class H2OAttention(BlockSparseMethod):
 
     def prefill_mass(self, q: torch.Tensor, k: torch.Tensor, step) -> torch.Tensor:
         """``[1, H, N]`` fp32: the attention mass each block got from this prefill chunk's
-        queries (:func:`prefill_block_mass`)."""
+        queries (:func:`sparda.kernels.prefill_block_mass`: Triton on CUDA)."""
         return prefill_block_mass(q, k, self.selection.block_size)
 
     def decode_mask(self, layer: int, cache, step) -> torch.Tensor:

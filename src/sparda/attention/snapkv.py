@@ -16,13 +16,12 @@ A prompt under the dense fallback (design §3.6) keeps every block.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from sparda.attention.base import BlockSparseMethod, dense_attention, prefill_rows
 from sparda.attention.row_state import RowState, block_ids, decode_attention_any, fixed_set_mask, prime_fixed_set
 from sparda.kernels import reference as ref
+from sparda.kernels import token_attention_mass
 
 #: SnapKV's pooling kernel over token positions
 POOL_KERNEL = 7
@@ -41,15 +40,11 @@ def window_votes(q: torch.Tensor, k: torch.Tensor, window: int, block_size: int,
     Raises:
         ValueError: ``q`` holds fewer queries than the window.
     """
-    t, d = k.shape[-2], k.shape[-1]
+    t = k.shape[-2]
     w = min(window, t)
     if q.shape[-2] < w:
         raise ValueError(f"window_votes needs the last {w} queries, got {q.shape[-2]}")
-    pos = torch.arange(t - w, t, device=q.device)
-    logits = torch.einsum("bhgqd,bhkd->bhgqk", q[..., q.shape[-2] - w:, :].float(), k.float()) / math.sqrt(d)
-    causal = torch.arange(t, device=q.device).view(1, -1) <= pos.view(-1, 1)
-    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-    votes = probs.sum((2, 3))  # [1, H, T]
+    votes = token_attention_mass(q[..., q.shape[-2] - w:, :], k)  # [1, H, T], Triton on CUDA
     votes = torch.nn.functional.max_pool1d(votes, kernel, stride=1, padding=kernel // 2)
     num_blocks = -(-t // block_size)
     votes = torch.nn.functional.pad(votes, (0, num_blocks * block_size - t))

@@ -22,6 +22,7 @@ from sparda.kernels import quant, reference, twins
 from sparda.kernels._common import supported_head_dim
 
 try:  # Triton is optional: without it every call takes the PyTorch twin.
+    from sparda.kernels import attention_mass as _attention_mass
     from sparda.kernels import cold_slots as _cold_slots
     from sparda.kernels import compress as _compress
     from sparda.kernels import decode_attention as _decode
@@ -42,6 +43,7 @@ __all__ = [
     "compress_keys",
     "decode_attention",
     "decode_attention_slots",
+    "prefill_block_mass",
     "dequantize_cold_slots",
     "prefill_attention",
     "rope_append",
@@ -49,6 +51,7 @@ __all__ = [
     "select_prefill_blocks",
     "silu_mul",
     "slot_diff",
+    "token_attention_mass",
 ]
 
 
@@ -238,6 +241,45 @@ def select_prefill_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Te
         return _prefill_selection.select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg,
                                                                 lookahead=lookahead)
     return twins.select_prefill_reference(query, ck, q_pos, num_blocks, cfg, lookahead=lookahead)
+
+
+def token_attention_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Attention mass each key gets from a prefill chunk's queries, summed over the group
+    (``h2o``'s starting scores and ``snapkv``'s votes, docs/baselines.md).
+
+    ``mass[b, h, i] = sum_g sum_t softmax_i(q_{g,t} . k_i / sqrt(d))`` over the causally
+    visible keys: query ``t`` of ``Tq`` sits at key position ``T - Tq + t`` (the whole
+    prompt, a later chunk of a chunked prefill, or the prompt's last ``Tq`` queries). On
+    CUDA two Triton passes (each query's log-sum-exp, then column sums;
+    :mod:`sparda.kernels.attention_mass`), else the gradient SDPA's backward gives ``V``
+    (:func:`~sparda.kernels.twins.token_attention_mass_reference`); neither materialises
+    the ``[G, Tq, T]`` probabilities.
+
+    Args:
+        q: ``[B, H, G, Tq, d]``; k: ``[B, H, T, d]`` with ``T >= Tq``, every key valid
+            (fp16/bf16/fp32; a ``k`` of another dtype than ``q``: both are taken in fp32).
+    Returns:
+        ``[B, H, T]`` fp32; sums to ``G * Tq`` per ``(b, h)``.
+    Raises:
+        SpardaError: mismatched shapes (Triton path).
+    """
+    if _on_triton(q, k) and supported_head_dim(q.shape[-1]):
+        if k.dtype != q.dtype:  # e.g. bf16 queries over keys another cache dequantised: exact in fp32
+            q, k = q.float(), k.float()
+        return _attention_mass.token_attention_mass_triton(q, k)
+    return twins.token_attention_mass_reference(q, k)
+
+
+def prefill_block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """:func:`token_attention_mass` summed onto KV blocks of ``block_size`` tokens:
+    ``[B, H, N]`` fp32, ``N = ceil(T / block_size)`` (the last block partial). Equals
+    :func:`sparda.kernels.reference.block_attention_mass` summed over queries and the group
+    (tests)."""
+    mass = token_attention_mass(q, k)
+    total = k.shape[-2]
+    num_blocks = -(-total // block_size)
+    mass = torch.nn.functional.pad(mass, (0, num_blocks * block_size - total))
+    return mass.view(*mass.shape[:-1], num_blocks, block_size).sum(-1)
 
 
 def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:

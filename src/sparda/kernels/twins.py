@@ -378,3 +378,48 @@ def dequantize_cold_reference(staged_k, staged_v, k_dst: torch.Tensor, v_dst: to
     take = (cold >= 0)[..., None, None]
     for dst, staged in ((k_dst, staged_k), (v_dst, staged_v)):
         dst.copy_(torch.where(take, staged.dequantize(dst.dtype), dst))
+
+
+#: off CUDA, bytes of the fp32 ``[H * G, queries, T]`` probabilities that SDPA's math
+#: backend holds per call of :func:`token_attention_mass_reference` (queries are split to stay under it)
+MASS_CHUNK_BYTES = 1 << 28
+
+
+def token_attention_mass_reference(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of :func:`sparda.kernels.attention_mass.token_attention_mass_triton`:
+    ``out[b, h, i] = sum_g sum_t softmax_i(q_{g,t} . k_i / sqrt(d))`` over the causally
+    visible keys (query ``t`` of ``Tq`` at key position ``T - Tq + t``), in fp32.
+
+    The column sums of the attention probabilities ``P`` are ``P^T 1``: the gradient that
+    SDPA's backward pass gives ``V`` for an output gradient of ones, so no ``[G, Tq, T]``
+    probabilities are materialised (a later chunk passes a ``[Tq, T]`` bool mask, one byte
+    per query and key). Off CUDA (SDPA's math backend) queries go :data:`MASS_CHUNK_BYTES`
+    at a time.
+
+    Args:
+        q: ``[B, H, G, Tq, d]``; k: ``[B, H, T, d]`` with ``T >= Tq``, every key valid.
+    Returns:
+        ``[B, H, T]`` fp32; sums to ``G * Tq`` per ``(b, h)``.
+    """
+    b, h, g, t, d = q.shape
+    total = k.shape[-2]
+    if t == 0:
+        return q.new_zeros(b, h, total, dtype=torch.float32)
+    step = t if q.device.type == "cuda" else max(1, MASS_CHUNK_BYTES // (4 * b * h * g * total))
+    columns = []
+    keys = torch.arange(total, device=q.device)
+    with torch.inference_mode(False), torch.enable_grad():  # SDPA's backward: normal tensors
+        kf = k.float().repeat_interleave(g, dim=1)  # [B, H*G, T, d]
+        for start in range(0, t, step):
+            stop = min(t, start + step)
+            qf = q[..., start:stop, :].reshape(b, h * g, stop - start, d).float().clone()
+            v = torch.zeros(b, h * g, total, d, dtype=torch.float32, device=q.device, requires_grad=True)
+            if stop - start == total:  # the whole prompt in one call: plain causal
+                out = torch.nn.functional.scaled_dot_product_attention(qf, kf, v, is_causal=True)
+            else:
+                pos = torch.arange(total - t + start, total - t + stop, device=q.device)
+                allowed = keys.view(1, -1) <= pos.view(-1, 1)  # [Tq_chunk, T]
+                out = torch.nn.functional.scaled_dot_product_attention(qf, kf, v, attn_mask=allowed)
+            out.backward(torch.ones_like(out))
+            columns.append(v.grad[..., 0])
+    return torch.stack(columns).sum(0).view(b, h, g, total).sum(2)
