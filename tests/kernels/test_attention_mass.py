@@ -37,23 +37,36 @@ def _brute_mass(q, k):
     return out
 
 
-@pytest.mark.parametrize("groups,num_keys,num_q,block_m,block_n", [
-    (1, 37, 37, 16, 16),    # whole prompt, ragged tiles
-    (3, 53, 53, 16, 16),    # padding head (G_P = 4): 4 tokens per 16-row tile
-    (3, 77, 20, 32, 16),    # a later chunk: queries at the last 20 of 77 positions
-    (4, 40, 1, 16, 32),     # one query (a decode-sized chunk)
-    (16, 45, 45, 16, 16),   # one token per tile
-    (5, 64, 64, 64, 64),    # the default tiles, a single key tile
+@pytest.mark.parametrize("groups,num_keys,num_q,block_m,block_n,splits", [
+    (1, 37, 37, 16, 16, 1),    # whole prompt, ragged tiles
+    (3, 150, 4, 16, 16, None),  # one query tile: the keys split (2 of 80) by default
+    (3, 100, 100, 16, 16, 4),  # 4 splits of 32 keys: late splits no early query reaches
+    (3, 53, 53, 16, 16, 1),    # padding head (G_P = 4): 4 tokens per 16-row tile
+    (3, 77, 20, 32, 16, 3),    # a later chunk: queries at the last 20 of 77 positions
+    (4, 40, 1, 16, 32, None),  # one query (a decode-sized chunk)
+    (16, 45, 45, 16, 16, 2),   # one token per tile
+    (5, 64, 64, 64, 64, None),  # the default tiles, a single key tile
 ])
-def test_token_mass_matches_brute_force(groups, num_keys, num_q, block_m, block_n, rel_err):
+def test_token_mass_matches_brute_force(groups, num_keys, num_q, block_m, block_n, splits, rel_err):
     q, k = _inputs(groups, num_keys, num_q, seed=groups + num_q)
     want = _brute_mass(q, k)
-    got = token_attention_mass_triton(q, k, block_m=block_m, block_n=block_n)
+    got = token_attention_mass_triton(q, k, block_m=block_m, block_n=block_n, key_splits=splits)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert rel_err(got, want) < 1e-5
     assert (got.double() - want).abs().max() < 1e-4
     # every query's probabilities sum to one per head
     assert torch.allclose(got.double().sum(-1), torch.full((2, 2), float(groups * num_q), dtype=torch.float64))
+
+
+def test_views_of_a_bigger_batch_and_cache(rel_err):
+    """As h2o calls it in a batched prefill: one row's queries and the first ``T`` keys of a
+    capacity-sized cache (non-contiguous views), head dim 64."""
+    gen = torch.Generator().manual_seed(torch.initial_seed() + 3)
+    q_all = torch.randn(3, 2, 3, 40, 64, generator=gen) * 2
+    cache = torch.randn(3, 2, 96, 64, generator=gen) * 2
+    q, k = q_all[1:2, :, :, :33], cache[1:2, :, :33]
+    assert not k.is_contiguous()
+    assert rel_err(token_attention_mass_triton(q, k, block_m=16, block_n=16), _brute_mass(q, k)) < 1e-5
 
 
 def test_twin_matches_brute_force(rel_err):

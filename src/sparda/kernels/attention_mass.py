@@ -26,22 +26,23 @@ import triton
 import triton.language as tl
 
 from sparda.errors import SpardaError
-from sparda.kernels._common import check_head_dim, next_pow2, tl_float_dtype_ok
+from sparda.kernels._common import check_head_dim, next_pow2, num_sms, tl_float_dtype_ok
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _row_lse_kernel(
-    Q, K, LSE,
+    Q, K, M_OUT, L_OUT,
     stride_qb, stride_qh, stride_qg, stride_qt, stride_kb, stride_kh, stride_kt,
-    stride_lb, stride_lh, stride_lg,
-    H, Tq, T, qk_scale,
+    stride_lb, stride_lh, stride_lg, stride_ls,
+    H, Tq, T, key_chunk, qk_scale,
     G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)  # which ``key_chunk`` keys: a split of the keys, combined on the host
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_r = tl.arange(0, BM)
@@ -57,8 +58,10 @@ def _row_lse_kernel(
     k_base = K + b * stride_kb + h * stride_kh + offs_d[None, :]
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
-    last = tl.minimum(T - Tq + (pid_m + 1) * (BM // G_P), T)  # keys the tile's last token sees
-    for start in range(0, last, BN):
+    lo = pid_s * key_chunk
+    # keys the tile's last token sees, within this split
+    hi = tl.minimum(tl.minimum(T - Tq + (pid_m + 1) * (BM // G_P), T), lo + key_chunk)
+    for start in range(lo, hi, BN):
         pos = start + offs_n
         k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kt, mask=(pos < T)[:, None], other=0.0)
         if IEEE:
@@ -71,8 +74,9 @@ def _row_lse_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(qk - m_safe[:, None]), 1)
         m_i = m_new
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
-    tl.store(LSE + b * stride_lb + h * stride_lh + g * stride_lg + tok64, lse, mask=row_ok)
+    at = b * stride_lb + h * stride_lh + g * stride_lg + pid_s * stride_ls + tok64
+    tl.store(M_OUT + at, m_i, mask=row_ok)
+    tl.store(L_OUT + at, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -116,7 +120,7 @@ def _column_mass_kernel(
 
 
 def token_attention_mass_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = 64,
-                                block_n: int = 64) -> torch.Tensor:
+                                block_n: int = 64, key_splits: int | None = None) -> torch.Tensor:
     """Attention mass each key receives from a chunk of causal queries, summed over the group.
 
     ``out[b, h, i] = sum_g sum_t softmax_i(q[b, h, g, t] . k[b, h, :] / sqrt(d))`` over the
@@ -127,7 +131,12 @@ def token_attention_mass_triton(q: torch.Tensor, k: torch.Tensor, block_m: int =
         q: ``[B, H, G, Tq, d]`` fp16/bf16/fp32. k: ``[B, H, T, d]``, same dtype, ``T >= Tq``,
             every key valid.
         block_m: rows per tile (a power of two >= 16): ``block_m // next_pow2(G)`` query
-            tokens x the group (at least one token). block_n: keys per tile (power of two >= 16).
+            tokens x the group (at least one token). block_n: keys per tile (power of two >= 16);
+            fp32 inputs on CUDA take at most 32 of each (fp32 dots on CUDA cores spill
+            registers at 64 x 64).
+        key_splits: programs per query tile of the log-sum-exp pass, each over its share of
+            the keys (combined on the host); ``None``: enough for about two programs per SM
+            when there are few query tiles (snapkv's window of 32 queries), one otherwise.
     Returns:
         ``[B, H, T]`` fp32; each ``(b, h)`` sums to ``G * Tq``. Equals
         :func:`sparda.kernels.reference.block_attention_mass` with ``block_size = 1``,
@@ -151,17 +160,30 @@ def token_attention_mass_triton(q: torch.Tensor, k: torch.Tensor, block_m: int =
     if num_q == 0 or num_keys == 0:
         return out.zero_()
     q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    ieee = q.dtype == torch.float32 or not q.is_cuda  # the interpreter has no bf16 dot
+    if ieee and q.is_cuda:  # fp32 dots on CUDA cores: 64 x 64 tiles spill registers (sm_90 SASS)
+        block_m, block_n = min(block_m, 32), min(block_n, 32)
     g_p = next_pow2(groups)
     rows = max(block_m, g_p)
     tokens_per_tile = rows // g_p
-    lse = torch.empty(bsz, heads, groups, num_q, dtype=torch.float32, device=q.device)
-    ieee = q.dtype == torch.float32 or not q.is_cuda  # the interpreter has no bf16 dot
+    num_m = -(-num_q // tokens_per_tile)
+    # few query tiles (snapkv's window, a short chunk): split the keys so that the pass fills the GPU
+    splits = key_splits or max(1, min(-(-num_keys // (4 * block_n)), -(-2 * num_sms(q.device) // (num_m * bsz * heads))))
+    key_chunk = -(-num_keys // (splits * block_n)) * block_n
+    splits = -(-num_keys // key_chunk)
+    m_part = torch.empty(bsz, heads, groups, splits, num_q, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
     common = dict(G=groups, G_P=g_p, D=d, BM=rows, BN=block_n, IEEE=ieee, num_warps=4,
                   num_stages=2 if ieee else 3)
-    strides = (*q.stride()[:4], k.stride(0), k.stride(1), k.stride(2), *lse.stride()[:3])
     scale = _LOG2E / math.sqrt(d)
-    _row_lse_kernel[(-(-num_q // tokens_per_tile), bsz * heads)](
-        q, k, lse, *strides, heads, num_q, num_keys, scale, **common)
+    q_k_strides = (*q.stride()[:4], k.stride(0), k.stride(1), k.stride(2))
+    _row_lse_kernel[(num_m, bsz * heads, splits)](
+        q, k, m_part, l_part, *q_k_strides, *m_part.stride()[:4], heads, num_q, num_keys, key_chunk, scale,
+        **common)
+    # log2-sum-exp2 over the splits (a split no key of which a query sees holds m = -inf, l = 0)
+    m_max = m_part.amax(3)
+    lse = (m_max + torch.log2((l_part * torch.exp2(m_part - m_max.unsqueeze(3))).sum(3))).contiguous()
     _column_mass_kernel[(-(-num_keys // block_n), bsz * heads)](
-        q, k, lse, out, *strides, out.stride(0), out.stride(1), heads, num_q, num_keys, scale, **common)
+        q, k, lse, out, *q_k_strides, *lse.stride()[:3], out.stride(0), out.stride(1), heads, num_q, num_keys,
+        scale, **common)
     return out
