@@ -219,3 +219,28 @@ def test_prefill_batch_refuses_what_it_cannot_batch(tiny, forecast_file):
     for bad in (-1, 2.5, "64k", True):
         with pytest.raises(SpardaError, match="prefill_batch_tokens"):
             LLM(str(tiny), method="dense", device="cpu", prefill_batch_tokens=bad)
+
+
+def test_batched_selection_scores_as_few_queries_as_one_prompt(tiny, forecast_file, monkeypatch):
+    """A block-sparse prefill scores ``chunk_tokens / B`` queries of each row at a time
+    (``oracle`` holds ``[B, H, G, chunk, T]`` fp32 scores), so a batch holds what one prompt
+    would; the masks, hence the logits, are those of unchunked scoring."""
+    from sparda.attention import blocksparse
+    from sparda.attention.base import BlockSparseMethod
+
+    prompts = [torch.randint(100, 20000, (n,)).tolist() for n in _lengths()]
+    llm = _llm(tiny, "oracle", {}, None, forecast_file)
+    whole = llm.prefill_batch(llm.new_cache(4, 240), [0, 1, 2, 3], prompts)  # 1,024 queries a chunk
+    scored = []
+    real = blocksparse.OracleAttention.block_scores
+
+    def spy(self, layer, q, h, cache, step, k, ck, chunk):
+        scored.append(q.shape[0] * len(range(*chunk.indices(q.shape[-2]))))
+        return real(self, layer, q, h, cache, step, k, ck, chunk)
+
+    monkeypatch.setattr(blocksparse.OracleAttention, "block_scores", spy)
+    monkeypatch.setattr(BlockSparseMethod, "chunk_tokens", 24)
+    llm.method.reset()
+    chunked = llm.prefill_batch(llm.new_cache(4, 240), [0, 1, 2, 3], prompts)
+    assert scored and max(scored) <= 24 and len(scored) > llm.model.config.num_hidden_layers
+    assert _rel(chunked, whole) < 1e-6

@@ -385,3 +385,21 @@ def test_time_budget_stops_between_batches_and_resumes(make_tiny, tmp_path, monk
     assert run_eval(_plan(model_dir, out), progress=False) == full
     assert json.loads((out / "progress.json").read_text())["complete"] is True
     assert _stable(load_results(out / "results.jsonl")) == _stable(load_results(tmp_path / "full" / "results.jsonl"))
+
+
+def test_prefill_tokens_that_fit_bounds_the_batched_prefill(monkeypatch):
+    """The eval's batched prefill takes at most a quarter of the free CUDA memory: bytes per
+    token from the model's widths, unbounded off CUDA (a fake CUDA model, fake free memory)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sparda.eval import runner
+
+    cfg = SimpleNamespace(hidden_size=4096, intermediate_size=14336)
+    llm = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, model=SimpleNamespace(config=cfg))
+    free = int(torch.randint(1, 80, ())) << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
+    per_token = 2 * (8 * 4096 + 3 * 14336)  # bf16: residual, norms, q/k/v/o, gate/up/act
+    assert runner.prefill_tokens_that_fit(llm) == free // 4 // per_token, free
+    assert runner.prefill_tokens_that_fit(SimpleNamespace(device=torch.device("cpu"))) >= 1 << 40

@@ -359,15 +359,18 @@ class BlockSparseMethod(AttentionMethod):
     def select(self, layer: int, q, h, cache, step, first: int = 0) -> torch.Tensor:
         """Block mask ``[B, H_kv, Tq - first, N]`` bool for this layer's queries ``first..Tq-1``.
 
-        Scores ``chunk_tokens`` queries at a time with :meth:`block_scores` and applies the
-        selection rule (design §3.4); ``N = ceil(step.max_kv_len / block_size)``.
+        Scores ``chunk_tokens / B`` queries of each of the ``B`` rows at a time with
+        :meth:`block_scores` (so a batched prefill holds what one prompt's would: ``oracle``'s
+        scores are ``[B, H, G, chunk, T]`` fp32) and applies the selection rule (design §3.4);
+        ``N = ceil(step.max_kv_len / block_size)``.
         """
         num_tokens = step.max_kv_len
         k, _, ck = cache.view(layer, step.rows, num_tokens)
         num_blocks = -(-num_tokens // self.selection.block_size)
+        tokens = max(1, self.chunk_tokens // q.shape[0])
         masks = []
-        for start in range(first, q.shape[-2], self.chunk_tokens):
-            chunk = slice(start, start + self.chunk_tokens)
+        for start in range(first, q.shape[-2], tokens):
+            chunk = slice(start, start + tokens)
             scores = self.block_scores(layer, q, h, cache, step, k, ck, chunk)
             masks.append(ref.select_blocks(scores[..., :num_blocks], step.q_pos[:, chunk], self.selection))
         return torch.cat(masks, dim=2)

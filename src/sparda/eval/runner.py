@@ -232,8 +232,9 @@ class _Models:
                         kv_dtype="bf16" if plan.kv_dtype == "mixed" else plan.kv_dtype, **plan.overrides)
         # one prefill forward per generate call where the method allows it (design §3.8): room for
         # the batch's prompts (the chat template adds a few dozen tokens to the task's length)
+        wanted = plan.resolved_batch_size() * (max(plan.lengths) + PROMPT_SLACK)
         self.base.prefill_batch_tokens = max(self.base.prefill_batch_tokens,
-                                             plan.resolved_batch_size() * (max(plan.lengths) + PROMPT_SLACK))
+                                             min(wanted, prefill_tokens_that_fit(self.base)))
         self._identity = model_identity(self.base.model.config, self.base.shape)
         self._cache: dict = {}
         self._reference = None
@@ -283,6 +284,31 @@ class _Models:
             tracker = None if offloaded else HitRateTracker(llm.method)
             self._cache[key] = (llm, tracker, selection.topk_blocks)
         return self._cache[key]
+
+
+#: share of the device memory free after the model loads that a batched prefill's
+#: activations may take (the rest: the KV caches of the batch, the ppl reference's logits)
+PREFILL_MEMORY_SHARE = 0.25
+
+
+def prefill_tokens_that_fit(llm) -> int:
+    """Padded prompt tokens whose prefill activations fit in :data:`PREFILL_MEMORY_SHARE` of
+    the free CUDA memory (``torch.cuda.mem_get_info``), estimated per token as the
+    ``dtype``'s bytes x (8 x hidden + 3 x MLP intermediate size): the residual stream,
+    norms, q/k/v/o and the gate/up/act products a layer holds at once (attention itself
+    runs fused, ``O(T)``); unbounded off CUDA. The eval raises ``prefill_batch_tokens``
+    up to this, so that a large model on a small GPU prefills fewer prompts per forward
+    instead of running out of memory (~1.7 M tokens for the bundled 135M model on an H200,
+    ~100 K for an 8B one on an 80 GB GPU)."""
+    import torch
+
+    if llm.device.type != "cuda":
+        return 1 << 62
+    config = llm.model.config
+    hidden = config.hidden_size
+    per_token = torch.finfo(llm.dtype).bits // 8 * (8 * hidden + 3 * getattr(config, "intermediate_size", 4 * hidden))
+    free, _ = torch.cuda.mem_get_info(llm.device)
+    return max(1, int(free * PREFILL_MEMORY_SHARE) // per_token)
 
 
 def _haystack(plan: EvalPlan) -> str:
