@@ -3,12 +3,15 @@
 Usage (from the repository root, on a CUDA machine):
 
     python3 benchmarks/prefill_batch_gpu.py [--model GGUF_OR_DIR] [--lengths 2048,7680]
-        [--methods dense,sparse,oracle,sparda,sparda-random,infinigen,streaming,h2o,quest,snapkv,shallow]
+        [--methods dense,sparse,oracle,sparda,sparda-random,infinigen,streaming,h2o,quest,snapkv,shallow,
+                   sparda:kv_dtype=int8,sparda:kv_dtype=mixed,shallow:offload=true]
         [--batch 16]
         [--new-tokens 24] [--out DIR]
 
-For each method and prompt length, ``--batch`` held-out-text prompts (each cut to a
-length drawn within 40 tokens of ``--lengths``) go through ``LLM.generate`` twice on the
+For each method (``method:key=value+key=value`` adds ``LLM`` options: the default list
+ends with offloaded ``sparda`` over int8 and mixed KV caches and offloaded ``shallow``) and
+prompt length, ``--batch`` held-out-text prompts (each cut to a length drawn within 40
+tokens of ``--lengths``) go through ``LLM.generate`` twice on the
 same model: with ``prefill_batch_tokens=0`` (one prompt per prefill forward, as before) and
 with room for all of them in one forward. Records, per method and length: the share of
 prompts whose greedy tokens agree exactly (bf16: a different summation order may flip a
@@ -33,7 +36,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from sparda.data import heldout_text  # noqa: E402
 from sparda.engine.llm import LLM  # noqa: E402
 
-METHODS = "dense,sparse,oracle,sparda,sparda-random,infinigen,streaming,h2o,quest,snapkv,shallow"
+METHODS = ("dense,sparse,oracle,sparda,sparda-random,infinigen,streaming,h2o,quest,snapkv,shallow,"
+           "sparda:kv_dtype=int8,sparda:kv_dtype=mixed,shallow:offload=true")
+
+
+def _variant(spec: str) -> tuple[str, dict]:
+    """``method[:key=value+key=value]`` -> ``(method, LLM options)``; values ``true``/``false``
+    and integers are converted (``sparda:kv_dtype=int8``, ``shallow:offload=true``)."""
+    method, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split("+")):
+        key, _, value = item.partition("=")
+        options[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+    return method, options
 
 
 def _csv(kind):
@@ -92,13 +107,14 @@ def main(argv=None) -> int:
         return 2
     rows = []
     text_ids = None
-    for method in args.methods:
-        llm = LLM(args.model, method=method, device=args.device)
+    for spec in args.methods:
+        method, options = _variant(spec)
+        llm = LLM(args.model, method=method, device=args.device, **options)
         if text_ids is None:
             text_ids = llm.tokenizer.encode(heldout_text(), add_special_tokens=False)
         for length in args.lengths:
             prompts = _prompts(llm, text_ids, length, args.batch, seed=length)
-            result = dict(method=method, length=length, batch=args.batch, offload=bool(llm.config.offload),
+            result = dict(method=spec, length=length, batch=args.batch, offload=bool(llm.config.offload),
                           batched_prefill=llm.method.batched_prefill)
             outs = {}
             for name, budget in (("alone", 0), ("batched", args.batch * (length + 64))):
@@ -124,10 +140,10 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "prefill_batch.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
-    print(f"\n{'method':<14} {'len':>5} {'tok agree':>9} {'1st agree':>9} {'ms/prompt 1x':>12} "
+    print(f"\n{'method':<22} {'len':>5} {'tok agree':>9} {'1st agree':>9} {'ms/prompt 1x':>12} "
           f"{'ms/prompt B':>11} {'kernels 1x':>10} {'kernels B':>9} {'gen s 1x':>8} {'gen s B':>7}")
     for r in rows:
-        print(f"{r['method']:<14} {r['length']:>5} {r['tokens_agree']:>9.2f} {r['first_token_agrees']:>9.2f} "
+        print(f"{r['method']:<22} {r['length']:>5} {r['tokens_agree']:>9.2f} {r['first_token_agrees']:>9.2f} "
               f"{r['alone_prefill_ms_per_prompt']:>12.1f} {r['batched_prefill_ms_per_prompt']:>11.1f} "
               f"{str(r['alone_kernels']):>10} {str(r['batched_kernels']):>9} {r['alone_s']:>8.2f} {r['batched_s']:>7.2f}")
     return 0
