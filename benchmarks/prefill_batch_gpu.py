@@ -4,7 +4,8 @@ Usage (from the repository root, on a CUDA machine):
 
     python3 benchmarks/prefill_batch_gpu.py [--model GGUF_OR_DIR] [--lengths 2048,7680]
         [--methods dense,sparse,oracle,sparda,sparda-random,infinigen,streaming,h2o,quest,snapkv,shallow,
-                   sparda:kv_dtype=int8,sparda:kv_dtype=mixed,shallow:offload=true]
+                   sparda:offload=true+kv_dtype=int8,sparda:offload=true+kv_dtype=mixed,
+                   shallow:offload=true]
         [--batch 16]
         [--new-tokens 24] [--out DIR]
 
@@ -37,22 +38,34 @@ from sparda.data import heldout_text  # noqa: E402
 from sparda.engine.llm import LLM  # noqa: E402
 
 METHODS = ("dense,sparse,oracle,sparda,sparda-random,infinigen,streaming,h2o,quest,snapkv,shallow,"
-           "sparda:kv_dtype=int8,sparda:kv_dtype=mixed,shallow:offload=true")
+           "sparda:offload=true+kv_dtype=int8,sparda:offload=true+kv_dtype=mixed,shallow:offload=true")
 
 
 def _variant(spec: str) -> tuple[str, dict]:
-    """``method[:key=value+key=value]`` -> ``(method, LLM options)``; values ``true``/``false``
-    and integers are converted (``sparda:kv_dtype=int8``, ``shallow:offload=true``)."""
+    """``method[:key=value+key=value]`` -> ``(method, LLM options)``; ``true``/``false`` (any
+    case) become booleans and digits integers (``sparda:offload=true+kv_dtype=int8``).
+
+    Raises:
+        argparse.ArgumentTypeError: an option without ``=`` or with an empty key or value.
+    """
     method, _, rest = spec.partition(":")
     options = {}
-    for item in filter(None, rest.split("+")):
-        key, _, value = item.partition("=")
-        options[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
-    return method, options
+    for item in filter(None, (part.strip() for part in rest.split("+"))):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not (eq and key and value):
+            raise argparse.ArgumentTypeError(f"--methods {spec!r}: write each option as key=value, "
+                                             f"joined by '+' (e.g. sparda:offload=true+kv_dtype=int8)")
+        options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdecimal() else value)
+    return method.strip(), options
 
 
 def _csv(kind):
     return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def _methods(text: str) -> list[tuple[str, dict]]:
+    """``--methods``: comma-separated :func:`_variant` specs, as ``(spec, method, options)``."""
+    return [(spec.strip(), *_variant(spec)) for spec in text.split(",") if spec.strip()]
 
 
 def _prompts(llm, text_ids: list[int], length: int, batch: int, seed: int) -> list[list[int]]:
@@ -96,7 +109,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--lengths", type=_csv(int), default=[2048, 7680])
-    p.add_argument("--methods", type=_csv(str), default=_csv(str)(METHODS))
+    p.add_argument("--methods", type=_methods, default=_methods(METHODS))
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--out", default=None)
@@ -107,8 +120,7 @@ def main(argv=None) -> int:
         return 2
     rows = []
     text_ids = None
-    for spec in args.methods:
-        method, options = _variant(spec)
+    for spec, method, options in args.methods:
         llm = LLM(args.model, method=method, device=args.device, **options)
         if text_ids is None:
             text_ids = llm.tokenizer.encode(heldout_text(), add_special_tokens=False)
@@ -140,10 +152,10 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "prefill_batch.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
-    print(f"\n{'method':<22} {'len':>5} {'tok agree':>9} {'1st agree':>9} {'ms/prompt 1x':>12} "
+    print(f"\n{'method':<34} {'len':>5} {'tok agree':>9} {'1st agree':>9} {'ms/prompt 1x':>12} "
           f"{'ms/prompt B':>11} {'kernels 1x':>10} {'kernels B':>9} {'gen s 1x':>8} {'gen s B':>7}")
     for r in rows:
-        print(f"{r['method']:<22} {r['length']:>5} {r['tokens_agree']:>9.2f} {r['first_token_agrees']:>9.2f} "
+        print(f"{r['method']:<34} {r['length']:>5} {r['tokens_agree']:>9.2f} {r['first_token_agrees']:>9.2f} "
               f"{r['alone_prefill_ms_per_prompt']:>12.1f} {r['batched_prefill_ms_per_prompt']:>11.1f} "
               f"{str(r['alone_kernels']):>10} {str(r['batched_kernels']):>9} {r['alone_s']:>8.2f} {r['batched_s']:>7.2f}")
     return 0

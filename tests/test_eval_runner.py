@@ -387,14 +387,25 @@ def test_time_budget_stops_between_batches_and_resumes(make_tiny, tmp_path, monk
     assert _stable(load_results(out / "results.jsonl")) == _stable(load_results(tmp_path / "full" / "results.jsonl"))
 
 
-def test_prefill_tokens_that_fit_bounds_the_batched_prefill(monkeypatch):
+def test_prefill_tokens_that_fit_bounds_the_batched_prefill(monkeypatch, make_tiny, tmp_path):
     """The eval's batched prefill takes at most a quarter of the free CUDA memory: bytes per
-    token from the model's widths, unbounded off CUDA (a fake CUDA model, fake free memory)."""
+    token from the model's widths, unbounded off CUDA (a fake CUDA model, fake free memory);
+    the eval raises ``prefill_batch_tokens`` to its batch's padded tokens, not past that
+    bound, nor below the default."""
     from types import SimpleNamespace
 
-    import torch
-
+    from sparda.engine.llm import DEFAULT_PREFILL_BATCH_TOKENS
     from sparda.eval import runner
+    from sparda.eval.runner import _Models
+
+    plan = dataclasses.replace(_plan(make_tiny("llama"), tmp_path / "run"), batch_size=100)
+    wanted = 100 * (400 + 256)  # batch x (longest length + the prompt slack)
+    for fit, want in ((1 << 62, wanted), (20_000, 20_000), (1_000, DEFAULT_PREFILL_BATCH_TOKENS)):
+        monkeypatch.setattr(runner, "prefill_tokens_that_fit", lambda llm, fit=fit: fit)
+        assert _Models(plan).base.prefill_batch_tokens == want, fit
+    monkeypatch.undo()
+
+    import torch
 
     cfg = SimpleNamespace(hidden_size=4096, intermediate_size=14336)
     llm = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, model=SimpleNamespace(config=cfg))

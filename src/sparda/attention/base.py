@@ -306,6 +306,10 @@ class BlockSparseMethod(AttentionMethod):
 
     #: query tokens scored and attended per chunk in prefill (bounds memory)
     chunk_tokens = 1024
+    #: :meth:`block_scores` holds a score per query and *key* (``oracle``: ``[B, H, G, chunk,
+    #: T]`` fp32), so a batched prefill scores ``chunk_tokens / B`` queries per row at a time;
+    #: the others hold one per query and block or compressed key, and keep whole chunks
+    scores_hold_every_key = False
     #: decode goes through :meth:`attend`'s mask, so ``config.dense_heads`` applies (design §3.7)
     supports_dense_heads = True
 
@@ -359,15 +363,15 @@ class BlockSparseMethod(AttentionMethod):
     def select(self, layer: int, q, h, cache, step, first: int = 0) -> torch.Tensor:
         """Block mask ``[B, H_kv, Tq - first, N]`` bool for this layer's queries ``first..Tq-1``.
 
-        Scores ``chunk_tokens / B`` queries of each of the ``B`` rows at a time with
-        :meth:`block_scores` (so a batched prefill holds what one prompt's would: ``oracle``'s
-        scores are ``[B, H, G, chunk, T]`` fp32) and applies the selection rule (design §3.4);
+        Scores ``chunk_tokens`` queries at a time with :meth:`block_scores` (``chunk_tokens /
+        B`` of each of the ``B`` rows where :attr:`scores_hold_every_key`, so that a batched
+        prefill holds what one prompt's would) and applies the selection rule (design §3.4);
         ``N = ceil(step.max_kv_len / block_size)``.
         """
         num_tokens = step.max_kv_len
         k, _, ck = cache.view(layer, step.rows, num_tokens)
         num_blocks = -(-num_tokens // self.selection.block_size)
-        tokens = max(1, self.chunk_tokens // q.shape[0])
+        tokens = max(1, self.chunk_tokens // q.shape[0]) if self.scores_hold_every_key else self.chunk_tokens
         masks = []
         for start in range(first, q.shape[-2], tokens):
             chunk = slice(start, start + tokens)

@@ -83,6 +83,7 @@ class OracleAttention(BlockSparseMethod):
 
     name = "oracle"
     batched_prefill = True  # per-query prefill (design §3.8)
+    scores_hold_every_key = True  # exact softmax over every key: [B, H, G, chunk, T] fp32
 
     def block_scores(self, layer, q, h, cache, step, k, ck, chunk):
         """True attention mass per block ``[B, H_kv, Tq_chunk, N]`` fp32, group-summed (design §8).
