@@ -142,6 +142,9 @@ def test_offload_stats_are_per_prompt(tiny, forecast_file):
     assert a["bytes_copied"] == 2 * a["misses"] * SMALL["block_size"] * llm.shape.head_dim * 4
     assert "copy_ms" not in a  # timing is off unless asked (offload_timing=True)
     assert out[0].stats["decode_tok_s"] == out[1].stats["decode_tok_s"] > 0
+    # per call, shared by its prompts: the cache allocation, and no graph capture on the CPU
+    assert out[0].stats["cache_alloc_ms"] == out[1].stats["cache_alloc_ms"] > 0
+    assert out[0].stats["graph_capture_ms"] == out[1].stats["graph_capture_ms"] == 0.0
 
 
 def test_decode_tok_s_of_a_prompt_that_stops_early_is_its_own_rate(tiny, forecast_file, monkeypatch):

@@ -24,6 +24,7 @@ eagerly.
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -41,6 +42,7 @@ class DecodeRunner:
         positions: ``[B]`` int64 device buffer, each token's position (tokens).
         use_graphs: whether steps replay graphs (CUDA, graphs on, no host-syncing engine).
         captures, replays: counts of captured graphs and of replayed steps.
+        capture_s: wall seconds spent capturing them (host clock, device synchronised first).
     """
 
     def __init__(self, llm, cache, cuda_graphs: bool = True) -> None:
@@ -60,6 +62,7 @@ class DecodeRunner:
         self._pool = None
         self.captures = 0
         self.replays = 0
+        self.capture_s = 0.0
 
     @property
     def cache(self):
@@ -103,6 +106,7 @@ class DecodeRunner:
     def _capture(self, key, live_len: int):
         device = self.llm.device
         torch.cuda.synchronize(device)
+        start = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -110,4 +114,5 @@ class DecodeRunner:
             out = self.eager(live_len)
         self.graphs[key], self.outputs[key] = graph, out
         self.captures += 1
+        self.capture_s += time.perf_counter() - start
         return graph

@@ -51,8 +51,11 @@ class Completion:
         token_ids: generated token ids (EOS included if it was produced).
         stats: ``prompt_tokens``, ``new_tokens``, ``prefill_ms`` (wall time of the prefill
             forward that ran this prompt, with the ``prefill_batch - 1`` others batched with
-            it, design §3.8; first token sampled), ``decode_tok_s``,
-            ``kv_cache_bytes`` (this sequence's K and V, all layers, host or device; offloaded
+            it, design §3.8; first token sampled), ``decode_tok_s`` (over the call's decode
+            wall time, the CUDA-graph capture included), ``cache_alloc_ms`` (allocating the
+            call's KV cache, shared by its prompts; an offloaded cache page-locks its host
+            store here), ``graph_capture_ms`` (capturing the call's decode graphs, part of
+            the decode time; 0 without graphs), ``kv_cache_bytes`` (this sequence's K and V, all layers, host or device; offloaded
             runs report host and device bytes under ``offload``), ``kv_read_fraction``
             (fraction of KV blocks read per decode step, 1.0 for dense).
     """
@@ -575,7 +578,10 @@ class LLM:
             self._check_length(len(ids), max_new_tokens)
         batch = len(prompt_token_ids)
         capacity = self.cache_capacity(max(len(ids) for ids in prompt_token_ids) + max_new_tokens)
+        start = time.perf_counter()
         cache = self.new_cache(batch, capacity)
+        self._sync()
+        cache_alloc_ms = (time.perf_counter() - start) * 1e3
         self.method.bind(cache)
         self.method.reset()
         gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -629,6 +635,8 @@ class LLM:
                 "prefill_batch": group_size[b],
                 # this sequence's tokens over its own decode time (steps while it ran)
                 "decode_tok_s": round(step_rate, 3) if decoded else 0.0,
+                "cache_alloc_ms": round(cache_alloc_ms, 3),
+                "graph_capture_ms": round(run.capture_s * 1e3, 3),
                 "kv_cache_bytes": int(per_token * (len(ids) + len(out[b]) - 1)),  # the last token is never cached
                 "kv_read_fraction": round(self.method.read_fraction(b), 4),
                 "cuda_graph": run.use_graphs and run.replays > 0,

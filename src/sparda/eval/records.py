@@ -92,6 +92,7 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
             answers=list(sample.answers), completion=out.text[:400],
             prompt_tokens=stats["prompt_tokens"], new_tokens=stats["new_tokens"],
             prefill_ms=stats["prefill_ms"], prefill_batch=stats["prefill_batch"], decode_tok_s=stats["decode_tok_s"],
+            cache_alloc_ms=stats["cache_alloc_ms"], graph_capture_ms=stats["graph_capture_ms"],
             kv_read_fraction=stats["kv_read_fraction"],
             kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
             host_bytes_copied_per_token=stats["offload"].get("bytes_per_token") if "offload" in stats else None,
