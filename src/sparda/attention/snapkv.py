@@ -46,9 +46,7 @@ def window_votes(q: torch.Tensor, k: torch.Tensor, window: int, block_size: int,
         raise ValueError(f"window_votes needs the last {w} queries, got {q.shape[-2]}")
     votes = token_attention_mass(q[..., q.shape[-2] - w:, :], k)  # [1, H, T], Triton on CUDA
     votes = torch.nn.functional.max_pool1d(votes, kernel, stride=1, padding=kernel // 2)
-    num_blocks = -(-t // block_size)
-    votes = torch.nn.functional.pad(votes, (0, num_blocks * block_size - t))
-    return votes.view(*votes.shape[:-1], num_blocks, block_size).sum(-1)
+    return ref.sum_onto_blocks(votes, block_size)
 
 
 class SnapKVAttention(BlockSparseMethod):

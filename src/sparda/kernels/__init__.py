@@ -43,9 +43,9 @@ __all__ = [
     "compress_keys",
     "decode_attention",
     "decode_attention_slots",
-    "prefill_block_mass",
     "dequantize_cold_slots",
     "prefill_attention",
+    "prefill_block_mass",
     "rope_append",
     "select_decode_blocks",
     "select_prefill_blocks",
@@ -275,11 +275,7 @@ def prefill_block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tor
     ``[B, H, N]`` fp32, ``N = ceil(T / block_size)`` (the last block partial). Equals
     :func:`sparda.kernels.reference.block_attention_mass` summed over queries and the group
     (tests)."""
-    mass = token_attention_mass(q, k)
-    total = k.shape[-2]
-    num_blocks = -(-total // block_size)
-    mass = torch.nn.functional.pad(mass, (0, num_blocks * block_size - total))
-    return mass.view(*mass.shape[:-1], num_blocks, block_size).sum(-1)
+    return reference.sum_onto_blocks(token_attention_mass(q, k), block_size)
 
 
 def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:

@@ -345,6 +345,14 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat(outs, dim=-2) if outs else q.new_zeros(q.shape)
 
 
+def sum_onto_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-token values ``[..., T]`` summed onto KV blocks of ``block_size`` tokens:
+    ``[..., ceil(T / block_size)]`` (the last block partial)."""
+    num_blocks = -(-x.shape[-1] // block_size)
+    x = torch.nn.functional.pad(x, (0, num_blocks * block_size - x.shape[-1]))
+    return x.view(*x.shape[:-1], num_blocks, block_size).sum(-1)
+
+
 def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
                          kv_len: torch.Tensor, block_size: int, chunk: int = 1024) -> torch.Tensor:
     """True attention mass per block, summed over the GQA group (oracle scores, design §8).
@@ -376,7 +384,5 @@ def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
         logits = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf) / math.sqrt(d)
         logits = logits.masked_fill(~allowed[:, None, None], NEG_INF)
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # [B,H,Tq,T]
-        pad = num_blocks * block_size - num_keys
-        probs = torch.nn.functional.pad(probs, (0, pad))
-        outs.append(probs.view(*probs.shape[:-1], num_blocks, block_size).sum(-1))
+        outs.append(sum_onto_blocks(probs, block_size))
     return torch.cat(outs, dim=-2) if outs else q.new_zeros(*q.shape[:2], 0, num_blocks, dtype=torch.float32)
