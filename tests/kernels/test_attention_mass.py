@@ -117,3 +117,22 @@ def test_methods_through_the_kernel(name, options, monkeypatch):
     monkeypatch.setattr(twins, "token_attention_mass_reference", through_kernel)
     brute.check(name, 3, "select", options, seed=torch.initial_seed() % 2**31)
     assert calls  # the method's prefill went through the kernel
+
+
+@pytest.mark.parametrize("q_dtype,k_dtype,on_kernel", [
+    (torch.bfloat16, torch.bfloat16, True), (torch.float16, torch.float16, True),
+    (torch.float32, torch.float32, False), (torch.bfloat16, torch.float32, False)])
+def test_dispatch_keeps_fp32_on_the_sdpa_twin(q_dtype, k_dtype, on_kernel, monkeypatch):
+    """CUDA dispatch (forced here): fp16/bf16 go to the Triton kernel, fp32 and mixed dtypes to
+    the twin, faster in fp32 on the H200 (docs/benchmarks/h2o-prefill-2026-12-05-h200.md);
+    either way the masses equal the float64 brute force."""
+    calls = []
+    monkeypatch.setattr(kernels, "_on_triton", lambda *t: True)
+    monkeypatch.setattr(kernels._attention_mass, "token_attention_mass_triton",
+                        lambda q, k: calls.append("kernel") or twins.token_attention_mass_reference(q, k))
+    q, k = _inputs(3, 40, 24, seed=5)
+    q, k = q.to(q_dtype), k.to(k_dtype)
+    got = kernels.token_attention_mass(q, k)
+    assert calls == (["kernel"] if on_kernel else [])
+    want = _brute_mass(q.float(), k.float())
+    assert (got - want).abs().max() / want.abs().max() < 1e-2

@@ -250,22 +250,24 @@ def token_attention_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     ``mass[b, h, i] = sum_g sum_t softmax_i(q_{g,t} . k_i / sqrt(d))`` over the causally
     visible keys: query ``t`` of ``Tq`` sits at key position ``T - Tq + t`` (the whole
     prompt, a later chunk of a chunked prefill, or the prompt's last ``Tq`` queries). On
-    CUDA two Triton passes (each query's log-sum-exp, then column sums;
-    :mod:`sparda.kernels.attention_mass`), else the gradient SDPA's backward gives ``V``
-    (:func:`~sparda.kernels.twins.token_attention_mass_reference`); neither materialises
-    the ``[G, Tq, T]`` probabilities.
+    CUDA with fp16/bf16 ``q`` and ``k`` of one dtype, two Triton passes (each query's
+    log-sum-exp, then column sums; :mod:`sparda.kernels.attention_mass`); else the gradient
+    SDPA's backward gives ``V`` in fp32
+    (:func:`~sparda.kernels.twins.token_attention_mass_reference`), which on the H200 beats
+    the kernel's fp32 tiles (3.0 against 5.7 ms at 4,096 tokens,
+    docs/benchmarks/h2o-prefill-2026-12-05-h200.md); neither materialises the
+    ``[G, Tq, T]`` probabilities.
 
     Args:
         q: ``[B, H, G, Tq, d]``; k: ``[B, H, T, d]`` with ``T >= Tq``, every key valid
-            (fp16/bf16/fp32; a ``k`` of another dtype than ``q``: both are taken in fp32).
+            (fp16/bf16/fp32; a ``k`` of another dtype than ``q``: both are taken in fp32, twin).
     Returns:
         ``[B, H, T]`` fp32; sums to ``G * Tq`` per ``(b, h)``.
     Raises:
         SpardaError: mismatched shapes (Triton path).
     """
-    if _on_triton(q, k) and supported_head_dim(q.shape[-1]):
-        if k.dtype != q.dtype:  # e.g. bf16 queries over keys another cache dequantised: exact in fp32
-            q, k = q.float(), k.float()
+    if (_on_triton(q, k) and supported_head_dim(q.shape[-1]) and q.dtype == k.dtype
+            and q.dtype in (torch.float16, torch.bfloat16)):
         return _attention_mass.token_attention_mass_triton(q, k)
     return twins.token_attention_mass_reference(q, k)
 
