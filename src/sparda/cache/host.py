@@ -7,22 +7,22 @@ so one KV block of one head (``block_size * d`` elements, 16 KiB for ``64 x 128`
 is one contiguous run.
 
 Pinned memory is ordinary page-aligned memory registered with the CUDA driver
-(``cudaHostRegister``, :func:`pinned_zeros`), not PyTorch's caching host allocator,
-which rounds every request up to a power of two (a 1.04 GB layer would take 2 GiB) and
-keeps freed blocks cached. So a layer's K (or V) is one allocation of exactly its size
+(:func:`sparda.cache.pinned.pinned_zeros`, which reuses what a freed cache registered), not
+PyTorch's caching host allocator, which rounds every request up to a power of two (a 1.04 GB
+layer would take 2 GiB). So a layer's K (or V) is one allocation of exactly its size
 for every batch that fits (one transfer launch per layer and step); rows are split into
 chunks only past ``chunk_bytes`` or the transfer kernels' 32-bit element offsets.
 """
 
 from __future__ import annotations
 
-import os
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from sparda.cache import pinned
+from sparda.cache.pinned import pinned_zeros
 from sparda.errors import SpardaError
 from sparda.kernels import quant
 
@@ -30,7 +30,6 @@ from sparda.kernels import quant
 DEFAULT_CHUNK_BYTES = 4 << 30
 #: Largest chunk in elements: the UVA kernels index a chunk with 32-bit offsets.
 MAX_CHUNK_ELEMENTS = 2**31 - 1
-_PAGE = 4096
 
 
 @dataclass
@@ -59,45 +58,11 @@ class HostChunk:
 
 
 def available_host_bytes() -> int | None:
-    """Free physical memory in bytes (``None`` if the OS does not say)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - platform dependent
-        return None
-
-
-def _unregister(ptr: int) -> None:  # pragma: no cover - CUDA only
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001 - the CUDA context may already be gone at exit
-        pass
-
-
-def pinned_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor of ``shape``/``dtype`` in page-locked memory of exactly its size.
-
-    The memory is a page-aligned numpy buffer registered with ``cudaHostRegister`` (so
-    the GPU reads and writes it through UVA and DMAs it asynchronously, like memory from
-    ``cudaHostAlloc``); it is unregistered when the buffer is freed, i.e. when the last
-    tensor or view of it is gone. CUDA only.
-
-    Raises:
-        SpardaError: the driver refused to page-lock the memory (the message names the
-            size; the usual causes are the locked-memory limit, ``ulimit -l``, and free RAM).
-    """
-    elem = torch.empty((), dtype=dtype).element_size()
-    nbytes = int(np.prod(shape, dtype=np.int64)) * elem
-    size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-    buf = np.zeros(size + _PAGE, dtype=np.uint8)  # calloc: pages are zero-filled when touched
-    off = (-buf.ctypes.data) % _PAGE
-    region = buf[off:off + size]
-    ptr = region.ctypes.data
-    err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-    if int(getattr(err, "value", err)) != 0:
-        raise SpardaError(f"could not page-lock {size / 2**30:.2f} GiB of host memory ({err}); raise the "
-                          "locked-memory limit (ulimit -l) or use a smaller batch or context")
-    weakref.finalize(buf, _unregister, ptr).atexit = False
-    return torch.from_numpy(region[:nbytes]).view(dtype).view(shape)
+    """Host memory a new KV cache can take, in bytes: free physical memory plus the
+    page-locked buffers :data:`sparda.cache.pinned.POOL` keeps (reused, or given back before
+    new memory is registered; ``None`` if the OS does not say)."""
+    free = pinned.os_free_bytes()
+    return None if free is None else free + pinned.POOL.reclaimable_bytes()
 
 
 def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int, row_elements: int | None = None) -> list[tuple[int, int]]:

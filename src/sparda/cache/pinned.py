@@ -1,0 +1,206 @@
+"""Page-locked host buffers of the offloaded KV cache, reused across calls (design §6).
+
+A buffer is page-aligned numpy memory registered with the CUDA driver (``cudaHostRegister``),
+exactly its size rounded up to a page, not PyTorch's caching host allocator (which rounds
+every request up to a power of two). Registering is slow: the driver touches and locks every
+page: on the H200, 0.78 s for 2.6 GiB (16 prompts of 7,680 tokens of the bundled model) and
+4.3 s for 16 GiB (Llama-3.1-8B at 128K), against 0.06 and 0.32 s reused
+(docs/benchmarks/pinned-pool-2026-12-05-h200.md). So when the last tensor of a buffer is gone the buffer
+is not unregistered but kept, registered, in :data:`POOL`, and the next request of the same
+page-rounded size takes it back (after a device synchronize, so that no copy of the freed
+cache is still in flight, and zeroed) instead of registering new memory. The pool keeps at
+most ``max_bytes`` (:func:`default_pool_bytes`), evicting its oldest buffers first, and also
+before registering new memory that the OS could not otherwise fit;
+:meth:`PinnedPool.release` unregisters everything it keeps.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from sparda.errors import SpardaError
+
+#: bytes of a page; buffers are aligned to it and sized in whole pages
+PAGE = 4096
+#: environment variable: most GiB the pool keeps registered once their tensors are gone
+POOL_ENV = "SPARDA_PINNED_POOL_GIB"
+
+
+def _cuda_register(ptr: int, size: int) -> int:  # pragma: no cover - CUDA only
+    err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    return int(getattr(err, "value", err))
+
+
+def _cuda_unregister(ptr: int) -> None:  # pragma: no cover - CUDA only
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - the CUDA context may already be gone at exit
+        pass
+
+
+def os_free_bytes() -> int | None:
+    """Free physical memory in bytes, as the OS reports it (``None`` if it does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - platform dependent
+        return None
+
+
+def default_pool_bytes() -> int:
+    """Most bytes :data:`POOL` keeps: ``$SPARDA_PINNED_POOL_GIB`` GiB if set (``0`` turns the
+    reuse off), else a quarter of physical memory (0 if the OS does not say).
+
+    Raises:
+        SpardaError: ``$SPARDA_PINNED_POOL_GIB`` is not a non-negative number.
+    """
+    text = os.environ.get(POOL_ENV)
+    if text is not None:
+        try:
+            gib = float(text)
+        except ValueError:
+            gib = -1.0
+        if not gib >= 0:
+            raise SpardaError(f"{POOL_ENV}={text!r} is not a number of GiB >= 0; set it to e.g. 16, or 0 "
+                              "to unregister page-locked memory as soon as its KV cache is freed")
+        return int(gib * 2**30)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - platform dependent
+        return 0
+
+
+class PinnedPool:
+    """Registered host buffers handed out as zeroed tensors and kept for reuse when freed.
+
+    Args:
+        max_bytes: most bytes kept registered while no tensor uses them (``None``:
+            :func:`default_pool_bytes`, read at the first request).
+        register: ``register(ptr, size) -> error code`` (0 = success); CUDA's
+            ``cudaHostRegister`` by default (tests pass fakes).
+        unregister: ``unregister(ptr)``; ``cudaHostUnregister`` by default.
+
+    Thread-safe. A buffer whose tensors are gone is queued by a finalizer (which takes no
+    lock, so a garbage collection inside the pool's own critical section cannot deadlock)
+    and enters the pool at the next :meth:`zeros`, :meth:`release` or :meth:`reclaimable_bytes`.
+    """
+
+    def __init__(self, max_bytes: int | None = None, register=_cuda_register, unregister=_cuda_unregister) -> None:
+        self.max_bytes = max_bytes
+        self._register, self._unregister = register, unregister
+        self._lock = threading.Lock()
+        self._returned: collections.deque = collections.deque()  # (size, buf, ptr) from finalizers
+        self._free: list[tuple[int, np.ndarray, int]] = []  # kept buffers, oldest first
+        #: bytes registered and kept in the pool (not in use)
+        self.cached_bytes = 0
+        #: requests served from the pool / by registering new memory
+        self.hits = 0
+        self.misses = 0
+
+    def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed page-locked host tensor of ``shape``/``dtype`` (exactly its size, in pages).
+
+        Raises:
+            SpardaError: the driver refused to page-lock the memory (the message names the size;
+                the usual causes are the locked-memory limit, ``ulimit -l``, and free RAM).
+        """
+        elem = torch.empty((), dtype=dtype).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * elem
+        size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+        with self._lock:
+            self._drain()
+            found = next((i for i, entry in enumerate(self._free) if entry[0] == size), None)
+            if found is not None:
+                _, buf, ptr = self._free.pop(found)
+                self.cached_bytes -= size
+                self.hits += 1
+        if found is not None:
+            if torch.cuda.is_initialized():  # no copy of the freed cache may still be in flight
+                torch.cuda.synchronize()
+            region = _region(buf, size)
+            torch.from_numpy(region).zero_()  # as a fresh buffer: callers rely on zeros
+        else:
+            with self._lock:
+                self._make_room(size)
+            buf = np.zeros(size + PAGE, dtype=np.uint8)  # calloc: pages are zero-filled when touched
+            region = _region(buf, size)
+            ptr = region.ctypes.data
+            err = self._register(ptr, size)
+            if err != 0 and self.release():  # kept buffers may be what stands in the way
+                err = self._register(ptr, size)
+            if err != 0:
+                raise SpardaError(f"could not page-lock {size / 2**20:,.0f} MiB of host memory (error {err}); raise "
+                                  "the locked-memory limit (ulimit -l) or use a smaller batch or context")
+            with self._lock:
+                self.misses += 1
+        lease = region[:nbytes]  # the ndarray the tensor holds: its death returns the buffer
+        weakref.finalize(lease, self._returned.append, (size, buf, ptr)).atexit = False
+        return torch.from_numpy(lease).view(dtype).view(shape)
+
+    def reclaimable_bytes(self) -> int:
+        """Bytes registered by the pool that no tensor uses (what :meth:`release` would free)."""
+        with self._lock:
+            self._drain()
+            return self.cached_bytes
+
+    def release(self) -> int:
+        """Unregisters and frees every kept buffer; returns the bytes freed."""
+        with self._lock:
+            self._drain()
+            freed = self.cached_bytes
+            for _, _, ptr in self._free:
+                self._unregister(ptr)
+            self._free, self.cached_bytes = [], 0
+        return freed
+
+    def _make_room(self, size: int) -> None:
+        """Unregisters kept buffers, oldest first, while the OS has less than ``1.05 * size``
+        bytes free (the caller holds the lock)."""
+        while self._free:
+            free = os_free_bytes()
+            if free is None or free >= 1.05 * size:
+                return
+            kept, _, ptr = self._free.pop(0)
+            self.cached_bytes -= kept
+            self._unregister(ptr)
+
+    def _drain(self) -> None:
+        """Moves finalizer-returned buffers into the pool and unregisters the oldest past
+        ``max_bytes`` (the caller holds the lock)."""
+        if self.max_bytes is None:
+            self.max_bytes = default_pool_bytes()
+        while self._returned:
+            entry = self._returned.popleft()
+            self._free.append(entry)
+            self.cached_bytes += entry[0]
+        while self._free and self.cached_bytes > self.max_bytes:
+            size, _, ptr = self._free.pop(0)
+            self.cached_bytes -= size
+            self._unregister(ptr)
+
+
+def _region(buf: np.ndarray, size: int) -> np.ndarray:
+    """The page-aligned ``size`` bytes of ``buf`` (allocated ``size + PAGE`` long)."""
+    off = (-buf.ctypes.data) % PAGE
+    return buf[off:off + size]
+
+
+#: the process's pool (:func:`pinned_zeros`)
+POOL = PinnedPool()
+
+
+def pinned_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor of ``shape``/``dtype`` in page-locked memory of exactly its size
+    (in whole pages), from :data:`POOL`: memory a freed KV cache registered is reused. The GPU
+    reads and writes it through UVA and DMAs it asynchronously, like memory from
+    ``cudaHostAlloc``. CUDA only.
+
+    Raises:
+        SpardaError: the driver refused to page-lock the memory (see :meth:`PinnedPool.zeros`).
+    """
+    return POOL.zeros(shape, dtype)
