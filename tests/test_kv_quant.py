@@ -181,7 +181,9 @@ def test_offloaded_attention_equals_on_device(kv_dtype):
         got = off.attend(0, q, kv_len, p)
         want = kernels.decode_attention(q, dev.k[0], dev.v[0], ids, kv_len, cfg.block_size)
         worst = max(worst, ((got.double() - want.double()).norm() / want.double().norm()).item())
-    assert worst <= 1e-5
+    # fp32, two summation orders: the worst of 60 steps is ~3e-6 typically, 1.24e-5 at most in
+    # ~500 draws (seed 492297693, int8); one wrong block or token moves it past 1e-2
+    assert worst <= 5e-5
     assert off.prefetcher.stats(steps)["misses"] > 0
     n = prompt + steps
     for store, full in ((off.host.chunks[0][0].k, dev.k[0]), (off.host.chunks[0][0].v, dev.v[0])):
