@@ -96,7 +96,53 @@ def test_zero_max_bytes_unregisters_at_once():
     ptr = t.data_ptr()
     del t
     gc.collect()
-    assert pool.reclaimable_bytes() == 0 and driver.unregistered == [ptr]
+    assert driver.unregistered == [ptr]  # by the finalizer itself, no later pool call needed
+    assert pool.reclaimable_bytes() == 0
+
+
+def test_buffer_freed_while_the_pool_is_locked_is_filed_later():
+    """A finalizer that runs while the pool's lock is held (a garbage collection inside its
+    own critical section) only queues the buffer; release() files and frees it."""
+    pool, driver = _pool()
+    t = pool.zeros((3 * pinned.PAGE,), torch.uint8)
+    ptr = t.data_ptr()
+    with pool._lock:
+        del t
+        gc.collect()
+        assert pool.cached_bytes == 0 and len(pool._returned) == 1
+    assert pool.release() == 3 * pinned.PAGE and driver.unregistered == [ptr]
+
+
+def test_reuse_waits_for_the_device_of_the_freed_tensor(monkeypatch):
+    calls = []
+    monkeypatch.setattr(pinned.torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(pinned.torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    pool, _ = _pool()
+    t = pool.zeros((10,), torch.float32, device="cuda:1")
+    assert calls == []  # a fresh buffer has no copies to wait for
+    del t
+    gc.collect()
+    u = pool.zeros((10,), torch.float32, device="cuda:0")
+    assert calls == ["cuda:1"] and pool.hits == 1
+    del u
+    gc.collect()
+    pool.zeros((10,), torch.float32)
+    assert calls == ["cuda:1", "cuda:0"]
+
+
+def test_make_room_evicts_only_what_the_request_needs(monkeypatch):
+    """No free memory at all (as the OS reports it, which does not change here): a 20-page
+    request evicts the oldest kept buffer (64 pages) and keeps the two younger ones."""
+    pool, driver = _pool()
+    bufs = [pool.zeros((n * pinned.PAGE,), torch.uint8) for n in (64, 16, 16)]
+    ptrs = [b.data_ptr() for b in bufs]
+    for i in range(3):
+        bufs[i] = None
+        gc.collect()
+    monkeypatch.setattr(pinned, "os_free_bytes", lambda: 0)
+    new = pool.zeros((20 * pinned.PAGE,), torch.uint8)
+    assert driver.unregistered == ptrs[:1] and pool.reclaimable_bytes() == 32 * pinned.PAGE
+    assert new.numel() == 20 * pinned.PAGE
 
 
 def test_refused_registration_releases_the_pool_then_says_what_to_do():
@@ -118,12 +164,14 @@ def test_default_pool_bytes(monkeypatch):
     assert pinned.default_pool_bytes() == 3 << 29
     monkeypatch.setenv(pinned.POOL_ENV, "0")
     assert pinned.default_pool_bytes() == 0
-    for bad in ("-1", "lots", "nan"):
+    for bad in ("-1", "lots", "nan", "inf", "1e400"):
         monkeypatch.setenv(pinned.POOL_ENV, bad)
         with pytest.raises(SpardaError, match=pinned.POOL_ENV):
             pinned.default_pool_bytes()
     monkeypatch.delenv(pinned.POOL_ENV)
-    assert pinned.default_pool_bytes() > 0
+    sizes = {"SC_PHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(pinned.os, "sysconf", lambda name: sizes[name])
+    assert pinned.default_pool_bytes() == 1000 * 4096 // 4  # a quarter of physical memory
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "mixed"])

@@ -20,6 +20,7 @@ from sparda.bench.models import method_extra_bytes, weight_bytes
 from sparda.bench.roofline import kv_read_bytes, roofline_ms
 from sparda.bench.timing import ComponentTimer
 from sparda.bench.traces import Replayer, replay_masks, synthetic_masks, trace_for
+from sparda.cache import pinned
 from sparda.cache.host import available_host_bytes
 from sparda.cache.offload import DEFAULT_SLOT_FACTOR, spare_slot_count
 from sparda.engine.graph_runner import DecodeRunner
@@ -60,12 +61,14 @@ def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cu
 
 
 def release_memory(device: torch.device) -> None:
-    """Give freed memory back: Python garbage, the CUDA caching allocator and the caching
-    *host* allocator, which keeps freed pinned memory (the host KV cache of the last
-    point) unless emptied, so that the next point sees the host's free memory."""
+    """Give freed memory back: Python garbage, the CUDA caching allocator, the caching
+    *host* allocator and sparda's pool of page-locked host buffers (both keep freed pinned
+    memory, the pool the host KV cache of the last point, :mod:`sparda.cache.pinned`), so
+    that the next point sees the host's free memory and its own peak RSS."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        pinned.POOL.release()
         torch.cuda.empty_cache()
         empty_host = getattr(torch._C, "_host_emptyCache", None)
         if empty_host is not None:

@@ -91,6 +91,8 @@ class HostKVStore:
         batch: rows. num_kv_heads, head_dim: ``H_kv``, ``d``.
         num_blocks: blocks per row (``ceil(capacity / block_size)``). block_size: tokens.
         dtype: element type. pin: page-lock the memory (for a CUDA device).
+        device: the CUDA device the cache serves (synchronized before its page-locked
+            buffers are reused by a later cache, :mod:`sparda.cache.pinned`).
         chunk_bytes: largest single allocation; a row larger than this gets its own chunk.
         kv_dtype: ``bf16`` (``dtype`` elements) or ``int8``/``int4``: blocks stored quantised
             with their scales (:mod:`sparda.kernels.quant`; every size counts those bytes);
@@ -105,7 +107,8 @@ class HostKVStore:
 
     def __init__(self, layers, batch: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, pin: bool,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, kv_dtype: str = "bf16", hot_blocks: int = 0) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, kv_dtype: str = "bf16", hot_blocks: int = 0,
+                 device: torch.device | str | None = None) -> None:
         self.layers = tuple(layers)
         self.mixed = kv_dtype == "mixed"
         #: the type every block is stored in (``mixed``: int4; the hot pool holds ``dtype`` copies)
@@ -129,7 +132,7 @@ class HostKVStore:
         self.chunks: dict[int, list[HostChunk]] = {}
 
         def plane(shape, dtype) -> torch.Tensor:
-            return pinned_zeros(shape, dtype) if pin else torch.zeros(shape, dtype=dtype)
+            return pinned_zeros(shape, dtype, device) if pin else torch.zeros(shape, dtype=dtype)
 
         def zeros(rows: int):  # quantised: a data plane and a scale plane (sparda.kernels.quant)
             if not quant.is_quantized(kv_dtype):

@@ -147,7 +147,8 @@ class OffloadKVCache:
         self.hot_steps = hot_steps if self.mixed else 0
         self.host = HostKVStore(self.offloaded, batch, num_kv_heads, head_dim, self.num_blocks,
                                 cfg.block_size, dtype, pin=self.device.type == "cuda",
-                                chunk_bytes=chunk_bytes, kv_dtype=kv_dtype, hot_blocks=self.hot_blocks)
+                                chunk_bytes=chunk_bytes, kv_dtype=kv_dtype, hot_blocks=self.hot_blocks,
+                                device=self.device if self.device.type == "cuda" else None)
         shape = (batch, num_kv_heads, self.slots + 1, cfg.block_size, head_dim)
         ck_shape = (batch, num_kv_heads, max(self.num_ck_capacity, 1), head_dim)
         full = (batch, num_kv_heads, capacity, head_dim)

@@ -3,8 +3,8 @@
 A buffer is page-aligned numpy memory registered with the CUDA driver (``cudaHostRegister``),
 exactly its size rounded up to a page, not PyTorch's caching host allocator (which rounds
 every request up to a power of two). Registering is slow: the driver touches and locks every
-page: on the H200, 0.78 s for 2.6 GiB (16 prompts of 7,680 tokens of the bundled model) and
-4.3 s for 16 GiB (Llama-3.1-8B at 128K), against 0.06 and 0.32 s reused
+page: on the H200, 0.8-1.1 s for 2.6 GiB (16 prompts of 7,680 tokens of the bundled model)
+and 4.3-4.8 s for 16 GiB (Llama-3.1-8B at 128K), against 0.06 and 0.27-0.33 s reused
 (docs/benchmarks/pinned-pool-2026-12-05-h200.md). So when the last tensor of a buffer is gone the buffer
 is not unregistered but kept, registered, in :data:`POOL`, and the next request of the same
 page-rounded size takes it back (after a device synchronize, so that no copy of the freed
@@ -17,6 +17,7 @@ before registering new memory that the OS could not otherwise fit;
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import weakref
@@ -65,9 +66,9 @@ def default_pool_bytes() -> int:
             gib = float(text)
         except ValueError:
             gib = -1.0
-        if not gib >= 0:
-            raise SpardaError(f"{POOL_ENV}={text!r} is not a number of GiB >= 0; set it to e.g. 16, or 0 "
-                              "to unregister page-locked memory as soon as its KV cache is freed")
+        if not (gib >= 0 and math.isfinite(gib)):
+            raise SpardaError(f"{POOL_ENV}={text!r} is not a finite number of GiB >= 0; set it to e.g. 16, "
+                              "or 0 to unregister page-locked memory as soon as its KV cache is freed")
         return int(gib * 2**30)
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
@@ -85,29 +86,36 @@ class PinnedPool:
             ``cudaHostRegister`` by default (tests pass fakes).
         unregister: ``unregister(ptr)``; ``cudaHostUnregister`` by default.
 
-    Thread-safe. A buffer whose tensors are gone is queued by a finalizer (which takes no
-    lock, so a garbage collection inside the pool's own critical section cannot deadlock)
-    and enters the pool at the next :meth:`zeros`, :meth:`release` or :meth:`reclaimable_bytes`.
+    Thread-safe. A buffer whose tensors are gone is queued by a finalizer, which then takes
+    the pool's lock only if it is free (so a garbage collection inside the pool's own critical
+    section cannot deadlock) and files it, evicting past ``max_bytes``; a buffer queued while
+    the lock was held is filed by the next call that takes it.
     """
 
     def __init__(self, max_bytes: int | None = None, register=_cuda_register, unregister=_cuda_unregister) -> None:
         self.max_bytes = max_bytes
         self._register, self._unregister = register, unregister
         self._lock = threading.Lock()
-        self._returned: collections.deque = collections.deque()  # (size, buf, ptr) from finalizers
-        self._free: list[tuple[int, np.ndarray, int]] = []  # kept buffers, oldest first
+        self._returned: collections.deque = collections.deque()  # (size, buf, ptr, device) from finalizers
+        self._free: list[tuple] = []  # kept (size, buf, ptr, device), oldest first
         #: bytes registered and kept in the pool (not in use)
         self.cached_bytes = 0
         #: requests served from the pool / by registering new memory
         self.hits = 0
         self.misses = 0
 
-    def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+    def zeros(self, shape, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """A zeroed page-locked host tensor of ``shape``/``dtype`` (exactly its size, in pages).
 
+        Args:
+            device: the CUDA device whose copies will read or write the tensor; when its buffer
+                is reused later, that device is synchronized first, so that no copy of the
+                freed tensor is still in flight when the buffer is zeroed (``None``: the
+                current CUDA device).
         Raises:
             SpardaError: the driver refused to page-lock the memory (the message names the size;
-                the usual causes are the locked-memory limit, ``ulimit -l``, and free RAM).
+                the usual causes are the locked-memory limit, ``ulimit -l``, and free RAM), or
+                ``$SPARDA_PINNED_POOL_GIB`` is malformed.
         """
         elem = torch.empty((), dtype=dtype).element_size()
         nbytes = int(np.prod(shape, dtype=np.int64)) * elem
@@ -116,12 +124,11 @@ class PinnedPool:
             self._drain()
             found = next((i for i, entry in enumerate(self._free) if entry[0] == size), None)
             if found is not None:
-                _, buf, ptr = self._free.pop(found)
+                _, buf, ptr, last_device = self._free.pop(found)
                 self.cached_bytes -= size
                 self.hits += 1
         if found is not None:
-            if torch.cuda.is_initialized():  # no copy of the freed cache may still be in flight
-                torch.cuda.synchronize()
+            _synchronize(last_device)  # no copy of the freed tensor may still be in flight
             region = _region(buf, size)
             torch.from_numpy(region).zero_()  # as a fresh buffer: callers rely on zeros
         else:
@@ -139,7 +146,7 @@ class PinnedPool:
             with self._lock:
                 self.misses += 1
         lease = region[:nbytes]  # the ndarray the tensor holds: its death returns the buffer
-        weakref.finalize(lease, self._returned.append, (size, buf, ptr)).atexit = False
+        weakref.finalize(lease, self._give_back, (size, buf, ptr, device)).atexit = False
         return torch.from_numpy(lease).view(dtype).view(shape)
 
     def reclaimable_bytes(self) -> int:
@@ -153,21 +160,31 @@ class PinnedPool:
         with self._lock:
             self._drain()
             freed = self.cached_bytes
-            for _, _, ptr in self._free:
+            for _, _, ptr, _ in self._free:
                 self._unregister(ptr)
             self._free, self.cached_bytes = [], 0
         return freed
 
+    def _give_back(self, entry) -> None:
+        """Finalizer of a lease: queue its buffer, and file it now if the lock is free."""
+        self._returned.append(entry)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            except SpardaError:  # a malformed cap: the next zeros() call reports it
+                pass
+            finally:
+                self._lock.release()
+
     def _make_room(self, size: int) -> None:
-        """Unregisters kept buffers, oldest first, while the OS has less than ``1.05 * size``
-        bytes free (the caller holds the lock)."""
-        while self._free:
-            free = os_free_bytes()
-            if free is None or free >= 1.05 * size:
-                return
-            kept, _, ptr = self._free.pop(0)
+        """Unregisters and frees kept buffers, oldest first, until the OS's free memory plus
+        what they held reaches ``1.05 * size`` bytes (the caller holds the lock)."""
+        free = os_free_bytes()
+        while self._free and free is not None and free < 1.05 * size:
+            kept, _, ptr, _ = self._free.pop(0)
             self.cached_bytes -= kept
             self._unregister(ptr)
+            free += kept
 
     def _drain(self) -> None:
         """Moves finalizer-returned buffers into the pool and unregisters the oldest past
@@ -179,9 +196,15 @@ class PinnedPool:
             self._free.append(entry)
             self.cached_bytes += entry[0]
         while self._free and self.cached_bytes > self.max_bytes:
-            size, _, ptr = self._free.pop(0)
+            size, _, ptr, _ = self._free.pop(0)
             self.cached_bytes -= size
             self._unregister(ptr)
+
+
+def _synchronize(device) -> None:
+    """Waits for ``device`` (``None``: the current CUDA device) if CUDA is initialised."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
 
 
 def _region(buf: np.ndarray, size: int) -> np.ndarray:
@@ -194,7 +217,7 @@ def _region(buf: np.ndarray, size: int) -> np.ndarray:
 POOL = PinnedPool()
 
 
-def pinned_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+def pinned_zeros(shape, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
     """A zeroed host tensor of ``shape``/``dtype`` in page-locked memory of exactly its size
     (in whole pages), from :data:`POOL`: memory a freed KV cache registered is reused. The GPU
     reads and writes it through UVA and DMAs it asynchronously, like memory from
@@ -203,4 +226,4 @@ def pinned_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     Raises:
         SpardaError: the driver refused to page-lock the memory (see :meth:`PinnedPool.zeros`).
     """
-    return POOL.zeros(shape, dtype)
+    return POOL.zeros(shape, dtype, device)
