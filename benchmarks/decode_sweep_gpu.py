@@ -9,7 +9,7 @@ gets the time left as its sweep's ``--time-budget-s``); each writes ``OUT/<part>
 (``results.json``, ``report.md``, plots) or ``OUT/<part>.json``, and a short table is
 printed last:
 
-* ``check``: registered pinned host memory (``cache.host.pinned_zeros``: pinned,
+* ``check``: registered pinned host memory (``cache.pinned.pinned_zeros``: pinned,
   async copies, UVA gather equal to plain indexing, freed and re-registered 3 times,
   host memory back after each), and the lookahead on its selection stream: offloaded
   ``sparda`` generates the same greedy tokens as ``sparda-no-prefetch`` (same
@@ -90,7 +90,8 @@ def log(line: str) -> None:
 def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
     from sparda.bench.models import random_forecast
     from sparda.cache import pinned
-    from sparda.cache.host import available_host_bytes, pinned_zeros
+    from sparda.cache.host import available_host_bytes
+    from sparda.cache.pinned import pinned_zeros
     from sparda.cache.host import HostChunk
     from sparda.cache.transfer import SyncEngine, make_engine
     from sparda.engine.llm import LLM

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from sparda.cache import pinned
-from sparda.cache.pinned import pinned_zeros
 from sparda.errors import SpardaError
 from sparda.kernels import quant
 
@@ -132,7 +131,7 @@ class HostKVStore:
         self.chunks: dict[int, list[HostChunk]] = {}
 
         def plane(shape, dtype) -> torch.Tensor:
-            return pinned_zeros(shape, dtype, device) if pin else torch.zeros(shape, dtype=dtype)
+            return pinned.pinned_zeros(shape, dtype, device) if pin else torch.zeros(shape, dtype=dtype)
 
         def zeros(rows: int):  # quantised: a data plane and a scale plane (sparda.kernels.quant)
             if not quant.is_quantized(kv_dtype):

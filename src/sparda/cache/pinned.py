@@ -45,12 +45,17 @@ def _cuda_unregister(ptr: int) -> None:  # pragma: no cover - CUDA only
         pass
 
 
-def os_free_bytes() -> int | None:
-    """Free physical memory in bytes, as the OS reports it (``None`` if it does not say)."""
+def _sysconf_bytes(pages: str) -> int | None:
+    """``os.sysconf(pages)`` pages in bytes (``None`` if the OS does not say)."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - platform dependent
         return None
+
+
+def os_free_bytes() -> int | None:
+    """Free physical memory in bytes, as the OS reports it (``None`` if it does not say)."""
+    return _sysconf_bytes("SC_AVPHYS_PAGES")
 
 
 def default_pool_bytes() -> int:
@@ -70,10 +75,7 @@ def default_pool_bytes() -> int:
             raise SpardaError(f"{POOL_ENV}={text!r} is not a finite number of GiB >= 0; set it to e.g. 16, "
                               "or 0 to unregister page-locked memory as soon as its KV cache is freed")
         return int(gib * 2**30)
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - platform dependent
-        return 0
+    return (_sysconf_bytes("SC_PHYS_PAGES") or 0) // 4
 
 
 class PinnedPool:
@@ -127,13 +129,13 @@ class PinnedPool:
                 _, buf, ptr, last_device = self._free.pop(found)
                 self.cached_bytes -= size
                 self.hits += 1
+            else:
+                self._make_room(size)
         if found is not None:
             _synchronize(last_device)  # no copy of the freed tensor may still be in flight
             region = _region(buf, size)
             torch.from_numpy(region).zero_()  # as a fresh buffer: callers rely on zeros
         else:
-            with self._lock:
-                self._make_room(size)
             buf = np.zeros(size + PAGE, dtype=np.uint8)  # calloc: pages are zero-filled when touched
             region = _region(buf, size)
             ptr = region.ctypes.data
@@ -160,9 +162,8 @@ class PinnedPool:
         with self._lock:
             self._drain()
             freed = self.cached_bytes
-            for _, _, ptr, _ in self._free:
-                self._unregister(ptr)
-            self._free, self.cached_bytes = [], 0
+            while self._free:
+                self._evict_oldest()
         return freed
 
     def _give_back(self, entry) -> None:
@@ -181,10 +182,14 @@ class PinnedPool:
         what they held reaches ``1.05 * size`` bytes (the caller holds the lock)."""
         free = os_free_bytes()
         while self._free and free is not None and free < 1.05 * size:
-            kept, _, ptr, _ = self._free.pop(0)
-            self.cached_bytes -= kept
-            self._unregister(ptr)
-            free += kept
+            free += self._evict_oldest()
+
+    def _evict_oldest(self) -> int:
+        """Unregisters and drops the oldest kept buffer; returns its bytes (lock held)."""
+        size, _, ptr, _ = self._free.pop(0)
+        self.cached_bytes -= size
+        self._unregister(ptr)
+        return size
 
     def _drain(self) -> None:
         """Moves finalizer-returned buffers into the pool and unregisters the oldest past
@@ -196,9 +201,7 @@ class PinnedPool:
             self._free.append(entry)
             self.cached_bytes += entry[0]
         while self._free and self.cached_bytes > self.max_bytes:
-            size, _, ptr, _ = self._free.pop(0)
-            self.cached_bytes -= size
-            self._unregister(ptr)
+            self._evict_oldest()
 
 
 def _synchronize(device) -> None:
