@@ -12,7 +12,7 @@ import sys
 import click
 
 from sparda import __version__
-from sparda.config import KV_DTYPES, METHODS, PRESETS
+from sparda.config import KV_DTYPES, METHODS, PRESETS, spell
 
 #: ``--kv-dtype`` help of the commands that run one method
 KV_DTYPE_HELP = ("KV-cache storage: bf16 (the model dtype), int8/int4 quantised per token and head, or mixed "
@@ -54,8 +54,8 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except SpardaError as exc:
-            click.echo(f"error: {exc}", err=True)
+        except SpardaError as exc:  # options named as flags (--kv-dtype), design: sparda.config.spell
+            click.echo(f"error: {spell(getattr(exc, 'raw', None) or str(exc), 'cli')}", err=True)
             sys.exit(exc.exit_code)
         except OSError as exc:  # a file the command did not check itself: name it, no [Errno N]
             where = f"{exc.filename}: " if exc.filename else ""
@@ -149,34 +149,19 @@ def model_options(func):
 
 def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, block_size, dense_len,
               device, dtype, eager=False, **extra):
-    """Construct :class:`sparda.LLM` from CLI options (a progress line goes to stderr)."""
-    from sparda.attention.registry import check_kv_dtype_cache, check_offload
-    from sparda.engine.llm import LLM, resolve_device
+    """Construct :class:`sparda.LLM` from CLI options, every option checked before the model
+    loads (:func:`sparda.config.build_config`); a progress line goes to stderr."""
+    from sparda.config import build_config
+    from sparda.engine.llm import LLM
 
-    check_offload(method or "sparda", extra.get("offload"), bool(extra.get("shallow_select_once")))
-    if extra.get("kv_dtype") == "mixed":  # before the progress line: one error line
-        from sparda.cache.hot import check_hot
-        from sparda.config import SelectionConfig
-
-        check_kv_dtype_cache("mixed", method or "sparda", extra.get("offload"), resolve_device(device).type == "cuda")
-        given = dict(topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
-                     block_size=block_size, dense_len=dense_len)
-        check_hot(extra.get("kv_hot_blocks"), extra.get("kv_hot_steps"),
-                  SelectionConfig.from_preset(preset or "small", **{k: v for k, v in given.items() if v is not None}))
-    elif extra.get("kv_hot_blocks") is not None or extra.get("kv_hot_steps") is not None:
-        raise SpardaError(f"--kv-hot-blocks / --kv-hot-steps apply to --kv-dtype mixed only, not "
-                          f"{extra.get('kv_dtype') or 'bf16'}; drop them or add --kv-dtype mixed")
-    for key in ("shallow_layers", "quest_page_size", "snapkv_window", "dense_heads", "slot_factor",
-                "kv_hot_blocks", "kv_hot_steps"):
-        if extra.get(key, 0) is None:  # not given: the method's default
-            extra.pop(key)
+    options = dict(topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks, block_size=block_size,
+                   dense_len=dense_len, cuda_graphs=False if eager else None, **extra)
+    options = {key: value for key, value in options.items() if value is not None}
+    build_config(method=method, preset=preset, device=device, dtype=dtype, **options)
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
-    llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype,
-              topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
-              block_size=block_size, dense_len=dense_len, cuda_graphs=not eager, **extra)
-    offloaded = bool(llm.config.offload) or getattr(llm.method, "offloaded", False)
+    llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype, **options)
     click.echo(f"method {llm.config.method} on {llm.device} ({str(llm.dtype).replace('torch.', '')}), "
-               f"KV cache {'offloaded to host memory' if offloaded else 'on the device'}", err=True)
+               f"KV cache {'offloaded to host memory' if llm.model_runner.offloaded else 'on the device'}", err=True)
     return llm
 
 
@@ -226,10 +211,7 @@ def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, igno
     from sparda.engine.validate import check_prompts, check_sampling
 
     check_sampling(max_new_tokens, temperature, top_p, seed)  # model-free checks first
-    if prefill_chunk is not None:
-        if prefill_chunk < 0:
-            raise SpardaError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt at once), got {prefill_chunk}")
-        opts["prefill_chunk_tokens"] = prefill_chunk
+    opts["prefill_chunk_tokens"] = prefill_chunk
     prompts = check_prompts(_read_prompts(prompt, prompt_file))
     if stream and not as_json:
         params = _cli_sampling_params(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -565,7 +547,7 @@ def calibrate_shallow_cmd(model, text, length, queries, candidates, preset, out,
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the prompts and depths.")
 @click.option("--coverage", default=0.9, show_default=True, type=float,
               help="Share of the summed lost needle mass the chosen heads must hold.")
-@click.option("--max-heads", default=None, type=int, help="At most this many heads [default: ceil(3 %% of the KV heads)].")
+@click.option("--max-heads", default=None, type=int, help="At most this many heads [default: ceil(3 % of the KV heads)].")
 @click.option("--min-share", default=0.03, show_default=True, type=float,
               help="Skip heads losing less than this share of the top head's loss.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
