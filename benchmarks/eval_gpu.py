@@ -1,4 +1,4 @@
-"""The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/accuracy.md).
+"""The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/results/accuracy.md).
 
 Usage (from the repository root, on a CUDA machine):
 
@@ -43,7 +43,7 @@ same, their timings those of processes sharing the GPU.
 Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
 prints a short table. When the budget runs out the plans stop between batches; copy
 ``OUT`` back, and the next call with the same ``OUT`` continues where this one stopped.
-``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/accuracy.md``.
+``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/results/accuracy.md``.
 Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--plans`` runs only some
 (``--plans kvquant`` adds the KV-dtype directories to an ``OUT`` whose other plans are
 done, ``--plans baselines`` the seeds' selectors, ``--plans selectors`` the selectors without
