@@ -223,9 +223,9 @@ def _device_name(device: str) -> str:
 
 
 #: seconds per unit of work on one H200 for the bundled model in bf16, from the H200
-#: records of this model shape (docs/benchmarks/smoke-bench-2026-11-29-h200.md: dense
+#: records of this model shape (design §8: dense
 #: prefill of 6,000 tokens 44 ms, block-sparse `sparse` prefill 1.28 s, i.e. 0.0075 and
-#: 0.21 s per 1,000 tokens; cuda-graphs-2026-12-01-h200.md: graph decode steps of 5.9 ms
+#: 0.21 s per 1,000 tokens; graph decode steps of 5.9 ms
 #: dense and 10.3 ms offloaded sparda at 7K, taken as 12 ms for a batch of 16), plus a
 #: guessed 0.5 s per batch for the graph capture, its eager warm-up step and the pinned
 #: host cache of offloaded sparda.

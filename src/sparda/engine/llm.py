@@ -174,7 +174,7 @@ class LLM:
             ``early_attention`` (default False: an offloaded layer with a pending prefetch
             attends to its resident blocks before waiting for the copy, then to the copied
             ones; the same result up to summation order; measured slower on the H200, 2-25 %
-            fewer tok/s, docs/benchmarks/fused-decode-2026-12-01c-h200.md; design §6) /
+            fewer tok/s; design §6) /
             ``slot_factor`` (default 1.5: an offloaded layer keeps ``ceil(1.5 W)`` GPU slots per KV
             head for a selection of ``W`` blocks; the spare ones hold blocks that left the
             selection, so one that returns is not copied again; 1 keeps ``W`` slots, the
