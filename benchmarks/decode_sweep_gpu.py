@@ -1,4 +1,4 @@
-"""Fused-decode measurements on the GPU for the fused-decode issue (docs/benchmarks/, design §6).
+"""Fused-decode measurements on the GPU for the fused-decode issue (design §6).
 
 Usage (on a CUDA machine, from the repository root):
 
@@ -527,7 +527,7 @@ def kvquant_check(quick: bool = False) -> list[dict]:
     bf16 value near a rounding boundary of the quantiser may land one code apart:
     agreement is reported, not required; compare it with the control's. In fp32 the
     unquantised fused step gave the unfused tokens on the H200
-    (docs/benchmarks/fused-decode-2026-12-01-h200.md section 5)."""
+    (design §6)."""
     from sparda.bench.models import random_forecast
     from sparda.engine.llm import LLM
     from sparda.model.fused import FusedDecoder

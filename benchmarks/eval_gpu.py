@@ -1,4 +1,4 @@
-"""The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/accuracy.md).
+"""The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/results/accuracy.md).
 
 Usage (from the repository root, on a CUDA machine):
 
@@ -43,7 +43,7 @@ same, their timings those of processes sharing the GPU.
 Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
 prints a short table. When the budget runs out the plans stop between batches; copy
 ``OUT`` back, and the next call with the same ``OUT`` continues where this one stopped.
-``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/accuracy.md``.
+``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/results/accuracy.md``.
 Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--plans`` runs only some
 (``--plans kvquant`` adds the KV-dtype directories to an ``OUT`` whose other plans are
 done, ``--plans baselines`` the seeds' selectors, ``--plans selectors`` the selectors without
@@ -223,9 +223,9 @@ def _device_name(device: str) -> str:
 
 
 #: seconds per unit of work on one H200 for the bundled model in bf16, from the H200
-#: records of this model shape (docs/benchmarks/smoke-bench-2026-11-29-h200.md: dense
+#: records of this model shape (design §8: dense
 #: prefill of 6,000 tokens 44 ms, block-sparse `sparse` prefill 1.28 s, i.e. 0.0075 and
-#: 0.21 s per 1,000 tokens; cuda-graphs-2026-12-01-h200.md: graph decode steps of 5.9 ms
+#: 0.21 s per 1,000 tokens; graph decode steps of 5.9 ms
 #: dense and 10.3 ms offloaded sparda at 7K, taken as 12 ms for a batch of 16), plus a
 #: guessed 0.5 s per batch for the graph capture, its eager warm-up step and the pinned
 #: host cache of offloaded sparda.

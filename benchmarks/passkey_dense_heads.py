@@ -1,7 +1,8 @@
 """Pass key at 7,680 tokens with and without dense retrieval heads (design §3.7; CPU, fp32).
 
 Rebuilds ``sparda eval`` passkey prompts (held-out Emma, task ``passkey``, the seeds and
-depths of docs/passkey-gap.md) and generates greedily with each ``--methods`` entry under
+depths of ``--prompts``; below, the three failing prompts of design §3.7) and generates
+greedily with each ``--methods`` entry under
 ``--dense-heads`` none and auto (the shipped calibration), printing per prompt whether the
 answer holds the key and the fraction of KV blocks read per decode step.
 

@@ -98,7 +98,7 @@ def _inputs(heads: int, groups: int, num_keys: int, num_q: int, cfg, d: int = 12
 
 #: top-k reuse between neighbouring query tokens for the synthetic masks of ``timing``: 0.83
 #: is what ``sparda``'s prefill selection keeps on the bundled model (benchmarks/prefill_overlap.py,
-#: docs/benchmarks/prefill-overlap-2026-12-04-cpu.json), 0.9 the decode trace's step-to-step reuse
+#: design §3.5), 0.9 the decode trace's step-to-step reuse
 KEEPS = (0.83, 0.9)
 
 

@@ -53,7 +53,7 @@ PRESETS: dict[str, dict[str, int]] = {
 #: Whether a preset prefills block-sparsely by default (design §3.6: selection above
 #: ``dense_len``). ``small`` prefills densely and selects in decode only: at its 1,344-token
 #: budget, block-sparse prefill loses the 7K pass key on the bundled 135M model whichever
-#: selector picks, the oracle included (docs/accuracy-cpu-2026-11-29.md). ``paper`` keeps block-sparse
+#: selector picks, the oracle included (design §3.6). ``paper`` keeps block-sparse
 #: prefill. ``sparse_prefill=True`` / ``--sparse-prefill`` turns it on at any preset.
 SPARSE_PREFILL: dict[str, bool] = {"paper": True, "small": False}
 

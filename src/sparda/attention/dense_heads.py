@@ -1,6 +1,6 @@
 """Dense retrieval heads (design §3.7): a few (layer, KV head) pairs that read every block in decode.
 
-Mean-pooled compressed keys cannot see a one-token attention spike (docs/passkey-gap.md):
+Mean-pooled compressed keys cannot see a one-token attention spike (design §3.7):
 a retrieval head whose query puts nearly all its mass on one or two earlier tokens ranks
 their block far below the top-k. Keeping such heads dense in decode -- the idea of
 DuoAttention and RazorAttention -- restores what the sparse selection loses, at the cost

@@ -1,6 +1,6 @@
 #!/bin/bash
-# One device call of the 2026-12-05 GPU session (see docs/accuracy/records/eval-gpu-2026-12-04/README.md).
-# usage (repository root): COMMIT=sha bash docs/accuracy/records/eval-gpu-2026-12-04/gpu-calls-2026-12-05.sh MODE BUDGET_S
+# One device call of the 2026-12-05 GPU session (see docs/results/accuracy/records/eval-gpu-2026-12-04/README.md).
+# usage (repository root): COMMIT=sha bash docs/results/accuracy/records/eval-gpu-2026-12-04/gpu-calls-2026-12-05.sh MODE BUDGET_S
 #   MODE first: join the GGUF, check h2o's kernel, eval; next: eval (resumes /tmp/ev), then the batched-prefill check
 set -u
 T0=$(date +%s)
