@@ -235,11 +235,21 @@ _FLAG_VALUES = {"--offload": "offload=True", "--no-offload": "offload=False", "-
                 "--shallow-select-once": "shallow_select_once=True", "--offload-timing": "offload_timing=True"}
 
 
+#: words that follow a flag as its value in messages (``--kv-dtype mixed`` -> ``kv_dtype=mixed``)
+_VALUE_WORDS = (*METHODS, *KV_DTYPES, *PRESETS, "auto", "uva", "copy", "sync", "none", "cpu", "cuda", "float32",
+                "bfloat16", "float16")
+
+
 def spell(message: str, style: str) -> str:
     """``message`` with every option named as a caller of ``style`` spells it: ``"cli"``
     (``--kv-dtype``), or ``"api"`` (``kv_dtype``, ``offload=False``). Messages are written with
     either spelling; this is the one place that translates them."""
     if style == "cli":
+        for flag, keyword in _FLAG_VALUES.items():
+            message = re.sub(rf"(?<![\w-]){re.escape(keyword)}(?![\w])", flag, message)
+        every = "|".join(sorted(OPTION_FLAGS, key=len, reverse=True))
+        message = re.sub(rf"(?<![\w.\-])({every})=(?=[\w.])", lambda m: OPTION_FLAGS[m.group(1)] + " ", message)
+        message = re.sub(rf"'({every})'", lambda m: OPTION_FLAGS[m.group(1)], message)
         keys = "|".join(sorted((k for k in OPTION_FLAGS if "_" in k), key=len, reverse=True))
         return re.sub(rf"(?<![\w.\-=])({keys})(?![\w(=])", lambda m: OPTION_FLAGS[m.group(1)], message)
 
@@ -248,10 +258,14 @@ def spell(message: str, style: str) -> str:
         if flag in _FLAG_VALUES:
             return _FLAG_VALUES[flag] + (match.group(0)[len(flag):] if value is None else f" {value}")
         key = _FLAG_KEYS[flag]
-        return f"{key}={value}" if value is not None else key
+        if value is not None:
+            return f"{key}={value}"
+        return key if "_" in key else f"'{key}'"  # a bare word would read as prose
 
     flags = "|".join(sorted(map(re.escape, _FLAG_KEYS), key=len, reverse=True))
-    return re.sub(rf"(?<![\w-])({flags})(?![\w-])(?: ([\w.:,/]+)(?=[\s;,)]|$))?", api, message)
+    words = "|".join(sorted(map(re.escape, _VALUE_WORDS), key=len, reverse=True))
+    value = rf"\d[\w.:,]*|(?:{words})(?![\w-])"
+    return re.sub(rf"(?<![\w-])({flags})(?![\w-])(?: ({value}))?", api, message)
 
 
 class OptionError(SpardaError):
@@ -405,7 +419,7 @@ def _dtype(value, device: str) -> str:
         return "bfloat16" if device.startswith("cuda") else "float32"
     name = str(value).replace("torch.", "")
     if name not in _DTYPE_NAMES:
-        _fail("dtype", f"unknown dtype {value!r}; choose one of float32, bfloat16, float16 (--dtype)")
+        _fail("dtype", f"unknown dtype {value!r}; choose one of float32, bfloat16, float16")
     return _DTYPE_NAMES[name]
 
 
@@ -471,7 +485,7 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
     offloaded = offload or method in ALWAYS_OFFLOADED
     kv_dtype = get("kv_dtype") or "bf16"
     if kv_dtype not in KV_DTYPES:
-        _fail("kv_dtype", f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)} (--kv-dtype)")
+        _fail("kv_dtype", f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
     if kv_dtype == "mixed" and not offloaded:
         _fail("kv_dtype", MIXED_ON_DEVICE.format(what=f"method {method}" + (
             " without --offload" if method in OFFLOADABLE else "")))
@@ -484,13 +498,13 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
         hot_blocks = selection.budget_blocks if hot_blocks is None else hot_blocks
         hot_steps = DEFAULT_HOT_STEPS if hot_steps is None else hot_steps
         if isinstance(hot_blocks, bool) or not isinstance(hot_blocks, int) or hot_blocks < selection.local_blocks:
-            _fail("kv_hot_blocks", f"kv_hot_blocks must be an integer >= local_blocks {selection.local_blocks} "
-                                   f"(the local window stays hot), got {get('kv_hot_blocks')!r}; e.g. "
+            _fail("kv_hot_blocks", f"kv_hot_blocks must be an integer of at least local_blocks "
+                                   f"({selection.local_blocks}: the local window stays hot), got {get('kv_hot_blocks')!r}; e.g. "
                                    f"--kv-hot-blocks {selection.budget_blocks}")
         _count("kv_hot_steps", hot_steps, 1, "decode steps")
     transfer = get("transfer") or "auto"
     if transfer not in TRANSFERS:
-        _fail("transfer", f"unknown transfer {transfer!r}; choose one of {', '.join(TRANSFERS)} (--transfer)")
+        _fail("transfer", f"unknown transfer {transfer!r}; choose one of {', '.join(TRANSFERS)}")
     if transfer != "auto" and not offloaded:
         _fail("transfer", f"--transfer {transfer} applies to an offloaded KV cache, but method {method} keeps it "
                           "on the device; drop --transfer or add --offload")

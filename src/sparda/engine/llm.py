@@ -36,12 +36,10 @@ def api_errors(func):
         try:
             return func(*args, **kwargs)
         except SpardaError as exc:
-            if getattr(exc, "raw", None) is not None:
-                raise
-            text = str(exc)
-            spelt = type(exc)(spell(text, "api")) if type(exc) is SpardaError else exc
-            spelt.raw = text
-            raise spelt from None if spelt is not exc else exc.__cause__
+            if getattr(exc, "raw", None) is None:
+                exc.raw = str(exc)
+                exc.args = (spell(exc.raw, "api"),)
+            raise
     return wrapper
 
 
