@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from sparda import LLM, SpardaError
@@ -75,3 +76,48 @@ def test_spelling_round_trips():
     assert cli == ("--kv-hot-blocks must be at least --local-blocks (4); use --kv-dtype mixed, drop --no-offload, "
                    "lower --max-new-tokens or set --topk-blocks 8")
     assert spell(api, "cli") == cli and spell(cli, "api") == api
+
+
+def test_a_budget_that_covers_the_whole_context_is_refused(make_tiny, fresh_seed):
+    """The tiny model's context is 4096 tokens = 64 blocks of 64: a budget of 64 blocks or more
+    can never select (every request dense), one block fewer can."""
+    path = make_tiny("llama")
+    topk = int(torch.randint(59, 10**9, ()))
+    with pytest.raises(SpardaError, match=rf"top-k {topk}\) covers the model's whole context of 4096 tokens \(64 "
+                                          r"blocks of 64\), so every request would attend densely; use topk_blocks=58"):
+        LLM(path, method="sparse", device="cpu", topk_blocks=topk)
+    assert LLM(path, method="sparse", device="cpu", topk_blocks=58).config.selection.budget_blocks == 63
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"\xff" * 64, "not a readable safetensors file"),
+    (None, "not sparda Forecast weights (no sparda format tag"),
+])
+def test_a_bad_forecast_file_names_the_fix(tmp_path, content, fragment):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "f.safetensors"
+    if content is None:
+        save_file({"w": torch.zeros(2)}, str(path), metadata={"foo": "bar"})  # a foreign safetensors file
+    else:
+        path.write_bytes(content)
+    with pytest.raises(SpardaError) as caught:
+        LLM(method="sparda", device="cpu", forecast=str(path))
+    message = str(caught.value)
+    assert fragment in message and "sparda train-forecast" in message and "\n" not in message
+
+
+def test_cpu_threads_leave_busy_cores_alone(monkeypatch):
+    import os
+
+    from sparda.config import build_config, cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for load, want in ((0.2, 4), (1.4, 3), (2.6, 1), (9.0, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert cpu_threads() == want
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads() == 3
+    assert build_config(method="dense", device="cpu", cpu_threads=2).runtime.cpu_threads == 2
+    assert build_config(method="dense", device="cpu").runtime.cpu_threads == 3

@@ -127,6 +127,9 @@ def model_options(func):
                      help="Offloaded cache: GPU slots per block of the widest selection (dense-fallback prefix "
                           "included); the spare ones keep blocks that left the selection, so one that returns "
                           "is not copied again (design §6) [default: 1.5]."),
+        click.option("--cpu-threads", "cpu_threads", type=int, default=None,
+                     help="CPU runs: torch threads [default: the idle cores, from the load average; "
+                          "OMP_NUM_THREADS if set]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
         click.option("--dense-heads", "dense_heads", default=None,

@@ -226,7 +226,7 @@ OPTION_FLAGS = {
     "shallow_layers": "--shallow-layers", "shallow_select_once": "--shallow-select-once",
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
     "seed": "--seed", "max_batch": "--max-batch", "max_model_len": "--max-model-len",
-    "max_waiting": "--max-waiting",
+    "max_waiting": "--max-waiting", "cpu_threads": "--cpu-threads",
 }
 _FLAG_KEYS = {flag: key for key, flag in OPTION_FLAGS.items()}
 _FLAG_KEYS.update({"--no-offload": "offload", "--eager": "cuda_graphs"})
@@ -333,6 +333,7 @@ class RuntimeConfig:
         fused_decode: on CUDA decode runs the fused kernels of :mod:`sparda.model.fused`.
         prefill_chunk_tokens: prompt tokens per prefill chunk (0: the whole prompt).
         prefill_batch_tokens: padded prompt tokens per batched prefill forward (0: one prompt).
+        cpu_threads: torch CPU threads on the CPU (:func:`cpu_threads`); ``None`` off the CPU.
     """
 
     device: str = "cpu"
@@ -341,6 +342,7 @@ class RuntimeConfig:
     fused_decode: bool = True
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     prefill_batch_tokens: int = DEFAULT_PREFILL_BATCH_TOKENS
+    cpu_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -515,6 +517,7 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
         _fail("slot_factor", f"slot_factor must be a number >= 1 (GPU slots per selected block), got {slot_factor!r}")
     chunk = _count("prefill_chunk_tokens", get("prefill_chunk_tokens"), 0, "0: the whole prompt at once")
     batch = _count("prefill_batch_tokens", get("prefill_batch_tokens"), 0, "0: one prompt per prefill forward")
+    threads = _count("cpu_threads", get("cpu_threads"), 1, "torch threads on the CPU")
     method_options = {key: get(key) for key in METHOD_OPTIONS if get(key) is not None}
     if "shallow_select_once" in method_options:
         _flag("shallow_select_once", method_options["shallow_select_once"])
@@ -531,7 +534,8 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
                               cuda_graphs=_flag("cuda_graphs", get("cuda_graphs")) is not False,
                               fused_decode=_flag("fused_decode", get("fused_decode")) is not False,
                               prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS if chunk is None else chunk,
-                              prefill_batch_tokens=DEFAULT_PREFILL_BATCH_TOKENS if batch is None else batch),
+                              prefill_batch_tokens=DEFAULT_PREFILL_BATCH_TOKENS if batch is None else batch,
+                              cpu_threads=None if cuda else (threads or cpu_threads())),
         dense_heads=_dense_heads_value(from_options, defaults), **method_options)
 
 
@@ -604,3 +608,37 @@ def resolve_dtype(dtype, device):
     import torch
 
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, _dtype(dtype, str(device)))
+
+
+def check_budget(config: SpardaConfig, context_tokens: int) -> None:
+    """Refuse a block budget that can never select for a model of ``context_tokens`` tokens:
+    one that covers every block of the whole context, so that every request would attend
+    densely (design §3.6).
+
+    Raises:
+        OptionError: naming the budget, the context and the largest ``topk_blocks`` that selects.
+    """
+    sel = config.selection
+    blocks = -(-context_tokens // sel.block_size)
+    if config.method == "dense" or sel.budget_blocks < blocks:
+        return
+    most = blocks - 1 - sel.init_blocks - sel.local_blocks
+    fix = f"use --topk-blocks {most} or fewer" if most >= 1 else "lower --local-blocks"
+    _fail("topk_blocks", f"the budget of {sel.budget_blocks} blocks (init {sel.init_blocks} + local {sel.local_blocks} + "
+                         f"top-k {sel.topk_blocks}) covers the model's whole context of {context_tokens} tokens "
+                         f"({blocks} blocks of {sel.block_size}), so every request would attend densely; {fix}, "
+                         "or --method dense")
+
+
+def cpu_threads() -> int:
+    """Torch threads for a CPU run when ``cpu_threads`` is not given: the cores this process
+    may use less those already busy (the 1-minute load average), at least 1. Threads beyond
+    the idle cores spin-wait on each other: on a busy 2-core machine two threads decoded 14x
+    slower than one. ``OMP_NUM_THREADS``, where set, is kept."""
+    import os
+
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, min(cores, cores - busy))

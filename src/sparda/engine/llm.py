@@ -17,7 +17,7 @@ import torch
 from sparda.attention.dense_heads import resolve_dense_heads
 from sparda.attention.forecast import default_forecast_available, model_identity
 from sparda.attention.registry import build_method
-from sparda.config import SpardaConfig, build_config, spell
+from sparda.config import SpardaConfig, build_config, check_budget, spell
 from sparda.engine.runner import ModelRunner
 from sparda.engine.sampling_params import SamplingParams
 from sparda.engine.sequence import RequestOutput
@@ -77,9 +77,12 @@ class LLM:
         self.options = dict(method=method, preset=preset, device=device, dtype=dtype, **options)
         config = build_config(**self.options)
         self.device, self.dtype = torch.device(config.runtime.device), getattr(torch, config.runtime.dtype)
+        if config.runtime.cpu_threads is not None:  # on the CPU: threads on idle cores only (config.cpu_threads)
+            torch.set_num_threads(config.runtime.cpu_threads)
         self.model, self.tokenizer, self.model_dir = load_model(model, self.device, self.dtype)
         if method is None and config.forecast_path is None and not default_forecast_available(self.model_dir):
             config = build_config(**{**self.options, "method": "sparse"})  # no Forecast for this model
+        check_budget(config, self.model.shape.max_positions)
         self._setup(config, model_identity(self.model.config, self.model.shape))
 
     def _setup(self, config: SpardaConfig, identity: dict | None, **method_kwargs) -> None:
