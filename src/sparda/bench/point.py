@@ -318,7 +318,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     parity = None
     if getattr(opts, "parity_steps", 0) and runner.use_graphs:
         # eager reference from the filled state, then refill: the graph run starts from it too
-        eager = DecodeRunner(llm, cache, cuda_graphs=False)
+        eager = DecodeRunner(llm.model_runner, cache, cuda_graphs=False)
         eager.load(tokens, torch.full((batch,), context, device=dev))
         reference = torch.stack([step(eager) for _ in range(opts.parity_steps)])
         state["i"] = 0
@@ -358,7 +358,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         timing = copy_timing(llm, cache, step, timing_steps, state, timed_from)
     breakdown = {}
     if opts.breakdown_steps:  # hooks run in eager steps only: a runner without graphs
-        eager = DecodeRunner(llm, cache, cuda_graphs=False)
+        eager = DecodeRunner(llm.model_runner, cache, cuda_graphs=False)
         eager.load(tokens, runner.positions)
         timer = ComponentTimer(dev)
         timer.install(llm, cache)
@@ -548,7 +548,7 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
     real = cache.engine
     cache.engine = _NoGather(real)
     try:
-        alone = DecodeRunner(llm, cache, cuda_graphs=True)
+        alone = DecodeRunner(llm.model_runner, cache, cuda_graphs=True)
         alone.load(llm.runner(cache).tokens, llm.runner(cache).positions)
         replay_to(lambda: step(alone), state, cache, start, minimum=3)  # warm-up, capture, one replay at least
         sync(dev)

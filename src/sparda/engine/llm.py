@@ -84,6 +84,10 @@ class LLM:
             config = build_config(**{**self.options, "method": "sparse"})  # no Forecast for this model
         check_budget(config, self.model.shape.max_positions)
         self._setup(config, model_identity(self.model.config, self.model.shape))
+        if self.device.type == "cpu" and self.model_runner.offloaded:
+            logging.getLogger("sparda").warning(
+                "note: an offloaded KV cache on the CPU copies its blocks synchronously (no side stream to hide "
+                "them behind), so it measures nothing of the prefetch; offload is meant for CUDA (design §6)")
 
     def _setup(self, config: SpardaConfig, identity: dict | None, **method_kwargs) -> None:
         """Build the method and runner for ``config``, resolving ``dense_heads`` (design §3.7)."""
@@ -93,10 +97,6 @@ class LLM:
                                     model_dir=self.model_dir, identity=identity)
         self.config = self.method.config = dataclasses.replace(config, dense_heads=heads)
         self.model_runner = ModelRunner(self.model, self.method, self.config)
-        if self.device.type == "cpu" and self.model_runner.offloaded:
-            logging.getLogger("sparda").warning(
-                "note: an offloaded KV cache on the CPU copies its blocks synchronously (no side stream to hide "
-                "them behind), so it measures nothing of the prefetch; offload is meant for CUDA (design §6)")
 
     @classmethod
     @api_errors
