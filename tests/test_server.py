@@ -17,7 +17,7 @@ import uvicorn
 
 from sparda import LLM, SamplingParams
 from sparda.engine.engine import Engine
-from sparda.server import bind_socket, create_app
+from sparda.server.app import bind_socket, create_app
 
 MODEL = "tiny-test"
 

@@ -316,7 +316,7 @@ def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, de
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.attention.forecast import model_name
     from sparda.engine.engine import Engine
-    from sparda.server import bind_socket, serve as run_server
+    from sparda.server.app import bind_socket, serve as run_server
 
     sock = bind_socket(host, port)  # a busy port fails before the model loads
     llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype, eager=eager,

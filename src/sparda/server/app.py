@@ -34,7 +34,7 @@ from sparda.engine.chat import chat_token_ids
 from sparda.engine.engine import Engine, EngineStopped
 from sparda.engine.scheduler import QueueFull
 from sparda.errors import SpardaError
-from sparda.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, chat_logprobs,
+from sparda.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                     chat_response, completion_logprobs, completion_response, error_body,
                                     new_id, usage)
 
