@@ -4,9 +4,20 @@ Endpoints (docs/serving.md): ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true``: server-sent events ending in
 ``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus text format).
 
-Errors are OpenAI error objects: 400 for bad parameters (wrong types, unknown fields,
-``max_tokens`` <= 0, a prompt that does not fit ``--max-model-len``, both lengths named),
-404 for an unknown model, 429 with ``Retry-After`` when the queue is full, 503 with
+A request can only hurt itself:
+
+* every body is checked at the boundary (:mod:`sparda.server.protocol`: one table of
+  field ranges) before any work; every error is an OpenAI error object
+  ``{"error": {"message", "type", "param", "code"}}``, whatever raised it (a bad field,
+  an unknown path or method, a body over ``--max-request-bytes``, a server bug);
+* tokenisation and detokenisation run on a worker thread, never on the event loop;
+* on the engine thread an exception in one request's work ends that request alone
+  (``Engine.failed``): a non-streamed request gets a 500, a stream an error chunk and
+  ``data: [DONE]``; the others go on. If the engine thread itself dies, ``/health``
+  answers 503 and new requests are refused with 503.
+
+400 for bad parameters (a prompt that does not fit ``--max-model-len``: both lengths
+named), 404 for an unknown model, 429 with ``Retry-After`` when the queue is full, 503 with
 ``Retry-After`` while the server drains. A client that disconnects cancels its requests,
 which frees their rows at the next engine step. SIGINT/SIGTERM stop accepting, let
 running requests finish for up to ``--drain-timeout`` seconds, cancel the rest and exit
@@ -19,8 +30,10 @@ their deltas on the event loop through ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import logging
 import signal
 import socket
 import sys
@@ -29,29 +42,37 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparda.engine.chat import chat_token_ids
 from sparda.engine.engine import Engine, EngineStopped
 from sparda.engine.scheduler import QueueFull
 from sparda.errors import SpardaError
-from sparda.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, chat_logprobs,
-                                    chat_response, completion_logprobs, completion_response, error_body,
-                                    new_id, usage)
+from sparda.server.protocol import (CHAT, COMPLETION, BadRequest, Limits, chat_logprobs, chat_messages,
+                                    chat_response, check_fields, check_prompt_length, completion_logprobs,
+                                    completion_prompts, completion_response, error_body, new_id, sampling_params,
+                                    usage)
+
+log = logging.getLogger("sparda.server")
 
 #: seconds a client is told to wait (Retry-After) when the queue is full or the server drains
 RETRY_AFTER_S = 1
 #: seconds between two disconnect checks of a client waiting for a non-streamed answer
 POLL_S = 0.25
+#: what a client is told when the engine failed while running its request
+ENGINE_FAILED = "the engine failed while running this request (see the server log); other requests go on"
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None, retry_after: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
+           code: str | int | None = None, retry_after: int | None = None, headers: dict | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers or None)
 
 
 def _refusal(exc: SpardaError):
-    """The HTTP error of an exception raised while queuing a request."""
+    """The HTTP error of an exception raised while checking or queuing a request."""
     if isinstance(exc, QueueFull):
         return _error(429, str(exc), "rate_limit_exceeded", retry_after=RETRY_AFTER_S)
     if isinstance(exc, EngineStopped):
@@ -129,6 +150,60 @@ def _sse(payload) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+def _engine_error_chunk() -> str:
+    """The stream chunk of a request the engine failed (the openai client raises APIError)."""
+    return _sse(error_body(ENGINE_FAILED, "server_error", code=500))
+
+
+async def read_json(request: Request):
+    """The request's body parsed as JSON. Raises BadRequest (not JSON, not UTF-8, too deep)."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise BadRequest(f"the request body is not valid JSON: {message}") from None
+
+
+class Tokenizer:
+    """The tokenizer's work for the HTTP side, on one worker thread (never the event loop).
+
+    A prompt the tokenizer cannot encode (it raises, or its Rust core panics) is a 400.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparda-tokenizer")
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` on the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    @staticmethod
+    def guarded(fn, param: str, *args):
+        """``fn(*args)``, with whatever the tokenizer raises turned into BadRequest naming ``param``."""
+        try:
+            return fn(*args)
+        except SpardaError:
+            raise
+        except BaseException as exc:  # pyo3's PanicException derives from BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            raise BadRequest(f"{param} holds text the tokenizer cannot encode "
+                             f"({type(exc).__name__}: {str(exc)[:160]})", param) from None
+
+    def encode_prompts(self, prompts: list) -> list[list[int]]:
+        return [p if isinstance(p, list) else self.guarded(self.engine.llm.encode, "prompt", p, False)
+                for p in prompts]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.guarded(chat_token_ids, "messages", self.tokenizer, messages)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, banner: str | None = None):
     """The FastAPI application serving ``engine`` under the name ``model_name``.
 
@@ -136,41 +211,74 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
     after letting requests finish for up to ``drain_timeout_s`` seconds. ``banner`` is
     printed to stderr once the server is ready.
     """
+    worker = Tokenizer(engine)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
         if banner:
             print(banner, file=sys.stderr, flush=True)
-        yield
-        await asyncio.to_thread(engine.shutdown, drain_timeout_s)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown, drain_timeout_s)
+            worker.close()
 
     app = FastAPI(title="sparda", lifespan=lifespan)
     app.state.engine = engine
     tokenizer = engine.tokenizer
+    limits = Limits(engine.vocab_size, engine.max_model_len, engine.scheduler.max_waiting)
+
+    # ------------------------------------------------------------- errors
+    @app.exception_handler(SpardaError)
+    async def refused(request, exc: SpardaError):
+        return _refusal(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"no such endpoint: {where} (see GET /v1/models, POST /v1/completions, ...)"
+        elif exc.status_code == 405:
+            message = f"method not allowed: {where}"
+        else:
+            message = str(exc.detail)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, message, kind, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
-        if err.get("type") == "extra_forbidden":
-            message = f"unrecognized request argument: {'.'.join(loc)}"
-        elif err.get("type") == "json_invalid" or not loc:
-            message = f"the request body is not valid JSON: {err.get('msg', 'invalid')}"
-        elif err.get("type") == "missing":
-            message = f"missing required field '{'.'.join(loc)}'"
-        else:
-            message = f"invalid value for '{param}': {err.get('msg', 'invalid')}"
-        return _error(400, message, param=param)
+        return _error(400, f"invalid value for '{'.'.join(loc) or 'body'}': {err.get('msg', 'invalid')}",
+                      param=param)
 
+    @app.exception_handler(Exception)
+    async def crashed(request, exc: Exception):
+        log.error("internal error serving %s %s", request.method, request.url.path,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        return _error(500, "internal server error (see the server log)", "server_error")
+
+    # ------------------------------------------------------------- helpers
     def check_model(name: str | None):
         if name is not None and name != model_name:
             return _error(404, f"model '{name}' does not exist; this server serves '{model_name}' (GET /v1/models)",
                           param="model", code="model_not_found")
         return None
 
+    def engine_down():
+        if getattr(engine, "crashed", None) is not None:
+            return _error(503, "the engine thread stopped (see the server log); this server takes no requests",
+                          "server_error", retry_after=RETRY_AFTER_S)
+        return None
+
     def start(prompts: list[list[int]], params):
         """Queue ``prompts``; an error response, or the :class:`_Stream`."""
+        if (down := engine_down()) is not None:
+            return down
+        for ids in prompts:  # every prompt checked before any is queued
+            check_prompt_length(len(ids), limits, params.max_tokens)
         stream = _Stream(engine)
         try:
             for ids in prompts:
@@ -197,24 +305,25 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             stream.cancel()
         return outputs
 
-    def failed(outputs):
-        if any(o.finish_reason == "error" for o in outputs):
-            return _error(500, "the engine failed while running this request (see the server log)", "server_error")
-        return None
-
     async def reply(stream: _Stream, request: Request, build):
-        """The non-streamed answer: ``build(outputs)`` once every output is in, or the
-        error for a client that went away or a failed engine."""
+        """The non-streamed answer: ``build(outputs)`` (on the worker: it detokenises
+        logprobs) once every output is in, or the error for a client that went away or
+        a request the engine failed."""
         outputs = await collect(stream, request)
         if outputs is None:
             return _error(499, "client closed the request", "client_disconnected")
-        return failed(outputs) or JSONResponse(build(outputs))
+        if any(o is None or o.finish_reason == "error" for o in outputs):
+            return _error(500, ENGINE_FAILED, "server_error")
+        return JSONResponse(await worker.run(build, outputs))
 
+    # ------------------------------------------------------------- endpoints
     @app.get("/health")
     async def health():
-        if not engine.accepting or not engine.alive:
-            return _error(503, "shutting down" if not engine.accepting else "the engine thread stopped",
-                          "server_shutting_down", retry_after=RETRY_AFTER_S)
+        if getattr(engine, "crashed", None) is not None or (engine.accepting and not engine.alive):
+            return _error(503, "the engine thread stopped (see the server log)", "server_error",
+                          retry_after=RETRY_AFTER_S)
+        if not engine.accepting:
+            return _error(503, "shutting down", "server_shutting_down", retry_after=RETRY_AFTER_S)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -228,40 +337,47 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
                                             "owned_by": "sparda", "max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        if (refused := check_model(body.model)) is not None:
+    async def completions(request: Request):
+        body = check_fields(await read_json(request), COMPLETION, limits)
+        if (refused := check_model(body.get("model"))) is not None:
             return refused
-        try:
-            body.check_supported()
-            params = body.sampling_params(body.max_tokens, body.logprobs)
-            prompts = _completion_prompts(engine.llm, body.prompt)
-        except SpardaError as exc:
-            return _refusal(exc)
+        max_tokens = body.get("max_tokens", 16)
+        logprobs = body.get("logprobs")
+        params = sampling_params(body, max_tokens, logprobs)
+        prompts = await worker.run(worker.encode_prompts, completion_prompts(body.get("prompt"), limits))
         stream = start(prompts, params)
         if not isinstance(stream, _Stream):
             return stream
         rid = new_id("cmpl")
-        if not body.stream:
+        if not body.get("stream"):
             return await reply(stream, request, lambda outs: completion_response(rid, model_name, outs, tokenizer))
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events():
             outputs, offsets = [None] * len(stream.ids), [0] * len(stream.ids)
             try:
                 while stream.open:
                     index, delta = await stream.next()
-                    if not delta.text and not delta.finished and body.logprobs is None:
+                    if delta.finish_reason == "error":
+                        stream.cancel()
+                        yield _engine_error_chunk()
+                        break
+                    if not delta.text and not delta.finished and logprobs is None:
                         continue
+                    entries = None
+                    if delta.logprobs is not None:
+                        entries = await worker.run(completion_logprobs, tokenizer, delta.logprobs, offsets[index])
                     choice = {"index": index, "text": delta.text, "finish_reason": delta.finish_reason,
-                              "logprobs": completion_logprobs(tokenizer, delta.logprobs, offsets[index])}
+                              "logprobs": entries}
                     offsets[index] += len(delta.text)
                     outputs[index] = delta.output or outputs[index]
                     yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()),
                                 "model": model_name, "choices": [choice]})
-                if include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                "model": model_name, "choices": [], "usage": usage(outputs)})
+                else:
+                    if include_usage:
+                        yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                                    "model": model_name, "choices": [], "usage": usage(outputs)})
                 yield _sse("[DONE]")
             finally:
                 stream.cancel()
@@ -269,26 +385,30 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if (refused := check_model(body.model)) is not None:
+    async def chat_completions(request: Request):
+        body = check_fields(await read_json(request), CHAT, limits)
+        if (refused := check_model(body.get("model"))) is not None:
             return refused
-        try:
-            body.check_supported()
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            prompt = chat_token_ids(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            params = body.sampling_params(max_tokens, logprobs)
-        except SpardaError as exc:
-            return _refusal(exc)
+        if "messages" not in body or body["messages"] is None:
+            raise BadRequest("missing required field 'messages'", "messages")
+        messages = chat_messages(body["messages"])
+        want_logprobs = bool(body.get("logprobs"))
+        if body.get("top_logprobs") is not None and not want_logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (body.get("top_logprobs") or 0) if want_logprobs else None
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        params = sampling_params(body, max_tokens, logprobs)
+        prompt = await worker.run(worker.encode_chat, messages)
         stream = start([prompt], params)
         if not isinstance(stream, _Stream):
             return stream
         rid = new_id("chatcmpl")
-        if not body.stream:
+        if not body.get("stream"):
             return await reply(stream, request, lambda outs: chat_response(rid, model_name, outs[0], tokenizer))
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         def chunk(delta: dict, finish_reason=None, logprobs=None) -> str:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -302,14 +422,21 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
                 yield chunk({"role": "assistant", "content": ""})
                 while stream.open:
                     _, delta = await stream.next()
-                    if not delta.text and not delta.finished and not body.logprobs:
+                    if delta.finish_reason == "error":
+                        stream.cancel()
+                        yield _engine_error_chunk()
+                        break
+                    if not delta.text and not delta.finished and not want_logprobs:
                         continue
                     output = delta.output or output
-                    yield chunk({"content": delta.text} if delta.text else {}, delta.finish_reason,
-                                chat_logprobs(tokenizer, delta.logprobs))
-                if include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                                "model": model_name, "choices": [], "usage": usage([output])})
+                    entries = None
+                    if delta.logprobs is not None:
+                        entries = await worker.run(chat_logprobs, tokenizer, delta.logprobs)
+                    yield chunk({"content": delta.text} if delta.text else {}, delta.finish_reason, entries)
+                else:
+                    if include_usage:
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                                    "model": model_name, "choices": [], "usage": usage([output])})
                 yield _sse("[DONE]")
             finally:
                 stream.cancel()
@@ -317,25 +444,6 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
-
-
-def _completion_prompts(llm, prompt) -> list[list[int]]:
-    """Token ids of each prompt of a completions request (no chat template)."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise BadRequest("prompt is empty; pass some text", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    out = []
-    for p in prompt:
-        if isinstance(p, str):
-            if not p:
-                raise BadRequest("prompt is empty; pass some text", "prompt")
-            out.append(llm.encode(p, chat=False))
-        else:
-            out.append(list(p))
-    return out
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
