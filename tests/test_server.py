@@ -28,12 +28,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 class Running:
     """A server in a background thread: ``url``, ``engine``, ``stop()``."""
 
-    def __init__(self, llm, **engine_options):
+    def __init__(self, llm, app_options=None, **engine_options):
         self.engine = Engine(llm, **engine_options)
         sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(self.engine, MODEL, drain_timeout_s=5.0), log_level="error",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(create_app(self.engine, MODEL, drain_timeout_s=5.0, **(app_options or {})),
+                                log_level="critical", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -68,7 +68,8 @@ def tiny_dir(make_tiny):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    running = Running(LLM(tiny_dir, method="dense", device="cpu"), max_batch=8, max_model_len=192, max_waiting=64)
+    running = Running(LLM(tiny_dir, method="dense", device="cpu"), {"max_request_bytes": 2**16}, max_batch=8,
+                      max_model_len=192, max_waiting=64)
     yield running
     running.stop()
 
@@ -392,3 +393,52 @@ def test_unknown_fields_are_ignored_with_a_warning_and_output_changing_ones_refu
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] == name and "not supported" in error["message"] \
             or name == "n" and "n must be 1" in error["message"], (name, error)
+
+
+def test_every_error_is_an_openai_error_object(server, monkeypatch):
+    def check(response, status, fragment):
+        error = response.json()["error"]
+        assert response.status_code == status and fragment in error["message"], response.text
+        assert set(error) == {"message", "type", "param", "code"}
+
+    check(httpx.get(server.url + "/v1/nope"), 404, "no such endpoint: GET /v1/nope")
+    response = httpx.get(server.url + "/v1/completions")
+    check(response, 405, "method not allowed: GET /v1/completions")
+    assert response.headers["allow"] == "POST"
+    big = {"model": MODEL, "prompt": "x" * 2**16}
+    check(httpx.post(server.url + "/v1/completions", json=big), 413, "exceeds --max-request-bytes 65536")
+
+    def chunked():  # no Content-Length: refused once the body passes the limit
+        for _ in range(40):
+            yield b" " * 2048
+
+    check(httpx.post(server.url + "/v1/completions", content=chunked()), 413, "exceeds --max-request-bytes")
+    check(httpx.post(server.url + "/v1/completions", content=b""), 400, "the request body is not valid JSON")
+
+    def broken():
+        raise RuntimeError("injected bug")
+
+    monkeypatch.setattr(server.engine, "metrics", broken)
+    check(httpx.get(server.url + "/metrics"), 500, "internal server error (see the server log)")
+    monkeypatch.undo()
+    assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices  # still serving
+
+
+def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
+    encode = server.engine.llm.encode
+
+    def slow(text, chat=True):
+        if text.startswith("slow"):
+            time.sleep(2.0)
+        return encode(text, chat)
+
+    monkeypatch.setattr(server.engine.llm, "encode", slow)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.url + "/v1/completions",
+                              json={"model": MODEL, "prompt": "slow prompt", "max_tokens": 2}, timeout=60)
+        time.sleep(0.3)  # the tokenizer is busy now
+        begun = time.perf_counter()
+        assert httpx.get(server.url + "/health").status_code == 200
+        waited = time.perf_counter() - begun
+        assert pending.result().status_code == 200
+    assert waited < 1.0, f"/health waited {waited:.2f} s behind a tokenisation"

@@ -309,10 +309,12 @@ def _print_stream(deltas, count: int) -> None:
 @click.option("--served-model-name", default=None, help="Name clients pass as 'model' [default: the model's name].")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
+@click.option("--max-request-bytes", default=16 * 2**20, show_default=True, type=click.IntRange(1),
+              help="Largest request body accepted; larger ones get 413.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, device, dtype, eager, host, port, max_batch,
-          max_model_len, max_waiting, served_model_name, drain_timeout, log_level):
+          max_model_len, max_waiting, served_model_name, drain_timeout, max_request_bytes, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.attention.forecast import model_name
     from sparda.engine.engine import Engine
@@ -326,6 +328,7 @@ def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, de
     bound_host, bound_port = sock.getsockname()[:2]
     pool = engine.cache.nbytes / 2**30
     run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,
+               max_request_bytes=max_request_bytes,
                banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({engine.max_batch} rows x "
                       f"{engine.max_model_len} tokens, KV pool {pool:.2f} GiB)")
 

@@ -59,6 +59,8 @@ log = logging.getLogger("sparda.server")
 RETRY_AFTER_S = 1
 #: seconds between two disconnect checks of a client waiting for a non-streamed answer
 POLL_S = 0.25
+#: default --max-request-bytes: a 1M-token prompt of token ids is about 7 MB of JSON
+MAX_REQUEST_BYTES = 16 * 2**20
 #: what a client is told when the engine failed while running its request
 ENGINE_FAILED = "the engine failed while running this request (see the server log); other requests go on"
 
@@ -108,6 +110,56 @@ def prometheus_text(metrics: dict, model: str) -> str:
         put("offload_bytes_per_token", "gauge", "K+V bytes copied host-to-device per decoded token.",
             metrics["offload"].get("bytes_per_token", 0.0))
     return "\n".join(lines) + "\n"
+
+
+async def _send_error(send, status: int, message: str, kind: str, headers: dict | None = None) -> None:
+    """An OpenAI error response sent straight through ASGI (from the middleware)."""
+    body = json.dumps(error_body(message, kind)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Guard:
+    """ASGI middleware in front of every endpoint: bodies over ``max_request_bytes``
+    are refused with 413 before they are parsed (a declared ``Content-Length`` at once,
+    a chunked body as soon as it passes the limit); a body within it is read and replayed
+    to the application."""
+
+    def __init__(self, app, max_request_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        too_large = (413, f"the request body exceeds --max-request-bytes {self.max_bytes}; send a smaller "
+                          "request", "request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _send_error(send, *too_large)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _send_error(send, *too_large)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
 class _Stream:
@@ -204,12 +256,14 @@ class Tokenizer:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, banner: str | None = None):
+def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, banner: str | None = None, *,
+               max_request_bytes: int = MAX_REQUEST_BYTES):
     """The FastAPI application serving ``engine`` under the name ``model_name``.
 
     The engine's thread starts with the app (lifespan) and stops when it shuts down,
     after letting requests finish for up to ``drain_timeout_s`` seconds. ``banner`` is
-    printed to stderr once the server is ready.
+    printed to stderr once the server is ready. Request bodies over ``max_request_bytes``
+    get 413.
     """
     worker = Tokenizer(engine)
 
@@ -225,6 +279,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             worker.close()
 
     app = FastAPI(title="sparda", lifespan=lifespan)
+    app.add_middleware(_Guard, max_request_bytes=max_request_bytes)
     app.state.engine = engine
     tokenizer = engine.tokenizer
     limits = Limits(engine.vocab_size, engine.max_model_len, engine.scheduler.max_waiting)
@@ -467,7 +522,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout_s: float = 30.0,
-          log_level: str = "warning", banner: str | None = None) -> None:
+          log_level: str = "warning", banner: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
     """Serve until SIGINT/SIGTERM (blocking), then drain and return.
 
     Args:
@@ -477,6 +532,7 @@ def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout
         drain_timeout_s: seconds running requests get to finish after the signal.
         log_level: uvicorn's log level.
         banner: a line printed to stderr once the server is ready.
+        max_request_bytes: larger request bodies get 413.
     """
     import uvicorn
 
@@ -492,6 +548,6 @@ def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout
                       file=sys.stderr, flush=True)
             self.should_exit = True
 
-    app = create_app(engine, model_name, drain_timeout_s, banner)
+    app = create_app(engine, model_name, drain_timeout_s, banner, max_request_bytes=max_request_bytes)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s, lifespan="on")
     Server(config).run(sockets=[sock])
