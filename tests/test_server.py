@@ -442,3 +442,33 @@ def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
         waited = time.perf_counter() - begun
         assert pending.result().status_code == 200
     assert waited < 1.0, f"/health waited {waited:.2f} s behind a tokenisation"
+
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_api_key_guards_the_api_with_the_openai_client(tiny_dir, protect):
+    from sparda.server.app import exposure_warning
+
+    running = Running(LLM(tiny_dir, method="dense", device="cpu"),
+                      {"api_key": "s3cret-key", "protect_health_metrics": protect}, max_batch=1, max_model_len=64)
+    try:
+        def client(key):
+            return openai.OpenAI(base_url=running.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+        assert client("s3cret-key").completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+        assert [m.id for m in client("s3cret-key").models.list().data] == [MODEL]
+        for wrong in ("s3cret-kez", "s3cret-key-and-more", "unused"):
+            with pytest.raises(openai.AuthenticationError, match="missing or incorrect API key"):
+                client(wrong).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        for headers in ({}, {"Authorization": "s3cret-key"}, {"Authorization": "Basic s3cret-key"}):
+            response = httpx.post(running.url + "/v1/completions", json={"prompt": "hi"}, headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(running.url + "/v1/nope").status_code == 401  # no probing of paths without the key
+        for path in ("/health", "/metrics"):
+            assert httpx.get(running.url + path).status_code == (401 if protect else 200)
+            assert httpx.get(running.url + path, headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
+    finally:
+        running.stop()
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+    assert exposure_warning("0.0.0.0", "k") is None
+    assert "serving on 0.0.0.0 without --api-key" in exposure_warning("0.0.0.0", None)

@@ -311,16 +311,28 @@ def _print_stream(deltas, count: int) -> None:
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
 @click.option("--max-request-bytes", default=16 * 2**20, show_default=True, type=click.IntRange(1),
               help="Largest request body accepted; larger ones get 413.")
+@click.option("--api-key", envvar="SPARDA_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' (401 otherwise) [default: no key].")
+@click.option("--protect-health-metrics", is_flag=True, default=False,
+              help="With --api-key, /health and /metrics need the key too [default: they are open].")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, device, dtype, eager, host, port, max_batch,
-          max_model_len, max_waiting, served_model_name, drain_timeout, max_request_bytes, log_level):
+          max_model_len, max_waiting, served_model_name, drain_timeout, max_request_bytes, api_key,
+          protect_health_metrics, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.attention.forecast import model_name
     from sparda.engine.engine import Engine
-    from sparda.server.app import bind_socket, serve as run_server
+    from sparda.server.app import bind_socket, exposure_warning, serve as run_server
 
+    if api_key is not None and not api_key.strip():
+        raise SpardaError("--api-key is empty; pass a key, or leave it (and SPARDA_API_KEY) unset for none")
+    if protect_health_metrics and api_key is None:
+        raise SpardaError("--protect-health-metrics needs --api-key (or SPARDA_API_KEY)")
     sock = bind_socket(host, port)  # a busy port fails before the model loads
+    warning = exposure_warning(sock.getsockname()[0], api_key)
+    if warning:
+        click.echo(warning, err=True)
     llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype, eager=eager,
                     offload=offload, forecast=forecast, sparse_prefill=sparse_prefill, kv_dtype=kv_dtype)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
@@ -328,7 +340,7 @@ def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, de
     bound_host, bound_port = sock.getsockname()[:2]
     pool = engine.cache.nbytes / 2**30
     run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,
-               max_request_bytes=max_request_bytes,
+               max_request_bytes=max_request_bytes, api_key=api_key, protect_health_metrics=protect_health_metrics,
                banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({engine.max_batch} rows x "
                       f"{engine.max_model_len} tokens, KV pool {pool:.2f} GiB)")
 

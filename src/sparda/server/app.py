@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import json
 import logging
 import signal
@@ -61,6 +62,8 @@ RETRY_AFTER_S = 1
 POLL_S = 0.25
 #: default --max-request-bytes: a 1M-token prompt of token ids is about 7 MB of JSON
 MAX_REQUEST_BYTES = 16 * 2**20
+#: paths that need no API key unless --protect-health-metrics (probes, scrapers)
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 #: what a client is told when the engine failed while running its request
 ENGINE_FAILED = "the engine failed while running this request (see the server log); other requests go on"
 
@@ -112,9 +115,10 @@ def prometheus_text(metrics: dict, model: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _send_error(send, status: int, message: str, kind: str, headers: dict | None = None) -> None:
+async def _send_error(send, status: int, message: str, kind: str, headers: dict | None = None,
+                      code: str | None = None) -> None:
     """An OpenAI error response sent straight through ASGI (from the middleware)."""
-    body = json.dumps(error_body(message, kind)).encode()
+    body = json.dumps(error_body(message, kind, code=code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -122,17 +126,40 @@ async def _send_error(send, status: int, message: str, kind: str, headers: dict 
 
 
 class _Guard:
-    """ASGI middleware in front of every endpoint: bodies over ``max_request_bytes``
-    are refused with 413 before they are parsed (a declared ``Content-Length`` at once,
-    a chunked body as soon as it passes the limit); a body within it is read and replayed
-    to the application."""
+    """ASGI middleware in front of every endpoint.
 
-    def __init__(self, app, max_request_bytes: int) -> None:
+    * With an ``api_key``, every path but ``open_paths`` needs ``Authorization: Bearer
+      <key>`` (compared in constant time, :func:`hmac.compare_digest`); otherwise 401,
+      before the body is read.
+    * Bodies over ``max_request_bytes`` are refused with 413 before they are parsed (a
+      declared ``Content-Length`` at once, a chunked body as soon as it passes the limit);
+      a body within it is read and replayed to the application.
+    """
+
+    def __init__(self, app, max_request_bytes: int, api_key: str | None = None,
+                 open_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.max_bytes = max_request_bytes
+        self.key = api_key.encode("utf-8") if api_key is not None else None
+        self.open_paths = open_paths
+
+    def authorized(self, scope) -> bool:
+        if self.key is None or scope["path"] in self.open_paths:
+            return True
+        value = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = value.strip().partition(b" ")
+        # compare_digest in any case (a missing or non-bearer header compares an empty token)
+        matches = hmac.compare_digest(token.strip() if scheme.lower() == b"bearer" else b"", self.key)
+        return matches and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if not self.authorized(scope):
+            return await _send_error(send, 401, "missing or incorrect API key; send the header "
+                                                "'Authorization: Bearer <--api-key>'", "invalid_request_error",
+                                     {"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         too_large = (413, f"the request body exceeds --max-request-bytes {self.max_bytes}; send a smaller "
                           "request", "request_too_large")
@@ -257,13 +284,15 @@ class Tokenizer:
 
 
 def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, banner: str | None = None, *,
-               max_request_bytes: int = MAX_REQUEST_BYTES):
+               max_request_bytes: int = MAX_REQUEST_BYTES, api_key: str | None = None,
+               protect_health_metrics: bool = False):
     """The FastAPI application serving ``engine`` under the name ``model_name``.
 
     The engine's thread starts with the app (lifespan) and stops when it shuts down,
     after letting requests finish for up to ``drain_timeout_s`` seconds. ``banner`` is
     printed to stderr once the server is ready. Request bodies over ``max_request_bytes``
-    get 413.
+    get 413. With ``api_key``, requests need ``Authorization: Bearer <api_key>`` (401
+    otherwise), except ``/health`` and ``/metrics`` unless ``protect_health_metrics``.
     """
     worker = Tokenizer(engine)
 
@@ -279,7 +308,8 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             worker.close()
 
     app = FastAPI(title="sparda", lifespan=lifespan)
-    app.add_middleware(_Guard, max_request_bytes=max_request_bytes)
+    app.add_middleware(_Guard, max_request_bytes=max_request_bytes, api_key=api_key,
+                       open_paths=frozenset() if protect_health_metrics else OPEN_PATHS)
     app.state.engine = engine
     tokenizer = engine.tokenizer
     limits = Limits(engine.vocab_size, engine.max_model_len, engine.scheduler.max_waiting)
@@ -501,6 +531,20 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
     return app
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The start-up warning for a server bound to a non-loopback address without an API key."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback or api_key is not None:
+        return None
+    return (f"warning: serving on {host} without --api-key: anyone who can reach this address can use the model; "
+            "set --api-key (or SPARDA_API_KEY), or bind 127.0.0.1")
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (``port`` 0: a free port), not yet listening.
 
@@ -522,7 +566,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout_s: float = 30.0,
-          log_level: str = "warning", banner: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+          log_level: str = "warning", banner: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+          api_key: str | None = None, protect_health_metrics: bool = False) -> None:
     """Serve until SIGINT/SIGTERM (blocking), then drain and return.
 
     Args:
@@ -533,6 +578,7 @@ def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout
         log_level: uvicorn's log level.
         banner: a line printed to stderr once the server is ready.
         max_request_bytes: larger request bodies get 413.
+        api_key, protect_health_metrics: as :func:`create_app`.
     """
     import uvicorn
 
@@ -548,6 +594,7 @@ def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout
                       file=sys.stderr, flush=True)
             self.should_exit = True
 
-    app = create_app(engine, model_name, drain_timeout_s, banner, max_request_bytes=max_request_bytes)
+    app = create_app(engine, model_name, drain_timeout_s, banner, max_request_bytes=max_request_bytes,
+                     api_key=api_key, protect_health_metrics=protect_health_metrics)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s, lifespan="on")
     Server(config).run(sockets=[sock])
