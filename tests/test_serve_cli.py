@@ -16,11 +16,11 @@ import pytest
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def start_serve(*args):
+def start_serve(*args, env=None):
     """``sparda serve ARGS --port 0``: ``(process, "http://host:port", stderr lines so far)``
     once the banner is printed; later stderr lines keep arriving in that list."""
     proc = subprocess.Popen([sys.executable, "-m", "sparda.cli", "serve", "--port", "0", *args],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env or ENV)
     lines: queue.Queue = queue.Queue()
     seen: list[str] = []
 
@@ -86,3 +86,42 @@ def test_serve_usage_error_is_one_line_exit_2():
                          text=True, timeout=120, env=ENV)
     assert res.returncode == 2 and "Invalid value for '--max-batch'" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_serve_publishes_org_name_and_warns_off_loopback_without_a_key(tmp_path, make_tiny):
+    """A model given as ORG/NAME is served under that name (not its snapshot's commit hash)."""
+    import httpx
+
+    from test_loader import _hub_cache
+
+    _hub_cache(tmp_path / "hf" / "hub", "tiny-org/tiny-llama", make_tiny("llama"))
+    env = dict(ENV, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("SPARDA_API_KEY", None)
+    proc, url, log = start_serve("--model", "tiny-org/tiny-llama", "--method", "dense", "--device", "cpu",
+                                 "--max-batch", "1", "--max-model-len", "64", "--host", "0.0.0.0", env=env)
+    try:
+        url = url.replace("0.0.0.0", "127.0.0.1")
+        assert any("warning: serving on 0.0.0.0 without --api-key" in line for line in log), "".join(log)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["tiny-org/tiny-llama"]
+        assert client.models.retrieve("tiny-org/tiny-llama").max_model_len == 64
+        with pytest.raises(openai.NotFoundError, match="model 'tiny-org/other' does not exist"):
+            client.models.retrieve("tiny-org/other")
+        assert client.completions.create(model="tiny-org/tiny-llama", prompt="hi", max_tokens=2).choices
+        assert httpx.get(url + "/v1/models/tiny-org/tiny-llama").json()["id"] == "tiny-org/tiny-llama"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_served_name_rule(tmp_path):
+    from sparda.cli import served_name
+
+    snapshot = tmp_path / "models--org--name" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    assert served_name("org/name", snapshot) == "org/name"
+    assert served_name(str(snapshot), snapshot) == "0123abcd"  # a directory: its name
+    assert served_name(None, None) == "sparda"

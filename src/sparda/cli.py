@@ -281,8 +281,24 @@ def _print_stream(deltas, count: int) -> None:
             current += 1
 
 
+def served_name(model: str | None, model_dir) -> str:
+    """The name ``sparda serve`` publishes by default: ``ORG/NAME`` as given for a model from
+    the Hugging Face cache (not its snapshot's commit hash), else the model's display name
+    (:func:`~sparda.attention.forecast.model_name`: the bundled model's, a GGUF's stem, a
+    directory's name)."""
+    from pathlib import Path
+
+    from sparda.attention.forecast import model_name
+    from sparda.model.loader import is_repo_id
+
+    if model is not None and is_repo_id(str(model)) and not Path(model).expanduser().exists():
+        return str(model)
+    return model_name(model_dir) or (str(model) if model else "sparda")
+
+
 @main.command()
-@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled SmolLM2-135M-Instruct].")
+@click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache "
+                                            "[default: bundled SmolLM2-135M-Instruct].")
 @click.option("--method", default=None, type=click.Choice(METHODS),
               help="Attention method [default: sparda where Forecast weights exist, else sparse].")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)),
@@ -306,7 +322,8 @@ def _print_stream(deltas, count: int) -> None:
               help="Tokens per row, prompt + new tokens of one request [default: the model's context].")
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
               help="Requests that may queue for a row before 429.")
-@click.option("--served-model-name", default=None, help="Name clients pass as 'model' [default: the model's name].")
+@click.option("--served-model-name", default=None,
+              help="Name clients pass as 'model' [default: ORG/NAME as given, else the model's name].")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
 @click.option("--max-request-bytes", default=16 * 2**20, show_default=True, type=click.IntRange(1),
@@ -321,7 +338,6 @@ def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, de
           max_model_len, max_waiting, served_model_name, drain_timeout, max_request_bytes, api_key,
           protect_health_metrics, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
-    from sparda.attention.forecast import model_name
     from sparda.engine.engine import Engine
     from sparda.server.app import bind_socket, exposure_warning, serve as run_server
 
@@ -336,7 +352,7 @@ def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, de
     llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype, eager=eager,
                     offload=offload, forecast=forecast, sparse_prefill=sparse_prefill, kv_dtype=kv_dtype)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
-    name = served_model_name or model_name(llm.model_dir) or model or "sparda"
+    name = served_model_name or served_name(model, llm.model_dir)
     bound_host, bound_port = sock.getsockname()[:2]
     pool = engine.cache.nbytes / 2**30
     run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,

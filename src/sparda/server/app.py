@@ -416,10 +416,17 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         return PlainTextResponse(prometheus_text(engine.metrics(), model_name),
                                  media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(engine.started), "owned_by": "sparda",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(engine.started),
-                                            "owned_by": "sparda", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return check_model(model_id) or model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
