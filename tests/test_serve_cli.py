@@ -125,3 +125,52 @@ def test_served_name_rule(tmp_path):
     assert served_name("org/name", snapshot) == "org/name"
     assert served_name(str(snapshot), snapshot) == "0123abcd"  # a directory: its name
     assert served_name(None, None) == "sparda"
+
+
+@pytest.mark.parametrize("signals", [["SIGTERM"], ["SIGINT", "SIGINT", "SIGINT", "SIGTERM", "SIGINT"]])
+def test_shutdown_ends_every_stream_with_a_final_chunk_and_done_and_exits_0(make_tiny, signals):
+    """Cut at the drain timeout (one signal) or at once (repeated signals): every stream and
+    every waiting client still gets its last chunk / answer, and the exit status is 0."""
+    import concurrent.futures
+    import json
+
+    import httpx
+
+    env = dict(ENV, SPARDA_API_KEY="k-123")
+    proc, url, log = start_serve("--model", str(make_tiny("llama")), "--method", "dense", "--device", "cpu",
+                                 "--max-batch", "2", "--max-model-len", "2048", "--drain-timeout", "1",
+                                 "--served-model-name", "tiny", env=env)
+    auth = {"Authorization": "Bearer k-123"}
+
+    def stream(prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=120) as response:
+            assert response.status_code == 200
+            return [line for line in response.iter_lines() if line]
+
+    def plain():
+        body = {"model": "tiny", "prompt": [9, 9], "max_tokens": 2000, "ignore_eos": True}
+        return httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=120)
+
+    try:
+        assert httpx.get(url + "/v1/models").status_code == 401  # SPARDA_API_KEY is read
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(stream, [1, 2, 3]), pool.submit(stream, [4, 5])]
+            waiting = pool.submit(plain)  # queued: both rows are taken
+            time.sleep(2.0)
+            for name in signals:
+                proc.send_signal(getattr(signal, name))
+                time.sleep(0.05)
+            for future in streams:
+                lines = future.result(timeout=120)
+                assert lines[-1] == "data: [DONE]", lines[-3:]
+                last = json.loads(lines[-2][6:])
+                assert last["choices"][0]["finish_reason"] == "abort", last
+            answer = waiting.result(timeout=120)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=60) == 0, "".join(log)
+        assert any("ending 3 requests in flight" in line for line in log), "".join(log)
+        assert not any("Traceback" in line for line in log), "".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -472,3 +472,13 @@ def test_api_key_guards_the_api_with_the_openai_client(tiny_dir, protect):
     assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
     assert exposure_warning("0.0.0.0", "k") is None
     assert "serving on 0.0.0.0 without --api-key" in exposure_warning("0.0.0.0", None)
+
+
+def test_a_batch_that_can_never_be_queued_is_400_not_429(server):
+    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 65})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "prompt"
+    assert "prompt holds 65 prompts, more than this server can ever queue at once (--max-waiting 64)" \
+        in error["message"]
+    got = server.client.completions.create(model=MODEL, prompt=["hi"] * 64, max_tokens=1)  # the most it takes
+    assert len(got.choices) == 64

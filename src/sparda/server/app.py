@@ -35,9 +35,11 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -62,6 +64,8 @@ RETRY_AFTER_S = 1
 POLL_S = 0.25
 #: default --max-request-bytes: a 1M-token prompt of token ids is about 7 MB of JSON
 MAX_REQUEST_BYTES = 16 * 2**20
+#: seconds uvicorn gives streams ended at the drain timeout to send their last chunks
+FLUSH_S = 5.0
 #: paths that need no API key unless --protect-health-metrics (probes, scrapers)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 #: what a client is told when the engine failed while running its request
@@ -190,14 +194,20 @@ class _Guard:
 
 
 class _Stream:
-    """The deltas of one HTTP request's engine requests, delivered on the event loop."""
+    """The deltas of one HTTP request's engine requests, delivered on the event loop.
 
-    def __init__(self, engine: Engine) -> None:
+    While it has open requests it is listed in ``live`` (the app's), so that a shutdown
+    can end them (:meth:`end`) and each still gets its final chunk.
+    """
+
+    def __init__(self, engine: Engine, live: set) -> None:
         self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ids: list[str] = []
         self.open: set[str] = set()
+        self.live = live
+        live.add(self)
 
     def add(self, prompt_ids: list[int], params) -> None:
         """Queue one request (index = order of the calls). Raises as Engine.add_request."""
@@ -219,10 +229,19 @@ class _Stream:
         return index, delta
 
     def cancel(self) -> None:
-        """Abort every request of this HTTP request that has not finished."""
+        """Abort every request of this HTTP request that has not finished (its client is
+        gone or it is answered: nobody waits for their final deltas)."""
         for rid in list(self.open):
             self.engine.abort(rid)
         self.open.clear()
+        self.live.discard(self)
+
+    def end(self) -> None:
+        """Abort the open requests but keep waiting for them: each one's final delta
+        (finish reason ``abort``) still comes, so the client gets a last chunk and
+        ``[DONE]``. Any thread."""
+        for rid in list(self.open):
+            self.engine.abort(rid)
 
 
 def _sse(payload) -> str:
@@ -307,7 +326,19 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             await asyncio.to_thread(engine.shutdown, drain_timeout_s)
             worker.close()
 
+    live: set[_Stream] = set()
+
+    def end_requests() -> int:
+        """End every request in flight now (a shutdown past its drain timeout): each
+        stream still gets a final chunk (finish reason ``abort``) and ``[DONE]``, each
+        waiting client its answer so far. Any thread; returns how many HTTP requests."""
+        streams = list(live)
+        for stream in streams:
+            stream.end()
+        return len(streams)
+
     app = FastAPI(title="sparda", lifespan=lifespan)
+    app.state.end_requests = end_requests
     app.add_middleware(_Guard, max_request_bytes=max_request_bytes, api_key=api_key,
                        open_paths=frozenset() if protect_health_metrics else OPEN_PATHS)
     app.state.engine = engine
@@ -364,7 +395,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             return down
         for ids in prompts:  # every prompt checked before any is queued
             check_prompt_length(len(ids), limits, params.max_tokens)
-        stream = _Stream(engine)
+        stream = _Stream(engine, live)
         try:
             for ids in prompts:
                 stream.add(ids, params)
@@ -572,6 +603,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler: a raw write (``print`` there can re-enter a
+    buffered write the main thread was in the middle of, and raise)."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
+
+
 def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout_s: float = 30.0,
           log_level: str = "warning", banner: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
           api_key: str | None = None, protect_health_metrics: bool = False) -> None:
@@ -590,18 +628,50 @@ def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout
     import uvicorn
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # no re-raise of the signal afterwards: exit 0
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            if not self.should_exit:
+        """uvicorn's server with sparda's signal handling (no re-raise afterwards: exit 0).
+
+        First SIGINT/SIGTERM: stop accepting, let requests run for ``drain_timeout_s``,
+        then end what is left (each stream gets a final chunk and ``[DONE]``). Second:
+        end them now. Later ones: ignored (the shutdown is under way; it waits for at
+        most one engine step). uvicorn's own force-exit, which skips the engine's
+        shutdown, is never used.
+        """
+
+        signals = 0
+        timer: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame):
+            self.signals += 1
+            if self.signals == 1:
                 engine.stop_accepting()
                 m = engine.metrics()
-                print(f"shutting down: draining {m['requests_running']} running and {m['requests_waiting']} "
-                      f"waiting requests for up to {drain_timeout_s:g} s (Ctrl-C again to stop now)",
-                      file=sys.stderr, flush=True)
+                _say(f"shutting down: draining {m['requests_running']} running and {m['requests_waiting']} "
+                     f"waiting requests for up to {drain_timeout_s:g} s (Ctrl-C again to stop now)")
+                self.timer = threading.Timer(drain_timeout_s, self.end_requests, args=("the drain timeout passed",))
+                self.timer.daemon = True
+                self.timer.start()
+            elif self.signals == 2:
+                if self.timer is not None:
+                    self.timer.cancel()
+                self.end_requests("a second signal")
+            elif self.signals == 3:
+                _say("shutting down already; waiting for the current engine step")
             self.should_exit = True
+
+        def end_requests(self, why: str) -> None:
+            count = app.state.end_requests()
+            if count:
+                _say(f"shutting down: {why}; ending {count} requests in flight (each gets its final chunk)")
 
     app = create_app(engine, model_name, drain_timeout_s, banner, max_request_bytes=max_request_bytes,
                      api_key=api_key, protect_health_metrics=protect_health_metrics)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s, lifespan="on")
-    Server(config).run(sockets=[sock])
+    # uvicorn waits for connections past the drain timeout, so that the ended streams flush
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s + FLUSH_S,
+                            lifespan="on")
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a late signal must not interrupt the exit
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(sig, signal.SIG_IGN)
+        engine.shutdown(0.0)  # no-op after the lifespan's; joins the thread if that did not run
