@@ -482,3 +482,29 @@ def test_a_batch_that_can_never_be_queued_is_400_not_429(server):
         in error["message"]
     got = server.client.completions.create(model=MODEL, prompt=["hi"] * 64, max_tokens=1)  # the most it takes
     assert len(got.choices) == 64
+
+
+def test_tokenize_detokenize_and_version(server, reference, bundled_tokenizer):
+    import sparda
+
+    text = "The quick brown fox"
+    got = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert got == {"count": len(reference.encode(text, chat=False)), "max_model_len": 192,
+                   "tokens": reference.encode(text, chat=False)}
+    completion = server.client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+    assert completion.usage.prompt_tokens == got["count"]  # the ids the completion runs on
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    ids = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert chat["tokens"] == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back == {"prompt": bundled_tokenizer.decode(got["tokens"])}
+    assert httpx.get(server.url + "/version").json() == {"version": sparda.__version__}
+    for path, body, fragment in [("/tokenize", {"prompt": "x", "messages": messages}, "pass one of 'prompt'"),
+                                 ("/tokenize", {"prompt": ""}, "prompt must be a non-empty string"),
+                                 ("/tokenize", b'{"prompt": "a\\ud800"}', "unpaired surrogate"),
+                                 ("/detokenize", {"tokens": [1, 49152]}, "tokens must be a list of token ids in "
+                                                                         "[0, 49152)"),
+                                 ("/detokenize", {}, "missing required field 'tokens'")]:
+        response = httpx.post(server.url + path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text

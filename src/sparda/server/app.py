@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -51,10 +52,10 @@ from sparda.engine.chat import chat_token_ids
 from sparda.engine.engine import Engine, EngineStopped
 from sparda.engine.scheduler import QueueFull
 from sparda.errors import SpardaError
-from sparda.server.protocol import (CHAT, COMPLETION, BadRequest, Limits, chat_logprobs, chat_messages,
-                                    chat_response, check_fields, check_prompt_length, completion_logprobs,
-                                    completion_prompts, completion_response, error_body, new_id, sampling_params,
-                                    usage)
+from sparda.server.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, BadRequest, Limits, chat_logprobs,
+                                    chat_messages, chat_response, check_fields, check_prompt_length, check_text,
+                                    completion_logprobs, completion_prompts, completion_response, error_body, new_id,
+                                    sampling_params, usage)
 
 log = logging.getLogger("sparda.server")
 
@@ -458,6 +459,40 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         return check_model(model_id) or model_card()
+
+    @app.get("/version")
+    async def version():
+        from sparda import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """Token ids of ``prompt`` (as /v1/completions encodes it) or of ``messages`` (as
+        /v1/chat/completions: chat template applied, generation prompt added)."""
+        body = check_fields(await read_json(request), TOKENIZE, limits)
+        if (refused := check_model(body.get("model"))) is not None:
+            return refused
+        if ("prompt" in body) == ("messages" in body):
+            raise BadRequest("pass one of 'prompt' (text) or 'messages' (a chat)", "prompt")
+        if "messages" in body:
+            ids = await worker.run(worker.encode_chat, chat_messages(body["messages"]))
+        else:
+            check_text(body["prompt"], "prompt")
+            special = body.get("add_special_tokens", True)
+            encode = functools.partial(tokenizer.encode, add_special_tokens=special)
+            ids = await worker.run(worker.guarded, encode, "prompt", body["prompt"])
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """The text of ``tokens`` (special tokens kept, as the model sees them)."""
+        body = check_fields(await read_json(request), DETOKENIZE, limits)
+        if (refused := check_model(body.get("model"))) is not None:
+            return refused
+        if body.get("tokens") is None:
+            raise BadRequest("missing required field 'tokens'", "tokens")
+        return {"prompt": await worker.run(tokenizer.decode, body["tokens"])}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

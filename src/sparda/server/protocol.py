@@ -132,6 +132,21 @@ CHAT: dict[str, Rule] = {
     "top_logprobs": _rule(lambda v, lim: _int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
 }
 
+#: ``/tokenize`` fields: ``prompt`` (as completions, one text) or ``messages`` (as chat)
+TOKENIZE: dict[str, Rule] = {
+    "model": COMMON["model"],
+    "prompt": _rule(lambda v, lim: isinstance(v, str) and len(v) > 0, "a non-empty string"),
+    "messages": CHAT["messages"],
+    "add_special_tokens": _rule(lambda v, lim: isinstance(v, bool), "true or false"),
+}
+
+#: ``/detokenize`` fields
+DETOKENIZE: dict[str, Rule] = {
+    "model": COMMON["model"],
+    "tokens": _rule(lambda v, lim: isinstance(v, list) and all(_int(t) and 0 <= t < lim.vocab_size for t in v),
+                    lambda lim: f"a list of token ids in [0, {lim.vocab_size})"),
+}
+
 #: fields every endpoint ignores silently (they change nothing but are common)
 QUIET = frozenset()
 
