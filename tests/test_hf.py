@@ -92,3 +92,40 @@ def test_bundled_model_generate_with_sparda_equals_llm(bundled_dir):
     assert _greedy(model, ids, 16) == expected
     assert hf.method_of(model).read_fraction() == pytest.approx(llm.method.read_fraction())
     assert llm.method.read_fraction() < 0.6
+
+
+def test_enable_takes_llms_options_and_gives_llms_tokens_by_default(make_tiny, tmp_path):
+    """Defaults as sparda.LLM: the method, and dense_heads="auto", which reads the model's stored
+    calibration (here every KV head of layers 1 and 2: their decode reads every block)."""
+    import json
+    import shutil
+
+    from sparda.attention.dense_heads import CALIBRATION_FILE
+
+    path = tmp_path / "tiny"
+    shutil.copytree(make_tiny("llama"), path)  # its own copy: the calibration must not reach other tests
+    heads = ((1, 0), (1, 1), (2, 0), (2, 1))
+    (path / CALIBRATION_FILE).write_text(json.dumps({"format": "sparda-dense-heads-v1", "heads": list(heads)}))
+    ids = torch.randint(0, 49152, (int(torch.randint(150, 260, ())),)).tolist()
+    llm = LLM(path, device="cpu", **BUDGET)  # method and dense heads left to their defaults
+    assert llm.config.method == "sparse" and llm.config.dense_heads == heads
+    expected = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=16, ignore_eos=True)[0].token_ids
+    model = hf.enable(_hf(path), cuda_graphs=False, fused_decode=True, device="cpu", dtype="float32", **BUDGET)
+    assert hf.method_of(model).config.method == "sparse" and hf.method_of(model).config.dense_heads == heads
+    assert _greedy(model, ids, 16) == expected
+    assert hf.method_of(model).read_fraction() == pytest.approx(llm.method.read_fraction())
+    none = LLM(path, device="cpu", dense_heads="none", **BUDGET)
+    none.generate([None], prompt_token_ids=[ids], max_new_tokens=16, ignore_eos=True)
+    assert none.method.read_fraction() < llm.method.read_fraction()  # the heads really read more
+    model = hf.enable(_hf(path), dense_heads="none", **BUDGET)
+    assert hf.method_of(model).config.dense_heads == ()
+    assert _greedy(model, ids, 16) == none.generate([None], prompt_token_ids=[ids], max_new_tokens=16,
+                                                    ignore_eos=True)[0].token_ids
+    assert hf.method_of(hf.enable(_hf(path), method="sparse", dense_heads="0:1", **BUDGET)).config.dense_heads == \
+        ((0, 1),)
+    with pytest.raises(SpardaError, match="dense_heads: 'x' is not LAYER:KV_HEAD"):
+        hf.enable(_hf(path), dense_heads="x")
+    with pytest.raises(SpardaError, match="kv_dtype 'int8' needs sparda.LLM"):
+        hf.enable(_hf(path), kv_dtype="int8")
+    with pytest.raises(SpardaError, match="runs in the model's dtype"):
+        hf.enable(_hf(path), dtype="bfloat16")

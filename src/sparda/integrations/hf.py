@@ -219,36 +219,58 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
-def enable(model, method: str = "sparse", *, preset: str = "small", forecast=None,
-           sparse_prefill: bool | None = None, dense_prefill: bool | None = None, **overrides):
+#: :class:`sparda.LLM` options that steer only LLM's own runner (CUDA graphs, fused kernels,
+#: prefill batching and chunking, offload copies): accepted by :func:`enable`, no effect there
+RUNNER_OPTIONS = ("cuda_graphs", "fused_decode", "prefill_chunk_tokens", "prefill_batch_tokens", "offload_timing",
+                  "early_attention", "slot_factor", "transfer")
+
+
+def enable(model, method: str | None = None, *, preset: str = "small", forecast=None,
+           sparse_prefill: bool | None = None, dense_prefill: bool | None = None, dense_heads="auto",
+           **overrides):
     """Make a transformers causal LM attend with a sparda method, in place.
 
     Afterwards ``model.generate(...)`` and ``model(input_ids)`` run sparda's ``method``
     (its selection rule, dense fallback and Forecast: design §3-§4) over a sparda KV cache.
+    It takes :class:`sparda.LLM`'s options with LLM's defaults, so by default it gives
+    ``LLM(model_dir)``'s greedy tokens.
 
     Args:
         model: a transformers ``*ForCausalLM`` of a supported architecture (llama,
             mistral, qwen2, qwen3), whose modules are named as the checkpoint
             (``model.model.layers[i].self_attn``).
         method: an on-device sparda method: ``dense``, ``sparse``, ``oracle``, ``sparda``,
-            ``sparda-random``, ``infinigen``.
+            ``sparda-random``, ``infinigen``. Default as :class:`sparda.LLM`: ``sparda``
+            where Forecast weights exist for the model (or ``forecast`` is given), else
+            ``sparse``.
         preset, **overrides: the selection budget, as for :class:`sparda.LLM`
             (``topk_blocks``, ``local_blocks``, ``init_blocks``, ``block_size``,
-            ``kernel_size``, ``kernel_stride``, ``dense_len``).
+            ``kernel_size``, ``kernel_stride``, ``dense_len``), and LLM's method options
+            (``quest_page_size``, ...). LLM's runner options (:data:`RUNNER_OPTIONS`) are
+            accepted and change nothing here; ``offload=False``, ``kv_dtype="bf16"`` and the
+            model's own ``device`` / ``dtype`` are accepted, other values refused.
         forecast: Forecast weights file for ``sparda`` (default: shipped weights for the
             bundled model, found from ``model.name_or_path``).
         sparse_prefill: select blocks in prefill too (default: the preset's,
             :func:`sparda.config.resolve_sparse_prefill`: dense prefill at ``small``,
             block-sparse at ``paper``); ``dense_prefill`` is its inverse.
+        dense_heads: ``(layer, kv_head)`` pairs that decode densely (design §3.7):
+            ``"auto"`` (LLM's default: the stored calibration of the model, if any),
+            ``"none"``, ``"L:H,..."`` or pairs.
     Returns:
         ``model``.
     Raises:
         SpardaError: unsupported architecture or config field, an offloaded or unknown
             method, a method with per-row decode state (``h2o``, ``quest``, ``snapkv``,
-            ``shallow``: use :class:`sparda.LLM`), bad budget, missing Forecast weights.
+            ``shallow``: use :class:`sparda.LLM`), bad budget, missing Forecast weights,
+            bad dense heads, an option sparda.hf cannot honour.
     """
+    import dataclasses
+
+    from sparda.attention.dense_heads import parse_dense_heads, resolve_dense_heads
+    from sparda.attention.forecast import default_forecast_available, model_identity
     from sparda.attention.registry import ALWAYS_OFFLOADED, build_method
-    from sparda.config import SelectionConfig, SpardaConfig, resolve_sparse_prefill
+    from sparda.config import METHOD_OPTIONS, SelectionConfig, SpardaConfig, resolve_sparse_prefill
     from sparda.model.llama import ModelShape
     from sparda.model.loader import SUPPORTED_ARCHITECTURES
     from sparda.model.attention_config import check_supported
@@ -257,22 +279,32 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
     if getattr(config, "model_type", None) not in SUPPORTED_ARCHITECTURES:
         raise SpardaError(f"unsupported architecture {getattr(config, 'model_type', None)!r}; sparda supports "
                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    model_dir = getattr(model, "name_or_path", None) or None
+    if method is None:
+        method = "sparda" if forecast is not None or default_forecast_available(model_dir) else "sparse"
     if method in ALWAYS_OFFLOADED or overrides.get("offload"):
         raise SpardaError(f"sparda.hf runs on-device methods; {method!r} offloads its KV cache: use sparda.LLM")
-    overrides.pop("offload", None)
+    _check_llm_only_options(model, overrides)
+    heads = parse_dense_heads(dense_heads, "dense_heads")  # malformed: before anything is built
     check_supported(config)
     if getattr(model, "_sparda", None) is not None:
         disable(model)
     shape = ModelShape.from_config(config)
+    options = {key: overrides.pop(key) for key in METHOD_OPTIONS if key in overrides}
     selection = SelectionConfig.from_preset(preset, **overrides)
     sconfig = SpardaConfig(method=method, selection=selection, forecast_path=forecast,
                            sparse_prefill=resolve_sparse_prefill(preset, sparse_prefill, dense_prefill),
-                           offload=False)
-    built = build_method(sconfig, shape, model=model, model_dir=getattr(model, "name_or_path", None) or None)
+                           offload=False, **options)
+    built = build_method(sconfig, shape, model=model, model_dir=model_dir)
     if getattr(built, "state", None) is not None:  # RowState: h2o, quest, snapkv, shallow
         raise SpardaError(f"sparda.hf runs the selectors without per-row decode state (dense, sparse, oracle, "
                           f"sparda, sparda-random, infinigen); {method!r} keeps state across decode steps: "
                           "use sparda.LLM")
+    heads = resolve_dense_heads(heads, method=built, shape=shape, model_dir=model_dir,
+                                identity=model_identity(config, shape), option="dense_heads")
+    if heads:  # as LLM._set_dense_heads: the method reads them from its config
+        sconfig = dataclasses.replace(sconfig, dense_heads=heads)
+        built.config = sconfig
     session = Session(model, sconfig, built, shape)
     _register()
     session.previous_attn = config._attn_implementation
@@ -309,6 +341,32 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
     return model
 
 
+def _check_llm_only_options(model, overrides: dict) -> None:
+    """Take :class:`sparda.LLM`'s options that mean nothing or one thing here out of
+    ``overrides``; refuse values sparda.hf cannot honour (one line, naming the fix)."""
+    import torch
+
+    for key in RUNNER_OPTIONS:
+        overrides.pop(key, None)
+    overrides.pop("offload", None)  # False (True was refused)
+    kv_dtype = overrides.pop("kv_dtype", None)
+    if kv_dtype not in (None, "bf16"):
+        raise SpardaError(f"sparda.hf keeps the KV cache in the model's dtype; kv_dtype {kv_dtype!r} needs sparda.LLM")
+    for key in ("kv_hot_blocks", "kv_hot_steps"):
+        if overrides.pop(key, None) is not None:
+            raise SpardaError(f"{key} applies to kv_dtype 'mixed', which needs sparda.LLM")
+    param = next(model.parameters(), None)
+    device, dtype = overrides.pop("device", None), overrides.pop("dtype", None)
+    if param is not None and device is not None and torch.device(device).type != param.device.type:
+        raise SpardaError(f"sparda.hf runs where the model is ({param.device}), not on {device}; move the model "
+                          "with model.to(...) first")
+    if param is not None and dtype is not None:
+        wanted = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if wanted != param.dtype:
+            raise SpardaError(f"sparda.hf runs in the model's dtype ({param.dtype}), not {dtype}; load the model "
+                              "in that dtype first")
+
+
 def disable(model):
     """Undo :func:`enable`: remove the hooks and restore the previous attention. Returns ``model``."""
     session = getattr(model, "_sparda", None)
@@ -331,4 +389,4 @@ def method_of(model):
     return session.method
 
 
-__all__ = ["enable", "disable", "method_of", "ATTN_IMPLEMENTATION"]
+__all__ = ["enable", "disable", "method_of", "ATTN_IMPLEMENTATION", "RUNNER_OPTIONS"]
