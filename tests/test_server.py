@@ -253,7 +253,7 @@ def test_non_finite_numbers_and_unencodable_text_are_400(server):
                           (b'{"prompt": "hi", "max_tokens": 1e400}', "max_tokens must be an integer"),
                           (b'{"prompt": "ab\\ud800c"}', "unpaired surrogate '\\ud800' at character 2"),
                           (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "unpaired surrogate"),
-                          (b'[' * 100000 + b']' * 100000, "not valid JSON"),
+                          (b'[' * 20000 + b']' * 20000, "not valid JSON"),  # deeper than the parser's recursion limit
                           (b'{"prompt": "\xff\xfe"}', "not valid JSON"),
                           (b'[1, 2]', "the request body must be a JSON object, got list")]:
         path = "chat/completions" if b"messages" in raw else "completions"
@@ -508,3 +508,34 @@ def test_tokenize_detokenize_and_version(server, reference, bundled_tokenizer):
                                  ("/detokenize", {}, "missing required field 'tokens'")]:
         response = httpx.post(server.url + path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
         assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+
+
+def test_prometheus_metrics_from_prometheus_client(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        response = httpx.get(server.url + "/metrics")
+        assert response.headers["content-type"].startswith("text/plain; version=")
+        return {s.name + ("{%s}" % s.labels["reason"] if "reason" in s.labels else "")
+                + ("{le=%s}" % s.labels["le"] if "le" in s.labels else ""): s.value
+                for family in text_string_to_metric_families(response.text) for s in family.samples
+                if s.labels.get("model") == MODEL}
+
+    before = scrape()
+    for stream in (False, True):
+        got = server.client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=6, temperature=0,
+                                               stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            list(got)
+    after = scrape()
+    assert after["sparda_kv_rows_total"] == 8 and after["sparda_kv_rows_free"] == 8 - after["sparda_kv_rows_in_use"]
+    assert after["sparda_requests_running"] == 0 and after["sparda_requests_waiting"] == 0
+    assert after["sparda_preemptions_total"] == 0 and after["sparda_max_model_len_tokens"] == 192
+    assert after["sparda_prompt_tokens_total"] - before["sparda_prompt_tokens_total"] == 6
+    assert after["sparda_generation_tokens_total"] - before["sparda_generation_tokens_total"] == 12
+    assert after["sparda_requests_finished_total{length}"] - before.get("sparda_requests_finished_total{length}", 0) == 2
+    for name in ("sparda_time_to_first_token_seconds", "sparda_time_per_output_token_seconds",
+                 "sparda_request_latency_seconds"):
+        assert after[f"{name}_count"] - before[f"{name}_count"] == 2, name
+        assert after[f"{name}_bucket{{le=+Inf}}"] == after[f"{name}_count"] and after[f"{name}_sum"] > 0
+    assert "sparda_offload_hit_rate" not in after  # an on-device cache

@@ -2,7 +2,8 @@
 
 Endpoints (docs/serving.md): ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true``: server-sent events ending in
-``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus text format).
+``data: [DONE]``), ``GET /health``, ``GET /metrics`` (Prometheus, :mod:`sparda.server.metrics`),
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
 
 A request can only hurt itself:
 
@@ -45,13 +46,14 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparda.engine.chat import chat_token_ids
 from sparda.engine.engine import Engine, EngineStopped
 from sparda.engine.scheduler import QueueFull
 from sparda.errors import SpardaError
+from sparda.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from sparda.server.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, BadRequest, Limits, chat_logprobs,
                                     chat_messages, chat_response, check_fields, check_prompt_length, check_text,
                                     completion_logprobs, completion_prompts, completion_response, error_body, new_id,
@@ -88,36 +90,6 @@ def _refusal(exc: SpardaError):
     if isinstance(exc, EngineStopped):
         return _error(503, str(exc), "server_shutting_down", retry_after=RETRY_AFTER_S)
     return _error(400, str(exc), param=getattr(exc, "param", None))
-
-
-def prometheus_text(metrics: dict, model: str) -> str:
-    """Engine metrics (:meth:`Engine.metrics`) in the Prometheus text format, ``sparda_`` prefix."""
-    label = f'model="{model}"'
-    lines = []
-
-    def put(name: str, kind: str, doc: str, value, extra: str = "") -> None:
-        if not any(line.startswith(f"# TYPE sparda_{name} ") for line in lines):
-            lines.extend([f"# HELP sparda_{name} {doc}", f"# TYPE sparda_{name} {kind}"])
-        lines.append(f"sparda_{name}{{{label}{extra}}} {value}")
-
-    put("requests_running", "gauge", "Requests holding a KV-cache row.", metrics["requests_running"])
-    put("requests_waiting", "gauge", "Requests queued for a row.", metrics["requests_waiting"])
-    put("kv_rows_in_use", "gauge", "KV-cache rows in use.", metrics["kv_rows_in_use"])
-    put("kv_rows_total", "gauge", "KV-cache rows (--max-batch).", metrics["kv_rows_total"])
-    put("max_model_len_tokens", "gauge", "Tokens per row (--max-model-len).", metrics["max_model_len"])
-    put("generation_tokens_total", "counter", "Tokens generated.", metrics["generation_tokens_total"])
-    put("prompt_tokens_total", "counter", "Prompt tokens prefilled.", metrics["prompt_tokens_total"])
-    put("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
-        metrics["generation_tokens_per_s"])
-    for reason, count in sorted(metrics["requests_finished"].items()):
-        put("requests_finished_total", "counter", "Requests finished, by finish reason.", count,
-            f',reason="{reason}"')
-    if "offload" in metrics:
-        put("offload_hit_rate", "gauge", "Fraction of selected KV blocks already on the device.",
-            metrics["offload"].get("hit_rate", 0.0))
-        put("offload_bytes_per_token", "gauge", "K+V bytes copied host-to-device per decoded token.",
-            metrics["offload"].get("bytes_per_token", 0.0))
-    return "\n".join(lines) + "\n"
 
 
 async def _send_error(send, status: int, message: str, kind: str, headers: dict | None = None,
@@ -201,8 +173,9 @@ class _Stream:
     can end them (:meth:`end`) and each still gets its final chunk.
     """
 
-    def __init__(self, engine: Engine, live: set) -> None:
+    def __init__(self, engine: Engine, live: set, on_output=None) -> None:
         self.engine = engine
+        self.on_output = on_output
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ids: list[str] = []
@@ -214,7 +187,9 @@ class _Stream:
         """Queue one request (index = order of the calls). Raises as Engine.add_request."""
         index = len(self.ids)
 
-        def on_delta(delta, index=index):
+        def on_delta(delta, index=index):  # on the engine's thread
+            if delta.output is not None and self.on_output is not None:
+                self.on_output(delta.output)
             with contextlib.suppress(RuntimeError):  # the loop is gone (server stopped)
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, delta))
 
@@ -338,8 +313,10 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             stream.end()
         return len(streams)
 
+    server_metrics = ServerMetrics(engine, model_name)
     app = FastAPI(title="sparda", lifespan=lifespan)
     app.state.end_requests = end_requests
+    app.state.metrics = server_metrics
     app.add_middleware(_Guard, max_request_bytes=max_request_bytes, api_key=api_key,
                        open_paths=frozenset() if protect_health_metrics else OPEN_PATHS)
     app.state.engine = engine
@@ -396,7 +373,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
             return down
         for ids in prompts:  # every prompt checked before any is queued
             check_prompt_length(len(ids), limits, params.max_tokens)
-        stream = _Stream(engine, live)
+        stream = _Stream(engine, live, server_metrics.observe)
         try:
             for ids in prompts:
                 stream.add(ids, params)
@@ -445,8 +422,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(engine.metrics(), model_name),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(server_metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": int(engine.started), "owned_by": "sparda",
