@@ -21,8 +21,10 @@ A request can only hurt itself:
 named), 404 for an unknown model, 429 with ``Retry-After`` when the queue is full, 503 with
 ``Retry-After`` while the server drains. A client that disconnects cancels its requests,
 which frees their rows at the next engine step. SIGINT/SIGTERM stop accepting, let
-running requests finish for up to ``--drain-timeout`` seconds, cancel the rest and exit
-with status 0 (a second Ctrl-C exits at once).
+running requests finish for up to ``--drain-timeout`` seconds, then end the rest (each
+stream still gets a final chunk and ``data: [DONE]``) and exit with status 0; a second
+signal ends them at once, later ones are ignored. With ``--api-key`` every path but
+``/health`` and ``/metrics`` needs the bearer token (401).
 
 The engine runs on its own thread; each HTTP request hands it requests and receives
 their deltas on the event loop through ``call_soon_threadsafe``.
