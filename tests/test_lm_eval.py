@@ -71,7 +71,7 @@ def _run(model, args, root, batch_size):
 
 
 def test_sparda_dense_scores_equal_lm_evals_hf(tmp_path, make_tiny, fresh_seed, monkeypatch):
-    import sparda.lm_eval_model  # noqa: F401  (registers --model sparda)
+    import sparda.integrations.lm_eval  # noqa: F401  (registers --model sparda)
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -94,3 +94,23 @@ def test_sparda_dense_scores_equal_lm_evals_hf(tmp_path, make_tiny, fresh_seed, 
         for metric, value in theirs["results"][task].items():
             if metric.endswith(",none") and "stderr" not in metric:
                 assert ours["results"][task][metric] == pytest.approx(value, rel=1e-4), (task, metric)
+
+
+def test_the_documented_aliases_still_work():
+    """``sparda.lm_eval_model`` (import and ``python -m``) and ``sparda.hf`` alias the modules
+    under ``sparda.integrations``, so the documented entry points keep working."""
+    import subprocess
+    import sys
+
+    import sparda.hf
+    import sparda.integrations.hf
+    import sparda.integrations.lm_eval
+    import sparda.lm_eval_model
+    from lm_eval.api.registry import get_model
+
+    assert sparda.hf is sparda.integrations.hf and sparda.hf.enable is sparda.integrations.hf.enable
+    assert sparda.lm_eval_model is sparda.integrations.lm_eval
+    assert get_model("sparda") is sparda.integrations.lm_eval.SpardaLM
+    res = subprocess.run([sys.executable, "-m", "sparda.lm_eval_model", "--model", "sparda", "--tasks", "list_groups",
+                          "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--model_args" in res.stdout, res.stderr[-2000:]

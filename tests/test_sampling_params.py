@@ -24,7 +24,10 @@ from sparda.engine.sequence import Sequence, Status
     ("stop", 5, "stop must be a string or a list of strings"),
     ("stop", [""], "stop must be non-empty strings"),
     ("stop_token_ids", [1, -1], "stop_token_ids must be a list of non-negative integers"),
-    ("seed", 1.5, "seed must be an integer or None"),
+    ("seed", 1.5, "seed must be an integer in [-2**63, 2**64 - 1] or None"),
+    ("seed", 2**64, "seed must be an integer in [-2**63, 2**64 - 1]"),  # torch's generator would raise
+    ("seed", -(2**63) - 1, "seed must be an integer in"),
+    ("temperature", 1e-40, "a positive one at least 1e-05"),  # logits / 1e-40 overflow: NaN probabilities
     ("ignore_eos", 1, "ignore_eos must be True or False"),
     ("logprobs", 21, "logprobs must be an integer in 0..20 or None"),
 ])

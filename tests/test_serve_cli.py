@@ -16,11 +16,11 @@ import pytest
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def start_serve(*args):
+def start_serve(*args, env=None):
     """``sparda serve ARGS --port 0``: ``(process, "http://host:port", stderr lines so far)``
     once the banner is printed; later stderr lines keep arriving in that list."""
     proc = subprocess.Popen([sys.executable, "-m", "sparda.cli", "serve", "--port", "0", *args],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env or ENV)
     lines: queue.Queue = queue.Queue()
     seen: list[str] = []
 
@@ -86,3 +86,91 @@ def test_serve_usage_error_is_one_line_exit_2():
                          text=True, timeout=120, env=ENV)
     assert res.returncode == 2 and "Invalid value for '--max-batch'" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_serve_publishes_org_name_and_warns_off_loopback_without_a_key(tmp_path, make_tiny):
+    """A model given as ORG/NAME is served under that name (not its snapshot's commit hash)."""
+    import httpx
+
+    from test_loader import _hub_cache
+
+    _hub_cache(tmp_path / "hf" / "hub", "tiny-org/tiny-llama", make_tiny("llama"))
+    env = dict(ENV, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("SPARDA_API_KEY", None)
+    proc, url, log = start_serve("--model", "tiny-org/tiny-llama", "--method", "dense", "--device", "cpu",
+                                 "--max-batch", "1", "--max-model-len", "64", "--host", "0.0.0.0", env=env)
+    try:
+        url = url.replace("0.0.0.0", "127.0.0.1")
+        assert any("warning: serving on 0.0.0.0 without --api-key" in line for line in log), "".join(log)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["tiny-org/tiny-llama"]
+        assert client.models.retrieve("tiny-org/tiny-llama").max_model_len == 64
+        with pytest.raises(openai.NotFoundError, match="model 'tiny-org/other' does not exist"):
+            client.models.retrieve("tiny-org/other")
+        assert client.completions.create(model="tiny-org/tiny-llama", prompt="hi", max_tokens=2).choices
+        assert httpx.get(url + "/v1/models/tiny-org/tiny-llama").json()["id"] == "tiny-org/tiny-llama"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_served_name_rule(tmp_path):
+    from sparda.cli import served_name
+
+    snapshot = tmp_path / "models--org--name" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    assert served_name("org/name", snapshot) == "org/name"
+    assert served_name(str(snapshot), snapshot) == "0123abcd"  # a directory: its name
+    assert served_name(None, None) == "sparda"
+
+
+@pytest.mark.parametrize("signals", [["SIGTERM"], ["SIGINT", "SIGINT", "SIGINT", "SIGTERM", "SIGINT"]])
+def test_shutdown_ends_every_stream_with_a_final_chunk_and_done_and_exits_0(make_tiny, signals):
+    """Cut at the drain timeout (one signal) or at once (repeated signals): every stream and
+    every waiting client still gets its last chunk / answer, and the exit status is 0."""
+    import concurrent.futures
+    import json
+
+    import httpx
+
+    env = dict(ENV, SPARDA_API_KEY="k-123")
+    proc, url, log = start_serve("--model", str(make_tiny("llama")), "--method", "dense", "--device", "cpu",
+                                 "--max-batch", "2", "--max-model-len", "2048", "--drain-timeout", "1",
+                                 "--served-model-name", "tiny", env=env)
+    auth = {"Authorization": "Bearer k-123"}
+
+    def stream(prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=120) as response:
+            assert response.status_code == 200
+            return [line for line in response.iter_lines() if line]
+
+    def plain():
+        body = {"model": "tiny", "prompt": [9, 9], "max_tokens": 2000, "ignore_eos": True}
+        return httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=120)
+
+    try:
+        assert httpx.get(url + "/v1/models").status_code == 401  # SPARDA_API_KEY is read
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(stream, [1, 2, 3]), pool.submit(stream, [4, 5])]
+            waiting = pool.submit(plain)  # queued: both rows are taken
+            time.sleep(2.0)
+            for name in signals:
+                proc.send_signal(getattr(signal, name))
+                time.sleep(0.05)
+            for future in streams:
+                lines = future.result(timeout=120)
+                assert lines[-1] == "data: [DONE]", lines[-3:]
+                last = json.loads(lines[-2][6:])
+                assert last["choices"][0]["finish_reason"] == "abort", last
+            answer = waiting.result(timeout=120)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=60) == 0, "".join(log)
+        assert any("ending 3 requests in flight" in line for line in log), "".join(log)
+        assert not any("Traceback" in line for line in log), "".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

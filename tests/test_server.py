@@ -17,7 +17,7 @@ import uvicorn
 
 from sparda import LLM, SamplingParams
 from sparda.engine.engine import Engine
-from sparda.server import bind_socket, create_app
+from sparda.server.app import bind_socket, create_app
 
 MODEL = "tiny-test"
 
@@ -28,12 +28,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 class Running:
     """A server in a background thread: ``url``, ``engine``, ``stop()``."""
 
-    def __init__(self, llm, **engine_options):
+    def __init__(self, llm, app_options=None, **engine_options):
         self.engine = Engine(llm, **engine_options)
         sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(self.engine, MODEL, drain_timeout_s=5.0), log_level="error",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(create_app(self.engine, MODEL, drain_timeout_s=5.0, **(app_options or {})),
+                                log_level="critical", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -68,7 +68,8 @@ def tiny_dir(make_tiny):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    running = Running(LLM(tiny_dir, method="dense", device="cpu"), max_batch=8, max_model_len=192, max_waiting=64)
+    running = Running(LLM(tiny_dir, method="dense", device="cpu"), {"max_request_bytes": 2**16}, max_batch=8,
+                      max_model_len=192, max_waiting=64)
     yield running
     running.stop()
 
@@ -182,32 +183,59 @@ def test_disconnect_mid_stream_cancels_and_frees_the_row(server):
 
 
 @pytest.mark.parametrize("path, body, status, fragment", [
-    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be an integer >= 1"),
-    ("completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens must be an integer >= 1"),
-    ("completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "invalid value for 'max_tokens'"),
-    ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "invalid value for 'temperature'"),
-    ("completions", {"prompt": 42}, 400, "invalid value for 'prompt'"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be an integer in [1, 191]"),
+    ("completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens must be an integer in [1, 191]"),
+    ("completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens must be an integer in [1, 191] "
+                                                              "(--max-model-len 192 less one prompt token), got 'ten'"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens must be an integer in [1, 191]"),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature must be a finite number >= 0"),
+    ("completions", {"prompt": 42}, 400, "prompt must be a string, a list of strings, a list of token ids"),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be a finite number >= 0"),
+    ("completions", {"prompt": "hi", "temperature": 1e-40}, 400, "a positive one at least 1e-05), got 1e-40"),
     ("completions", {"prompt": "hi", "top_p": 2}, 400, "top_p must be a number in (0, 1]"),
-    ("completions", {"prompt": "hi", "frobnicate": 1}, 400, "unrecognized request argument: frobnicate"),
+    ("completions", {"prompt": "hi", "top_k": -2}, 400, "top_k must be an integer >= 1, or 0 / -1"),
+    ("completions", {"prompt": "hi", "seed": 2**64}, 400, "seed must be an integer in [-2**63, 2**64 - 1]"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs must be an integer in [0, 20]"),
+    ("completions", {"prompt": "hi", "stop": ["x"] * 17}, 400, "stop must be a string or a list of at most 16"),
+    ("completions", {"prompt": "hi", "stop": "x" * 1001}, 400, "each of 1 to 1000 characters, got 'xxx"),
+    ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop must be a string or a list"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [49152]}, 400,
+     "stop_token_ids must be a list of at most 1024 token ids in [0, 49152)"),
+    ("completions", {"prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos must be true or false, got 1"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream must be true or false"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options needs stream: true"),
     ("completions", {"prompt": "hi", "n": 2}, 400, "n must be 1"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo is not supported"),
     ("completions", {"prompt": [3] * 200}, 400, "prompt of 200 tokens does not fit --max-model-len 192"),
     ("completions", {"prompt": [3] * 100, "max_tokens": 100}, 400,
      "prompt of 100 tokens plus max_tokens 100 exceeds --max-model-len 192"),
     ("completions", {"prompt": [3, 49152]}, 400, "prompt token ids must be in [0, 49152)"),
+    ("completions", {"prompt": [[3, 4], [-1]]}, 400, "prompt token ids must be in [0, 49152)"),
+    ("completions", {"prompt": [[3, 4], 5]}, 400, "prompt must be a string, a list of strings"),
     ("completions", {"prompt": "", "max_tokens": 3}, 400, "prompt is empty"),
+    ("completions", {"max_tokens": 3}, 400, "missing required field 'prompt'"),
     ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' does not exist; this server serves"),
+    ("completions", {"model": 7, "prompt": "hi"}, 400, "model must be a string"),
     ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "does not exist"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "has role 'wizard'"),
     ("chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
-    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "missing required field 'messages.0.content'"),
+    ("chat/completions", {"messages": "hi"}, 400, "messages must be a non-empty list"),
+    ("chat/completions", {}, 400, "missing required field 'messages'"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0] is missing required field 'content'"),
+    ("chat/completions", {"messages": [3]}, 400, "messages[0] must be an object"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "images and audio are not supported"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
-     "max_tokens must be an integer >= 1"),
+     "max_tokens must be an integer in [1, 191]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1.5}, 400,
+     "max_completion_tokens must be an integer in [1, 191]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": True},
+     400, "top_logprobs must be an integer in [0, 20]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs: true"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x " * 300}]}, 400,
      "does not fit --max-model-len 192"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
-     "unrecognized request argument: tools"),
 ])
 def test_bad_requests_get_openai_errors(server, path, body, status, fragment):
     body = dict({"model": MODEL}, **body)
@@ -215,6 +243,22 @@ def test_bad_requests_get_openai_errors(server, path, body, status, fragment):
     error = response.json()["error"]
     assert response.status_code == status and fragment in error["message"], error
     assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"]
+    if status == 400 and " must be " in fragment and "[" not in fragment.split(" ", 1)[0]:  # the field is the param
+        assert error["param"] == fragment.split(" ", 1)[0], error
+
+
+def test_non_finite_numbers_and_unencodable_text_are_400(server):
+    for raw, fragment in [(b'{"prompt": "hi", "temperature": NaN}', "temperature must be a finite number"),
+                          (b'{"prompt": "hi", "top_p": Infinity}', "top_p must be a number in (0, 1], got inf"),
+                          (b'{"prompt": "hi", "max_tokens": 1e400}', "max_tokens must be an integer"),
+                          (b'{"prompt": "ab\\ud800c"}', "unpaired surrogate '\\ud800' at character 2"),
+                          (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "unpaired surrogate"),
+                          (b'[' * 20000 + b']' * 20000, "not valid JSON"),  # deeper than the parser's recursion limit
+                          (b'{"prompt": "\xff\xfe"}', "not valid JSON"),
+                          (b'[1, 2]', "the request body must be a JSON object, got list")]:
+        path = "chat/completions" if b"messages" in raw else "completions"
+        response = httpx.post(f"{server.url}/v1/{path}", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
 
 
 def test_the_openai_client_raises_its_own_errors(server):
@@ -264,3 +308,234 @@ def test_offloaded_server_reports_hit_rate_and_bytes_per_token(tiny_dir):
         assert 0 < metrics["sparda_offload_hit_rate"] < 1 and metrics["sparda_offload_bytes_per_token"] > 0
     finally:
         running.stop()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Requests whose prompt starts with token 4242 fail in detokenisation at their 3rd token."""
+    from sparda.engine.sequence import Sequence
+
+    append = Sequence.append
+
+    def faulty(self, token, *args, **kwargs):
+        if self.prompt_ids[0] == 4242 and len(self.output_ids) == 2:
+            raise RuntimeError("injected detokenisation fault")
+        return append(self, token, *args, **kwargs)
+
+    monkeypatch.setattr(Sequence, "append", faulty)
+
+
+def test_a_request_failing_in_the_engine_hurts_only_itself(server, reference, poisoned):
+    good = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(lambda: list(server.client.completions.create(stream=True, **good)))
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"model": MODEL, "prompt": [4242, 1, 2], "max_tokens": 20, "stream": True}) as response:
+            lines = _sse_lines(response)
+        assert lines[-1] == "data: [DONE]", lines
+        assert json.loads(lines[-2][6:])["error"]["type"] == "server_error"
+        with pytest.raises(openai.APIError, match="the engine failed while running this request"):
+            list(server.client.completions.create(model=MODEL, prompt=[4242, 9], stream=True, max_tokens=9))
+        with pytest.raises(openai.InternalServerError, match="the engine failed"):
+            server.client.completions.create(model=MODEL, prompt=[4242, 3], max_tokens=9, temperature=0)
+        chunks = beside.result(timeout=120)
+    assert "".join(c.choices[0].text for c in chunks) == _alone(reference, [5, 6, 7, 8], 20)[0]
+    deadline = time.monotonic() + 30
+    while server.metrics()["sparda_kv_rows_in_use"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert server.metrics()["sparda_requests_finished_total{error}"] >= 3
+
+
+def test_a_crashed_engine_thread_makes_health_503_and_refuses_requests(tiny_dir, monkeypatch, capfd):
+    running = Running(LLM(tiny_dir, method="dense", device="cpu"), max_batch=1, max_model_len=64)
+    try:
+        def broken():
+            raise MemoryError("injected crash")
+
+        monkeypatch.setattr(running.engine.scheduler, "has_work", broken)
+        with pytest.raises(openai.InternalServerError, match="the engine failed"):
+            running.client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3)
+        response = httpx.get(running.url + "/health")
+        assert response.status_code == 503 and "engine thread stopped" in response.json()["error"]["message"]
+        response = httpx.post(running.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert response.status_code == 503 and "engine thread stopped" in response.json()["error"]["message"]
+        assert "the engine thread crashed (MemoryError: injected crash)" in capfd.readouterr().err
+    finally:
+        monkeypatch.undo()
+        running.stop()
+
+
+def test_unknown_fields_are_ignored_with_a_warning_and_output_changing_ones_refused(server, caplog):
+    messages = [{"role": "user", "content": "Hi", "refusal": None}]
+    plain = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    with caplog.at_level("WARNING", logger="sparda.server"):
+        got = server.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=5, temperature=0, store=True, parallel_tool_calls=False,
+            user="u-1", service_tier="auto", reasoning_effort="low", metadata={"k": "v"}, tools=[], n=1,
+            response_format={"type": "text"}, extra_body={"frobnicate": 1, "logit_bias": {}})
+    assert got.choices[0].message.content == plain.choices[0].message.content
+    warned = [r.getMessage() for r in caplog.records if r.name == "sparda.server"]
+    prefix = "ignoring request fields sparda serve does not use: "
+    named = [set(w[len(prefix):].split(", ")) for w in warned if w.startswith(prefix)]
+    assert {"store", "parallel_tool_calls", "service_tier", "reasoning_effort", "metadata", "frobnicate",
+            "messages[0].refusal"} in named, warned  # user, tools: [], n: 1, logit_bias: {} are no-ops
+    for extra, name in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"logit_bias": {"5": 3}}, "logit_bias"), ({"n": 3}, "n"),
+                        ({"presence_penalty": 0.5}, "presence_penalty"), ({"min_tokens": 4}, "min_tokens"),
+                        ({"guided_json": {}}, "guided_json"), ({"skip_special_tokens": False}, "skip_special_tokens"),
+                        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
+                         "messages")]:
+        body = dict({"model": MODEL, "messages": messages}, **extra)
+        response = httpx.post(server.url + "/v1/chat/completions", json=body)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == name and "not supported" in error["message"] \
+            or name == "n" and "n must be 1" in error["message"], (name, error)
+
+
+def test_every_error_is_an_openai_error_object(server, monkeypatch):
+    def check(response, status, fragment):
+        error = response.json()["error"]
+        assert response.status_code == status and fragment in error["message"], response.text
+        assert set(error) == {"message", "type", "param", "code"}
+
+    check(httpx.get(server.url + "/v1/nope"), 404, "no such endpoint: GET /v1/nope")
+    response = httpx.get(server.url + "/v1/completions")
+    check(response, 405, "method not allowed: GET /v1/completions")
+    assert response.headers["allow"] == "POST"
+    big = {"model": MODEL, "prompt": "x" * 2**16}
+    check(httpx.post(server.url + "/v1/completions", json=big), 413, "exceeds --max-request-bytes 65536")
+
+    def chunked():  # no Content-Length: refused once the body passes the limit
+        for _ in range(40):
+            yield b" " * 2048
+
+    check(httpx.post(server.url + "/v1/completions", content=chunked()), 413, "exceeds --max-request-bytes")
+    check(httpx.post(server.url + "/v1/completions", content=b""), 400, "the request body is not valid JSON")
+
+    def broken():
+        raise RuntimeError("injected bug")
+
+    monkeypatch.setattr(server.engine, "metrics", broken)
+    check(httpx.get(server.url + "/metrics"), 500, "internal server error (see the server log)")
+    monkeypatch.undo()
+    assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices  # still serving
+
+
+def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
+    encode = server.engine.llm.encode
+
+    def slow(text, chat=True):
+        if text.startswith("slow"):
+            time.sleep(2.0)
+        return encode(text, chat)
+
+    monkeypatch.setattr(server.engine.llm, "encode", slow)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.url + "/v1/completions",
+                              json={"model": MODEL, "prompt": "slow prompt", "max_tokens": 2}, timeout=60)
+        time.sleep(0.3)  # the tokenizer is busy now
+        begun = time.perf_counter()
+        assert httpx.get(server.url + "/health").status_code == 200
+        waited = time.perf_counter() - begun
+        assert pending.result().status_code == 200
+    assert waited < 1.0, f"/health waited {waited:.2f} s behind a tokenisation"
+
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_api_key_guards_the_api_with_the_openai_client(tiny_dir, protect):
+    from sparda.server.app import exposure_warning
+
+    running = Running(LLM(tiny_dir, method="dense", device="cpu"),
+                      {"api_key": "s3cret-key", "protect_health_metrics": protect}, max_batch=1, max_model_len=64)
+    try:
+        def client(key):
+            return openai.OpenAI(base_url=running.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+        assert client("s3cret-key").completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+        assert [m.id for m in client("s3cret-key").models.list().data] == [MODEL]
+        for wrong in ("s3cret-kez", "s3cret-key-and-more", "unused"):
+            with pytest.raises(openai.AuthenticationError, match="missing or incorrect API key"):
+                client(wrong).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        for headers in ({}, {"Authorization": "s3cret-key"}, {"Authorization": "Basic s3cret-key"}):
+            response = httpx.post(running.url + "/v1/completions", json={"prompt": "hi"}, headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(running.url + "/v1/nope").status_code == 401  # no probing of paths without the key
+        for path in ("/health", "/metrics"):
+            assert httpx.get(running.url + path).status_code == (401 if protect else 200)
+            assert httpx.get(running.url + path, headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
+    finally:
+        running.stop()
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+    assert exposure_warning("0.0.0.0", "k") is None
+    assert "serving on 0.0.0.0 without --api-key" in exposure_warning("0.0.0.0", None)
+
+
+def test_a_batch_that_can_never_be_queued_is_400_not_429(server):
+    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 65})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "prompt"
+    assert "prompt holds 65 prompts, more than this server can ever queue at once (--max-waiting 64)" \
+        in error["message"]
+    got = server.client.completions.create(model=MODEL, prompt=["hi"] * 64, max_tokens=1)  # the most it takes
+    assert len(got.choices) == 64
+
+
+def test_tokenize_detokenize_and_version(server, reference, bundled_tokenizer):
+    import sparda
+
+    text = "The quick brown fox"
+    got = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert got == {"count": len(reference.encode(text, chat=False)), "max_model_len": 192,
+                   "tokens": reference.encode(text, chat=False)}
+    completion = server.client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+    assert completion.usage.prompt_tokens == got["count"]  # the ids the completion runs on
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    ids = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert chat["tokens"] == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back == {"prompt": bundled_tokenizer.decode(got["tokens"])}
+    assert httpx.get(server.url + "/version").json() == {"version": sparda.__version__}
+    for path, body, fragment in [("/tokenize", {"prompt": "x", "messages": messages}, "pass one of 'prompt'"),
+                                 ("/tokenize", {"prompt": ""}, "prompt must be a non-empty string"),
+                                 ("/tokenize", b'{"prompt": "a\\ud800"}', "unpaired surrogate"),
+                                 ("/detokenize", {"tokens": [1, 49152]}, "tokens must be a list of token ids in "
+                                                                         "[0, 49152)"),
+                                 ("/detokenize", {}, "missing required field 'tokens'")]:
+        response = httpx.post(server.url + path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+
+
+def test_prometheus_metrics_from_prometheus_client(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        response = httpx.get(server.url + "/metrics")
+        assert response.headers["content-type"].startswith("text/plain; version=")
+        return {s.name + ("{%s}" % s.labels["reason"] if "reason" in s.labels else "")
+                + ("{le=%s}" % s.labels["le"] if "le" in s.labels else ""): s.value
+                for family in text_string_to_metric_families(response.text) for s in family.samples
+                if s.labels.get("model") == MODEL}
+
+    before = scrape()
+    for stream in (False, True):
+        got = server.client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=6, temperature=0,
+                                               stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            list(got)
+    after = scrape()
+    assert after["sparda_kv_rows_total"] == 8 and after["sparda_kv_rows_free"] == 8 - after["sparda_kv_rows_in_use"]
+    assert after["sparda_requests_running"] == 0 and after["sparda_requests_waiting"] == 0
+    assert after["sparda_preemptions_total"] == 0 and after["sparda_max_model_len_tokens"] == 192
+    assert after["sparda_prompt_tokens_total"] - before["sparda_prompt_tokens_total"] == 6
+    assert after["sparda_generation_tokens_total"] - before["sparda_generation_tokens_total"] == 12
+    assert after["sparda_requests_finished_total{length}"] - before.get("sparda_requests_finished_total{length}", 0) == 2
+    for name in ("sparda_time_to_first_token_seconds", "sparda_time_per_output_token_seconds",
+                 "sparda_request_latency_seconds"):
+        assert after[f"{name}_count"] - before[f"{name}_count"] == 2, name
+        assert after[f"{name}_bucket{{le=+Inf}}"] == after[f"{name}_count"] and after[f"{name}_sum"] > 0
+    assert "sparda_offload_hit_rate" not in after  # an on-device cache

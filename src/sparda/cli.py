@@ -268,6 +268,21 @@ def _print_stream(deltas, count: int) -> None:
             current += 1
 
 
+def served_name(model: str | None, model_dir) -> str:
+    """The name ``sparda serve`` publishes by default: ``ORG/NAME`` as given for a model from
+    the Hugging Face cache (not its snapshot's commit hash), else the model's display name
+    (:func:`~sparda.attention.forecast.model_name`: the bundled model's, a GGUF's stem, a
+    directory's name)."""
+    from pathlib import Path
+
+    from sparda.attention.forecast import model_name
+    from sparda.model.loader import is_repo_id
+
+    if model is not None and is_repo_id(str(model)) and not Path(model).expanduser().exists():
+        return str(model)
+    return model_name(model_dir) or (str(model) if model else "sparda")
+
+
 @main.command()
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
@@ -278,25 +293,40 @@ def _print_stream(deltas, count: int) -> None:
               help="Tokens per row, prompt + new tokens of one request [default: the model's context].")
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
               help="Requests that may queue for a row before 429.")
-@click.option("--served-model-name", default=None, help="Name clients pass as 'model' [default: the model's name].")
+@click.option("--served-model-name", default=None,
+              help="Name clients pass as 'model' [default: ORG/NAME as given, else the model's name].")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
+@click.option("--max-request-bytes", default=16 * 2**20, show_default=True, type=click.IntRange(1),
+              help="Largest request body accepted; larger ones get 413.")
+@click.option("--api-key", envvar="SPARDA_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' (401 otherwise) [default: no key].")
+@click.option("--protect-health-metrics", is_flag=True, default=False,
+              help="With --api-key, /health and /metrics need the key too [default: they are open].")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def serve(host, port, max_batch, max_model_len, max_waiting, served_model_name, drain_timeout, log_level, **opts):
+def serve(host, port, max_batch, max_model_len, max_waiting, served_model_name, drain_timeout, max_request_bytes,
+          api_key, protect_health_metrics, log_level, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
-    from sparda.attention.forecast import model_name
     from sparda.engine.engine import Engine
-    from sparda.server import bind_socket, serve as run_server
+    from sparda.server.app import bind_socket, exposure_warning, serve as run_server
 
+    if api_key is not None and not api_key.strip():
+        raise SpardaError("--api-key is empty; pass a key, or leave it (and SPARDA_API_KEY) unset for none")
+    if protect_health_metrics and api_key is None:
+        raise SpardaError("--protect-health-metrics needs --api-key (or SPARDA_API_KEY)")
     sock = bind_socket(host, port)  # a busy port fails before the model loads
+    warning = exposure_warning(sock.getsockname()[0], api_key)
+    if warning:
+        click.echo(warning, err=True)
     llm = build_llm(**opts)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
                     max_prefill_tokens=max(llm.config.runtime.prefill_batch_tokens, 1))
-    name = served_model_name or model_name(llm.model_dir) or opts["model"] or "sparda"
+    name = served_model_name or served_name(opts["model"], llm.model_dir)
     bound_host, bound_port = sock.getsockname()[:2]
     pool = engine.cache.nbytes / 2**30
     run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,
+               max_request_bytes=max_request_bytes, api_key=api_key, protect_health_metrics=protect_health_metrics,
                banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({engine.max_batch} rows x "
                       f"{engine.max_model_len} tokens, KV pool {pool:.2f} GiB)")
 

@@ -28,6 +28,7 @@ offline runs follow the longest running row instead, as a static batch would.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import sys
@@ -113,6 +114,8 @@ class Engine:
         self.accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
+        #: the exception that killed the background thread, if one did
+        self.crashed: BaseException | None = None
         # counters for metrics()
         self.started = time.time()
         self.generated_tokens = 0
@@ -187,8 +190,10 @@ class Engine:
         """One iteration: drop cancelled, admit and prefill, decode every row.
 
         Returns the :class:`Delta` of every request that advanced (each one also goes to
-        its ``on_delta``). Raises whatever the model raises (the background loop turns it
-        into an ``error`` finish of the requests it holds).
+        its ``on_delta``). An exception in one request's own work (its prefill, sampling,
+        detokenisation) ends that request alone (:meth:`failed`); one in the batch's
+        decode step propagates (the background loop ends the running requests with
+        ``error`` and goes on).
         """
         events: list[tuple[Sequence, Delta]] = []
         with self._lock:
@@ -200,7 +205,11 @@ class Engine:
         with self._lock:
             running = sorted(self.scheduler.running.items())
         if running:
-            events.extend(self._decode(running))
+            try:
+                events.extend(self._decode(running))
+            except BaseException:
+                self._deliver(events)  # what this step finished before the batch failed
+                raise
         self._deliver(events)
         return [delta for _, delta in events]
 
@@ -208,7 +217,33 @@ class Engine:
     def _deliver(events: list[tuple[Sequence, Delta]]) -> None:
         for seq, delta in events:
             if seq.on_delta is not None:
-                seq.on_delta(delta)
+                try:
+                    seq.on_delta(delta)
+                except Exception:  # noqa: BLE001 - a consumer's callback must not stop the others
+                    print(f"sparda: the delta callback of request {seq.request_id} failed:", file=sys.stderr)
+                    traceback.print_exc(file=sys.stderr)
+
+    def failed(self, seq: Sequence, exc: BaseException) -> Delta:
+        """End ``seq`` alone after ``exc`` was raised by its own work (prefill, sampling,
+        detokenisation): log the traceback, free its row, finish it with reason ``error``.
+        Returns its final delta; the engine goes on with the others."""
+        print(f"sparda: request {seq.request_id} failed and was ended (the others go on): "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        try:
+            return self._finish(seq, "error")
+        except Exception:  # noqa: BLE001 - its stats could not be read: free the row regardless
+            traceback.print_exc(file=sys.stderr)
+            with self._lock:
+                if seq.row is not None:
+                    with contextlib.suppress(Exception):
+                        self._clear_row(seq.row)
+                self.scheduler.free(seq)
+                with contextlib.suppress(ValueError):
+                    self.scheduler.waiting.remove(seq)
+                self._seqs.pop(seq.request_id, None)
+                self.finished["error"] += 1
+            return Delta(seq.request_id, "", [], None, "error", seq.finish("error", {}))
 
     def _row_counters(self) -> list[torch.Tensor]:
         """Per-row ``[B]`` counters: the method's block counts (of this engine's cache), the
@@ -229,7 +264,7 @@ class Engine:
 
     def _prefill(self, seqs: list[Sequence]) -> list[tuple[Sequence, Delta]]:
         """Prefill the admitted requests (several per forward where allowed, design §3.8) and
-        sample each first token."""
+        sample each first token; a request whose work fails fails alone."""
         events = []
         for seq in seqs:
             seq.admitted = time.perf_counter()
@@ -237,17 +272,30 @@ class Engine:
             seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
             seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
         for group in self.runner.prefill_groups(self.cache, [seq.prompt_ids for seq in seqs]):
-            batch = [seqs[i] for i in group]
-            start = time.perf_counter()
-            logits = self.runner.prefill_batch(self.cache, [seq.row for seq in batch],
-                                               [seq.prompt_ids for seq in batch])
-            picked = sample_requests(logits, [seq.params for seq in batch], [seq.generator for seq in batch])
-            elapsed_ms = (time.perf_counter() - start) * 1e3
-            for seq, (token, logprob) in zip(batch, picked):
-                seq.prefill_ms, seq.prefill_batch = elapsed_ms, len(batch)
+            events += self._prefill_group([seqs[i] for i in group])
+        return events
+
+    def _prefill_group(self, batch: list[Sequence]) -> list[tuple[Sequence, Delta]]:
+        """One prefill forward of ``batch``; if it fails, each request again alone, so that
+        only the one whose prefill fails is failed."""
+        start = time.perf_counter()
+        try:
+            logits = self.runner.prefill_batch(self.cache, [seq.row for seq in batch], [seq.prompt_ids for seq in batch])
+        except Exception as exc:  # noqa: BLE001 - this request's own work (or one of the batch's)
+            if len(batch) == 1:
+                return [(batch[0], self.failed(batch[0], exc))]
+            return [event for seq in batch for event in self._prefill_group([seq])]
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        events = []
+        for i, seq in enumerate(batch):
+            seq.prefill_ms, seq.prefill_batch = elapsed_ms, len(batch)
+            try:
+                (token, logprob), = sample_requests(logits[i:i + 1], [seq.params], [seq.generator])
                 with self._lock:
                     self.prompt_tokens += seq.num_prompt
                 events.append((seq, self._advance(seq, token, logprob)))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                events.append((seq, self.failed(seq, exc)))
         return events
 
     def _decode(self, running: list[tuple[int, Sequence]]) -> list[tuple[Sequence, Delta]]:
@@ -259,9 +307,19 @@ class Engine:
         # static: max_position at the row's end, the same branch (and graph) whoever else runs
         longest = self.max_model_len - 1 if self.static_live_len else max(self._positions[row] for row in rows)
         logits = self.runner.decode(self.cache, tokens, positions, longest)
-        picked = sample_requests(logits[rows], [seq.params for seq in seqs], [seq.generator for seq in seqs])
+        try:
+            picked = sample_requests(logits[rows], [seq.params for seq in seqs], [seq.generator for seq in seqs])
+        except Exception:  # noqa: BLE001 - find whose sampling fails: one row at a time below
+            picked = None
         self._decoded_tokens += len(seqs)
-        events = [(seq, self._advance(seq, tok, lp)) for seq, (tok, lp) in zip(seqs, picked)]
+        events = []
+        for i, (row, seq) in enumerate(running):
+            try:
+                tok, lp = picked[i] if picked is not None else sample_requests(
+                    logits[row:row + 1], [seq.params], [seq.generator])[0]
+                events.append((seq, self._advance(seq, tok, lp)))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                events.append((seq, self.failed(seq, exc)))
         if self.offloaded and time.perf_counter() - self._offload_at > OFFLOAD_REFRESH_S:
             self._refresh_offload()
         return events
@@ -358,6 +416,18 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # the thread itself dies: say so, end every request
+            self.crashed = exc
+            print(f"sparda: the engine thread crashed ({type(exc).__name__}: {exc}); every request in flight "
+                  "is ended with an error and /health answers 503", file=sys.stderr)
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+            with contextlib.suppress(BaseException):
+                self.stop_accepting()
+                self._fail_all(waiting=True)
+
+    def _serve(self) -> None:
         while True:
             with self._work:
                 while not self._stop and not self.scheduler.has_work():
@@ -367,15 +437,19 @@ class Engine:
                 return
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - keep serving; fail the requests that were in flight
-                traceback.print_exc(file=sys.stderr)
-                self._fail_all()
+            except Exception as exc:  # noqa: BLE001 - a whole-batch step failed: end the running rows, go on
+                self._fail_all(exc)
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, exc: BaseException | None = None, waiting: bool = False) -> None:
+        """End the running requests (and, with ``waiting``, the queued ones) with ``error``."""
+        if exc is None:
+            exc = RuntimeError("the engine stopped")
         with self._lock:
-            seqs = list(self.scheduler.running.values()) + list(self.scheduler.waiting)
-            self.scheduler.waiting.clear()
-        self._deliver([(seq, self._finish(seq, "error")) for seq in seqs])
+            seqs = list(self.scheduler.running.values())
+            if waiting:
+                seqs += list(self.scheduler.waiting)
+                self.scheduler.waiting.clear()
+        self._deliver([(seq, self.failed(seq, exc)) for seq in seqs])
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (:class:`EngineStopped`); running ones go on."""

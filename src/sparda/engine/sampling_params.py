@@ -9,6 +9,11 @@ from sparda.errors import SpardaError
 
 #: most alternatives per token that ``logprobs`` may ask for (the OpenAI API's limit)
 MAX_LOGPROBS = 20
+#: smallest positive temperature: below it the scaled logits can overflow to inf (NaN
+#: probabilities); use 0 for greedy
+MIN_TEMPERATURE = 1e-5
+#: the seeds torch.Generator.manual_seed accepts (a signed or unsigned 64-bit integer)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _is_int(value) -> bool:
@@ -24,7 +29,8 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     Attributes:
-        temperature: 0 is greedy (argmax); otherwise logits are divided by it (> 0).
+        temperature: 0 is greedy (argmax); otherwise logits are divided by it (at least
+            :data:`MIN_TEMPERATURE`).
         top_p: nucleus sampling, the smallest set of tokens whose probability reaches
             ``top_p``, in (0, 1]; 1 keeps every token.
         top_k: keep the ``top_k`` most likely tokens before ``top_p``; 0 or -1 keeps all.
@@ -33,8 +39,9 @@ class SamplingParams:
         stop: strings that end the completion; the text is cut before the first one found
             (the stop string itself is not returned). A string or a list of strings.
         stop_token_ids: token ids that end the completion (kept in ``token_ids``, like EOS).
-        seed: seed of this request's own sampling generator: the same seed gives the same
-            tokens whatever else runs in the batch; ``None`` draws a fresh seed.
+        seed: seed of this request's own sampling generator (a 64-bit integer, signed or
+            unsigned): the same seed gives the same tokens whatever else runs in the batch;
+            ``None`` draws a fresh seed.
         ignore_eos: keep generating past EOS (until ``max_tokens`` or a stop condition).
         logprobs: ``None``: no log-probabilities; ``k`` (0..20): per generated token its
             natural-log probability under the model (temperature 1, before any filtering)
@@ -57,8 +64,10 @@ class SamplingParams:
         def fail(name: str, rule: str, value) -> None:
             raise SpardaError(f"SamplingParams.{name} must be {rule}, got {value!r}")
 
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            fail("temperature", "a finite number >= 0 (0 is greedy)", self.temperature)
+        if (not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0
+                or 0 < self.temperature < MIN_TEMPERATURE):
+            fail("temperature", f"a finite number >= 0 (0 is greedy; a positive one at least {MIN_TEMPERATURE:g})",
+                 self.temperature)
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", "a number in (0, 1]", self.top_p)
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -81,8 +90,8 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             fail("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "an integer or None", self.seed)
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            fail("seed", "an integer in [-2**63, 2**64 - 1] or None", self.seed)
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", "True or False", self.ignore_eos)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):

@@ -1,0 +1,116 @@
+"""``GET /metrics``: the server's Prometheus metrics, through ``prometheus_client``.
+
+Everything is labelled with the served model (``model="..."``) and prefixed ``sparda_``.
+
+* From :meth:`Engine.metrics` at each scrape (a custom collector): ``requests_running``,
+  ``requests_waiting``, ``kv_rows_in_use``, ``kv_rows_free``, ``kv_rows_total``,
+  ``max_model_len_tokens``, ``prompt_tokens_total``, ``generation_tokens_total``,
+  ``generation_tokens_per_second`` (last 10 s), ``requests_finished_total{reason}``,
+  ``preemptions_total`` (always 0: a request reserves its whole row when admitted, so
+  nothing is ever preempted) and, on an offloaded cache, ``offload_hit_rate`` and
+  ``offload_bytes_per_token``.
+* Observed when each HTTP request's engine request finishes (its
+  :attr:`RequestOutput.stats`): the histograms ``time_to_first_token_seconds``,
+  ``time_per_output_token_seconds`` (decode time over the tokens after the first) and
+  ``request_latency_seconds`` (arrival to finish).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from sparda.engine.sequence import RequestOutput
+
+#: the ``Content-Type`` of :meth:`ServerMetrics.render`
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: histogram buckets, seconds
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class EngineCollector:
+    """A ``prometheus_client`` collector reading :meth:`Engine.metrics` at each scrape."""
+
+    def __init__(self, engine, model: str) -> None:
+        self.engine, self.model = engine, model
+
+    def describe(self):
+        return []  # families depend on the engine (offload); collected at scrape time only
+
+    def collect(self):
+        m = self.engine.metrics()
+        model = self.model
+
+        def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"sparda_{name}", doc, labels=["model"])
+            family.add_metric([model], float(value))
+            return family
+
+        def counter(name: str, doc: str, value) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"sparda_{name}", doc, labels=["model"])
+            family.add_metric([model], float(value))
+            return family
+
+        yield gauge("requests_running", "Requests holding a KV-cache row.", m["requests_running"])
+        yield gauge("requests_waiting", "Requests queued for a row.", m["requests_waiting"])
+        yield gauge("kv_rows_in_use", "KV-cache rows in use.", m["kv_rows_in_use"])
+        yield gauge("kv_rows_free", "KV-cache rows free.", m["kv_rows_total"] - m["kv_rows_in_use"])
+        yield gauge("kv_rows_total", "KV-cache rows (--max-batch).", m["kv_rows_total"])
+        yield gauge("max_model_len_tokens", "Tokens per row (--max-model-len).", m["max_model_len"])
+        yield counter("prompt_tokens", "Prompt tokens prefilled.", m["prompt_tokens_total"])
+        yield counter("generation_tokens", "Tokens generated.", m["generation_tokens_total"])
+        yield gauge("generation_tokens_per_second", "Tokens generated per second over the last 10 s.",
+                    m["generation_tokens_per_s"])
+        finished = CounterMetricFamily("sparda_requests_finished", "Requests finished, by finish reason.",
+                                       labels=["model", "reason"])
+        for reason, count in sorted(m["requests_finished"].items()):
+            finished.add_metric([model, reason], float(count))
+        yield finished
+        yield counter("preemptions", "Requests preempted (never: a request reserves its whole row).",
+                      m.get("preemptions", 0))
+        if "offload" in m:
+            yield gauge("offload_hit_rate", "Fraction of selected KV blocks already on the device.",
+                        m["offload"].get("hit_rate", 0.0))
+            yield gauge("offload_bytes_per_token", "K+V bytes copied host-to-device per decoded token.",
+                        m["offload"].get("bytes_per_token", 0.0))
+
+
+class ServerMetrics:
+    """The server's registry: the engine's figures plus per-request latency histograms.
+
+    Args:
+        engine: the :class:`~sparda.engine.engine.Engine` served.
+        model: the served model name (the ``model`` label).
+    """
+
+    def __init__(self, engine, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model))
+        self.ttft = Histogram("sparda_time_to_first_token_seconds", "Arrival to first token, per request.",
+                              ["model"], buckets=TTFT_BUCKETS, registry=self.registry).labels(model)
+        self.tpot = Histogram("sparda_time_per_output_token_seconds",
+                              "Decode time per token after the first, per request.", ["model"],
+                              buckets=TPOT_BUCKETS, registry=self.registry).labels(model)
+        self.latency = Histogram("sparda_request_latency_seconds", "Arrival to finish, per request.", ["model"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry).labels(model)
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record a finished request's TTFT, time per output token and latency (from its
+        stats; a request that never got a token adds its latency only)."""
+        stats = output.stats or {}
+        ttft = stats.get("ttft_ms")
+        if ttft is not None:
+            self.ttft.observe(ttft / 1e3)
+            after_first = stats.get("new_tokens", 0) - 1
+            latency = stats.get("latency_ms")
+            if after_first > 0 and latency is not None:
+                self.tpot.observe(max(latency - ttft, 0.0) / 1e3 / after_first)
+        if stats.get("latency_ms") is not None:
+            self.latency.observe(stats["latency_ms"] / 1e3)
+
+    def render(self) -> bytes:
+        """The exposition text (``Content-Type``: :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,444 @@
+"""The OpenAI API's request bodies and response objects, as ``sparda serve`` speaks them.
+
+Every request body is checked here, at the HTTP boundary, before any work: one table per
+endpoint, :data:`COMPLETION` and :data:`CHAT` (sharing :data:`COMMON`), gives each field
+its accepted range, which is the range its consumer
+(:class:`~sparda.engine.sampling_params.SamplingParams`, the sampler, torch's generator
+seeding, the scheduler's rows) accepts; a value outside it is a 400 error naming the
+field, the range and the value. Fields this server does not implement but that would
+change the output (``n > 1``, ``echo``, penalties, ``logit_bias``, ``tools``,
+``response_format``, ...) are refused by name (:data:`REFUSED`); other unknown fields
+are ignored with a logged warning, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from sparda.engine.chat import check_messages
+from sparda.engine.sampling_params import MAX_LOGPROBS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SamplingParams
+from sparda.engine.sequence import RequestOutput
+from sparda.errors import SpardaError
+
+log = logging.getLogger("sparda.server")
+
+#: most stop strings per request, and characters per stop string (each generated token
+#: scans them on the engine thread, so their size is bounded)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+#: most ``stop_token_ids`` per request
+MAX_STOP_TOKEN_IDS = 1024
+
+
+class BadRequest(SpardaError):
+    """A request the server refuses with 400; ``param`` names the field, if one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the running server accepts: the model's vocabulary, ``--max-model-len`` and
+    ``--max-waiting``."""
+
+    vocab_size: int
+    max_model_len: int
+    max_waiting: int
+
+
+# ------------------------------------------------------------------ field rules
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _shown(value) -> str:
+    """``repr(value)`` cut to 60 characters (a refused value may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A field's accepted values: ``ok(value, limits)`` and the range in words,
+    ``text(limits)``. ``None`` (JSON null) always means "the default"."""
+
+    ok: Callable[[Any, Limits], bool]
+    text: Callable[[Limits], str]
+
+
+def _rule(ok, text) -> Rule:
+    return Rule(ok, text if callable(text) else (lambda limits, text=text: text))
+
+
+def _stop_ok(v, limits) -> bool:
+    items = [v] if isinstance(v, str) else v
+    return (isinstance(items, list) and 0 < len(items) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items))
+
+
+def _max_tokens() -> Rule:
+    return _rule(lambda v, lim: _int(v) and 1 <= v <= lim.max_model_len - 1,
+                 lambda lim: f"an integer in [1, {lim.max_model_len - 1}] (--max-model-len {lim.max_model_len} "
+                             "less one prompt token)")
+
+
+#: fields both endpoints accept, with their ranges
+COMMON: dict[str, Rule] = {
+    "model": _rule(lambda v, lim: isinstance(v, str), "a string (GET /v1/models lists the served name)"),
+    "max_tokens": _max_tokens(),
+    "temperature": _rule(lambda v, lim: _number(v) and (v == 0 or MIN_TEMPERATURE <= v),
+                         f"a finite number >= 0 (0 is greedy; a positive one at least {MIN_TEMPERATURE:g})"),
+    "top_p": _rule(lambda v, lim: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": _rule(lambda v, lim: _int(v) and v >= -1, "an integer >= 1, or 0 / -1 for no top-k"),
+    "stream": _rule(lambda v, lim: isinstance(v, bool), "true or false"),
+    "stream_options": _rule(lambda v, lim: isinstance(v, dict), 'an object such as {"include_usage": true}'),
+    "stop": _rule(_stop_ok, f"a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to "
+                            f"{MAX_STOP_CHARS} characters"),
+    "stop_token_ids": _rule(lambda v, lim: isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS
+                            and all(_int(t) and 0 <= t < lim.vocab_size for t in v),
+                            lambda lim: f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
+                                        f"[0, {lim.vocab_size})"),
+    "seed": _rule(lambda v, lim: _int(v) and SEED_MIN <= v <= SEED_MAX, "an integer in [-2**63, 2**64 - 1]"),
+    "ignore_eos": _rule(lambda v, lim: isinstance(v, bool), "true or false"),
+    "user": _rule(lambda v, lim: isinstance(v, str), "a string"),
+}
+
+#: ``/v1/completions`` fields
+COMPLETION: dict[str, Rule] = {
+    **COMMON,
+    "prompt": _rule(lambda v, lim: True, "a string, a list of strings, a list of token ids or a list of those"),
+    "logprobs": _rule(lambda v, lim: _int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
+}
+
+#: ``/v1/chat/completions`` fields
+CHAT: dict[str, Rule] = {
+    **COMMON,
+    "messages": _rule(lambda v, lim: isinstance(v, list) and len(v) > 0,
+                      "a non-empty list of {'role': ..., 'content': ...} objects"),
+    "max_completion_tokens": _max_tokens(),
+    "logprobs": _rule(lambda v, lim: isinstance(v, bool), "true or false"),
+    "top_logprobs": _rule(lambda v, lim: _int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
+}
+
+#: ``/tokenize`` fields: ``prompt`` (as completions, one text) or ``messages`` (as chat)
+TOKENIZE: dict[str, Rule] = {
+    "model": COMMON["model"],
+    "prompt": _rule(lambda v, lim: isinstance(v, str) and len(v) > 0, "a non-empty string"),
+    "messages": CHAT["messages"],
+    "add_special_tokens": _rule(lambda v, lim: isinstance(v, bool), "true or false"),
+}
+
+#: ``/detokenize`` fields
+DETOKENIZE: dict[str, Rule] = {
+    "model": COMMON["model"],
+    "tokens": _rule(lambda v, lim: isinstance(v, list) and all(_int(t) and 0 <= t < lim.vocab_size for t in v),
+                    lambda lim: f"a list of token ids in [0, {lim.vocab_size})"),
+}
+
+#: fields every endpoint ignores silently (they change nothing but are common)
+QUIET = frozenset()
+
+
+def _absent(v) -> bool:
+    return v is None or v in ([], {}, "")
+
+
+#: fields this server does not implement and that would change the output: refused
+#: (400, by name) unless absent or at their no-op value. ``name: (harmless, message)``.
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v is None or (_int(v) and v == 1), "n must be 1: sparda serve returns one choice per prompt"),
+    "best_of": (lambda v: v is None or (_int(v) and v == 1), "best_of must be 1 (or left out)"),
+    "echo": (lambda v: v in (None, False), "echo is not supported by sparda serve; leave it out"),
+    "suffix": (_absent, "suffix is not supported by sparda serve; leave it out"),
+    "presence_penalty": (lambda v: v is None or (_number(v) and v == 0),
+                         "presence_penalty is not supported by sparda serve; leave it out or set 0"),
+    "frequency_penalty": (lambda v: v is None or (_number(v) and v == 0),
+                          "frequency_penalty is not supported by sparda serve; leave it out or set 0"),
+    "repetition_penalty": (lambda v: v is None or (_number(v) and v == 1),
+                           "repetition_penalty is not supported by sparda serve; leave it out or set 1"),
+    "logit_bias": (_absent, "logit_bias is not supported by sparda serve; leave it out"),
+    "tools": (_absent, "tools are not supported by sparda serve (no tool calling); leave them out"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"),
+                    "tool_choice is not supported by sparda serve (no tool calling); leave it out"),
+    "functions": (_absent, "functions are not supported by sparda serve (no function calling); leave them out"),
+    "function_call": (lambda v: v in (None, "none", "auto"),
+                      "function_call is not supported by sparda serve; leave it out"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "response_format is not supported by sparda serve (no structured output); leave it out"),
+    "min_p": (lambda v: v is None or (_number(v) and v == 0), "min_p is not supported by sparda serve; leave it out"),
+    "min_tokens": (lambda v: v is None or (_int(v) and v == 0),
+                   "min_tokens is not supported by sparda serve; leave it out"),
+    "typical_p": (lambda v: v is None or (_number(v) and v == 1),
+                  "typical_p is not supported by sparda serve; leave it out"),
+    "length_penalty": (lambda v: v is None or (_number(v) and v == 1),
+                       "length_penalty is not supported by sparda serve; leave it out"),
+    "use_beam_search": (lambda v: v in (None, False), "beam search is not supported by sparda serve"),
+    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported by sparda serve; leave it out"),
+    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported by sparda serve; leave it out"),
+    "bad_words": (_absent, "bad_words is not supported by sparda serve; leave it out"),
+    "logits_processors": (_absent, "logits_processors are not supported by sparda serve; leave them out"),
+    "guided_json": (lambda v: v is None, "guided decoding is not supported by sparda serve; leave guided_json out"),
+    "guided_regex": (lambda v: v is None, "guided decoding is not supported by sparda serve; leave guided_regex out"),
+    "guided_choice": (lambda v: v is None,
+                      "guided decoding is not supported by sparda serve; leave guided_choice out"),
+    "guided_grammar": (lambda v: v is None,
+                       "guided decoding is not supported by sparda serve; leave guided_grammar out"),
+    "structured_outputs": (lambda v: v is None,
+                           "structured outputs are not supported by sparda serve; leave structured_outputs out"),
+    "include_stop_str_in_output": (lambda v: v in (None, False),
+                                   "include_stop_str_in_output is not supported by sparda serve; leave it out"),
+    "skip_special_tokens": (lambda v: v in (None, True),
+                            "skip_special_tokens: false is not supported by sparda serve (special tokens are "
+                            "always skipped); leave it out"),
+    "spaces_between_special_tokens": (lambda v: v in (None, True),
+                                      "spaces_between_special_tokens is not supported by sparda serve; leave it out"),
+    "truncate_prompt_tokens": (lambda v: v is None,
+                               "truncate_prompt_tokens is not supported by sparda serve; leave it out"),
+    "add_generation_prompt": (lambda v: v in (None, True),
+                              "add_generation_prompt: false is not supported by sparda serve (the assistant turn "
+                              "is always opened); leave it out"),
+    "continue_final_message": (lambda v: v in (None, False),
+                               "continue_final_message is not supported by sparda serve; leave it out"),
+    "chat_template": (lambda v: v is None,
+                      "chat_template is not supported by sparda serve (the model's own template is used)"),
+    "chat_template_kwargs": (_absent, "chat_template_kwargs is not supported by sparda serve; leave it out"),
+    "documents": (_absent, "documents are not supported by sparda serve; leave them out"),
+    "audio": (lambda v: v is None, "audio output is not supported by sparda serve; leave it out"),
+    "modalities": (lambda v: v is None or v == ["text"], "sparda serve answers in text only: modalities ['text']"),
+    "prediction": (lambda v: v is None, "predicted outputs are not supported by sparda serve; leave prediction out"),
+    "web_search_options": (lambda v: v is None, "web search is not supported by sparda serve"),
+}
+
+#: message keys besides role/content/name: refused when set, ignored otherwise
+_MESSAGE_REFUSED = {"tool_calls": "tool calls", "function_call": "function calls"}
+
+
+def check_fields(body, rules: dict[str, Rule], limits: Limits, *, warn_unknown: bool = True) -> dict:
+    """Check a parsed JSON request body against ``rules`` and :data:`REFUSED`.
+
+    Returns the body as a dict without its ignored fields. Raises BadRequest naming the
+    first bad field and its range. Unknown fields are ignored, with one logged warning
+    per request naming them.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    out, ignored = {}, []
+    for name, value in body.items():
+        if name in rules:
+            if value is not None and not rules[name].ok(value, limits):
+                raise BadRequest(f"{name} must be {rules[name].text(limits)}, got {_shown(value)}", name)
+            out[name] = value
+        elif name in REFUSED:
+            harmless, message = REFUSED[name]
+            try:
+                fine = harmless(value)
+            except TypeError:  # an unhashable value compared with a tuple
+                fine = False
+            if not fine:
+                raise BadRequest(message, name)
+        elif name not in QUIET:
+            ignored.append(name)
+    options = out.get("stream_options")
+    if options is not None:
+        if not out.get("stream"):
+            raise BadRequest("stream_options needs stream: true", "stream_options")
+        if not isinstance(options.get("include_usage", False), bool):
+            raise BadRequest(f"stream_options.include_usage must be true or false, got "
+                             f"{_shown(options['include_usage'])}", "stream_options")
+        ignored += [f"stream_options.{k}" for k in options if k != "include_usage"]
+    if "messages" in out:
+        ignored += _check_message_keys(out["messages"])
+    if ignored and warn_unknown:
+        log.warning("ignoring request fields sparda serve does not use: %s", ", ".join(ignored[:20]))
+    return out
+
+
+def _check_message_keys(messages: list) -> list[str]:
+    """Refuse tool calls inside messages; the names of other unknown message keys."""
+    ignored = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+        for key, value in msg.items():
+            if key in ("role", "content", "name"):
+                continue
+            if key in _MESSAGE_REFUSED and not _absent(value):
+                raise BadRequest(f"messages[{i}].{key}: {_MESSAGE_REFUSED[key]} are not supported by sparda serve",
+                                 "messages")
+            ignored.append(f"messages[{i}].{key}")
+    return ignored
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text the tokenizer cannot encode: an unpaired UTF-16 surrogate (JSON allows
+    ``"\\ud800"``; no UTF-8 text holds one). Raises BadRequest naming the position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{param} holds text that cannot be encoded: an unpaired surrogate "
+                         f"{text[exc.start]!r} at character {exc.start}; send valid Unicode", param) from None
+
+
+def completion_prompts(prompt, limits: Limits) -> list[str | list[int]]:
+    """The prompts of a completions ``prompt``: strings (to tokenise) or token-id lists
+    (checked against the vocabulary and ``--max-model-len``). Raises BadRequest."""
+    shape = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    if prompt is None:
+        raise BadRequest("missing required field 'prompt'", "prompt")
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list):
+        raise BadRequest(f"{shape}, got {_shown(prompt)}", "prompt")
+    if not prompt:
+        raise BadRequest("prompt is empty; pass some text", "prompt")
+    if all(_int(t) for t in prompt):
+        prompt = [prompt]
+    if len(prompt) > limits.max_waiting:
+        raise BadRequest(f"prompt holds {len(prompt)} prompts, more than this server can ever queue at once "
+                         f"(--max-waiting {limits.max_waiting}); send at most {limits.max_waiting} per request",
+                         "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise BadRequest("prompt is empty; pass some text", "prompt")
+            check_text(p, "prompt")
+            out.append(p)
+        elif isinstance(p, list) and p and all(_int(t) for t in p):
+            check_prompt_length(len(p), limits)
+            bad = next((t for t in p if not 0 <= t < limits.vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"prompt token ids must be in [0, {limits.vocab_size}), the model's vocabulary; "
+                                 f"got {bad}", "prompt")
+            out.append(p)
+        elif isinstance(p, list) and not p:
+            raise BadRequest("prompt is empty; pass some text", "prompt")
+        else:
+            raise BadRequest(f"{shape}, got {_shown(p)}", "prompt")
+    return out
+
+
+def check_prompt_length(num_prompt: int, limits: Limits, max_tokens: int | None = None) -> None:
+    """Refuse a prompt that can never fit a row (as the scheduler would, before any work)."""
+    if num_prompt >= limits.max_model_len:
+        raise BadRequest(f"prompt of {num_prompt} tokens does not fit --max-model-len {limits.max_model_len} "
+                         "(it needs room for at least one new token); shorten the prompt", "prompt")
+    if max_tokens is not None and num_prompt + max_tokens > limits.max_model_len:
+        raise BadRequest(f"prompt of {num_prompt} tokens plus max_tokens {max_tokens} exceeds --max-model-len "
+                         f"{limits.max_model_len}; lower max_tokens to at most {limits.max_model_len - num_prompt}",
+                         "max_tokens")
+
+
+def chat_messages(messages) -> list[dict[str, str]]:
+    """``{"role", "content"}`` dicts of a checked ``messages`` list (text parts joined).
+    Raises BadRequest naming the first bad message."""
+    for i, msg in enumerate(messages):
+        if "role" not in msg:
+            raise BadRequest(f"messages[{i}] is missing required field 'role'", "messages")
+        if "content" not in msg:
+            raise BadRequest(f"messages[{i}] is missing required field 'content' (a string or a list of text parts)",
+                             "messages")
+        if not isinstance(msg["role"], str):
+            raise BadRequest(f"messages[{i}].role must be a string, got {_shown(msg['role'])}", "messages")
+        if "name" in msg and msg["name"] is not None and not isinstance(msg["name"], str):
+            raise BadRequest(f"messages[{i}].name must be a string, got {_shown(msg['name'])}", "messages")
+    try:
+        out = check_messages([{"role": m["role"], "content": m["content"]} for m in messages])
+    except SpardaError as exc:
+        raise BadRequest(str(exc), "messages") from None
+    for i, m in enumerate(out):
+        check_text(m["content"], f"messages[{i}].content")
+    return out
+
+
+def sampling_params(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The :class:`SamplingParams` of a checked request (OpenAI defaults: temperature 1,
+    top_p 1). Raises BadRequest naming the offending field."""
+    def get(name, default):
+        value = body.get(name)
+        return default if value is None else value
+
+    try:
+        return SamplingParams(temperature=float(get("temperature", 1.0)), top_p=float(get("top_p", 1.0)),
+                              top_k=get("top_k", 0), max_tokens=max_tokens, stop=body.get("stop"),
+                              stop_token_ids=body.get("stop_token_ids"), seed=body.get("seed"),
+                              ignore_eos=get("ignore_eos", False), logprobs=logprobs)
+    except SpardaError as exc:
+        message = str(exc).replace("SamplingParams.", "")
+        raise BadRequest(message, message.split(" ", 1)[0]) from None
+
+
+# ------------------------------------------------------------------ responses
+def new_id(prefix: str) -> str:
+    """A fresh response id such as ``cmpl-1f3a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    """Token counts summed over ``outputs``."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(tokenizer, entries: list[dict] | None, offset: int = 0) -> dict | None:
+    """Legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset`` (characters, from ``offset``)."""
+    if entries is None:
+        return None
+    tokens = [tokenizer.decode([e["token_id"]]) for e in entries]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e["top_logprobs"].items()} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, entries: list[dict] | None) -> dict | None:
+    """Chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
+    if entries is None:
+        return None
+
+    def item(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [dict(item(e["token_id"], e["logprob"]),
+                             top_logprobs=[item(t, lp) for t, lp in e["top_logprobs"].items()]) for e in entries]}
+
+
+def completion_response(rid: str, model: str, outputs: list[RequestOutput], tokenizer) -> dict:
+    """A ``text_completion`` object with one choice per output."""
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
+                         "logprobs": completion_logprobs(tokenizer, o.logprobs)} for i, o in enumerate(outputs)],
+            "usage": usage(outputs)}
+
+
+def chat_response(rid: str, model: str, output: RequestOutput, tokenizer) -> dict:
+    """A ``chat.completion`` object (one choice)."""
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": output.text},
+                         "finish_reason": output.finish_reason,
+                         "logprobs": chat_logprobs(tokenizer, output.logprobs)}],
+            "usage": usage([output])}
