@@ -38,14 +38,14 @@ def _alone(llm, ids, n):
 def test_a_failing_request_ends_alone_and_the_batch_goes_on(make_tiny, fresh_seed, poisoned, monkeypatch, capfd):
     llm = LLM(make_tiny("llama"), method="dense", device="cpu")
     engine = Engine(llm, max_batch=3, max_model_len=64)
-    prefill = llm.prefill
+    prefill = llm.model_runner.prefill_batch
 
-    def faulty_prefill(cache, row, ids):  # a prompt starting with POISON + 1 fails in its prefill
-        if ids[0] == POISON + 1:
+    def faulty_prefill(cache, rows, prompts):  # a prompt starting with POISON + 1 fails its prefill forward
+        if any(ids[0] == POISON + 1 for ids in prompts):  # (batched with others: the whole forward)
             raise RuntimeError("injected prefill fault")
-        return prefill(cache, row, ids)
+        return prefill(cache, rows, prompts)
 
-    monkeypatch.setattr(llm, "prefill", faulty_prefill)
+    monkeypatch.setattr(llm.model_runner, "prefill_batch", faulty_prefill)
     good = [torch.randint(0, 49152, (n,)).tolist() for n in (5, 9)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     seqs = [engine.add_request(good[0], params), engine.add_request([POISON, 1, 2, 3], params),
@@ -93,7 +93,7 @@ def test_the_background_engine_ends_only_the_failing_request(make_tiny, poisoned
 def test_a_failed_batch_step_ends_the_running_rows_not_the_queue(make_tiny, monkeypatch):
     llm = LLM(make_tiny("llama"), method="dense", device="cpu")
     engine = Engine(llm, max_batch=1, max_model_len=64)
-    decode, calls = llm.decode, [0]
+    decode, calls = llm.model_runner.decode, [0]
 
     def flaky(*args, **kwargs):  # the 3rd decode step of the engine raises
         calls[0] += 1
@@ -101,7 +101,7 @@ def test_a_failed_batch_step_ends_the_running_rows_not_the_queue(make_tiny, monk
             raise RuntimeError("injected decode fault")
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(llm, "decode", flaky)
+    monkeypatch.setattr(llm.model_runner, "decode", flaky)
     finished, done = {}, threading.Event()
 
     def on_delta(delta):
