@@ -198,9 +198,3 @@ class LLM:
         single = not isinstance(messages, (list, tuple)) or not messages or isinstance(messages[0], dict)
         ids = [chat_token_ids(self.tokenizer, conv) for conv in ([messages] if single else messages)]
         return self.generate(None, sampling_params or SamplingParams(), prompt_token_ids=ids, max_batch=max_batch)
-
-    def generate_requests(self, prompts, sampling_params, *, chat: bool = True, prompt_token_ids=None,
-                          max_batch: int | None = None) -> list[RequestOutput]:
-        """:meth:`generate` with per-request :class:`SamplingParams` (the server's path)."""
-        return self.generate(prompts, sampling_params, chat=chat, prompt_token_ids=prompt_token_ids,
-                             max_batch=max_batch)
