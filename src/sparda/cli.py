@@ -293,6 +293,9 @@ def served_name(model: str | None, model_dir) -> str:
               help="Tokens per row, prompt + new tokens of one request [default: the model's context].")
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
               help="Requests that may queue for a row before 429.")
+@click.option("--max-num-batched-tokens", default=None, type=click.IntRange(1),
+              help="Prompt tokens admitted (and prefilled) per engine step, at least one request "
+                   "[default: --prefill-batch's budget, 16384].")
 @click.option("--served-model-name", default=None,
               help="Name clients pass as 'model' [default: ORG/NAME as given, else the model's name].")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
@@ -305,8 +308,8 @@ def served_name(model: str | None, model_dir) -> str:
               help="With --api-key, /health and /metrics need the key too [default: they are open].")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def serve(host, port, max_batch, max_model_len, max_waiting, served_model_name, drain_timeout, max_request_bytes,
-          api_key, protect_health_metrics, log_level, **opts):
+def serve(host, port, max_batch, max_model_len, max_waiting, max_num_batched_tokens, served_model_name, drain_timeout,
+          max_request_bytes, api_key, protect_health_metrics, log_level, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.engine.engine import Engine
     from sparda.server.app import bind_socket, exposure_warning, serve as run_server
@@ -321,7 +324,7 @@ def serve(host, port, max_batch, max_model_len, max_waiting, served_model_name, 
         click.echo(warning, err=True)
     llm = build_llm(**opts)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
-                    max_prefill_tokens=max(llm.config.runtime.prefill_batch_tokens, 1))
+                    max_prefill_tokens=max_num_batched_tokens or max(llm.config.runtime.prefill_batch_tokens, 1))
     name = served_model_name or served_name(opts["model"], llm.model_dir)
     bound_host, bound_port = sock.getsockname()[:2]
     pool = engine.cache.nbytes / 2**30

@@ -1,0 +1,65 @@
+"""Admission against a brute-force simulation: first come first served, the lowest free row,
+at most ``max_tokens`` prompt tokens per step (the first request always), cancelled requests
+dropped and their rows freed at once."""
+
+import random
+
+import pytest
+
+from sparda.engine.sampling_params import SamplingParams
+from sparda.engine.scheduler import QueueFull, Scheduler
+from sparda.engine.sequence import Sequence, Status
+
+
+def _reference_admit(waiting: list, free: set, budget):
+    """What one step should admit: (request, row) pairs, recomputed from scratch."""
+    out, total, free = [], 0, set(free)
+    for seq in waiting:
+        if not free or (out and budget is not None and total + seq.num_prompt > budget):
+            break
+        row = min(free)
+        free.discard(row)
+        out.append((seq, row))
+        total += seq.num_prompt
+    return out
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_admission_matches_a_brute_force_simulation(trial, fresh_seed):
+    rng = random.Random(fresh_seed * 100 + trial)
+    rows, length = rng.randint(1, 6), 400
+    sched = Scheduler(max_batch=rows, max_model_len=length, max_waiting=rng.randint(0, 8))
+    waiting, running, ids = [], {}, 0
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.45:  # a request arrives
+            prompt = rng.randint(1, 300)
+            seq = Sequence(str(ids), [1] * prompt, SamplingParams(max_tokens=length - prompt), length - prompt, None)
+            ids += 1
+            if len(waiting) >= sched.max_waiting:
+                with pytest.raises(QueueFull):
+                    sched.add(seq)
+            else:
+                sched.add(seq)
+                waiting.append(seq)
+        elif op < 0.75:  # an engine step admits
+            budget = rng.choice([None, rng.randint(1, 600)])
+            want = _reference_admit(waiting, set(range(rows)) - set(running), budget)
+            got = sched.admit(budget)
+            assert [(s, s.row) for s in got] == want, (fresh_seed, trial)
+            for seq, row in want:
+                waiting.remove(seq)
+                running[row] = seq
+                assert seq.status is Status.RUNNING
+        elif op < 0.9 and running:  # a request finishes
+            row = rng.choice(sorted(running))
+            sched.free(running.pop(row))
+        elif waiting or running:  # a request is cancelled, waiting or running
+            seq = rng.choice(waiting + list(running.values()))
+            seq.cancelled = True
+            dropped = sched.drop_cancelled()
+            assert dropped == [s for s in waiting if s.cancelled] + [s for s in running.values() if s.cancelled]
+            waiting = [s for s in waiting if not s.cancelled]
+            running = {r: s for r, s in running.items() if not s.cancelled}
+        assert list(sched.waiting) == waiting and sched.running == running
+        assert sched.rows_in_use == len(running) <= rows
