@@ -437,11 +437,16 @@ def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
         pending = pool.submit(httpx.post, server.url + "/v1/completions",
                               json={"model": MODEL, "prompt": "slow prompt", "max_tokens": 2}, timeout=60)
         time.sleep(0.3)  # the tokenizer is busy now
-        begun = time.perf_counter()
-        assert httpx.get(server.url + "/health").status_code == 200
-        waited = time.perf_counter() - begun
+        waits = []
+        with httpx.Client() as client:
+            client.get(server.url + "/health")  # the connection, outside the timing
+            for _ in range(5):  # all within the 2 s tokenisation
+                begun = time.perf_counter()
+                assert client.get(server.url + "/health").status_code == 200
+                waits.append(time.perf_counter() - begun)
         assert pending.result().status_code == 200
-    assert waited < 1.0, f"/health waited {waited:.2f} s behind a tokenisation"
+    waits.sort()
+    assert waits[2] < 0.1 and waits[-1] < 1.0, f"/health waited {waits} s behind a tokenisation"  # median, worst
 
 
 @pytest.mark.parametrize("protect", [False, True])

@@ -5,7 +5,7 @@ Every bad body must get a 4xx OpenAI error object; every good stream must comple
 the tokens it gets alone; the engine must never fail a request and its rows must return to
 idle. Bounded in time: the bad bodies stop at BAD_BODIES or after BAD_SECONDS, whichever
 comes first (the count reached is printed with ``-s``; on 2 shared CPU cores all 4,000 go in
-about 8 s, beside some 40 streams; the test asserts at least 1,000).
+about 8 s, beside some 40 streams; the test asserts at least 2,000, the issue's floor).
 """
 
 import concurrent.futures
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: bad bodies to send at most, and the time limit for sending them
 BAD_BODIES = 4000
-BAD_SECONDS = 40.0
+BAD_SECONDS = 60.0
 #: the server's limits (the generator's out-of-range values are drawn against them)
 MAX_MODEL_LEN, MAX_WAITING, MAX_BYTES, VOCAB = 192, 16, 2**15, 49152
 
@@ -182,7 +182,7 @@ def test_bad_bodies_beside_good_streams(make_tiny, fresh_seed):
                 f.result()
         print(f"fuzz: {sent} bad bodies refused with 4xx, {len(streams)} good streams beside them "
               f"(seed {fresh_seed})")
-        assert sent >= 1000, f"only {sent} bad bodies in {BAD_SECONDS} s"
+        assert sent >= 2000, f"only {sent} bad bodies in {BAD_SECONDS} s"
         assert len(streams) >= 4
         for ids, n, text, finish in streams:
             want_text, want_finish, _ = _alone(reference, ids, n)
