@@ -10,7 +10,7 @@ Run from the repository root (the GPU subcommands on a CUDA machine)::
 
 ``python3 benchmarks/bench_decode.py SUBCOMMAND --help`` describes each one: what it
 measures, its arguments and the files it writes (JSON records and markdown, the formats of
-the result pages under docs/benchmarks/). The single-point harness is ``sparda bench``
+the result pages under docs/results/benchmarks/). The single-point harness is ``sparda bench``
 (:mod:`sparda.bench`); these subcommands drive it (``sweep``, ``graphs sweep``) or measure
 what it does not (kernel parity, profiles, the merged report).
 
@@ -60,7 +60,7 @@ def _random_model(dtype):
 
 
 SWEEP_DOC = """\
-Decode measurements on the GPU for the fused-decode issue (docs/benchmarks/, design §6):
+Decode measurements on the GPU for the fused-decode issue (design §6):
 parts of the decode grid, each a sweep of ``sparda.bench.sweep.run_sweep`` or a check.
 
     python3 benchmarks/bench_decode.py sweep OUT BUDGET_S PART [PART ...]
@@ -871,7 +871,7 @@ def _tune(path: Path, budget: float, points, configs, warm: int, timed: int) -> 
             if DEV == "cuda":
                 cache.prefetcher.stream = torch.cuda.Stream(device=llm.device, priority=prio)
                 cache.prefetcher.select_stream = torch.cuda.Stream(device=llm.device, priority=prio)
-            runner = DecodeRunner(llm, cache)
+            runner = DecodeRunner(llm.model_runner, cache)
             runner.load(torch.zeros(batch, dtype=torch.long, device=llm.device),
                         torch.full((batch,), context, device=llm.device))
             def step():
@@ -1020,7 +1020,7 @@ def kvquant_check(quick: bool = False) -> list[dict]:
     bf16 value near a rounding boundary of the quantiser may land one code apart:
     agreement is reported, not required; compare it with the control's. In fp32 the
     unquantised fused step gave the unfused tokens on the H200
-    (docs/benchmarks/fused-decode-2026-12-01-h200.md section 5)."""
+    (design §6)."""
     from sparda.bench.models import random_forecast
     from sparda.engine.llm import LLM
     from sparda.model.fused import FusedDecoder
@@ -1042,11 +1042,11 @@ def kvquant_check(quick: bool = False) -> list[dict]:
                 llm = LLM.from_model(model, method="sparda", preset="small", forecast=forecast, offload=True,
                                      kv_dtype=kv, fused_decode=fused, **sel)
                 if fused and DEV != "cuda":  # the CUDA choice, on the CPU (kernel twins)
-                    llm._fused_checked, llm._fused = True, FusedDecoder(model, llm.method)
+                    llm.model_runner._fused_checked, llm.model_runner._fused = True, FusedDecoder(model, llm.method)
                 llm.tokenizer = NoText()
                 out_ = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=new, ignore_eos=True)
                 toks[fused] = [o.token_ids for o in out_]
-                used[fused] = llm._fused_decoder() is not None
+                used[fused] = llm.model_runner.fused_decoder() is not None
             same = [a == b for x, y in zip(toks[True], toks[False]) for a, b in zip(x, y)]
             first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                      for x, y in zip(toks[True], toks[False])]

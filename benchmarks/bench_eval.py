@@ -1,9 +1,9 @@
-"""Accuracy evaluation: one entry point, one subcommand per measurement (docs/accuracy.md).
+"""Accuracy evaluation: one entry point, one subcommand per measurement (docs/results/accuracy.md).
 
 Run from the repository root::
 
     python3 benchmarks/bench_eval.py run OUT [--time-budget-s 550] [--model GGUF] [--plans ...]  # the full eval (GPU)
-    python3 benchmarks/bench_eval.py doc OUT [--doc docs/accuracy.md]    # regenerate docs/accuracy.md from OUT
+    python3 benchmarks/bench_eval.py doc OUT [--doc docs/results/accuracy.md]  # regenerate docs/results/accuracy.md from OUT
     python3 benchmarks/bench_eval.py dense-heads --prompts SEED:DEPTH,...  # passkey with/without dense heads (CPU)
     python3 benchmarks/bench_eval.py needle-probe --seed S --depth D       # where selection loses a pass key (CPU)
     python3 benchmarks/bench_eval.py passkey-demo MODEL OUT_DIR [-- EXTRA]  # the CLI passkey demo on a GPU
@@ -41,7 +41,7 @@ from sparda.eval.runner import EvalPlan, run_eval  # noqa: E402
 from sparda.io import atomic_write  # noqa: E402
 
 RUN_DOC = """\
-The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/accuracy.md).
+The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/results/accuracy.md).
 
 Usage (from the repository root, on a CUDA machine):
 
@@ -86,7 +86,7 @@ same, their timings those of processes sharing the GPU.
 Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
 prints a short table. When the budget runs out the plans stop between batches; copy
 ``OUT`` back, and the next call with the same ``OUT`` continues where this one stopped.
-``python3 benchmarks/bench_eval.py doc OUT`` then regenerates ``docs/accuracy.md``.
+``python3 benchmarks/bench_eval.py doc OUT`` then regenerates ``docs/results/accuracy.md``.
 Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--plans`` runs only some
 (``--plans kvquant`` adds the KV-dtype directories to an ``OUT`` whose other plans are
 done, ``--plans baselines`` the seeds' selectors, ``--plans selectors`` the selectors without
@@ -94,21 +94,25 @@ dense heads); ``--estimate`` prints the work of the plans and a run-time estimat
 plan, without loading a model.
 """
 
+#: Where the ``doc`` page lives: with the other measured results, plots beside it in accuracy/gpu/.
+DEFAULT_DOC = Path(__file__).resolve().parents[1] / "docs" / "results" / "accuracy.md"
+
 DOC_DOC = """\
-Regenerate docs/accuracy.md from a ``bench_eval.py run`` output directory.
+Regenerate docs/results/accuracy.md from a ``bench_eval.py run`` output directory.
 
 Usage (from the repository root, after copying the GPU run's OUT back here):
 
-    python3 benchmarks/bench_eval.py doc OUT [--doc docs/accuracy.md]
+    python3 benchmarks/bench_eval.py doc OUT [--doc docs/results/accuracy.md]
 
-Writes the page atomically and copies the plots to docs/accuracy/gpu/{main,budget}/.
+Writes the page atomically and copies the plots to docs/results/accuracy/gpu/{main,budget}/.
 """
 
 DENSE_HEADS_DOC = """\
 Pass key at 7,680 tokens with and without dense retrieval heads (design §3.7; CPU, fp32).
 
 Rebuilds ``sparda eval`` passkey prompts (held-out Emma, task ``passkey``, the seeds and
-depths of docs/passkey-gap.md) and generates greedily with each ``--methods`` entry under
+depths of ``--prompts``; below, the three failing prompts of design §3.7) and generates
+greedily with each ``--methods`` entry under
 ``--dense-heads`` none and auto (the shipped calibration), printing per prompt whether the
 answer holds the key and the fraction of KV blocks read per decode step.
 
@@ -318,9 +322,9 @@ def _device_name(device: str) -> str:
 
 
 #: seconds per unit of work on one H200 for the bundled model in bf16, from the H200
-#: records of this model shape (docs/benchmarks/smoke-bench-2026-11-29-h200.md: dense
+#: records of this model shape (design §8: dense
 #: prefill of 6,000 tokens 44 ms, block-sparse `sparse` prefill 1.28 s, i.e. 0.0075 and
-#: 0.21 s per 1,000 tokens; cuda-graphs-2026-12-01-h200.md: graph decode steps of 5.9 ms
+#: 0.21 s per 1,000 tokens; graph decode steps of 5.9 ms
 #: dense and 10.3 ms offloaded sparda at 7K, taken as 12 ms for a batch of 16), plus a
 #: guessed 0.5 s per batch for the graph capture, its eager warm-up step and the pinned
 #: host cache of offloaded sparda.
@@ -802,10 +806,9 @@ def parser() -> argparse.ArgumentParser:
     _run_arguments(_doc_parser(sub, "run", RUN_DOC, "the full sparda eval, resumable, within a time budget",
                                cmd_run))
 
-    p = _doc_parser(sub, "doc", DOC_DOC, "regenerate docs/accuracy.md from a run's OUT", cmd_doc)
+    p = _doc_parser(sub, "doc", DOC_DOC, "regenerate docs/results/accuracy.md from a run's OUT", cmd_doc)
     p.add_argument("out", metavar="OUT", help="the `run` output directory (holds main/, budget/, calls.json)")
-    p.add_argument("--doc", default=str(Path(__file__).resolve().parents[1] / "docs" / "accuracy.md"),
-                   help="the page to write [docs/accuracy.md]")
+    p.add_argument("--doc", default=str(DEFAULT_DOC), help="the page to write [docs/results/accuracy.md]")
 
     p = _doc_parser(sub, "dense-heads", DENSE_HEADS_DOC, "passkey with and without dense retrieval heads (CPU)",
                     cmd_dense_heads)

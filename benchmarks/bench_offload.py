@@ -31,14 +31,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from sparda.attention.forecast import Forecast  # noqa: E402
-from sparda.attention.registry import build_method  # noqa: E402
 from sparda.bench.harness import NoText  # noqa: E402
 from sparda.bench.timing import cuda_ms  # noqa: E402
 from sparda.bench.traces import SHIPPED_TRACE, load_traces  # noqa: E402
 from sparda.cache import host, pinned  # noqa: E402
 from sparda.cache.host import HostKVStore  # noqa: E402
 from sparda.cache.transfer import CopyEngine, UvaEngine  # noqa: E402
-from sparda.config import SelectionConfig, SpardaConfig  # noqa: E402
+from sparda.config import ALWAYS_OFFLOADED, SelectionConfig  # noqa: E402
 from sparda.engine.llm import LLM  # noqa: E402
 from sparda.kernels import twins  # noqa: E402
 from sparda.model.llama import CausalLM  # noqa: E402
@@ -121,15 +120,15 @@ def random_model(layers, hq, hkv, d, hidden, inter, vocab=4096, ctx=131072) -> C
 
 
 def make_llm(model, method, sel, offload=None, transfer="uva", forecast=None, resident=(0,)) -> LLM:
-    """An :class:`LLM` around an in-memory model (no tokenizer)."""
-    llm = LLM.__new__(LLM)
-    llm.config = SpardaConfig(method=method, selection=sel, offload=offload)
-    llm.device, llm.dtype, llm.model, llm.shape = DEV, next(model.parameters()).dtype, model, model.shape
-    llm.transfer, llm.tokenizer, llm.model_dir = transfer, None, None
-    kwargs = dict(model=model, model_dir=None)
-    if method.startswith("sparda"):
-        kwargs["forecast"] = forecast
-    llm.method = build_method(llm.config, llm.shape, **kwargs)
+    """An :class:`LLM` around an in-memory model (no tokenizer): ``sel``'s budget, the whole
+    prompt in one prefill chunk; an offloaded cache copies with ``transfer`` and times its
+    copies (the pipeline table's copy and exposed-wait columns)."""
+    fields = {f: getattr(sel, f) for f in ("block_size", "kernel_size", "kernel_stride", "init_blocks",
+                                           "local_blocks", "topk_blocks", "dense_len")}
+    offloaded = bool(offload) or method in ALWAYS_OFFLOADED
+    llm = LLM.from_model(model, method=method, forecast=forecast, offload=offload,
+                         transfer=transfer if offloaded else None, offload_timing=offloaded,
+                         prefill_chunk_tokens=0, **fields)
     if hasattr(llm.method, "resident_layers"):
         llm.method.resident_layers = resident
     return llm

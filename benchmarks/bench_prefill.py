@@ -12,7 +12,7 @@ machine; ``overlap`` on the CPU)::
 ``python3 benchmarks/bench_prefill.py SUBCOMMAND --help`` describes each one: what it
 measures, its options and the file it writes (``OUT/prefill_gpu.json``,
 ``OUT/prefill_attention_gpu.json``, ``DIR/prefill_batch.json``, ``OUT.json``,
-``FILE.json``: the formats of the result pages under docs/benchmarks/).
+``FILE.json``: the formats of the result pages under docs/results/benchmarks/).
 
 The subcommands replace the former scripts ``prefill_gpu.py`` (``ttft``),
 ``prefill_attention_gpu.py`` (``attention``), ``prefill_batch_gpu.py`` (``batch``),
@@ -478,7 +478,7 @@ def _inputs(heads: int, groups: int, num_keys: int, num_q: int, cfg, d: int = 12
 
 #: top-k reuse between neighbouring query tokens for the synthetic masks of ``timing``: 0.83
 #: is what ``sparda``'s prefill selection keeps on the bundled model (``bench_prefill.py overlap``,
-#: docs/benchmarks/prefill-overlap-2026-12-04-cpu.json), 0.9 the decode trace's step-to-step reuse
+#: design §3.5), 0.9 the decode trace's step-to-step reuse
 KEEPS = (0.83, 0.9)
 
 
@@ -1153,7 +1153,7 @@ def cmd_batch(args) -> int:
                           batched_prefill=llm.method.batched_prefill)
             outs = {}
             for name, budget in (("alone", 0), ("batched", args.batch * (length + 64))):
-                llm.prefill_batch_tokens = budget
+                llm = llm.derive(prefill_batch_tokens=budget)
                 _run(llm, prompts[:2], 2)  # warm-up (kernels, graphs)
                 start = time.perf_counter()
                 outs[name] = _run(llm, prompts, args.new_tokens)

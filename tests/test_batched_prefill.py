@@ -178,7 +178,7 @@ def test_prefill_groups_respect_the_token_budget(tiny, forecast_file):
     cache = llm.new_cache(1, 8)
     for _ in range(50):
         budget = int(torch.randint(50, 400, ()))
-        llm.prefill_batch_tokens = budget
+        llm = llm.derive(prefill_batch_tokens=budget)
         lengths = torch.randint(1, 130, (int(torch.randint(1, 12, ())),)).tolist()
         groups = llm.prefill_groups(cache, [[1] * n for n in lengths])
         assert [i for g in groups for i in g] == list(range(len(lengths)))
@@ -188,7 +188,7 @@ def test_prefill_groups_respect_the_token_budget(tiny, forecast_file):
                 assert len(g) * longest <= budget and longest <= 100
             if nxt is not None and longest <= 100 and lengths[nxt[0]] <= 100:
                 assert (len(g) + 1) * max(longest, lengths[nxt[0]]) > budget, (lengths, budget, groups)
-    llm.prefill_batch_tokens = 0
+    llm = llm.derive(prefill_batch_tokens=0)
     assert llm.prefill_groups(cache, [[1] * 5] * 3) == [[0], [1], [2]]
 
 

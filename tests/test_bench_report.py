@@ -468,8 +468,8 @@ def test_write_report_plots_and_sections(tmp_path, monkeypatch):
 
 
 def test_committed_benchmark_records_load_and_report(tmp_path):
-    """The committed H200 runs (docs/benchmarks) merge and report without error."""
-    docs = ROOT / "docs" / "benchmarks"
+    """The committed H200 runs (docs/results/benchmarks) merge and report without error."""
+    docs = ROOT / "docs" / "results" / "benchmarks"
     path, kept, dropped = _script().build([str(docs / "cuda-graphs-2026-12-01-h200"),
                                            str(docs / "fused-decode-2026-12-01-h200")], str(tmp_path / "r"))
     md = path.read_text()

@@ -138,13 +138,13 @@ def test_prefill_passes_its_row_as_a_host_int(tiny, forecast_file, monkeypatch):
     llm = _llm(tiny, "sparda", {"offload": True}, (0,), 24, forecast_file)
     cache = llm.new_cache(3, 200)
     seen = []
-    real = llm._step
+    real = llm.model_runner._step
 
     def spy(phase, rows, q_pos, max_kv_len=None, live_len=None, row=None):
         seen.append((phase, row, int(rows[0])))
         return real(phase, rows, q_pos, max_kv_len, live_len, row=row)
 
-    monkeypatch.setattr(llm, "_step", spy)
+    monkeypatch.setattr(llm.model_runner, "_step", spy)
     ids = torch.randint(0, 100, (70,)).tolist()
     llm.prefill(cache, 2, ids)
     assert len(seen) == 3 and all(s == ("prefill", 2, 2) for s in seen)
@@ -171,7 +171,7 @@ def _decode_logits(llm, ids: list[int], follow: list[int]) -> torch.Tensor:
         out = []
         for i, tok in enumerate(follow):
             pos = len(ids) + i
-            out.append(llm._decode_step(cache, torch.tensor([tok]), torch.tensor([pos]), rows, pos + 1)[0])
+            out.append(llm.model_runner.decode_step(cache, torch.tensor([tok]), torch.tensor([pos]), rows, pos + 1)[0])
     return torch.stack(out)
 
 

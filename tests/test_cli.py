@@ -42,9 +42,9 @@ def test_generate_text_output_and_stdin(make_tiny):
 @pytest.mark.parametrize("args, message", [
     (["generate", "-f", "/no/such/file"], "cannot read --prompt-file /no/such/file: no such file or directory"),
     (["generate", "-p", "x", "--model", "/no/such/dir"], "model path not found"),
-    (["generate", "-p", "x", "--topk-blocks", "-3"], "topk_blocks must be >= 0"),
-    (["generate", "-p", "x", "--local-blocks", "0"], "local_blocks must be >= 1"),
-    (["generate", "-p", "x", "--block-size", "40"], "must divide block_size"),
+    (["generate", "-p", "x", "--topk-blocks", "-3"], "--topk-blocks must be >= 0"),
+    (["generate", "-p", "x", "--local-blocks", "0"], "--local-blocks must be >= 1"),
+    (["generate", "-p", "x", "--block-size", "40"], "must divide --block-size"),
     (["generate", "-p", "x", "--method", "nope"], "nope"),
     (["generate", "-p", "x", "--preset", "nope"], "nope"),
     (["generate", "-p", "  "], "empty prompt"),

@@ -1,7 +1,8 @@
 """The code, ``--help`` and docs cite the project's own design document (U10).
 
-Every ``§N`` / ``§N.M`` citation in the package, README.md and docs/*.md must name a
-section heading of docs/design.md, and nothing may cite the SPEC that users do not have.
+Every ``§N`` / ``§N.M`` citation in the package, README.md, docs/*.md and docs/results/*.md must
+name a section heading of docs/design.md, and nothing may cite the SPEC that users do not have.
+Every relative link of the Markdown pages resolves, and docs/ keeps dated pages under docs/results/.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ CITATION = re.compile(r"§\s?(\d+(?:\.\d+)?)(?:\s?[-–]\s?(\d+(?:\.\d+)?))?")
 
 
 def _texts():
-    files = sorted((ROOT / "src" / "sparda").rglob("*.py")) + [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    files = (sorted((ROOT / "src" / "sparda").rglob("*.py")) + [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+             + sorted((ROOT / "docs" / "results").glob("*.md")))
     assert len(files) > 20
     return [(path.relative_to(ROOT), path.read_text(encoding="utf-8")) for path in files]
 
@@ -45,3 +47,27 @@ def test_every_citation_names_a_design_section():
                 if number.rstrip(".") not in sections:
                     bad.append(f"{path}:{text[:m.start()].count(chr(10)) + 1}: §{number}")
     assert seen > 100 and not bad, bad  # about 280 citations today
+
+
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)")
+
+
+def test_relative_markdown_links_resolve():
+    pages = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+    bad, seen = [], 0
+    for page in pages:
+        text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), page.read_text(encoding="utf-8"), flags=re.S)
+        for m in LINK.finditer(text):
+            target = m.group(1)
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue
+            seen += 1
+            if not (page.parent / target.split("#")[0]).exists():
+                bad.append(f"{page.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {target}")
+    assert seen > 100 and not bad, bad
+
+
+def test_dated_pages_live_under_results():
+    dated = [str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*")
+             if re.search(r"20\d\d-\d\d-\d\d", p.name) and (ROOT / "docs" / "results") not in p.parents]
+    assert not dated, dated

@@ -1,5 +1,5 @@
 """The ``baselines`` plan of ``benchmarks/bench_eval.py run`` (issue #13: the seeds' selectors in
-``OUT/baselines``) and its place in docs/accuracy.md (sparda.eval.accuracy_doc): the plan
+``OUT/baselines``) and its place in docs/results/accuracy.md (sparda.eval.accuracy_doc): the plan
 asks main's prompts, the estimate counts it, and the page puts its records in main's
 tables, paired against dense and sparda, only where the directory exists."""
 
@@ -55,7 +55,7 @@ def test_baselines_plan_runs_after_main_on_its_prompts_and_joins_the_page(make_t
         if r["task"] == "passkey":  # the same prompt as main's sample of that index
             assert (r["answers"], r["depth"], r["prompt_tokens"]) == \
                    (dense[r["sample"]]["answers"], dense[r["sample"]]["depth"], dense[r["sample"]]["prompt_tokens"])
-    page = tmp_path / "docs" / "accuracy.md"
+    page = tmp_path / "docs" / "results" / "accuracy.md"
     assert bench_eval.main(["doc", str(out), "--doc", str(page)]) == 0
     text = page.read_text()
     assert "| streaming − dense |" in text and "| h2o − dense |" in text and "| streaming | 300 | " in text

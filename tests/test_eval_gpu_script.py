@@ -66,7 +66,7 @@ def test_eval_gpu_resumes_and_regenerates_the_page(make_tiny, tmp_path, monkeypa
     printed = capsys.readouterr().out
     assert "== main: complete" in printed and "\nsparse " in printed and "== kv-int8: complete" in printed
 
-    page = tmp_path / "docs" / "accuracy.md"
+    page = tmp_path / "docs" / "results" / "accuracy.md"
     assert bench_eval.main(["doc", str(out), "--doc", str(page)]) == 0
     text = page.read_text()
     assert "`abc1234`" in text and "python3 benchmarks/bench_eval.py run" in text and "CPU" in text
@@ -76,3 +76,5 @@ def test_eval_gpu_resumes_and_regenerates_the_page(make_tiny, tmp_path, monkeypa
     assert "## KV-cache dtype" in text and "| sparse | int8 | 300 |" in text  # the tables of both dtypes
     assert "no sparda `ppl-decode` windows under both bf16 and int8" in text  # sparda was not run here
     assert bench_eval.main(["doc", str(tmp_path / "nothing"), "--doc", str(page)]) == 2
+    # without --doc the page goes where the committed one lives, with the other results
+    assert bench_eval.DEFAULT_DOC == ROOT / "docs" / "results" / "accuracy.md" and bench_eval.DEFAULT_DOC.is_file()

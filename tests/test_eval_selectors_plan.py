@@ -1,6 +1,6 @@
 """The ``selectors`` plan of ``benchmarks/bench_eval.py run`` (the block-sparse selectors rerun with
 ``dense_heads none`` on main's prompts, ``OUT/selectors``) and its section of
-docs/accuracy.md (:func:`sparda.eval.accuracy_doc.selectors_section`): the plan's records
+docs/results/accuracy.md (:func:`sparda.eval.accuracy_doc.selectors_section`): the plan's records
 ran without dense heads while main's used the calibration, the estimate counts it, and the
 page judges issue #12's mean-accuracy criteria in both configurations from the records,
 saying "not run" / incomplete / not comparable instead of inventing numbers."""
@@ -55,7 +55,7 @@ def test_selectors_plan_runs_without_dense_heads_on_mains_prompts(make_tiny, tmp
     for r in mine:  # the prompt of main's sample of that index
         assert (r["answers"], r["depth"], r["prompt_tokens"]) == \
                (dense[r["sample"]]["answers"], dense[r["sample"]]["depth"], dense[r["sample"]]["prompt_tokens"])
-    page = tmp_path / "docs" / "accuracy.md"
+    page = tmp_path / "docs" / "results" / "accuracy.md"
     assert bench_eval.main(["doc", str(out), "--doc", str(page)]) == 0
     text = page.read_text()
     assert "## Selectors without dense heads (`selectors`)" in text and "| sparda-random | " in text

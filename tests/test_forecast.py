@@ -138,7 +138,7 @@ def test_predict_next_brute_force(make_tiny):
     llm.method = method
     llm.prefill(cache, 0, ids)
     h = torch.randn(1, 1, llm.shape.hidden_size)
-    step = llm._step("decode", torch.tensor([0]), torch.tensor([[n]]))
+    step = llm.model_runner._step("decode", torch.tensor([0]), torch.tensor([[n]]))
     mask = method.predict_next(0, h, cache, step)[0, :, 0]  # [H, N]
     f = fc.project(1, h, step.cos, step.sin)[0, :, 0]  # [H, d]
     ck = cache.ck[1][0]

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _force_fused(llm):
-    llm._fused_checked = True
-    llm._fused = FusedDecoder(llm.model, llm.method)
+    llm.model_runner._fused_checked = True
+    llm.model_runner._fused = FusedDecoder(llm.model, llm.method)
     return llm
 
 
@@ -43,7 +43,7 @@ QUANTIZED = [("sparse", {"kv_dtype": "int8"}), ("sparda", {"offload": False, "kv
 def test_fused_step_equals_unfused_step(tiny, forecast_file, method, extra, fresh_seed):
     fused = _force_fused(_llm(tiny, forecast_file, method, extra))
     plain = _llm(tiny, forecast_file, method, dict(extra, fused_decode=False))
-    assert plain._fused_decoder() is None
+    assert plain.model_runner.fused_decoder() is None
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (97, 150, 41)]
     steps = 30
     caches = []

@@ -5,7 +5,7 @@ The reference is the pre-graph decode step: views cut to the longest row's live 
 capacity and masks by per-row lengths; on the CPU it runs eagerly and must give the same
 logits (fp32, <= 1e-5 relative) for every method, a batch of different lengths, and a
 context that crosses the dense fallback mid-generation. CUDA-graph replay itself is
-checked on the GPU by ``benchmarks/bench_decode.py graphs`` (docs/benchmarks/).
+checked on the GPU by ``benchmarks/bench_decode.py graphs`` (docs/cuda_graphs.md).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _dynamic_step(llm, cache, tokens, positions):
     """The decode step before static shapes: views of ``max(positions) + 1`` tokens."""
     live = int(positions.max()) + 1
     rows = torch.arange(tokens.shape[0])
-    step = llm._step("decode", rows, positions.view(-1, 1), live, live)
+    step = llm.model_runner._step("decode", rows, positions.view(-1, 1), live, live)
     return llm.model(tokens.view(-1, 1), step, cache, llm.method)[:, -1]
 
 
@@ -122,7 +122,7 @@ def test_generation_stops_at_eos_like_a_plain_loop(tiny, forecast_file, monkeypa
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (50, 80)]
     free = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=40, ignore_eos=True)
     eos = free[0].token_ids[11]  # a token row 0 produces at step 11
-    monkeypatch.setattr(llm, "_eos_ids", lambda: {eos})
+    monkeypatch.setattr(llm, "eos_ids", lambda: {eos})
     cut = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=40)
     for full, got in zip(free, cut):
         ids = full.token_ids
@@ -141,7 +141,9 @@ def test_offload_stats_are_per_prompt(tiny, forecast_file):
     assert (a["hits"], a["misses"]) != (b["hits"], b["misses"])
     assert a["bytes_copied"] == 2 * a["misses"] * SMALL["block_size"] * llm.shape.head_dim * 4
     assert "copy_ms" not in a  # timing is off unless asked (offload_timing=True)
-    assert out[0].stats["decode_tok_s"] == out[1].stats["decode_tok_s"] > 0
+    # each request's tokens over its own decode time: both ran every step of the batch
+    assert out[0].stats["decode_tok_s"] == pytest.approx(out[1].stats["decode_tok_s"], rel=0.2)
+    assert out[0].stats["decode_tok_s"] > 0
     # per call, shared by its prompts: the cache allocation, and no graph capture on the CPU
     assert out[0].stats["cache_alloc_ms"] == out[1].stats["cache_alloc_ms"] > 0
     assert out[0].stats["graph_capture_ms"] == out[1].stats["graph_capture_ms"] == 0.0
@@ -164,21 +166,17 @@ def test_decode_tok_s_of_a_prompt_that_stops_early_is_its_own_rate(tiny, forecas
             break
     assert candidates, "row 0 produced no token of its own to stop at in 12 draws of prompts"
     eos = candidates[int(torch.randint(len(candidates), ()))]
-    monkeypatch.setattr(llm, "_eos_ids", lambda: {eos})
+    monkeypatch.setattr(llm, "eos_ids", lambda: {eos})
     clock = {"now": 0.0}
-    run = llm.runner
+    from sparda.engine.graph_runner import DecodeRunner
 
-    def timed_runner(cache):
-        runner = run(cache)
-        step = runner.step
+    step = DecodeRunner.step
 
-        def step_10ms(*args, **kwargs):
-            clock["now"] += 0.010
-            return step(*args, **kwargs)
-        runner.step = step_10ms
-        return runner
+    def step_10ms(self, *args, **kwargs):
+        clock["now"] += 0.010
+        return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(llm, "runner", timed_runner)
+    monkeypatch.setattr(DecodeRunner, "step", step_10ms)
     monkeypatch.setattr(time_mod, "perf_counter", lambda: clock["now"])
     out = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=30)
     short, long = out
@@ -200,7 +198,7 @@ def test_generate_rounds_the_cache_capacity(tiny, forecast_file, monkeypatch, me
     model's context) so that calls of similar lengths share decode shapes; the extra
     capacity changes no token against an exact-capacity cache (prompts of different
     lengths, a generation that crosses the dense fallback)."""
-    from sparda.engine import llm as llm_module
+    from sparda.engine import runner as llm_module
 
     llm = _llm(tiny, forecast_file, method, extra)
     limit = llm.shape.max_positions
@@ -209,8 +207,8 @@ def test_generate_rounds_the_cache_capacity(tiny, forecast_file, monkeypatch, me
         assert tokens <= cap <= max(tokens, limit) and cap - tokens < llm_module.CAPACITY_ROUND
         assert cap % llm_module.CAPACITY_ROUND == 0 or cap == limit
     made = []
-    real = llm.new_cache
-    monkeypatch.setattr(llm, "new_cache", lambda batch, capacity: made.append(capacity) or real(batch, capacity))
+    real = llm.model_runner.new_cache
+    monkeypatch.setattr(llm.model_runner, "new_cache", lambda batch, capacity: made.append(capacity) or real(batch, capacity))
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (int(torch.randint(120, 150, ())), 70)]
     rounded = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=40, ignore_eos=True)
     monkeypatch.setattr(llm_module, "CAPACITY_ROUND", 1)

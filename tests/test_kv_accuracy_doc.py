@@ -1,4 +1,4 @@
-"""docs/accuracy.md's KV-cache dtype section (issue #14) from ``OUT/kv-<dtype>`` records:
+"""docs/results/accuracy.md's KV-cache dtype section (issue #14) from ``OUT/kv-<dtype>`` records:
 the criterion (sparda's int8 decode KL over its bf16 KL, ratio of means on the same
 windows), passkey cells with Wilson intervals, and "not run" without the directories."""
 

@@ -532,7 +532,7 @@ def test_host_chunks_are_even_and_fewest(fresh_seed):
 
 def test_gather_grid_follows_the_measured_batch_rule(monkeypatch):
     """The uva engine's CTA count comes from ``gather_ctas(batch)`` unless given: 32 below
-    B16, 64 from B16 on (docs/benchmarks/fused-decode-2026-12-01c-h200.md)."""
+    B16, 64 from B16 on (design §6)."""
     from sparda.cache import transfer
 
     assert [transfer.gather_ctas(b) for b in (1, 4, 15, 16, 24, 88)] == [32, 32, 32, 64, 64, 64]

@@ -82,7 +82,7 @@ def reference(tiny_dir):
 def _alone(reference, ids, max_tokens):
     """Greedy ``(text, finish_reason, tokens)`` of one prompt alone, EOS honoured."""
     out = reference.generate([None], prompt_token_ids=[ids], max_new_tokens=max_tokens)[0]
-    finish = "stop" if out.token_ids[-1] in reference._eos_ids() else "length"
+    finish = "stop" if out.token_ids[-1] in reference.eos_ids() else "length"
     return out.text, finish, len(out.token_ids)
 
 

@@ -12,7 +12,7 @@ import sys
 import click
 
 from sparda import __version__
-from sparda.config import KV_DTYPES, METHODS, PRESETS
+from sparda.config import KV_DTYPES, METHODS, PRESETS, TRANSFERS, spell
 
 #: ``--kv-dtype`` help of the commands that run one method
 KV_DTYPE_HELP = ("KV-cache storage: bf16 (the model dtype), int8/int4 quantised per token and head, or mixed "
@@ -54,8 +54,8 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except SpardaError as exc:
-            click.echo(f"error: {exc}", err=True)
+        except SpardaError as exc:  # options named as flags (--kv-dtype), design: sparda.config.spell
+            click.echo(f"error: {spell(getattr(exc, 'raw', None) or str(exc), 'cli')}", err=True)
             sys.exit(exc.exit_code)
         except OSError as exc:  # a file the command did not check itself: name it, no [Errno N]
             where = f"{exc.filename}: " if exc.filename else ""
@@ -92,10 +92,10 @@ def model_options(func):
     """Options shared by every subcommand that loads a model and picks a method."""
     options = [
         click.option("--model", default=None, help="HF model directory, .gguf file or ORG/NAME in the local HF cache [default: bundled SmolLM2-135M-Instruct]."),
-        click.option("--method", default=None, type=click.Choice(METHODS),
+        click.option("--method", default=None, metavar="|".join(METHODS),
                      help="Attention method [default: sparda where Forecast weights exist (the bundled "
                           "model, or --forecast), else sparse]."),
-        click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)),
+        click.option("--preset", default="small", show_default=True, metavar="|".join(PRESETS),
                      help="Selection budget preset (design §3)."),
         click.option("--topk-blocks", type=int, default=None, help="Scored blocks per KV head."),
         click.option("--local-blocks", type=int, default=None, help="Most recent blocks always kept (>= 1)."),
@@ -110,24 +110,29 @@ def model_options(func):
                           "sparse-offload and sparda-no-prefetch always offload]."),
         click.option("--forecast", default=None,
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
-        click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES),
+        click.option("--kv-dtype", "kv_dtype", default=None, metavar="|".join(KV_DTYPES),
                      help=KV_DTYPE_HELP),
-        click.option("--kv-hot-blocks", "kv_hot_blocks", type=click.IntRange(1), default=None,
+        click.option("--transfer", default=None, metavar="|".join(TRANSFERS),
+                     help="Offloaded cache: the host-to-GPU copy engine (design §6) [default: auto, uva on CUDA]."),
+        click.option("--kv-hot-blocks", "kv_hot_blocks", type=int, default=None,
                      help="--kv-dtype mixed: bf16 copies kept per layer, sequence and KV head (the hot pool; at "
                           "least --local-blocks) [default: the budget, init + local + top-k blocks]."),
-        click.option("--kv-hot-steps", "kv_hot_steps", type=click.IntRange(1), default=None,
+        click.option("--kv-hot-steps", "kv_hot_steps", type=int, default=None,
                      help="--kv-dtype mixed: decode steps a block stays bf16 after it was last selected or in "
                           "the local window [default: 4]."),
         click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
                      help="Block-sparse methods: select blocks in prefill too, or prefill densely and "
                           "select in decode only [default: dense at --preset small, block-sparse at paper]."),
-        click.option("--slot-factor", "slot_factor", type=click.FloatRange(1.0), default=None,
+        click.option("--slot-factor", "slot_factor", type=float, default=None,
                      help="Offloaded cache: GPU slots per block of the widest selection (dense-fallback prefix "
                           "included); the spare ones keep blocks that left the selection, so one that returns "
                           "is not copied again (design §6) [default: 1.5]."),
+        click.option("--cpu-threads", "cpu_threads", type=int, default=None,
+                     help="CPU runs: torch threads [default: the idle cores, from the load average; "
+                          "OMP_NUM_THREADS if set]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
-        click.option("--dense-heads", "dense_heads", default=None, callback=_dense_heads_option,
+        click.option("--dense-heads", "dense_heads", default=None,
                      help="Block-sparse decode: (layer, KV head) pairs that read every visible block "
                           "(design §3.7; offloaded caches keep their layers on the device): auto (the model's "
                           "calibration, `sparda calibrate-heads`; none if it has none), none, or L:H,... "
@@ -139,6 +144,9 @@ def model_options(func):
                      help="Method shallow: select once at the end of prefill instead of every step (EMA)."),
         click.option("--quest-page-size", type=int, default=None,
                      help="Method quest: tokens per page of key bounds (divides --block-size) [default: 16]."),
+        click.option("--prefill-chunk", type=int, default=None,
+                          help="Prompt tokens per prefill chunk (bounds prefill memory; same output) [default: 8192; "
+                               "0: the whole prompt at once]."),
         click.option("--snapkv-window", type=int, default=None,
                      help="Method snapkv: prompt queries in the observation window [default: 32]."),
     ]
@@ -149,34 +157,20 @@ def model_options(func):
 
 def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, block_size, dense_len,
               device, dtype, eager=False, **extra):
-    """Construct :class:`sparda.LLM` from CLI options (a progress line goes to stderr)."""
-    from sparda.attention.registry import check_kv_dtype_cache, check_offload
-    from sparda.engine.llm import LLM, resolve_device
+    """Construct :class:`sparda.LLM` from CLI options, every option checked before the model
+    loads (:func:`sparda.config.build_config`); a progress line goes to stderr."""
+    from sparda.config import build_config
+    from sparda.engine.llm import LLM
 
-    check_offload(method or "sparda", extra.get("offload"), bool(extra.get("shallow_select_once")))
-    if extra.get("kv_dtype") == "mixed":  # before the progress line: one error line
-        from sparda.cache.hot import check_hot
-        from sparda.config import SelectionConfig
-
-        check_kv_dtype_cache("mixed", method or "sparda", extra.get("offload"), resolve_device(device).type == "cuda")
-        given = dict(topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
-                     block_size=block_size, dense_len=dense_len)
-        check_hot(extra.get("kv_hot_blocks"), extra.get("kv_hot_steps"),
-                  SelectionConfig.from_preset(preset or "small", **{k: v for k, v in given.items() if v is not None}))
-    elif extra.get("kv_hot_blocks") is not None or extra.get("kv_hot_steps") is not None:
-        raise SpardaError(f"--kv-hot-blocks / --kv-hot-steps apply to --kv-dtype mixed only, not "
-                          f"{extra.get('kv_dtype') or 'bf16'}; drop them or add --kv-dtype mixed")
-    for key in ("shallow_layers", "quest_page_size", "snapkv_window", "dense_heads", "slot_factor",
-                "kv_hot_blocks", "kv_hot_steps"):
-        if extra.get(key, 0) is None:  # not given: the method's default
-            extra.pop(key)
+    extra["prefill_chunk_tokens"] = extra.pop("prefill_chunk", None)
+    options = dict(topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks, block_size=block_size,
+                   dense_len=dense_len, cuda_graphs=False if eager else None, **extra)
+    options = {key: value for key, value in options.items() if value is not None}
+    build_config(method=method, preset=preset, device=device, dtype=dtype, **options)
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
-    llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype,
-              topk_blocks=topk_blocks, local_blocks=local_blocks, init_blocks=init_blocks,
-              block_size=block_size, dense_len=dense_len, cuda_graphs=not eager, **extra)
-    offloaded = bool(llm.config.offload) or getattr(llm.method, "offloaded", False)
+    llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype, **options)
     click.echo(f"method {llm.config.method} on {llm.device} ({str(llm.dtype).replace('torch.', '')}), "
-               f"KV cache {'offloaded to host memory' if offloaded else 'on the device'}", err=True)
+               f"KV cache {'offloaded to host memory' if llm.model_runner.offloaded else 'on the device'}", err=True)
     return llm
 
 
@@ -217,19 +211,12 @@ def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
 @click.option("--stream/--no-stream", default=True, show_default=True,
               help="Text output: print tokens as they come (prompts still decode together).")
-@click.option("--prefill-chunk", type=int, default=None,
-              help="Prompt tokens per prefill chunk (bounds prefill memory; same output) [default: 8192; "
-                   "0: the whole prompt at once].")
 def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, seed, as_json, stream,
-             prefill_chunk, **opts):
+             **opts):
     """Generate completions for one or more prompts."""
     from sparda.engine.validate import check_prompts, check_sampling
 
     check_sampling(max_new_tokens, temperature, top_p, seed)  # model-free checks first
-    if prefill_chunk is not None:
-        if prefill_chunk < 0:
-            raise SpardaError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt at once), got {prefill_chunk}")
-        opts["prefill_chunk_tokens"] = prefill_chunk
     prompts = check_prompts(_read_prompts(prompt, prompt_file))
     if stream and not as_json:
         params = _cli_sampling_params(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -282,22 +269,7 @@ def _print_stream(deltas, count: int) -> None:
 
 
 @main.command()
-@click.option("--model", default=None, help="HF model directory or .gguf file [default: bundled SmolLM2-135M-Instruct].")
-@click.option("--method", default=None, type=click.Choice(METHODS),
-              help="Attention method [default: sparda where Forecast weights exist, else sparse].")
-@click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)),
-              help="Selection budget preset (design §3).")
-@click.option("--offload/--no-offload", default=None,
-              help="KV cache in host memory, selected blocks on the device (design §6) [default: as generate].")
-@click.option("--forecast", default=None, help="Forecast weights (.safetensors) for method sparda.")
-@click.option("--kv-dtype", "kv_dtype", default=None, type=click.Choice(KV_DTYPES), help=KV_DTYPE_HELP)
-@click.option("--sparse-prefill/--dense-prefill", "sparse_prefill", default=None,
-              help="Block-sparse methods: select in prefill too, or prefill densely [default: dense at "
-                   "--preset small, block-sparse at paper].")
-@click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
-@click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU].")
-@click.option("--eager", is_flag=True, default=False,
-              help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md).")
+@model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0: a free one).")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1),
@@ -311,18 +283,17 @@ def _print_stream(deltas, count: int) -> None:
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def serve(model, method, preset, offload, forecast, kv_dtype, sparse_prefill, device, dtype, eager, host, port, max_batch,
-          max_model_len, max_waiting, served_model_name, drain_timeout, log_level):
+def serve(host, port, max_batch, max_model_len, max_waiting, served_model_name, drain_timeout, log_level, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.attention.forecast import model_name
     from sparda.engine.engine import Engine
     from sparda.server import bind_socket, serve as run_server
 
     sock = bind_socket(host, port)  # a busy port fails before the model loads
-    llm = build_llm(model, method, preset, None, None, None, None, None, device, dtype, eager=eager,
-                    offload=offload, forecast=forecast, sparse_prefill=sparse_prefill, kv_dtype=kv_dtype)
-    engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
-    name = served_model_name or model_name(llm.model_dir) or model or "sparda"
+    llm = build_llm(**opts)
+    engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
+                    max_prefill_tokens=max(llm.config.runtime.prefill_batch_tokens, 1))
+    name = served_model_name or model_name(llm.model_dir) or opts["model"] or "sparda"
     bound_host, bound_port = sock.getsockname()[:2]
     pool = engine.cache.nbytes / 2**30
     run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,
@@ -565,7 +536,7 @@ def calibrate_shallow_cmd(model, text, length, queries, candidates, preset, out,
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the prompts and depths.")
 @click.option("--coverage", default=0.9, show_default=True, type=float,
               help="Share of the summed lost needle mass the chosen heads must hold.")
-@click.option("--max-heads", default=None, type=int, help="At most this many heads [default: ceil(3 %% of the KV heads)].")
+@click.option("--max-heads", default=None, type=int, help="At most this many heads [default: ceil(3 % of the KV heads)].")
 @click.option("--min-share", default=0.03, show_default=True, type=float,
               help="Skip heads losing less than this share of the top head's loss.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
@@ -605,7 +576,7 @@ def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_head
                    "head (docs/kv_quant.md), or mixed (int4 host store plus bf16 hot blocks, design §6.1: offloaded "
                    "methods only, the others' points are recorded skipped); records carry kv_dtype, memory checks "
                    "count its bytes [default: bf16].")
-@click.option("--slot-factor", "slot_factor", type=click.FloatRange(1.0), default=None,
+@click.option("--slot-factor", "slot_factor", type=float, default=None,
               help="Offloaded methods: GPU slots per block of the widest selection (design §6); records carry "
                    "slot_factor [default: 1.5].")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")

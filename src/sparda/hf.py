@@ -248,7 +248,7 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
             ``shallow``: use :class:`sparda.LLM`), bad budget, missing Forecast weights.
     """
     from sparda.attention.registry import ALWAYS_OFFLOADED, build_method
-    from sparda.config import SelectionConfig, SpardaConfig, resolve_sparse_prefill
+    from sparda.config import build_config
     from sparda.model.llama import ModelShape
     from sparda.model.loader import SUPPORTED_ARCHITECTURES
     from sparda.model.attention_config import check_supported
@@ -264,10 +264,9 @@ def enable(model, method: str = "sparse", *, preset: str = "small", forecast=Non
     if getattr(model, "_sparda", None) is not None:
         disable(model)
     shape = ModelShape.from_config(config)
-    selection = SelectionConfig.from_preset(preset, **overrides)
-    sconfig = SpardaConfig(method=method, selection=selection, forecast_path=forecast,
-                           sparse_prefill=resolve_sparse_prefill(preset, sparse_prefill, dense_prefill),
-                           offload=False)
+    sconfig = build_config(method=method, preset=preset, device=str(model.device), forecast=forecast,
+                           sparse_prefill=sparse_prefill, dense_prefill=dense_prefill, offload=False,
+                           dense_heads=(), cuda_available=model.device.type == "cuda", **overrides)
     built = build_method(sconfig, shape, model=model, model_dir=getattr(model, "name_or_path", None) or None)
     if getattr(built, "state", None) is not None:  # RowState: h2o, quest, snapkv, shallow
         raise SpardaError(f"sparda.hf runs the selectors without per-row decode state (dense, sparse, oracle, "

@@ -124,7 +124,7 @@ def test_methods_through_the_kernel(name, options, monkeypatch):
     (torch.float32, torch.float32, False), (torch.bfloat16, torch.float32, False)])
 def test_dispatch_keeps_fp32_on_the_sdpa_twin(q_dtype, k_dtype, on_kernel, monkeypatch):
     """CUDA dispatch (forced here): fp16/bf16 go to the Triton kernel, fp32 and mixed dtypes to
-    the twin, faster in fp32 on the H200 (docs/benchmarks/h2o-prefill-2026-12-05-h200.md);
+    the twin, faster in fp32 on the H200 (design §7);
     either way the masses equal the float64 brute force."""
     calls = []
     monkeypatch.setattr(kernels, "_on_triton", lambda *t: True)

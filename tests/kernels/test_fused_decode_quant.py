@@ -62,8 +62,8 @@ def test_fused_quantized_step_generates_the_unfused_tokens(tiny_model, method, o
                               kv_dtype=kv_dtype, fused_decode=fused, cuda_graphs=False, **SMALL)
 
     fused, plain = make(True), make(False)
-    fused._fused_checked, fused._fused = True, FusedDecoder(tiny_model, fused.method)  # the CUDA choice, on CPU
-    assert plain._fused_decoder() is None
+    fused.model_runner._fused_checked, fused.model_runner._fused = True, FusedDecoder(tiny_model, fused.method)  # the CUDA choice, on CPU
+    assert plain.model_runner.fused_decoder() is None
     calls = []
 
     def triton_append(*args, **kw):

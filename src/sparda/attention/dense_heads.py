@@ -1,6 +1,6 @@
 """Dense retrieval heads (design §3.7): a few (layer, KV head) pairs that read every block in decode.
 
-Mean-pooled compressed keys cannot see a one-token attention spike (docs/passkey-gap.md):
+Mean-pooled compressed keys cannot see a one-token attention spike (design §3.7):
 a retrieval head whose query puts nearly all its mass on one or two earlier tokens ranks
 their block far below the top-k. Keeping such heads dense in decode -- the idea of
 DuoAttention and RazorAttention -- restores what the sparse selection loses, at the cost
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from sparda.config import parse_dense_heads  # noqa: F401 - re-exported
 from sparda.errors import SpardaError
 from sparda.model.loader import shipped_name
 
@@ -35,44 +36,6 @@ SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.json"}
 FORMAT = "sparda-dense-heads-v1"
 
 Heads = tuple[tuple[int, int], ...]
-
-
-def parse_dense_heads(value, option: str = "--dense-heads") -> Heads | str:
-    """Normalise a ``dense_heads`` setting.
-
-    Args:
-        value: ``None`` / ``"none"`` / ``""`` (no dense heads), ``"auto"``, a string
-            ``"L:H,L:H,..."`` or an iterable of ``(layer, kv_head)`` int pairs.
-        option: the option named in messages (``--dense-heads`` on the command line).
-    Returns:
-        ``"auto"``, or a sorted tuple of unique ``(layer, kv_head)`` pairs (empty for none).
-    Raises:
-        SpardaError: a malformed entry or a negative index (one line, with an example).
-    """
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("", "none"):
-            return ()
-        if text == "auto":
-            return "auto"
-        pairs = []
-        for item in text.split(","):
-            parts = item.strip().split(":")
-            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-                raise SpardaError(f"{option}: {item.strip()!r} is not LAYER:KV_HEAD; use auto, none or e.g. 7:2,18:2")
-            pairs.append((int(parts[0]), int(parts[1])))
-        return tuple(sorted(set(pairs)))
-    try:
-        pairs = [tuple(p) for p in value]
-    except TypeError:
-        raise SpardaError(f"{option} must be 'auto', 'none', 'L:H,...' or (layer, kv_head) pairs, "
-                          f"got {value!r}") from None
-    for p in pairs:
-        if len(p) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p):
-            raise SpardaError(f"{option}: {p!r} is not a (layer, kv_head) pair of integers >= 0; e.g. (7, 2)")
-    return tuple(sorted(set(pairs)))
 
 
 def check_heads(heads: Heads, shape, source: str = "dense_heads") -> Heads:

@@ -196,9 +196,13 @@ def read_forecast(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
             meta = handle.metadata() or {}
             tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     except Exception as exc:
-        raise SpardaError(f"cannot read Forecast weights {path}: {exc}".splitlines()[0]) from exc
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpardaError(f"cannot read Forecast weights {path}: not a readable safetensors file ({reason}); pass "
+                          "the .safetensors file that `sparda train-forecast --out` wrote, or train one") from None
     if meta.get("format") != FORMAT:
-        raise SpardaError(f"{path} is not a sparda Forecast file (format {meta.get('format')!r})")
+        found = f"format {meta['format']!r}" if meta.get("format") else "no sparda format tag"
+        raise SpardaError(f"{path} is a safetensors file but not sparda Forecast weights ({found}, expected "
+                          f"{FORMAT!r}); pass a file written by `sparda train-forecast`, or train one")
     return tensors, meta
 
 

@@ -48,7 +48,7 @@ def check_deadline(deadline: float | None) -> None:
 
 
 def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cuda_graphs: bool = True,
-             kv_dtype: str = "bf16") -> LLM:
+             kv_dtype: str = "bf16", slot_factor: float | None = None) -> LLM:
     """The LLM a sweep method runs: ``sparda`` is the offloaded, prefetching SparDA;
     ``dense``, ``sparse``, ``infinigen`` keep the KV cache on the device. ``cuda_graphs``:
     decode steps replay CUDA graphs on CUDA (docs/cuda_graphs.md). ``kv_dtype``: the KV
@@ -57,7 +57,7 @@ def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cu
                                                  "local_blocks", "topk_blocks", "dense_len")}
     return LLM.from_model(model, method=method, preset="small", forecast=forecast, transfer=transfer,
                           offload=True if method == "sparda" else None, cuda_graphs=cuda_graphs,
-                          kv_dtype=kv_dtype, **fields)
+                          kv_dtype=kv_dtype, slot_factor=slot_factor, **fields)
 
 
 def release_memory(device: torch.device) -> None:
@@ -129,7 +129,7 @@ def kv_need_bytes(method: str, shape, selection, kv_dtype: str, dtype: torch.dty
 def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` the KV cache of a point needs (K and V only, in the
     LLM's ``kv_dtype`` and ``slot_factor``: :func:`kv_need_bytes`)."""
-    return kv_need_bytes(llm.config.method, llm.shape, llm.config.selection, llm.kv_dtype, llm.dtype, batch,
+    return kv_need_bytes(llm.config.method, llm.shape, llm.config.selection, llm.config.cache.kv_dtype, llm.dtype, batch,
                          capacity, getattr(llm, "slot_factor", DEFAULT_SLOT_FACTOR),
                          hot_blocks=(getattr(llm, "kv_hot", None) or {}).get("hot_blocks"))
 
@@ -318,7 +318,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     parity = None
     if getattr(opts, "parity_steps", 0) and runner.use_graphs:
         # eager reference from the filled state, then refill: the graph run starts from it too
-        eager = DecodeRunner(llm, cache, cuda_graphs=False)
+        eager = DecodeRunner(llm.model_runner, cache, cuda_graphs=False)
         eager.load(tokens, torch.full((batch,), context, device=dev))
         reference = torch.stack([step(eager) for _ in range(opts.parity_steps)])
         state["i"] = 0
@@ -358,7 +358,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         timing = copy_timing(llm, cache, step, timing_steps, state, timed_from)
     breakdown = {}
     if opts.breakdown_steps:  # hooks run in eager steps only: a runner without graphs
-        eager = DecodeRunner(llm, cache, cuda_graphs=False)
+        eager = DecodeRunner(llm.model_runner, cache, cuda_graphs=False)
         eager.load(tokens, runner.positions)
         timer = ComponentTimer(dev)
         timer.install(llm, cache)
@@ -376,7 +376,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     elem = torch.empty((), dtype=llm.dtype).element_size()
     w_bytes = weight_bytes(llm.model) + method_extra_bytes(llm)
     kv_bytes = kv_read_bytes(llm.config.method, s, cfg, batch, context, elem,
-                             token_bytes(s.head_dim, llm.kv_dtype, llm.dtype))
+                             token_bytes(s.head_dim, llm.config.cache.kv_dtype, llm.dtype))
 
     def speed(tpot, stats, timing, overlap) -> dict:
         missed = stats.get("bytes_per_token", 0.0) * batch
@@ -424,7 +424,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "selection_ms": breakdown.get("selection"), "breakdown_ms": breakdown,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "peak_host_bytes": host_peak, "host_kv_bytes": cache.host.nbytes if offloaded else 0,
-        "kv": "host" if offloaded else "device", "kv_dtype": llm.kv_dtype,
+        "kv": "host" if offloaded else "device", "kv_dtype": llm.config.cache.kv_dtype,
         "selection_source": source if offloaded else "native",
         "target_hit_rate": hit_rate if offloaded else None,
         "read_fraction": round(llm.method.read_fraction(), 4),
@@ -548,7 +548,7 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
     real = cache.engine
     cache.engine = _NoGather(real)
     try:
-        alone = DecodeRunner(llm, cache, cuda_graphs=True)
+        alone = DecodeRunner(llm.model_runner, cache, cuda_graphs=True)
         alone.load(llm.runner(cache).tokens, llm.runner(cache).positions)
         replay_to(lambda: step(alone), state, cache, start, minimum=3)  # warm-up, capture, one replay at least
         sync(dev)
@@ -613,7 +613,7 @@ def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None, st
     :meth:`~sparda.cache.prefetch.Prefetcher.timeline`; ``[]`` off CUDA)."""
     pref = cache.prefetcher
     pref.set_timing(True)
-    timed = DecodeRunner(llm, cache, cuda_graphs=llm.cuda_graphs)
+    timed = DecodeRunner(llm.model_runner, cache, cuda_graphs=llm.config.runtime.cuda_graphs)
     timed.load(llm.runner(cache).tokens, llm.runner(cache).positions)
     pre = 2 if timed.use_graphs else 0  # warm-up + capture of the timed graph
     try:

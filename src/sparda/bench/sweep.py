@@ -24,11 +24,9 @@ from sparda.bench import point as pt
 from sparda.bench.models import build_model, check_models_fit, model_spec, random_forecast, selection_config
 from sparda.bench.roofline import measure_bandwidth
 from sparda.bench.traces import SHIPPED_TRACE, load_traces, reuse_stats
-from sparda.cache.offload import DEFAULT_SLOT_FACTOR, check_slot_factor
-from sparda.engine.llm import resolve_device, resolve_dtype
+from sparda.config import DEFAULT_SLOT_FACTOR, build_config, resolve_device, resolve_dtype
 from sparda.errors import SpardaError
 from sparda.io import atomic_write, check_output_dir
-from sparda.kernels.quant import check_kv_dtype
 
 SWEEP_METHODS = ("dense", "sparse", "sparse-offload", "infinigen", "sparda-no-prefetch", "sparda")
 #: the seeds' selectors (issue #13): accepted by ``--methods``, not in the default sweep
@@ -103,8 +101,9 @@ class SweepConfig:
     slot_factor: float = DEFAULT_SLOT_FACTOR
 
     def __post_init__(self) -> None:
-        self.kv_dtype = check_kv_dtype(self.kv_dtype)
-        self.slot_factor = check_slot_factor(self.slot_factor)
+        checked = build_config(method="sparse-offload", device="cpu", kv_dtype=self.kv_dtype,
+                               slot_factor=self.slot_factor).cache  # the one check of these options
+        self.kv_dtype, self.slot_factor = checked.kv_dtype, checked.slot_factor
         for m in self.models:
             model_spec(m)
         bad = [m for m in self.methods if m not in SWEEP_METHODS + BASELINE_METHODS]
@@ -228,9 +227,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                     save()
                     continue
                 llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager,
-                                  kv_dtype=cfg.kv_dtype)
-                llm.early_attention = cfg.early_attention
-                llm.slot_factor = cfg.slot_factor
+                                  kv_dtype=cfg.kv_dtype, slot_factor=cfg.slot_factor)
                 prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
                 failed = None
                 rates = cfg.hit_rates if method in pt.HOST_KV else []

@@ -191,7 +191,7 @@ def synthetic_prefill_mask(num_kv_heads: int, selection, num_keys: int, num_quer
     """Prefill masks of the last ``num_queries`` tokens of ``num_keys`` whose neighbouring tokens
     keep ``keep`` of their top-k (:func:`synthetic_masks`, consecutive tokens taken as decode
     steps): ``[1, H, num_queries, num_blocks]`` bool (CPU). Real selections keep most of their
-    top-k from one token to the next, random weights almost none (docs/benchmarks/prefill-overlap-*).
+    top-k from one token to the next, random weights almost none (design §3.5).
 
     Raises:
         SpardaError: ``keep`` outside ``[0, 1]``.

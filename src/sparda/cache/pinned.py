@@ -5,7 +5,7 @@ exactly its size rounded up to a page, not PyTorch's caching host allocator (whi
 every request up to a power of two). Registering is slow: the driver touches and locks every
 page: on the H200, 0.8-1.1 s for 2.6 GiB (16 prompts of 7,680 tokens of the bundled model)
 and 4.3-4.8 s for 16 GiB (Llama-3.1-8B at 128K), against 0.06 and 0.27-0.33 s reused
-(docs/benchmarks/pinned-pool-2026-12-05-h200.md). So when the last tensor of a buffer is gone the buffer
+(design §6). So when the last tensor of a buffer is gone the buffer
 is not unregistered but kept, registered, in :data:`POOL`, and the next request of the same
 page-rounded size takes it back (after a device synchronize, so that no copy of the freed
 cache is still in flight, and zeroed) instead of registering new memory. The pool keeps at

@@ -13,7 +13,7 @@ Engines:
 * ``uva``: Triton kernels that read (and write) pinned host memory directly through
   unified virtual addressing. A small fixed grid (``num_ctas`` CTAs x ``num_warps``
   warps; 32 x 8 by default, each moving a whole block per masked load: measured inside
-  the replayed B16 step on the H200, docs/benchmarks/fused-decode-2026-12-01-h200.md)
+  the replayed B16 step on the H200, design §6)
   grid-strides over the ``B*H*S`` block tasks; tasks whose ``load`` is ``-1`` (hits, free slots) move no bytes. No host
   synchronisation: the block ids never leave the device.
 * ``copy``: the miss list is read on the host (one synchronisation), the blocks are
@@ -299,7 +299,7 @@ class UvaEngine(TransferEngine):
 #: (smallest batch, CTAs) of the UVA gather grid, largest batch first: measured inside the
 #: replayed decode step of offloaded ``sparda`` on the H200 (MiniCPM-8B shape; 8 warps):
 #: 64 CTAs beat 32 by 6-7 % at 128K B16 and 32K B24, 16 CTAs were slowest
-#: (docs/benchmarks/fused-decode-2026-12-01c-h200.md). Below B16 the gather shares the SMs
+#: (design §6). Below B16 the gather shares the SMs
 #: with a lighter step and was not tuned: it keeps 32.
 GATHER_CTAS = ((16, 64), (1, 32))
 

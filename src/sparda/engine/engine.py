@@ -1,39 +1,28 @@
-"""The request-level engine: continuous batching over one fixed KV-cache pool.
+"""The one generation loop: continuous batching over a pool of KV-cache rows.
 
 :class:`Engine` owns a cache of ``max_batch`` rows x ``max_model_len`` tokens and a
-:class:`~sparda.engine.scheduler.Scheduler`. Each :meth:`Engine.step`:
+:class:`~sparda.engine.scheduler.Scheduler`. ``LLM.generate`` / ``chat`` /
+``generate_stream`` (:func:`sparda.engine.offline.offline_engine`) and ``sparda serve``
+run it. Each :meth:`Engine.step`:
 
 1. drops cancelled requests (their rows are freed at once);
-2. admits at most one waiting request: resets its row's counters, prefills its whole
-   prompt into the row (:meth:`LLM.prefill`) and samples its first token;
-3. runs one decode step of **every** cache row (:meth:`LLM.decode`, the same call and
-   shapes each step, so on CUDA it can replay one captured graph): running rows at their
-   own positions, free rows as padding (token 0 at position 0, output discarded);
-4. samples each running row with its own parameters and generator, appends the token,
-   streams the text it completes and frees the rows of requests that finished.
+2. admits waiting requests into free rows (at most ``max_prefill_tokens`` prompt tokens
+   per step, always at least one), zeroes their rows' counters and prefills them, several
+   prompts per forward where the method allows it (design §3.8), sampling each first token;
+3. runs one decode step of every cache row (:meth:`ModelRunner.decode`, one captured CUDA
+   graph on CUDA): running rows at their own positions, free rows as padding (token 0 at
+   position 0, output discarded);
+4. samples each running row with its own parameters and generator
+   (:func:`sparda.engine.sampler.sample_requests`), appends the token, streams the text it
+   completes and frees the rows of requests that finished.
 
 A request's output does not depend on which other requests share the batch: rows never
-read each other's cache, sampling is per row (each request has its own generator), the
-method's per-row counters are zeroed at admission (``method.reset()`` runs once, when the
-engine starts), and every decode step has the same shapes and takes the same host-side
-branch whatever the batch holds: ``max_batch`` rows, cache views that span the whole row
-(the runtime's static-shape decode step; keys past a row's length are masked), and
-``max_position = max_model_len - 1``, so the method's dense-fallback switch (design
-§3.6, a per-step branch on the longest row) and the CUDA-graph key never depend on the
-neighbours. So with dense attention in fp32 on the CPU a request's logits are
-bit-identical alone or in a busy batch of the same engine (tested), and its greedy tokens
-equal ``LLM.generate`` run alone. Block-sparse methods always take their selection path
-(short rows select every valid block, the per-row dense fallback); their CPU reference
-attention still sizes its key range by the batch's longest row, so there the logits
-agree to rounding (~1e-6) and the greedy tokens match (tested). The price is that a
-short row in a long pool attends (dense) or is scored (block-sparse) over
-``max_model_len`` positions: size ``--max-model-len`` to the requests you expect.
-
-The engine runs synchronously (:meth:`Engine.run`; ``engine/offline.py`` does this for
-``LLM.generate`` with :class:`SamplingParams`) or on a background thread
-(:meth:`Engine.start`, used by the server), where requests are added and cancelled from
-other threads. An LLM must not run ``generate`` while its engine serves on another
-thread: the attention method keeps per-batch state.
+read each other's cache, sampling is per request, counters are per row. With
+``static_live_len`` (the server) every decode step also takes the same host-side branch
+whatever the batch holds (``max_position = max_model_len - 1``: the dense-fallback switch
+of design §3.6 and the CUDA-graph key never depend on the neighbours), so with dense
+attention in fp32 a request's logits are bit-identical alone or in a busy batch (tested);
+offline runs follow the longest running row instead, as a static batch would.
 """
 
 from __future__ import annotations
@@ -49,7 +38,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from sparda.engine.sampler import sample
+from sparda.engine.sampler import sample_requests
 from sparda.engine.sampling_params import SamplingParams
 from sparda.engine.scheduler import Scheduler
 from sparda.engine.sequence import Delta, Sequence, Status
@@ -80,11 +69,16 @@ class Engine:
         max_model_len: tokens per row, prompt plus new tokens of one request (>= 2,
             at most the model's context); ``None``: the model's context.
         max_waiting: requests that may queue for a row before :class:`QueueFull`.
+        max_prefill_tokens: prompt tokens admitted per step at most (at least one request);
+            ``None``: every waiting request that finds a row.
+        static_live_len: decode every step as if the longest row were ``max_model_len``
+            (the server: outputs independent of the neighbours, module docstring).
     Raises:
         SpardaError: bad sizes, or a cache pool that does not fit in memory (bytes named).
     """
 
-    def __init__(self, llm, max_batch: int = 8, max_model_len: int | None = None, max_waiting: int = 256) -> None:
+    def __init__(self, llm, max_batch: int = 8, max_model_len: int | None = None, max_waiting: int = 256, *,
+                 max_prefill_tokens: int | None = None, static_live_len: bool = True) -> None:
         limit = llm.shape.max_positions
         _positive_int("max_batch", max_batch)
         max_model_len = limit if max_model_len is None else _positive_int("max_model_len", max_model_len)
@@ -96,15 +90,20 @@ class Engine:
         if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
             raise SpardaError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.llm = llm
+        self.runner = runner = llm.model_runner
         self.tokenizer = llm.tokenizer
         self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.max_prefill_tokens, self.static_live_len = max_prefill_tokens, static_live_len
         self.vocab_size = llm.model.lm_head.out_features
-        self.cache = llm.new_cache(max_batch, max_model_len)
+        start = time.perf_counter()
+        self.cache = runner.new_cache(max_batch, max_model_len)
+        runner.sync()
+        self.cache_alloc_ms = (time.perf_counter() - start) * 1e3
         llm.method.bind(self.cache)
         llm.method.reset()  # once: from here on, per-row counters are zeroed at admission
         self.scheduler = Scheduler(max_batch, max_model_len, max_waiting)
-        self.eos_ids = llm._eos_ids()
-        self._kv_bytes_per_token = llm.kv_bytes_per_token()
+        self.eos_ids = llm.eos_ids()
+        self._kv_bytes_per_token = runner.kv_bytes_per_token()
         self._tokens = [0] * max_batch      # next input token per row (free rows: 0)
         self._positions = [0] * max_batch   # its position (free rows: 0)
         self._lock = threading.RLock()
@@ -185,7 +184,7 @@ class Engine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[Delta]:
-        """One iteration: drop cancelled, admit and prefill at most one, decode every row.
+        """One iteration: drop cancelled, admit and prefill, decode every row.
 
         Returns the :class:`Delta` of every request that advanced (each one also goes to
         its ``on_delta``). Raises whatever the model raises (the background loop turns it
@@ -195,9 +194,9 @@ class Engine:
         with self._lock:
             for seq in self.scheduler.drop_cancelled():
                 events.append((seq, self._finish(seq, "abort")))
-            seq = self.scheduler.admit()
-        if seq is not None:
-            events.append((seq, self._prefill(seq)))
+            admitted = self.scheduler.admit(self.max_prefill_tokens)
+        if admitted:
+            events.extend(self._prefill(admitted))
         with self._lock:
             running = sorted(self.scheduler.running.items())
         if running:
@@ -228,59 +227,44 @@ class Engine:
             for counter in self._row_counters():
                 counter[row] = 0
 
-    def _prefill(self, seq: Sequence) -> Delta:
-        seq.admitted = time.perf_counter()
-        self._reset_row(seq.row)
-        seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
-        seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
-        logits = self.llm.prefill(self.cache, seq.row, seq.prompt_ids)
-        (token, logprob), = self._sample([seq], logits[-1:])
-        seq.prefill_ms = (time.perf_counter() - seq.admitted) * 1e3
-        with self._lock:
-            self.prompt_tokens += seq.num_prompt
-        return self._advance(seq, token, logprob)
+    def _prefill(self, seqs: list[Sequence]) -> list[tuple[Sequence, Delta]]:
+        """Prefill the admitted requests (several per forward where allowed, design §3.8) and
+        sample each first token."""
+        events = []
+        for seq in seqs:
+            seq.admitted = time.perf_counter()
+            self._reset_row(seq.row)
+            seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
+            seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
+        for group in self.runner.prefill_groups(self.cache, [seq.prompt_ids for seq in seqs]):
+            batch = [seqs[i] for i in group]
+            start = time.perf_counter()
+            logits = self.runner.prefill_batch(self.cache, [seq.row for seq in batch],
+                                               [seq.prompt_ids for seq in batch])
+            picked = sample_requests(logits, [seq.params for seq in batch], [seq.generator for seq in batch])
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            for seq, (token, logprob) in zip(batch, picked):
+                seq.prefill_ms, seq.prefill_batch = elapsed_ms, len(batch)
+                with self._lock:
+                    self.prompt_tokens += seq.num_prompt
+                events.append((seq, self._advance(seq, token, logprob)))
+        return events
 
     def _decode(self, running: list[tuple[int, Sequence]]) -> list[tuple[Sequence, Delta]]:
         device = self.llm.device
         tokens = torch.tensor(self._tokens, device=device)
         positions = torch.tensor(self._positions, device=device)
-        # max_position fixed at the row's end: the same branch (and graph) whoever else runs.
-        logits = self.llm.decode(self.cache, tokens, positions, self.max_model_len - 1)
         rows = [row for row, _ in running]
         seqs = [seq for _, seq in running]
-        picked = self._sample(seqs, logits[rows])
+        # static: max_position at the row's end, the same branch (and graph) whoever else runs
+        longest = self.max_model_len - 1 if self.static_live_len else max(self._positions[row] for row in rows)
+        logits = self.runner.decode(self.cache, tokens, positions, longest)
+        picked = sample_requests(logits[rows], [seq.params for seq in seqs], [seq.generator for seq in seqs])
         self._decoded_tokens += len(seqs)
         events = [(seq, self._advance(seq, tok, lp)) for seq, (tok, lp) in zip(seqs, picked)]
         if self.offloaded and time.perf_counter() - self._offload_at > OFFLOAD_REFRESH_S:
             self._refresh_offload()
         return events
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, dict | None]]:
-        """One token per sequence from ``logits [n, V]`` fp32, each with its own parameters."""
-        tokens: list[int | None] = [None] * len(seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        if greedy:
-            for i, tok in zip(greedy, logits[greedy].argmax(-1).tolist()):
-                tokens[i] = tok
-        for i, seq in enumerate(seqs):
-            if tokens[i] is not None:
-                continue
-            p = seq.params
-            row = logits[i:i + 1]
-            if p.top_k > 0 and p.top_k < row.shape[-1]:
-                kth = row.topk(p.top_k, dim=-1).values[:, -1:]
-                row = row.masked_fill(row < kth, float("-inf"))
-            tokens[i] = int(sample(row, p.temperature, p.top_p, seq.generator)[0])
-        out = []
-        for i, seq in enumerate(seqs):
-            entry = None
-            if seq.params.logprobs is not None:
-                logp = torch.log_softmax(logits[i].float(), dim=-1)
-                top = logp.topk(seq.params.logprobs) if seq.params.logprobs else None
-                entry = {"token_id": tokens[i], "logprob": float(logp[tokens[i]]),
-                         "top_logprobs": {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))}
-            out.append((tokens[i], entry))
-        return out
 
     def _advance(self, seq: Sequence, token: int, logprob: dict | None) -> Delta:
         delta = seq.append(token, self.tokenizer, self.eos_ids, logprob)
@@ -300,19 +284,23 @@ class Engine:
         held back for a possible stop string is dropped on ``abort``/``error``, and was
         already released by :meth:`Sequence.append` on ``stop``/``length``)."""
         now = time.perf_counter()
-        first = seq.first_token or now
+        first = seq.first_token if seq.first_token is not None else now
         decoded = max(len(seq.output_ids) - 1, 0)
         self.llm.method.bind(self.cache)  # its counters, not those of a generate() between steps
         stats = {
             "prompt_tokens": seq.num_prompt,
             "new_tokens": len(seq.output_ids),
-            "queue_ms": round(((seq.admitted or now) - seq.arrival) * 1e3, 3),
+            "queue_ms": round(((now if seq.admitted is None else seq.admitted) - seq.arrival) * 1e3, 3),
             "prefill_ms": round(seq.prefill_ms, 3),
-            "ttft_ms": round((first - seq.arrival) * 1e3, 3) if seq.first_token else None,
+            "prefill_batch": seq.prefill_batch,
+            "ttft_ms": round((first - seq.arrival) * 1e3, 3) if seq.first_token is not None else None,
             "latency_ms": round((now - seq.arrival) * 1e3, 3),
             "decode_tok_s": round(decoded / (now - first), 3) if decoded and now > first else 0.0,
             "kv_cache_bytes": int(self._kv_bytes_per_token * max(seq.num_prompt + len(seq.output_ids) - 1, 0)),
             "kv_read_fraction": round(self.llm.method.read_fraction(seq.row), 4) if seq.row is not None else 1.0,
+            "cache_alloc_ms": round(self.cache_alloc_ms, 3),
+            "graph_capture_ms": round(self.runner.runner(self.cache).capture_s * 1e3, 3),
+            "cuda_graph": self.runner.runner(self.cache).replays > 0,
         }
         if self.offloaded and seq.row is not None:
             stats["offload"] = self.cache.offload_stats(max(decoded, 1), row=seq.row)

@@ -34,7 +34,7 @@ class DecodeRunner:
     """Decode steps of one cache on static buffers, replayed as CUDA graphs where possible.
 
     Args:
-        llm: the :class:`~sparda.engine.llm.LLM` (model, method, device).
+        model_runner: the :class:`~sparda.engine.runner.ModelRunner` (model, method, device).
         cache: its KV cache (``DeviceKVCache`` or ``OffloadKVCache``) of ``B`` rows.
         cuda_graphs: capture and replay on CUDA (ignored on the CPU).
     Attributes:
@@ -45,11 +45,11 @@ class DecodeRunner:
         capture_s: wall seconds spent capturing them (host clock, device synchronised first).
     """
 
-    def __init__(self, llm, cache, cuda_graphs: bool = True) -> None:
-        self.llm = llm
+    def __init__(self, model_runner, cache, cuda_graphs: bool = True) -> None:
+        self.model_runner = model_runner
         self._cache = weakref.ref(cache)  # the cache owns its runner: no reference cycle
         batch = cache.lengths.shape[0]
-        device = llm.device
+        device = model_runner.device
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.rows = torch.arange(batch, device=device)
@@ -80,7 +80,7 @@ class DecodeRunner:
     def eager(self, live_len: int) -> torch.Tensor:
         """One eager decode step from the buffers; ``live_len`` (host int, tokens) is the
         longest row's length after this step's append. Returns logits ``[B, V]`` fp32."""
-        return self.llm._decode_step(self.cache, self.tokens, self.positions, self.rows, live_len)
+        return self.model_runner.decode_step(self.cache, self.tokens, self.positions, self.rows, live_len)
 
     @torch.inference_mode()
     def step(self, live_len: int) -> torch.Tensor:
@@ -89,10 +89,10 @@ class DecodeRunner:
         Returns logits ``[B, V]`` fp32. With graphs this is the graph's static output
         tensor: read (or copy) it before the next step overwrites it.
         """
-        self.llm.method.bind(self.cache)  # a replay counts into this cache's counters: read them
+        self.model_runner.method.bind(self.cache)  # a replay counts into this cache's counters: read them
         if not self.use_graphs:
             return self.eager(live_len)
-        key = self.llm.method.graph_key(live_len)
+        key = self.model_runner.method.graph_key(live_len)
         graph = self.graphs.get(key)
         if graph is None:
             if key not in self._warm:  # compile kernels and allocate counters first
@@ -104,7 +104,7 @@ class DecodeRunner:
         return self.outputs[key]
 
     def _capture(self, key, live_len: int):
-        device = self.llm.device
+        device = self.model_runner.device
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         if self._pool is None:

@@ -1,44 +1,59 @@
-"""Offline runs of the request engine: ``LLM.generate(prompts, SamplingParams)``,
-``LLM.generate_stream`` and ``LLM.chat`` build a fresh synchronous :class:`Engine`, queue
-every request, and step it to the end."""
+"""Offline runs of the one loop: ``LLM.generate``, ``generate_stream`` and ``chat`` build a
+fresh synchronous :class:`Engine`, queue every request, and step it to the end."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from sparda.engine.engine import Engine
 from sparda.engine.sampling_params import SamplingParams
-from sparda.engine.sequence import Delta, RequestOutput
+from sparda.engine.sequence import Delta
+from sparda.engine.validate import check_prompts, check_token_ids
 from sparda.errors import SpardaError
 
 
-def run_requests(llm, prompt_ids: list[list[int]], params: list[SamplingParams],
-                 max_batch: int | None = None) -> Iterator[tuple[int, Delta]]:
-    """Run requests through a fresh synchronous engine, yielding ``(index, delta)``.
+def offline_engine(llm, prompts, sampling_params, chat: bool = True,
+                   prompt_token_ids: list[list[int]] | None = None,
+                   max_batch: int | None = None) -> Iterator[tuple[int, Delta]]:
+    """Run prompts through a fresh synchronous :class:`Engine`, yielding ``(index, delta)``.
 
-    The engine's rows hold the longest prompt plus its ``max_tokens`` (``None``: up to the
-    model's context); ``max_batch`` defaults to one row per request. Raises SpardaError
-    for a request that does not fit, before anything runs.
+    Rows hold the longest prompt plus its ``max_tokens`` (``None``: up to the model's
+    context), rounded up as :meth:`ModelRunner.cache_capacity`; ``max_batch`` defaults to one
+    row per request. Everything is checked before anything runs.
+
+    Raises:
+        SpardaError: bad prompts or parameters, a request longer than the model's context.
     """
+    ids, params = request_inputs(llm, prompts, sampling_params, chat, prompt_token_ids)
     limit = llm.shape.max_positions
-    for ids, p in zip(prompt_ids, params):
-        llm._check_length(len(ids), p.max_tokens or 1)
-    need = max(len(ids) + (p.max_tokens if p.max_tokens is not None else limit) for ids, p in zip(prompt_ids, params))
-    engine = Engine(llm, max_batch=max_batch or len(prompt_ids), max_model_len=min(max(need, 2), limit),
-                    max_waiting=len(prompt_ids))
-    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
-        engine.add_request(ids, p, request_id=str(i))
+    for prompt, p in zip(ids, params):
+        new = p.max_tokens or 1
+        if len(prompt) + new > limit:
+            raise SpardaError(f"prompt of {len(prompt)} tokens plus {new} new tokens exceeds the model's context of "
+                              f"{limit} tokens; shorten the prompt or lower --max-new-tokens")
+        note_dense_fallback(llm, len(prompt), new)
+    need = max(len(prompt) + (p.max_tokens if p.max_tokens is not None else limit - len(prompt))
+               for prompt, p in zip(ids, params))
+    engine = Engine(llm, max_batch=max_batch or len(ids), max_model_len=min(max(llm.cache_capacity(need), 2), limit),
+                    max_waiting=len(ids), static_live_len=False)
+    for i, (prompt, p) in enumerate(zip(ids, params)):
+        engine.add_request(prompt, p, request_id=str(i))
     return ((int(delta.request_id), delta) for delta in engine.run())
 
 
-def generate_requests(llm, prompt_ids: list[list[int]], params: list[SamplingParams],
-                      max_batch: int | None = None) -> list[RequestOutput]:
-    """:func:`run_requests` to the end: one :class:`RequestOutput` per request, in order."""
-    outputs: list[RequestOutput | None] = [None] * len(prompt_ids)
-    for i, delta in run_requests(llm, prompt_ids, params, max_batch):
-        if delta.output is not None:
-            outputs[i] = delta.output
-    return outputs
+def note_dense_fallback(llm, num_prompt: int, max_new: int) -> None:
+    """Say once per LLM and cause, on stderr (logger ``sparda``), that a block-sparse method
+    attends densely to a request of ``num_prompt`` prompt tokens (design §3.6)."""
+    config = llm.config
+    reason = None if config.method == "dense" else config.selection.dense_reason(num_prompt + max_new - 1)
+    cause = reason and ("dense_len" if "--dense-len" in reason else "topk_blocks")
+    noted = llm.model_runner.dense_noted
+    if reason and cause not in noted:
+        noted.add(cause)
+        logging.getLogger("sparda").warning(
+            f"note: {config.method} falls back to dense attention (design §3.6) for a prompt of {num_prompt} tokens "
+            f"with up to {max_new} new: {reason}")
 
 
 def request_inputs(llm, prompts, sampling_params, chat: bool = True,
@@ -51,15 +66,10 @@ def request_inputs(llm, prompts, sampling_params, chat: bool = True,
     parameters of the wrong length or type.
     """
     if prompt_token_ids is None:
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts or [])
-        if any(not isinstance(p, str) for p in prompts):
-            raise SpardaError("prompts must be strings (or pass prompt_token_ids)")
-        if any(not p.strip() for p in prompts):
-            raise SpardaError("empty prompt; pass some text")
-        prompt_token_ids = [llm.encode(p, chat) for p in prompts]
+        prompt_token_ids = [llm.encode(p, chat) for p in check_prompts(prompts)]
+    else:
+        check_token_ids(prompt_token_ids, llm.model.config.vocab_size)
     prompt_token_ids = [list(ids) for ids in prompt_token_ids]
-    if not prompt_token_ids:
-        raise SpardaError("no prompts given; pass a string or a non-empty list")
     if isinstance(sampling_params, SamplingParams):
         params = [sampling_params] * len(prompt_token_ids)
     else:

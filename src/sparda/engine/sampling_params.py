@@ -92,3 +92,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling is argmax (``temperature == 0``)."""
         return self.temperature == 0
+
+    @classmethod
+    def from_generate_args(cls, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                           ignore_eos: bool = False, seed: int = 0) -> "SamplingParams":
+        """The parameters of ``LLM.generate``'s keyword form (``max_new_tokens`` is
+        ``max_tokens``). Raises SpardaError naming the bad argument."""
+        from sparda.engine.validate import check_sampling
+
+        check_sampling(max_new_tokens, temperature, top_p, seed)
+        return cls(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed, ignore_eos=ignore_eos)

@@ -10,10 +10,9 @@ tokens:
 * otherwise it waits, first come first served, until a row is free;
 * a queue already holding ``max_waiting`` requests refuses more (:class:`QueueFull`).
 
-Prefill is whole-prompt (the runtime's prefill runs one prompt into one row from position
-0) and is interleaved with decoding: each engine step admits **at most one** waiting
-request (its prefill), then runs one decode step of every running row. So a prompt that
-arrives while others decode delays them by at most one prefill per generated token. A
+Prefill is whole-prompt (chunked inside, design §3.8) and interleaved with decoding: each
+engine step admits waiting requests up to a prompt-token budget (at least one), then runs
+one decode step of every running row. A
 row is freed as soon as its request finishes (EOS, a stop token or string, ``max_tokens``)
 or is cancelled.
 """
@@ -93,16 +92,23 @@ class Scheduler:
                 gone.append(seq)
         return gone
 
-    def admit(self) -> Sequence | None:
-        """The next waiting request, given the lowest free row, or None (queue empty or
-        every row in use). At most one per engine step: see the module docstring."""
-        if not self.waiting or not self._free:
-            return None
-        seq = self.waiting.popleft()
-        seq.row = heapq.heappop(self._free)
-        seq.status = Status.RUNNING
-        self.running[seq.row] = seq
-        return seq
+    def admit(self, max_tokens: int | None = None) -> list[Sequence]:
+        """Waiting requests, first come first served, each given the lowest free row, while
+        rows are free and their prompts total at most ``max_tokens`` (``None``: no bound;
+        the first one is admitted whatever its length)."""
+        admitted: list[Sequence] = []
+        total = 0
+        while self.waiting and self._free:
+            size = self.waiting[0].num_prompt
+            if admitted and max_tokens is not None and total + size > max_tokens:
+                break
+            seq = self.waiting.popleft()
+            seq.row = heapq.heappop(self._free)
+            seq.status = Status.RUNNING
+            self.running[seq.row] = seq
+            admitted.append(seq)
+            total += size
+        return admitted
 
     def free(self, seq: Sequence) -> None:
         """Give ``seq``'s row back (finished or cancelled); no-op if it holds none."""

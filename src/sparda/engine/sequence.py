@@ -121,6 +121,7 @@ class Sequence:
         self.first_token: float | None = None
         self.finished_at: float | None = None
         self.prefill_ms = 0.0
+        self.prefill_batch = 1  # requests that shared its prefill forward
         self.stats: dict = {}
 
     @property

@@ -1,4 +1,4 @@
-"""Regenerate ``docs/accuracy.md`` from a ``benchmarks/bench_eval.py run`` output directory (design §8).
+"""Regenerate ``docs/results/accuracy.md`` from a ``benchmarks/bench_eval.py run`` output directory (design §8).
 
 The page holds: how ``sparda eval`` measures (fixed text), the run's device, dates,
 commits, commands and wall time (``OUT/calls.json``), issue #12's criteria evaluated on
@@ -39,7 +39,7 @@ go through one method in batches (`--batch-size`, default 16 on CUDA, 4 on the C
 `kvquant` records; greedy, so a sample's record is the one it gets alone, tested on the CPU in
 fp32; in bf16 on the GPU 7-10 % of the `main` completions differ between the two prefills
 through rounding, and mean accuracies by at most 0.5 points,
-docs/benchmarks/prefill-batch-2026-12-05-h200.md). Each finished sample is appended to
+docs/results/benchmarks/prefill-batch-2026-12-05-h200.md). Each finished sample is appended to
 `DIR/results.jsonl` (one fsynced JSON line); rerunning the same command on the same `--out`
 resumes, and `--time-budget-s` stops a run between batches (`DIR/progress.json` says how
 far it got). `DIR/report.md`, `results.json`, `summary.json` and the plots are rebuilt from
@@ -559,7 +559,7 @@ def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
         lines += ["", f"## {title}", ""]
         if name == "main" and baselines:
             ran = ", ".join(f"`{m}`" for m in sorted({r["method"] for r in baselines}))
-            lines += [f"The seeds' selectors {ran} ([baselines.md](baselines.md)) ran in `OUT/baselines` on the "
+            lines += [f"The seeds' selectors {ran} ([baselines.md](../baselines.md)) ran in `OUT/baselines` on the "
                       "prompts and windows of `main` (same seed, depths and text); the tables hold both "
                       "directories' records, each seed selector paired against `sparda` and `dense`. `h2o`, "
                       "`snapkv` and `shallow` prefill densely by design (they select for decode only), so their "

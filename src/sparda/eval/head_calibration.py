@@ -28,7 +28,7 @@ lost mass of *all* heads, capped at ``max_heads`` (default ``ceil(3 %)`` of the 
 top head's loss. Why: on the bundled model one head loses most (layer 7 head 2: 80 % of the
 total), but the strong retrieval heads next in line (needle mass 0.45-0.5) lose their
 needle only at some steps and prompts, a small mean that still decides answers
-(docs/passkey-gap.md: layer 7 head 2 alone restores 1 of 3 failing prompts, with layer 18
+(design §3.7: layer 7 head 2 alone restores 1 of 3 failing prompts, with layer 18
 head 2 all 3); the long tail after them -- tens of heads each losing a sliver -- is the
 top-k's ordinary approximation error, and each dense head costs a full KV read. The result is written atomically as JSON (``sparda_dense_heads.json`` in the
 model directory, read by ``dense_heads="auto"``, or ``--out``).

@@ -130,7 +130,7 @@ def ppl_records(models, todo: list, text_ids: list[int], length: int, index: int
     for spec in todo:
         llm, _, topk = models.get(spec, length, sparse_prefill=True)
         start = time.perf_counter()
-        same = spec.method == "dense" and llm.kv_dtype == models.reference.kv_dtype
+        same = spec.method == "dense" and llm.config.cache.kv_dtype == models.reference.config.cache.kv_dtype
         logits = reference if same else llm.logits(ids[:-1])[first:]
         m = compare_logits(logits, reference, targets)
         n = m["positions"]
@@ -242,7 +242,7 @@ def ppl_decode_records(models, todo: dict[int, list], text_ids: list[int], lengt
                        seed=seeds[i], positions=n, prefix=prefix, ppl=perplexity(sums["nll"][b], n),
                        dense_ppl=perplexity(sums["ref_nll"][b], n), top1_agreement=sums["agree"][b] / n,
                        kl=sums["kl"][b] / n, score=sums["agree"][b] / n, seconds=round(seconds, 3),
-                       batch=len(wanted), kv_dtype=llm.kv_dtype, offload=offloaded,
+                       batch=len(wanted), kv_dtype=llm.config.cache.kv_dtype, offload=offloaded,
                        dense_heads=_dense_heads_field(llm),
                        prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense")
 

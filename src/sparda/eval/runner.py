@@ -15,7 +15,6 @@ first finished sample, so a run that fails at its start never locks its ``--out`
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -107,7 +106,7 @@ class EvalPlan:
         """:attr:`batch_size`, or the default of the device (:data:`DEFAULT_BATCH`)."""
         if self.batch_size is not None:
             return self.batch_size
-        from sparda.engine.llm import resolve_device
+        from sparda.config import resolve_device
 
         return DEFAULT_BATCH["cuda" if resolve_device(self.device).type == "cuda" else "cpu"]
 
@@ -224,8 +223,6 @@ class _Models:
         from sparda.engine.llm import LLM
 
         self.plan = plan
-        from sparda.attention.forecast import model_identity
-
         # mixed is an offloaded cache's storage: the dense base (and the ppl reference) keep bf16,
         # each offloaded method's copy gets mixed in get()
         self.base = LLM(plan.model, method="dense", preset=plan.preset, device=plan.device, dtype=plan.dtype,
@@ -233,9 +230,8 @@ class _Models:
         # one prefill forward per generate call where the method allows it (design §3.8): room for
         # the batch's prompts (the chat template adds a few dozen tokens to the task's length)
         wanted = plan.resolved_batch_size() * (max(plan.lengths) + PROMPT_SLACK)
-        self.base.prefill_batch_tokens = max(self.base.prefill_batch_tokens,
-                                             min(wanted, prefill_tokens_that_fit(self.base)))
-        self._identity = model_identity(self.base.model.config, self.base.shape)
+        budget = self.base.config.runtime.prefill_batch_tokens
+        self.base = self.base.derive(prefill_batch_tokens=max(budget, min(wanted, prefill_tokens_that_fit(self.base))))
         self._cache: dict = {}
         self._reference = None
 
@@ -247,8 +243,7 @@ class _Models:
         if self.plan.kv_dtype == "bf16":
             return self.base
         if self._reference is None:
-            self._reference = copy.copy(self.base)
-            self._reference.kv_dtype = "bf16"
+            self._reference = self.base.derive(kv_dtype="bf16")
         return self._reference
 
     def get(self, spec: MethodSpec, length: int, sparse_prefill: bool | None = None):
@@ -257,9 +252,7 @@ class _Models:
         :class:`~sparda.eval.metrics.HitRateTracker` for on-device block-sparse methods and
         ``None`` for offloaded ones (their decode bypasses ``select``; the runtime counts
         their hits, :func:`~sparda.eval.metrics.runtime_hit_rate`)."""
-        from sparda.attention.registry import build_method
-        from sparda.config import SelectionConfig, SpardaConfig
-        from sparda.engine.llm import default_offload
+        from sparda.config import SelectionConfig
         from sparda.eval.metrics import HitRateTracker, budget_topk
 
         sparse_prefill = self.plan.prefill_is_sparse if sparse_prefill is None else sparse_prefill
@@ -269,18 +262,11 @@ class _Models:
             base_sel = SelectionConfig.from_preset(self.plan.preset, **overrides)
             if spec.budget_pct is not None:
                 overrides["topk_blocks"] = budget_topk(spec.budget_pct, length, base_sel)
-            selection = SelectionConfig.from_preset(self.plan.preset, **overrides)
-            config = SpardaConfig(method=spec.method, selection=selection, sparse_prefill=sparse_prefill,
-                                  offload=default_offload(spec.method, self.base.device))  # as `sparda generate`
-            llm = copy.copy(self.base)
-            llm.config = config
-            llm.method = build_method(config, llm.shape, model=llm.model, model_dir=llm.model_dir)
-            llm._set_dense_heads(self.plan.dense_heads, self._identity)  # as LLM(method=...) (design §3.7)
-            if self.plan.kv_dtype == "mixed":  # offloaded methods only (_check_device_and_lengths)
-                from sparda.engine.llm import _check_kv_hot
-
-                llm.kv_dtype, llm.kv_hot = "mixed", _check_kv_hot("mixed", (None, None), selection)
-            offloaded = bool(config.offload) or getattr(llm.method, "offloaded", False)
+            # as `sparda generate --method M` (offload default, dense heads, design §3.7)
+            llm = self.base.derive(method=spec.method, sparse_prefill=sparse_prefill, kv_dtype=self.plan.kv_dtype,
+                                   dense_heads=self.plan.dense_heads, offload=None, **overrides)
+            selection = llm.config.selection
+            offloaded = llm.model_runner.offloaded
             tracker = None if offloaded else HitRateTracker(llm.method)
             self._cache[key] = (llm, tracker, selection.topk_blocks)
         return self._cache[key]
@@ -341,17 +327,12 @@ def _check_device_and_lengths(plan: EvalPlan) -> None:
     ``mixed`` with a method whose cache stays on the device, or ``--lengths``
     that leave no room for an answer in the model's context (read from its config, no weights
     loaded)."""
-    from sparda.engine.llm import resolve_device, resolve_dtype
+    from sparda.config import build_config
     from sparda.model.loader import context_length
 
-    device = resolve_device(plan.device)
-    resolve_dtype(plan.dtype, device)
-    if plan.kv_dtype == "mixed":  # an offloaded cache's storage (design §6.1)
-        from sparda.attention.registry import check_kv_dtype_cache
-        from sparda.engine.llm import default_offload
-
-        for spec in method_specs(plan):
-            check_kv_dtype_cache("mixed", spec.method, default_offload(spec.method, device), device.type == "cuda")
+    for spec in method_specs(plan):  # the one check of every option, per method (mixed: offloaded only)
+        build_config(method=spec.method, preset=plan.preset, device=plan.device, dtype=plan.dtype,
+                     kv_dtype=plan.kv_dtype, **plan.overrides)
     context = context_length(plan.model)
     if context is not None and max(plan.lengths) + 32 > context:
         raise SpardaError(f"--lengths {max(plan.lengths)} leaves no room for an answer in the model's context of "
@@ -542,7 +523,6 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
     """An :class:`EvalPlan` from CLI options: unset ones come from the ``--quick`` or full
     defaults; methods default to every registered one. Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
-    from sparda.kernels.quant import check_kv_dtype
 
     base = QUICK if quick else FULL
     if methods is None:
@@ -554,7 +534,7 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     budgets=tuple(budgets or ()), depths=tuple(depths or DEPTHS),
                     ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
                     dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill, batch_size=batch_size,
-                    kv_dtype=check_kv_dtype(kv_dtype), dense_heads=_dense_heads_setting(dense_heads),
+                    kv_dtype=kv_dtype or "bf16", dense_heads=_dense_heads_setting(dense_heads),
                     decode_tokens=DECODE_TOKENS if decode_tokens is None else decode_tokens)
 
 

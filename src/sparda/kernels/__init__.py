@@ -255,7 +255,7 @@ def token_attention_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     SDPA's backward gives ``V`` in fp32
     (:func:`~sparda.kernels.twins.token_attention_mass_reference`), which on the H200 beats
     the kernel's fp32 tiles (3.0 against 5.7 ms at 4,096 tokens,
-    docs/benchmarks/h2o-prefill-2026-12-05-h200.md); neither materialises the
+    design §7); neither materialises the
     ``[G, Tq, T]`` probabilities.
 
     Args:

@@ -295,7 +295,7 @@ def _default_block_m(rows_per_token: int, on_gpu: bool, softmax: bool = True) ->
     query-based selector (tensor-core tiles; each compressed-key load serves 128 rows) and
     64 for the Forecast's one-head rows (with 4 warps and a 3-stage pipeline 35 % faster
     than 128 rows at 8 warps on the H200 at 128K, both 8B shapes:
-    docs/benchmarks/prefill-2026-12-04-h200.md), 64 elsewhere (fewer programs under the
+    design §3.4), 64 elsewhere (fewer programs under the
     interpreter)."""
     target = 128 if on_gpu and softmax else 64
     return max(1, target // rows_per_token)
@@ -303,7 +303,7 @@ def _default_block_m(rows_per_token: int, on_gpu: bool, softmax: bool = True) ->
 
 #: Register cap of the bracket top-k launch on CUDA (Triton ``maxnreg``; ``None``: uncapped,
 #: 255 registers per thread): at 128, with 2 warps per row, it ran 10-20 % faster on the H200
-#: (docs/benchmarks/prefill-2026-12-04-h200.md). Read at each launch (benchmarks vary it).
+#: (design §3.4). Read at each launch (benchmarks vary it).
 _BRACKET_MAXNREG = 128
 
 
@@ -325,7 +325,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     ``num_stages``: the scoring launch's software pipelining depth (Triton; tuning; default
     3 for the Forecast's 64-row tiles on the GPU, else 1: a deeper pipeline needs shared
     memory per stage). These defaults were the fastest on the H200 at 128K
-    (docs/benchmarks/prefill-2026-12-03-h200.md, prefill-2026-12-04-h200.md).
+    (design §3.4).
     ``select_launch``: ``"split"`` (default) runs the rule (forced blocks, fallback, top-k)
     as a second launch over the scratch scores; ``"fused"`` runs it at the end of the
     scoring program (one program per 128 rows walks every row group's 32 bisection steps in

@@ -172,7 +172,7 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
     """
     from tqdm import tqdm
 
-    from sparda.engine.llm import resolve_device
+    from sparda.config import resolve_device
     from sparda.model.loader import load_model
 
     cfg, out, state_file, texts, description = preflight(
