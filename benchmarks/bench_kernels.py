@@ -1,13 +1,19 @@
-"""Benchmark sparda's Triton kernels on one GPU (issue 5).
+"""Kernel benchmarks and checks: one entry point, one subcommand per measurement (docs/bench.md).
 
-    PYTHONPATH=src python benchmarks/bench_kernels.py --out results/
+Run from the repository root::
 
-Per kernel: time per call (median of CUDA-event timings after warm-up, L2 flushed
-before each call, CUDA-graph replay for the short decode-time kernels), the bytes it
-must move, achieved GB/s against a device-to-device copy ceiling measured in the same
-run, and the baselines (dense flash SDPA, the PyTorch reference or a PyTorch gather).
-Prints a markdown table last and writes ``kernels.md`` and ``kernels.json`` to --out.
-``--smoke`` runs tiny shapes on the CPU through the Triton interpreter (a syntax check).
+    python3 benchmarks/bench_kernels.py timing --out DIR [--tune] [--skip ...] [--smoke]  # Triton kernels (CUDA)
+    python3 benchmarks/bench_kernels.py sass [OUT.json]       # static SASS counts of the top-k launches (no GPU)
+    python3 benchmarks/bench_kernels.py kv-quant-error        # KV quantisation error, bundled model (CPU)
+    python3 benchmarks/bench_kernels.py smoke --tokenizer DIR --out OUT  # every method end to end (CUDA)
+
+``python3 benchmarks/bench_kernels.py SUBCOMMAND --help`` describes each one. Outputs:
+``DIR/kernels.md`` and ``DIR/kernels.json`` (``timing``), ``OUT.json`` (``sass``),
+``OUT/smoke.json`` (``smoke``); ``kv-quant-error`` prints only.
+
+The subcommands replace the former scripts ``bench_kernels.py`` (now ``timing``),
+``sass_count.py`` (``sass``), ``kv_quant_error.py`` (``kv-quant-error``) and
+``smoke_cuda.py`` (``smoke``), with the same measurements and output files.
 """
 
 from __future__ import annotations
@@ -20,24 +26,85 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
+import subprocess
 import sys
 import time
+from collections import Counter
+from pathlib import Path
 
-if "--smoke" in sys.argv:
+if "--smoke" in sys.argv:  # timing --smoke: the Triton interpreter, set before Triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
 from sparda.config import SelectionConfig  # noqa: E402
-from sparda.kernels import reference, twins  # noqa: E402
+from sparda.engine.llm import LLM  # noqa: E402
+from sparda.kernels import quant, reference, twins  # noqa: E402
 from sparda.kernels.compress import compress_keys_triton  # noqa: E402
 from sparda.kernels.decode_attention import decode_attention_triton  # noqa: E402
 from sparda.kernels.prefill_attention import prefill_attention_triton, tile_block_lists  # noqa: E402
 from sparda.kernels.selection import (  # noqa: E402
     decode_block_scores_triton, select_decode_blocks_triton, select_from_scores_triton)
 
+
+TIMING_DOC = """\
+Benchmark sparda's Triton kernels on one GPU (issue 5).
+
+    python3 benchmarks/bench_kernels.py timing --out results/ [--tune] [--skip decode,...]
+    python3 benchmarks/bench_kernels.py timing --out /tmp/k --smoke   # CPU, Triton interpreter
+
+Per kernel: time per call (median of CUDA-event timings after warm-up, L2 flushed
+before each call, CUDA-graph replay for the short decode-time kernels), the bytes it
+must move, achieved GB/s against a device-to-device copy ceiling measured in the same
+run, and the baselines (dense flash SDPA, the PyTorch reference or a PyTorch gather).
+Prints a markdown table last and writes ``kernels.md`` and ``kernels.json`` to --out.
+``--smoke`` runs tiny shapes on the CPU through the Triton interpreter (a syntax check).
+"""
+
+SASS_DOC = """\
+Static instruction counts of the prefill top-k launches, compiled here for sm_90 (no GPU).
+
+Triton compiles a kernel for a named target without a device, and its wheel carries
+``ptxas`` and ``cuobjdump``; this script compiles the two top-k launches of
+``kernels.prefill_selection`` (``topk_search`` ``bisect`` and ``bracket``) as the Forecast's
+last 8K chunk of a 128K prompt uses them (``paper`` preset, ``N_P = 2048``, one row and one
+warp per program), disassembles them and prints registers, spills and instructions before,
+inside and after each backward-branch loop (the bisection steps). A static count, not a
+timing: it tells which variant issues fewer instructions per row, the GPU says what that is
+worth. Usage: ``python3 benchmarks/bench_kernels.py sass [OUT.json]``.
+"""
+
+KV_QUANT_ERROR_DOC = """\
+KV quantisation error on the bundled model's real K/V (and Gaussian data): the numbers
+behind the scheme chosen in docs/kv_quant.md. CPU, about a minute.
+
+Compares, at int8 and int4, three ways to choose the scales:
+
+* ``sym``: per token and head, ``step = max|x| / (2**(b-1) - 1)``, signed levels;
+* ``asym``: per token and head, ``step = (max - min) / (2**b - 1)``, offset ``min``
+  (:mod:`sparda.kernels.quant`, what sparda stores);
+* ``chan``: KIVI-style per channel over groups of 64 tokens (one KV block), asymmetric.
+
+Prints the relative Frobenius error of K and V (mean over layers) and of one decode
+attention output per layer (the mean of the last 64 keys as the query; V asym).
+
+    python3 benchmarks/bench_kernels.py kv-quant-error
+"""
+
+SMOKE_DOC = """\
+End-to-end CUDA smoke test of the engine: every method on a random model at the bundled
+shape, kernels on the hot path, offloaded vs on-device agreement.
+
+Usage (on a GPU machine): python3 benchmarks/bench_kernels.py smoke --tokenizer DIR --out OUT
+"""
+
+
+# ------------------------------------------------------------------------------- timing
 MODELS = {"llama8b": (8, 4, 128), "minicpm": (2, 16, 128)}  # H_kv, G, d
 CFG = SelectionConfig.from_preset("paper")
 ROWS: list[dict] = []
@@ -468,13 +535,99 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for kernels.md and kernels.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
-    parser.add_argument("--tune", action="store_true", help="also sweep decode launch parameters")
-    parser.add_argument("--skip", default="", help="comma list of: decode,selection,compress,prefill")
-    args = parser.parse_args()
+# --------------------------------------------------------------------------------- sass
+INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)")
+BACK = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA (?:!?U?P\w+, )?0x([0-9a-f]+)")
+
+
+def compile_sass(fn, consts: dict, num_warps: int = 1) -> tuple[str, str]:
+    """``(sass, resource usage)`` of ``fn`` for sm_90 with the launch's int arguments as i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    sig = {"SCR": "*fp32", "MASK": "*u8", "QPOS": "*i64"}
+    for name in ("stride_pb", "stride_sb", "stride_sh", "stride_st", "stride_mb", "stride_mh", "stride_mt",
+                 "H", "Tq", "N"):
+        sig[name] = "i32"
+    sig.update({k: "constexpr" for k in consts})
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps})
+    cubin = Path("/tmp") / f"sparda-{fn.__name__}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    run = lambda *a: subprocess.run([str(bin_dir / "cuobjdump"), *a, str(cubin)], capture_output=True, text=True,
+                                    check=True).stdout
+    return run("-sass"), run("-res-usage")
+
+
+def regions(sass: str) -> dict:
+    """Instruction counts before, inside and after the first backward-branch loop."""
+    ins = [(int(a, 16), op) for a, op in INSTR.findall(sass)]
+    loops = [(int(t, 16), int(a, 16)) for a, t in BACK.findall(sass) if int(t, 16) < int(a, 16)]
+    out = {"instructions": len(ins), "by_op": dict(Counter(op for _, op in ins).most_common(8))}
+    if loops:
+        start, end = loops[0]
+        out.update(before_loop=sum(a < start for a, _ in ins), loop=sum(start <= a <= end for a, _ in ins),
+                   after_loop=sum(a > end for a, _ in ins))
+    return out
+
+
+# ------------------------------------------------------------------------ kv-quant-error
+def sym(x: torch.Tensor, bits: int) -> torch.Tensor:
+    qmax = 2 ** (bits - 1) - 1
+    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / qmax
+    return (x / s).round().clamp(-qmax, qmax) * s
+
+
+def asym(x: torch.Tensor, bits: int) -> torch.Tensor:
+    kv = "int8" if bits == 8 else "int4"
+    return quant.QuantizedKV.quantize(x, kv).dequantize(x.dtype)
+
+
+def chan(x: torch.Tensor, bits: int, group: int = 64) -> torch.Tensor:
+    b, h, t, d = x.shape
+    t2 = t // group * group
+    g = x[:, :, :t2].reshape(b, h, t2 // group, group, d).transpose(-1, -2)
+    return torch.cat([asym(g, bits).transpose(-1, -2).reshape(b, h, t2, d), x[:, :, t2:]], 2)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def attention(q, k, v):
+    p = (torch.einsum("bhgd,bhtd->bhgt", q, k) / math.sqrt(k.shape[-1])).softmax(-1)
+    return torch.einsum("bhgt,bhtd->bhgd", p, v)
+
+
+# -------------------------------------------------------------------------------- smoke
+def build(tmp: Path, tokenizer_dir: str) -> tuple[Path, Path]:
+    """A random model at the bundled shape saved with ``tokenizer_dir``'s tokenizer, and a
+    Forecast initialised from its query weights (``q_init``): ``(model dir, forecast file)``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from sparda.attention.forecast import Forecast, model_identity, q_init, save_forecast
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp / "model"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    llm = LLM(path, method="dense", device="cpu")
+    forecast = Forecast.for_shape(llm.shape)
+    q_init(forecast, llm.model)
+    fpath = tmp / "forecast.safetensors"
+    save_forecast(forecast, fpath, model_identity(llm.model.config, llm.shape))
+    return path, fpath
+
+
+# ---------------------------------------------------------------------------- commands
+def cmd_timing(args) -> int:
     skip = set(filter(None, args.skip.split(",")))
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.bfloat16
@@ -519,7 +672,152 @@ def main() -> None:
     (out / "kernels.md").write_text(header + table + "\n")
     (out / "kernels.json").write_text(json.dumps(dict(info=info, rows=ROWS), indent=1))
     print("\n" + header + table)
+    return 0
+
+
+def cmd_sass(args) -> int:
+    import triton
+
+    import sparda.kernels.prefill_selection as ps
+
+    cfg = SelectionConfig.from_preset("paper")
+    common = dict(BS=cfg.block_size, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks,
+                  BUDGET=cfg.budget_blocks, DENSE_LEN=cfg.dense_len, N_P=2048)
+    report = {"target": "sm_90", "triton": triton.__version__, "n_p": 2048, "topk_blocks": cfg.topk_blocks}
+    for name, fn, extra in (("bisect", ps._prefill_topk_kernel, {"RS": 1}),
+                            ("bracket", ps._prefill_topk_bracket_kernel, {})):
+        sass, res = compile_sass(fn, {**common, **extra})
+        regs = re.search(r"REG:(\d+)", res)
+        report[name] = {"registers": int(regs.group(1)) if regs else None,
+                        "spill_stores": sass.count("STL"), **regions(sass)}
+        print(name, {k: v for k, v in report[name].items() if k != "by_op"}, flush=True)
+    b, r = report["bisect"], report["bracket"]
+    if "loop" in b:
+        per_row = b["before_loop"] + 32 * b["loop"] + b["after_loop"]
+        print(f"bisect: {per_row} instructions per row (32 steps of {b['loop']})")
+    if "loop" in r:
+        print(f"bracket, no tie at the k-th key: the tie pass is skipped; {r['before_loop']} before the search, "
+              f"{r['loop']} per step, {r['after_loop']} after it (the tie pass included, run on tie rows only)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def cmd_kv_quant_error(args) -> int:
+    from sparda.data import heldout_text
+
+    schemes = {"sym": sym, "asym": asym, "chan": chan}
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 2048, 64, dtype=torch.float64)
+    for bits in (8, 4):
+        print(f"gaussian int{bits}:", {n: round(rel(f(x, bits), x), 4) for n, f in schemes.items()})
+    llm = LLM(method="dense", device="cpu")
+    ids = llm.tokenizer.encode(heldout_text()[20000:60000])[:2048]
+    cache = llm.new_cache(1, len(ids))
+    llm.prefill(cache, 0, ids)
+    for bits in (8, 4):
+        for name, store in (("K", cache.k), ("V", cache.v)):
+            errs = {n: sum(rel(f(t.double(), bits), t.double()) for t in store) / len(store)
+                    for n, f in schemes.items()}
+            print(f"bundled {name} int{bits}:", {n: round(e, 4) for n, e in errs.items()})
+        for name, f in schemes.items():
+            errs = []
+            for k, v in zip(cache.k, cache.v):
+                k, v = k.double(), v.double()
+                q = k[:, :, -64:].mean(2, keepdim=True)
+                errs.append(rel(attention(q, f(k, bits), asym(v, bits)), attention(q, k, v)))
+            print(f"bundled attention output int{bits}, K {name}:", round(sum(errs) / len(errs), 4))
+    return 0
+
+
+def cmd_smoke(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path, fpath = build(Path("/tmp/sparda_smoke"), args.tokenizer)
+    ids = [torch.randint(0, 49152, (n,)).tolist() for n in (args.prompt_tokens, args.prompt_tokens // 2 + 77)]
+    runs = [("dense", {}), ("sparse", {}), ("sparse", {"dense_prefill": True}), ("sparse-offload", {}),
+            ("sparda", {"forecast": str(fpath), "offload": False}), ("sparda", {"forecast": str(fpath), "offload": True}),
+            ("sparda-no-prefetch", {"forecast": str(fpath)}), ("infinigen", {})]
+    rows, tokens = [], {}
+    for dtype in ("float32", "bfloat16"):
+        for method, extra in runs:
+            name = method + ("+offload" if extra.get("offload") else "") + ("+dense-prefill" if extra.get("dense_prefill") else "")
+            try:
+                llm = LLM(path, method=method, device=args.device, dtype=dtype, **extra)
+                llm.generate([None], prompt_token_ids=[ids[1]], max_new_tokens=4, ignore_eos=True)  # warm-up
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                res = llm.generate([None, None], prompt_token_ids=ids, max_new_tokens=args.new_tokens, ignore_eos=True)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+                tokens[(dtype, name)] = [r.token_ids for r in res]
+                rows.append(dict(dtype=dtype, method=name, status="ok", wall_s=round(wall, 3),
+                                 prefill_ms=res[0].stats["prefill_ms"], decode_tok_s=res[0].stats["decode_tok_s"],
+                                 read_fraction=res[0].stats["kv_read_fraction"],
+                                 offload=res[0].stats.get("offload")))
+            except Exception as exc:  # report and continue
+                rows.append(dict(dtype=dtype, method=name, status=f"error: {type(exc).__name__}: {exc}"[:300]))
+            print(json.dumps(rows[-1]), flush=True)
+    pairs = [("sparse", "sparse-offload"), ("sparda", "sparda+offload"), ("sparda", "sparda-no-prefetch")]
+    agree = {}
+    for dtype in ("float32", "bfloat16"):
+        for a, b in pairs:
+            ta, tb = tokens.get((dtype, a)), tokens.get((dtype, b))
+            if ta and tb:
+                same = sum(x == y for ra, rb in zip(ta, tb) for x, y in zip(ra, rb))
+                agree[f"{dtype} {a} vs {b}"] = f"{same}/{sum(len(r) for r in ta)} tokens equal"
+    (out / "smoke.json").write_text(json.dumps({"rows": rows, "agreement": agree}, indent=1))
+    print("\n| dtype | method | status | prefill ms | decode tok/s | read frac |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['method']} | {r['status'][:60]} | {r.get('prefill_ms', '')} | "
+              f"{r.get('decode_tok_s', '')} | {r.get('read_fraction', '')} |")
+    for k, v in agree.items():
+        print(f"{k}: {v}")
+    return 0
+
+
+def _doc_parser(sub, name: str, doc: str, short: str, func) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=short, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=func)
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_kernels.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+
+    p = _doc_parser(sub, "timing", TIMING_DOC, "time, GB/s and error of each Triton kernel vs baselines (CUDA)",
+                    cmd_timing)
+    p.add_argument("--out", required=True, help="directory for kernels.md and kernels.json")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    p.add_argument("--tune", action="store_true", help="also sweep decode launch parameters")
+    p.add_argument("--skip", default="", help="comma list of: check,decode,selection,compress,prefill")
+
+    p = _doc_parser(sub, "sass", SASS_DOC, "static SASS instruction counts of the prefill top-k launches (no GPU)",
+                    cmd_sass)
+    p.add_argument("out", metavar="OUT.json", nargs="?", default=None, help="also write the counts here")
+
+    p = _doc_parser(sub, "kv-quant-error", KV_QUANT_ERROR_DOC,
+                    "KV quantisation error of three scale schemes on real K/V (CPU)", cmd_kv_quant_error)
+
+    p = _doc_parser(sub, "smoke", SMOKE_DOC, "every method end to end on a random bundled-shape model (CUDA)",
+                    cmd_smoke)
+    p.add_argument("--tokenizer", required=True, help="a tokenizer directory (the bundled model's)")
+    p.add_argument("--out", required=True, help="output directory (smoke.json)")
+    p.add_argument("--prompt-tokens", type=int, default=6000, help="the longer prompt's tokens [6000]")
+    p.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt [48]")
+    p.add_argument("--device", default="cuda", help="[cuda]")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

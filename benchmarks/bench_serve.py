@@ -2,7 +2,7 @@
 
 Run from the repository root (CPU is fine; the bundled model by default)::
 
-    PYTHONPATH=src python benchmarks/bench_serve.py [--requests 64] [--concurrency 1,2,4,8]
+    python3 benchmarks/bench_serve.py [--requests 64] [--concurrency 1,2,4,8] [-- SERVE OPTIONS]
 
 For each point it starts ``sparda serve`` as a subprocess on 127.0.0.1 (a free port),
 sends the same ``--requests`` streamed completions (prompts cut from held-out *Emma*,
@@ -15,7 +15,9 @@ request generates exactly ``--max-tokens``) through the ``openai`` client with a
 
 Per point: requests completed and lost, wall time, requests/s, generated tokens/s,
 p50/p99 latency and time to first token (ms). The last line is the tokens/s ratio of the
-largest concurrency to one-at-a-time. Prints a Markdown table and a JSON line.
+largest concurrency to one-at-a-time. Prints a Markdown table and a JSON line (each
+point's JSON also goes to stderr as it finishes). Options after ``--`` go to ``sparda
+serve`` (e.g. ``-- --method dense``); the server runs this checkout's ``src/``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -60,9 +65,12 @@ def make_prompts(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 
 def start_server(args, max_batch: int):
     """``sparda serve`` on a free loopback port; returns (process, base url)."""
-    cmd = [sys.executable, "-m", "sparda.cli", "serve", "--port", "0", "--max-batch", str(max_batch),
+    from sparda.bench.harness import sparda_cli
+
+    cli, env = sparda_cli()
+    cmd = [*cli, "serve", "--port", "0", "--max-batch", str(max_batch),
            "--max-model-len", str(args.max_model_len), "--device", "cpu", *args.serve_args]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     for line in proc.stderr:
         found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
         if found:
@@ -118,13 +126,15 @@ def run_point(args, prompts, max_batch: int, concurrency: int, label: str) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=64)
+    parser = argparse.ArgumentParser(prog="bench_serve.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64, help="Completions sent per point [64].")
     parser.add_argument("--concurrency", default="8", help="Comma list of in-flight requests (= --max-batch).")
     parser.add_argument("--prompt-tokens", default="64,256", help="min,max prompt length in tokens.")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=320)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=32, help="New tokens per request [32].")
+    parser.add_argument("--max-model-len", type=int, default=320,
+                        help="The server's --max-model-len; at least the longest prompt + --max-tokens [320].")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the prompt windows [0].")
     parser.add_argument("--no-baseline", action="store_true", help="Skip the one-at-a-time point.")
     parser.add_argument("serve_args", nargs="*", help="Extra `sparda serve` options after `--` (e.g. --method dense).")
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """The decode benchmark report (bench/records.py, bench/criteria.py, bench/report.py,
-benchmarks/decode_report.py) on synthetic records with known values: derived columns,
+``benchmarks/bench_decode.py report``) on synthetic records with known values: derived columns,
 the sparda / sparse-offload pairing, issue #20's verdicts (each criterion passing and
 failing), the merge of several runs, and the plots."""
 
@@ -358,7 +358,7 @@ def _write(path: Path, obj) -> Path:
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("decode_report", ROOT / "benchmarks" / "decode_report.py")
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "benchmarks" / "bench_decode.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -389,7 +389,7 @@ def test_merge_keeps_the_newest_record_of_each_point(tmp_path):
     assert [r["decode_tok_s"] for r in dedup(load_runs([b, a])[0])[0]] == [1.0]
     assert [r["decode_tok_s"] for r in dedup(load_runs([a, b])[0])[0]] == [2.0]
 
-    # a directory of part directories (benchmarks/decode_sweep_gpu.py OUT): each part's results.json and env.json
+    # a directory of part directories (bench_decode.py sweep OUT): each part's results.json and env.json
     parts = tmp_path / "parts"
     _write(parts / "a" / "env.json", {"date": "2026-12-02T09:00:00"})
     _write(parts / "a" / "results.json", [_rec("sparda", 4, 600.0)])
@@ -414,17 +414,16 @@ def test_merge_keeps_the_newest_record_of_each_point(tmp_path):
     (lambda d: [str((d / "run").mkdir() or d / "run")], "no bench records"),
 ])
 def test_decode_report_refuses_bad_input_before_writing(tmp_path, make, message, capsys):
-    from click.testing import CliRunner
-
     (tmp_path / "broken.json").write_text("{not json")
     args = make(tmp_path) + ["--out", str(tmp_path / "out")]
-    result = CliRunner().invoke(_script().main, args)
-    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert _script().main(["report", *args]) == 2
+    printed = capsys.readouterr()
+    assert message in printed.err and "Traceback" not in printed.err + printed.out
     assert not (tmp_path / "out").exists()
     with pytest.raises(SpardaError, match="no input given"):
         load_runs([])
-    result = CliRunner().invoke(_script().main, [str(tmp_path / "broken.json"), "--out", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "is not valid JSON" in result.output and not (tmp_path / "out").exists()
+    assert _script().main(["report", str(tmp_path / "broken.json"), "--out", str(tmp_path / "out")]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_write_report_plots_and_sections(tmp_path, monkeypatch):

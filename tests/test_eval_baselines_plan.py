@@ -1,4 +1,4 @@
-"""The ``baselines`` plan of benchmarks/eval_gpu.py (issue #13: the seeds' selectors in
+"""The ``baselines`` plan of ``benchmarks/bench_eval.py run`` (issue #13: the seeds' selectors in
 ``OUT/baselines``) and its place in docs/results/accuracy.md (sparda.eval.accuracy_doc): the plan
 asks main's prompts, the estimate counts it, and the page puts its records in main's
 tables, paired against dense and sparda, only where the directory exists."""
@@ -33,14 +33,14 @@ def _script(name):
 def test_baselines_plan_runs_after_main_on_its_prompts_and_joins_the_page(make_tiny, tmp_path, capsys):
     """CPU, tiny model: the plan runs last into OUT/baselines, its records ask the prompts of
     main's (same answers and depths per sample) and the page pairs them with main's dense."""
-    eval_gpu, doc = _script("eval_gpu"), _script("accuracy_doc")
+    bench_eval = _script("bench_eval")
     out = tmp_path / "run"
     small = ["--model", str(make_tiny("llama")), "--device", "cpu", "--tasks", "passkey", "--methods", "dense",
              "--lengths", "300", "--ppl-lengths", "300", "--samples", "2", "--ppl-windows", "1",
              "--batch-size", "2", "--sweep-methods", "dense", "--sweep-lengths", "300", "--budgets", "50",
              "--sweep-ppl-windows", "1", "--baseline-methods", "streaming,h2o", "--commit", "abc1234",
              "--plans", "main,ppl,baselines"]
-    assert eval_gpu.main([str(out), *small]) == 0
+    assert bench_eval.main(["run", str(out), *small]) == 0
     calls = json.loads((out / "calls.json").read_text())
     assert list(calls[0]["plans"])[-2:] == ["baselines", "baselines-ppl"]
     assert all(p["complete"] for p in calls[0]["plans"].values())
@@ -56,15 +56,15 @@ def test_baselines_plan_runs_after_main_on_its_prompts_and_joins_the_page(make_t
             assert (r["answers"], r["depth"], r["prompt_tokens"]) == \
                    (dense[r["sample"]]["answers"], dense[r["sample"]]["depth"], dense[r["sample"]]["prompt_tokens"])
     page = tmp_path / "docs" / "results" / "accuracy.md"
-    assert doc.main([str(out), "--doc", str(page)]) == 0
+    assert bench_eval.main(["doc", str(out), "--doc", str(page)]) == 0
     text = page.read_text()
     assert "| streaming − dense |" in text and "| h2o − dense |" in text and "| streaming | 300 | " in text
 
 
 def test_baselines_plan_asks_mains_prompts_and_is_estimated(tmp_path):
-    eval_gpu = _script("eval_gpu")
-    args = eval_gpu.parse_args([str(tmp_path / "run"), "--device", "cpu"])
-    named = dict(eval_gpu.plans(args))
+    bench_eval = _script("bench_eval")
+    args = bench_eval.parse_args(["run", str(tmp_path / "run"), "--device", "cpu"])
+    named = dict(bench_eval.plans(args))
     assert list(named)[-3:] == ["baselines", "baselines-ppl", "selectors"]  # after kvquant, before selectors
     main, ppl, base, base_ppl = named["main"], named["ppl"], named["baselines"], named["baselines-ppl"]
     assert base.methods == base_ppl.methods == FIVE and not set(FIVE) & set(main.methods)
@@ -74,27 +74,27 @@ def test_baselines_plan_asks_mains_prompts_and_is_estimated(tmp_path):
                (theirs.tasks, theirs.lengths, theirs.samples, theirs.ppl_windows)
         assert mine.fingerprint() == theirs.fingerprint()  # the same prompts and windows
     assert base.samples == 30 and "selection" in base.tasks
-    only = eval_gpu.plans(eval_gpu.parse_args([str(tmp_path / "run"), "--plans", "baselines"]))
+    only = bench_eval.plans(bench_eval.parse_args(["run", str(tmp_path / "run"), "--plans", "baselines"]))
     assert [name for name, _ in only] == ["baselines", "baselines-ppl"]
 
-    est = eval_gpu.estimate(args)
+    est = bench_eval.estimate(args)
     assert sum(est["plans"].values()) == pytest.approx(est["seconds"], abs=len(est["plans"]))
-    without = eval_gpu.estimate(eval_gpu.parse_args([str(tmp_path / "run"), "--device", "cpu",
+    without = bench_eval.estimate(bench_eval.parse_args(["run", str(tmp_path / "run"), "--device", "cpu",
                                                      "--baseline-methods", ""]))
     assert "baselines" not in without["plans"] and "baselines" not in dict(
-        eval_gpu.plans(eval_gpu.parse_args([str(tmp_path / "run"), "--baseline-methods", ""])))
+        bench_eval.plans(bench_eval.parse_args(["run", str(tmp_path / "run"), "--baseline-methods", ""])))
     gen_tasks = [t for t in main.tasks if t != "selection"]
     assert est["prefills"] - without["prefills"] == len(FIVE) * len(gen_tasks) * len(main.lengths) * 30
     assert est["ppl_prefills"] - without["ppl_prefills"] == len(FIVE) * len(ppl.lengths) * ppl.ppl_windows
     for name in FIVE:  # every baseline has calibrated factors, not the default 1
-        assert name in eval_gpu.PREFILL_FACTOR and name in eval_gpu.PPL_FACTOR and name in eval_gpu.DECODE_FACTOR
+        assert name in bench_eval.PREFILL_FACTOR and name in bench_eval.PPL_FACTOR and name in bench_eval.DECODE_FACTOR
     assert est["plans"]["baselines"] > 0 and est["plans"]["baselines-ppl"] > 0
     # ppl: a method that prefills densely (snapkv) costs dense prefill, one that selects in
     # prefill (streaming) block-sparse prefill; each window also pays the dense reference
-    gpu = eval_gpu.GPU_S
+    gpu = bench_eval.GPU_S
     for name, per_ktok in (("snapkv", gpu["dense_prefill_per_ktok"]), ("streaming", gpu["sparse_prefill_per_ktok"])):
-        one = eval_gpu.estimate(eval_gpu.parse_args([str(tmp_path / "run"), "--baseline-methods", name]))
-        want = sum(ppl.ppl_windows * n / 1000 * (per_ktok * eval_gpu.PPL_FACTOR[name] + gpu["dense_prefill_per_ktok"])
+        one = bench_eval.estimate(bench_eval.parse_args(["run", str(tmp_path / "run"), "--baseline-methods", name]))
+        want = sum(ppl.ppl_windows * n / 1000 * (per_ktok * bench_eval.PPL_FACTOR[name] + gpu["dense_prefill_per_ktok"])
                    for n in ppl.lengths)
         assert one["plans"]["baselines-ppl"] == pytest.approx(want, abs=0.05), (name, one["plans"])
 
@@ -205,14 +205,14 @@ def test_workers_run_the_directories_at_once_with_the_same_records(make_tiny, tm
     records of one process running them in order (same keys, completions, scores), one
     ``calls.json`` entry naming every plan, each worker's log; a worker that fails makes
     the call's exit status non-zero and its plans say so."""
-    eval_gpu = _script("eval_gpu")
+    bench_eval = _script("bench_eval")
     small = ["--model", str(make_tiny("llama")), "--device", "cpu", "--tasks", "passkey", "--methods", "dense,sparse",
              "--lengths", "300", "--ppl-lengths", "300", "--samples", "2", "--ppl-windows", "1",
              "--batch-size", "2", "--baseline-methods", "streaming", "--commit", "abc1234",
              "--plans", "main,ppl,baselines"]
     together, alone = tmp_path / "together", tmp_path / "alone"
-    assert eval_gpu.main([str(together), *small, "--workers", "2"]) == 0
-    assert eval_gpu.main([str(alone), *small]) == 0
+    assert bench_eval.main(["run", str(together), *small, "--workers", "2"]) == 0
+    assert bench_eval.main(["run", str(alone), *small]) == 0
     calls = json.loads((together / "calls.json").read_text())
     assert len(calls) == 1 and list(calls[0]["plans"]) == ["main", "ppl", "baselines", "baselines-ppl"]
     assert all(p["complete"] for p in calls[0]["plans"].values()) and "--workers 2" in calls[0]["command"]
@@ -229,16 +229,16 @@ def test_workers_run_the_directories_at_once_with_the_same_records(make_tiny, tm
         assert calls[0]["plans"][first]["new"] > 0 and calls[0]["plans"][second]["new"] > 0
         assert calls[0]["plans"][first]["new"] + calls[0]["plans"][second]["new"] == lines
     bad = [*small, "--model", str(tmp_path / "missing"), "--workers", "2"]
-    assert eval_gpu.main([str(tmp_path / "bad"), *bad]) == 2
+    assert bench_eval.main(["run", str(tmp_path / "bad"), *bad]) == 2
     plans = json.loads((tmp_path / "bad" / "calls.json").read_text())[0]["plans"]
     assert all(str(p).startswith("failed (exit 2") for p in plans.values()), plans
     # a worker failing on its second plan (ppl below 256 tokens) keeps its first plan's progress
     late = [*small, "--ppl-lengths", "100", "--workers", "2"]
-    assert eval_gpu.main([str(tmp_path / "late"), *late]) == 2
+    assert bench_eval.main(["run", str(tmp_path / "late"), *late]) == 2
     plans = json.loads((tmp_path / "late" / "calls.json").read_text())[0]["plans"]
     assert plans["main"]["complete"] and plans["main"]["new"] > 0, plans
     assert str(plans["ppl"]).startswith("failed (exit 2"), plans
     # no time left: nothing runs, nothing fails, no worker report is left behind
-    assert eval_gpu.main([str(tmp_path / "none"), *small, "--workers", "2", "--time-budget-s", "0.01"]) == 0
+    assert bench_eval.main(["run", str(tmp_path / "none"), *small, "--workers", "2", "--time-budget-s", "0.01"]) == 0
     plans = json.loads((tmp_path / "none" / "calls.json").read_text())[0]["plans"]
     assert set(plans.values()) == {"not started (time budget)"} and not list((tmp_path / "none").glob(".worker-*"))

@@ -1,4 +1,4 @@
-"""benchmarks/eval_gpu.py and benchmarks/accuracy_doc.py on a tiny model on the CPU: the
+"""benchmarks/bench_eval.py ``run`` and ``doc`` on a tiny model on the CPU: the
 plans run (the KV-dtype plan ``kvquant`` too), resume across calls under a time budget,
 ``--plans`` selects some, and the page is regenerated with the run's commands, device,
 commit, criteria and intervals."""
@@ -26,7 +26,7 @@ def _script(name):
 def test_eval_gpu_resumes_and_regenerates_the_page(make_tiny, tmp_path, monkeypatch, capsys):
     from sparda.eval import runner
 
-    eval_gpu, doc = _script("eval_gpu"), _script("accuracy_doc")
+    bench_eval = _script("bench_eval")
     out = tmp_path / "run"
     small = ["--model", str(make_tiny("llama")), "--device", "cpu", "--tasks", "passkey,niah-single",
              "--methods", "dense,sparse", "--lengths", "300", "--ppl-lengths", "300",
@@ -36,24 +36,24 @@ def test_eval_gpu_resumes_and_regenerates_the_page(make_tiny, tmp_path, monkeypa
              "--kv-ppl-lengths", "300", "--decode-tokens", "8",
              "--baseline-methods", "",  # the baselines plan: tests/test_eval_baselines_plan.py
              "--selector-methods", ""]  # the selectors plan: tests/test_eval_selectors_plan.py
-    estimate = eval_gpu.estimate(eval_gpu.parse_args([str(out), *small]))
+    estimate = bench_eval.estimate(bench_eval.parse_args(["run", str(out), *small]))
     # main: 2 tasks x 2 methods x 2; sweep: 2 passkeys x (dense + sparse at 2 budgets);
     # kvquant, per dtype: 2 passkeys and 2 ppl-decode windows x 2 methods
     assert estimate["prefills"] == 2 * 2 * 2 + 2 * 3 + 2 * (2 * 2 + 2 * 2)
     assert estimate["decode_steps"] == 2 * 2 * 8 and set(estimate["plans"]) == {
         "main", "ppl", "budget", "kvquant-bf16", "kvquant-bf16-decode", "kvquant-int8", "kvquant-int8-decode"}
-    kv_only = eval_gpu.estimate(eval_gpu.parse_args([str(out), *small, "--plans", "kvquant"]))
+    kv_only = bench_eval.estimate(bench_eval.parse_args(["run", str(out), *small, "--plans", "kvquant"]))
     assert set(kv_only["plans"]) == {name for name in estimate["plans"] if name.startswith("kvquant")}
     assert kv_only["seconds"] <= estimate["seconds"]
-    assert eval_gpu.main([str(out), *small, "--plans", "kvq", "--estimate"]) == 2  # selects nothing
+    assert bench_eval.main(["run", str(out), *small, "--plans", "kvq", "--estimate"]) == 2  # selects nothing
     ticks = iter(range(10**6))
     monkeypatch.setattr(runner, "_now", lambda: float(next(ticks)))  # each runner clock read: 1 s
-    assert eval_gpu.main([str(out), *small, "--time-budget-s", "6"]) == 0  # a first, short call
+    assert bench_eval.main(["run", str(out), *small, "--time-budget-s", "6"]) == 0  # a first, short call
     monkeypatch.undo()
     calls = json.loads((out / "calls.json").read_text())
     assert calls[0]["plans"]["main"]["complete"] is False and calls[0]["plans"]["budget"] == "not started (time budget)"
     assert "INCOMPLETE" in capsys.readouterr().out
-    assert eval_gpu.main([str(out), *small]) == 0  # the second call finishes
+    assert bench_eval.main(["run", str(out), *small]) == 0  # the second call finishes
     calls = json.loads((out / "calls.json").read_text())
     assert len(calls) == 2 and all(p["complete"] for p in calls[1]["plans"].values())
     main = [json.loads(line) for line in (out / "main" / "results.jsonl").read_text().splitlines()]
@@ -67,14 +67,14 @@ def test_eval_gpu_resumes_and_regenerates_the_page(make_tiny, tmp_path, monkeypa
     assert "== main: complete" in printed and "\nsparse " in printed and "== kv-int8: complete" in printed
 
     page = tmp_path / "docs" / "results" / "accuracy.md"
-    assert doc.main([str(out), "--doc", str(page)]) == 0
+    assert bench_eval.main(["doc", str(out), "--doc", str(page)]) == 0
     text = page.read_text()
-    assert "`abc1234`" in text and "python3 benchmarks/eval_gpu.py" in text and "CPU" in text
+    assert "`abc1234`" in text and "python3 benchmarks/bench_eval.py run" in text and "CPU" in text
     assert "## Issue #12 criteria" in text and "`sparda` mean task accuracy ≥ `sparse` − 2 points" in text
     assert "Wilson" in text and "#### Paired differences" in text and "#### Budget sweep" in text
     assert (page.parent / "accuracy" / "gpu" / "main" / "accuracy_vs_length.png").stat().st_size > 1000
     assert "## KV-cache dtype" in text and "| sparse | int8 | 300 |" in text  # the tables of both dtypes
     assert "no sparda `ppl-decode` windows under both bf16 and int8" in text  # sparda was not run here
-    assert doc.main([str(tmp_path / "nothing"), "--doc", str(page)]) == 2
+    assert bench_eval.main(["doc", str(tmp_path / "nothing"), "--doc", str(page)]) == 2
     # without --doc the page goes where the committed one lives, with the other results
-    assert doc.DEFAULT_DOC == ROOT / "docs" / "results" / "accuracy.md" and doc.DEFAULT_DOC.is_file()
+    assert bench_eval.DEFAULT_DOC == ROOT / "docs" / "results" / "accuracy.md" and bench_eval.DEFAULT_DOC.is_file()

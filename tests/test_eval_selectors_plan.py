@@ -1,4 +1,4 @@
-"""The ``selectors`` plan of benchmarks/eval_gpu.py (the block-sparse selectors rerun with
+"""The ``selectors`` plan of ``benchmarks/bench_eval.py run`` (the block-sparse selectors rerun with
 ``dense_heads none`` on main's prompts, ``OUT/selectors``) and its section of
 docs/results/accuracy.md (:func:`sparda.eval.accuracy_doc.selectors_section`): the plan's records
 ran without dense heads while main's used the calibration, the estimate counts it, and the
@@ -31,7 +31,7 @@ def test_selectors_plan_runs_without_dense_heads_on_mains_prompts(make_tiny, tmp
     """CPU, tiny model with a dense-heads calibration beside it (head 0 of layer 0): main's
     sparse decodes with that head dense (``auto``), the selectors plan, run last, with none,
     on the prompts of main's samples; the page shows both configurations."""
-    eval_gpu, doc = _script("eval_gpu"), _script("accuracy_doc")
+    bench_eval = _script("bench_eval")
     model = tmp_path / "tiny"
     shutil.copytree(make_tiny("llama"), model)
     (model / "sparda_dense_heads.json").write_text(json.dumps({"format": "sparda-dense-heads-v1", "heads": [[0, 0]]}))
@@ -39,7 +39,7 @@ def test_selectors_plan_runs_without_dense_heads_on_mains_prompts(make_tiny, tmp
     small = ["--model", str(model), "--device", "cpu", "--tasks", "passkey", "--methods", "dense,sparse",
              "--lengths", "300", "--samples", "2", "--batch-size", "2", "--baseline-methods", "",
              "--selector-methods", "sparse,sparda-random", "--commit", "abc1234", "--plans", "main,selectors"]
-    assert eval_gpu.main([str(out), *small]) == 0
+    assert bench_eval.main(["run", str(out), *small]) == 0
     calls = json.loads((out / "calls.json").read_text())
     assert list(calls[0]["plans"]) == ["main", "selectors"] and all(p["complete"] for p in calls[0]["plans"].values())
     assert "== selectors: complete" in capsys.readouterr().out
@@ -56,16 +56,16 @@ def test_selectors_plan_runs_without_dense_heads_on_mains_prompts(make_tiny, tmp
         assert (r["answers"], r["depth"], r["prompt_tokens"]) == \
                (dense[r["sample"]]["answers"], dense[r["sample"]]["depth"], dense[r["sample"]]["prompt_tokens"])
     page = tmp_path / "docs" / "results" / "accuracy.md"
-    assert doc.main([str(out), "--doc", str(page)]) == 0
+    assert bench_eval.main(["doc", str(out), "--doc", str(page)]) == 0
     text = page.read_text()
     assert "## Selectors without dense heads (`selectors`)" in text and "| sparda-random | " in text
     assert "Commit(s): `selectors` `abc1234`, `main` `abc1234`." in text
 
 
 def test_selectors_plan_mirrors_main_and_is_estimated(tmp_path):
-    eval_gpu = _script("eval_gpu")
-    args = eval_gpu.parse_args([str(tmp_path / "run"), "--device", "cpu"])
-    named = dict(eval_gpu.plans(args))
+    bench_eval = _script("bench_eval")
+    args = bench_eval.parse_args(["run", str(tmp_path / "run"), "--device", "cpu"])
+    named = dict(bench_eval.plans(args))
     assert list(named)[-1] == "selectors"  # after the baselines
     main, sel = named["main"], named["selectors"]
     assert sel.methods == FIVE and sel.dense_heads == "none" and main.dense_heads == "auto"
@@ -73,10 +73,10 @@ def test_selectors_plan_mirrors_main_and_is_estimated(tmp_path):
     assert sel.tasks == tuple(t for t in main.tasks if t != "selection") and "selection" in main.tasks
     assert (sel.lengths, sel.samples, sel.seed, sel.depths, sel.text, sel.model, sel.preset) == \
            (main.lengths, main.samples, main.seed, main.depths, main.text, main.model, main.preset)
-    assert [n for n, _ in eval_gpu.plans(eval_gpu.parse_args([str(tmp_path / "r"), "--plans", "selectors"]))] == \
+    assert [n for n, _ in bench_eval.plans(bench_eval.parse_args(["run", str(tmp_path / "r"), "--plans", "selectors"]))] == \
            ["selectors"]
-    est = eval_gpu.estimate(args)
-    without = eval_gpu.estimate(eval_gpu.parse_args([str(tmp_path / "run"), "--device", "cpu",
+    est = bench_eval.estimate(args)
+    without = bench_eval.estimate(bench_eval.parse_args(["run", str(tmp_path / "run"), "--device", "cpu",
                                                      "--selector-methods", ""]))
     assert "selectors" not in without["plans"] and 0 < est["plans"]["selectors"] < 550  # one GPU call
     assert est["prefills"] - without["prefills"] == len(FIVE) * len(sel.tasks) * len(sel.lengths) * 30
@@ -194,7 +194,7 @@ def test_section_says_not_run_incomplete_or_not_comparable(tmp_path, fresh_seed)
     text = "\n".join(selectors_section(out, main))
     assert "Not run: this output has no `selectors/` records" in text
     none = _row(text, "`infinigen` + 10 points", "dense heads `none`")
-    assert none[2:] == ["not run (`python3 benchmarks/eval_gpu.py OUT --plans selectors`)", "–", "–"]
+    assert none[2:] == ["not run (`python3 benchmarks/bench_eval.py run OUT --plans selectors`)", "–", "–"]
     assert _row(text, "`infinigen` + 10 points", "dense heads `auto`")[4] == "**no**"
     assert "| sparda | " not in text  # no numbers for the missing configuration
 

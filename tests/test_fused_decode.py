@@ -9,7 +9,7 @@ crosses the dense fallback; with quantised KV caches too (int8/int4: the fused a
 quantises each token, the unfused one in PyTorch; mixed: both write the int4 store and the
 hot pool through the cache). The Triton kernels themselves are
 tested under the interpreter (tests/kernels/, the quantised fused step end to end in
-tests/kernels/test_fused_decode_quant.py) and in bf16 on the GPU (benchmarks/fused_decode_gpu.py).
+tests/kernels/test_fused_decode_quant.py) and in bf16 on the GPU (``benchmarks/bench_decode.py fused``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The reference is the pre-graph decode step: views cut to the longest row's live 
 capacity and masks by per-row lengths; on the CPU it runs eagerly and must give the same
 logits (fp32, <= 1e-5 relative) for every method, a batch of different lengths, and a
 context that crosses the dense fallback mid-generation. CUDA-graph replay itself is
-checked on the GPU by ``benchmarks/cuda_graphs_gpu.py`` (docs/cuda_graphs.md).
+checked on the GPU by ``benchmarks/bench_decode.py graphs`` (docs/cuda_graphs.md).
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def test_other_gguf_gets_no_shipped_assets_even_under_the_bundled_name(tmp_path,
 
 
 def test_convert_gguf_keeps_a_concurrent_twin_and_replaces_a_leftover(tmp_path, monkeypatch, make_tiny):
-    """Two processes converting the same GGUF (``benchmarks/eval_gpu.py --workers``): the one
+    """Two processes converting the same GGUF (``benchmarks/bench_eval.py run --workers``): the one
     that finishes second keeps the first one's directory (it may be loading from it) and
     leaves no temporary directory; a half-written leftover (no config.json) is replaced."""
     import transformers

@@ -248,17 +248,18 @@ def test_64k_sequence_memory_is_flat_in_the_number_of_layers(tmp_path):
 
 
 def test_gpu_bench_script_smoke_on_cpu(tmp_path):
-    """benchmarks/train_gpu.py on the CPU with the tiny shape: every point ok, an unknown
-    model recorded as an error (fail-soft), the JSON written."""
+    """``benchmarks/bench_train.py throughput`` on the CPU with the tiny shape: every point ok,
+    an unknown model recorded as an error (fail-soft), the JSON written."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_gpu.py"
-    spec = importlib.util.spec_from_file_location("train_gpu", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = bench.main([str(tmp_path), "--models", "tiny,no-such-model", "--seq-lens", "512", "--steps", "1",
-                       "--queries", "8"])
+    rows = bench.throughput(bench.parser().parse_args(
+        ["throughput", str(tmp_path), "--models", "tiny,no-such-model", "--seq-lens", "512", "--steps", "1",
+         "--queries", "8"]))
     ok = [r for r in rows if r["model"] == "tiny"]
     assert [r["frozen"] for r in ok] == ["dense", "sparse"] and all(r["status"] == "ok" for r in ok)
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in ok)

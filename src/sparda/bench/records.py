@@ -81,7 +81,7 @@ def load_runs(paths) -> tuple[list[dict], list[dict]]:
     Args:
         paths: directories (every ``*.json`` in them that is a list of records, see
             :func:`is_record_list`, and the ``results.json`` of each subdirectory, as
-            ``benchmarks/decode_sweep_gpu.py OUT`` writes one per part; other JSON files
+            ``benchmarks/bench_decode.py sweep OUT`` writes one per part; other JSON files
             such as ``env.json`` or kernel tables are skipped) or JSON files of records.
             The ``env.json`` beside a record file gives its run's date, commit and bandwidths.
     Returns:

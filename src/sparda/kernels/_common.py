@@ -60,7 +60,7 @@ def patch_interpreter_for_numpy() -> None:
 
     The interpreter turns 1-element arrays into ints with ``int(arr)``, which NumPy 2.4
     rejects ("only 0-dimensional arrays can be converted to Python scalars") at any
-    ``range()`` over a run-time value. Tests and ``bench_kernels.py --smoke`` call this;
+    ``range()`` over a run-time value. Tests and ``bench_kernels.py timing --smoke`` call this;
     compiled GPU kernels never need it.
     """
     try:

@@ -23,7 +23,7 @@
 
 Asymmetric rather than symmetric (``max|x|`` and signed levels): on the bundled model's
 K/V its relative error is 28 % (K) / 18 % (V) lower at int8 and 32 % / 22 % lower at
-int4 (``benchmarks/kv_quant_error.py``), for 4 more bytes per token and head.
+int4 (``benchmarks/bench_kernels.py kv-quant-error``), for 4 more bytes per token and head.
 
 :class:`QuantizedKV` is a quantised K (or V) buffer that indexes like the tensor it
 replaces (any index that leaves the head dim whole), so the caches keep their indexing

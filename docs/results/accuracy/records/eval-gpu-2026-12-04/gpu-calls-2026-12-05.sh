@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 PLANS=main,ppl,baselines
 if [ "$MODE" = first ]; then
-  timeout 120 python3 benchmarks/h2o_prefill_gpu.py --out $OUT/h2o_prefill.json > $OUT/h2o_prefill.log 2>&1
+  timeout 120 python3 benchmarks/bench_prefill.py h2o --out $OUT/h2o_prefill.json > $OUT/h2o_prefill.log 2>&1
   RC=$?; tail -25 $OUT/h2o_prefill.log; echo "h2o check rc=$RC"
   [ $RC -ne 0 ] && PLANS=main,ppl && touch /tmp/ev_h2o_failed
 fi
@@ -23,12 +23,12 @@ fi
 if [ ! -d /tmp/ev ] && [ -f runs/ev.tgz ]; then tar -xzf runs/ev.tgz -C /tmp; fi
 LEFT=$((BUDGET - ($(date +%s) - T0)))
 echo "eval plans=$PLANS budget=$LEFT s"
-timeout $((LEFT + 45)) python3 benchmarks/eval_gpu.py /tmp/ev --model $G --plans $PLANS --workers 2 \
+timeout $((LEFT + 45)) python3 benchmarks/bench_eval.py run /tmp/ev --model $G --plans $PLANS --workers 2 \
    --time-budget-s $LEFT --commit ${COMMIT:?set COMMIT to the short sha of the tree} > $OUT/eval-$MODE.log 2>&1
 echo "eval rc=$? after $(( $(date +%s) - T0 )) s"; tail -30 $OUT/eval-$MODE.log
 tar -czf $OUT/ev.tgz -C /tmp ev
 if [ "$MODE" = next ] && [ $(( $(date +%s) - T0 )) -lt 330 ]; then
-  timeout $((585 - ($(date +%s) - T0))) python3 benchmarks/prefill_batch_gpu.py --model $G --new-tokens 16 --out $OUT/prefill-batch > $OUT/prefill-batch.log 2>&1
+  timeout $((585 - ($(date +%s) - T0))) python3 benchmarks/bench_prefill.py batch --model $G --new-tokens 16 --out $OUT/prefill-batch > $OUT/prefill-batch.log 2>&1
   echo "prefill check rc=$?"; tail -30 $OUT/prefill-batch.log
 fi
 echo "call total $(( $(date +%s) - T0 )) s"

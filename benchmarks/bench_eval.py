@@ -1,8 +1,51 @@
-"""The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/results/accuracy.md).
+"""Accuracy evaluation: one entry point, one subcommand per measurement (docs/results/accuracy.md).
+
+Run from the repository root::
+
+    python3 benchmarks/bench_eval.py run OUT [--time-budget-s 550] [--model GGUF] [--plans ...]  # the full eval (GPU)
+    python3 benchmarks/bench_eval.py doc OUT [--doc docs/results/accuracy.md]  # regenerate docs/results/accuracy.md from OUT
+    python3 benchmarks/bench_eval.py dense-heads --prompts SEED:DEPTH,...  # passkey with/without dense heads (CPU)
+    python3 benchmarks/bench_eval.py needle-probe --seed S --depth D       # where selection loses a pass key (CPU)
+    python3 benchmarks/bench_eval.py passkey-demo MODEL OUT_DIR [-- EXTRA]  # the CLI passkey demo on a GPU
+
+``python3 benchmarks/bench_eval.py SUBCOMMAND --help`` describes each one. Outputs: the
+resumable ``OUT/<plan dir>/results.jsonl``, ``results.json``, ``progress.json`` and
+``OUT/calls.json`` (``run``), the page and its plots (``doc``), JSON rows with ``--json``
+(``dense-heads``), text logs under ``OUT_DIR`` (``passkey-demo``).
+
+The subcommands replace the former scripts ``eval_gpu.py`` (now ``run``),
+``accuracy_doc.py`` (``doc``), ``passkey_dense_heads.py`` (``dense-heads``),
+``passkey_needle_probe.py`` (``needle-probe``) and ``passkey_gpu.sh`` (``passkey-demo``),
+with the same measurements and output files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+import types
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from sparda.errors import SpardaError  # noqa: E402
+from sparda.eval.runner import EvalPlan, run_eval  # noqa: E402
+from sparda.io import atomic_write  # noqa: E402
+
+RUN_DOC = """\
+The full `sparda eval` of issue #12 on one GPU, resumable across calls (docs/results/accuracy.md).
 
 Usage (from the repository root, on a CUDA machine):
 
-    python3 benchmarks/eval_gpu.py OUT [--time-budget-s 550] [--commit SHA] [--model GGUF]
+    python3 benchmarks/bench_eval.py run OUT [--time-budget-s 550] [--commit SHA] [--model GGUF]
 
 The plans run in order, all resumable (``results.jsonl`` per finished sample), sharing
 one time budget measured from the start of this call:
@@ -25,7 +68,7 @@ one time budget measured from the start of this call:
 5. ``OUT/baselines``: the seeds' selectors of issue #13 (docs/baselines.md: streaming, h2o,
    quest, snapkv, shallow) on the tasks, lengths, samples and ppl windows of plans 1 and 2
    (the same prompts: the plans share seed, depths, text and model), in their own
-   directory so that ``OUT/main`` stays as it is; ``benchmarks/accuracy_doc.py`` puts them
+   directory so that ``OUT/main`` stays as it is; ``bench_eval.py doc`` puts them
    in main's tables, paired against main's dense and sparda (:func:`baseline_plans`);
 6. ``OUT/selectors``: the block-sparse selectors sparse, oracle, sparda, sparda-random and
    infinigen once more on plan 1's generation tasks, lengths and samples (the same prompts),
@@ -43,7 +86,7 @@ same, their timings those of processes sharing the GPU.
 Each call appends its device, date, commit and wall time to ``OUT/calls.json`` and
 prints a short table. When the budget runs out the plans stop between batches; copy
 ``OUT`` back, and the next call with the same ``OUT`` continues where this one stopped.
-``python3 benchmarks/accuracy_doc.py OUT`` then regenerates ``docs/results/accuracy.md``.
+``python3 benchmarks/bench_eval.py doc OUT`` then regenerates ``docs/results/accuracy.md``.
 Options after ``OUT`` shrink the plans (CPU smoke runs, tests); ``--plans`` runs only some
 (``--plans kvquant`` adds the KV-dtype directories to an ``OUT`` whose other plans are
 done, ``--plans baselines`` the seeds' selectors, ``--plans selectors`` the selectors without
@@ -51,23 +94,78 @@ dense heads); ``--estimate`` prints the work of the plans and a run-time estimat
 plan, without loading a model.
 """
 
-from __future__ import annotations
+#: Where the ``doc`` page lives: with the other measured results, plots beside it in accuracy/gpu/.
+DEFAULT_DOC = Path(__file__).resolve().parents[1] / "docs" / "results" / "accuracy.md"
 
-import argparse
-import json
-import platform
-import subprocess
-import sys
-import time
-from datetime import datetime, timezone
-from pathlib import Path
+DOC_DOC = """\
+Regenerate docs/results/accuracy.md from a ``bench_eval.py run`` output directory.
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+Usage (from the repository root, after copying the GPU run's OUT back here):
 
-from sparda.errors import SpardaError  # noqa: E402
-from sparda.eval.runner import EvalPlan, run_eval  # noqa: E402
-from sparda.io import atomic_write  # noqa: E402
+    python3 benchmarks/bench_eval.py doc OUT [--doc docs/results/accuracy.md]
 
+Writes the page atomically and copies the plots to docs/results/accuracy/gpu/{main,budget}/.
+"""
+
+DENSE_HEADS_DOC = """\
+Pass key at 7,680 tokens with and without dense retrieval heads (design §3.7; CPU, fp32).
+
+Rebuilds ``sparda eval`` passkey prompts (held-out Emma, task ``passkey``, the seeds and
+depths of ``--prompts``; below, the three failing prompts of design §3.7) and generates
+greedily with each ``--methods`` entry under
+``--dense-heads`` none and auto (the shipped calibration), printing per prompt whether the
+answer holds the key and the fraction of KV blocks read per decode step.
+
+    python3 benchmarks/bench_eval.py dense-heads --prompts 1:0.25,16:0.25,21:0.25
+    python3 benchmarks/bench_eval.py dense-heads --budget-pct 5 \\
+        --prompts 2:0.5,7:0.5,12:0.5,27:0.5,8:0.75,13:0.75
+
+One batch of prompts per (method, setting); about 2-3 minutes per batch of six on two cores.
+"""
+
+NEEDLE_PROBE_DOC = """\
+Where block selection loses a pass key: per decode step, layer and KV head (CPU, fp32).
+
+Rebuilds one ``sparda eval`` passkey prompt (task ``passkey``, its seed and depth, as
+``runs/eval-gpu/*/results.jsonl`` record them), generates greedily with ``--method`` and,
+at every decode step and every (layer, KV head) whose exact attention puts at least
+``--min-mass`` of the query group's mass on a block holding a pass-key token, prints
+
+* ``mass``: that block's share of the group's exact attention (the step's own query over
+  every cached key: what dense attention would read there);
+* ``rank oracle`` / ``rank ck``: the block's rank among the top-k candidates (neither sink
+  nor local) under exact attention mass and under ``sparse``'s compressed-key score
+  (group-summed softmax over the mean-pooled keys, max-pooled onto blocks, design §3.2-3.3);
+* ``sel``: whether the method's own selection held it.
+
+With ``--check`` (``sparse`` only), every decode selection is also rebuilt from the cached
+keys by an independent float64 brute force (window means, softmax, block max over
+overlapping windows, sinks + local + top-k with ties to the lower block) and compared
+with the runtime's mask. ``--dense-heads L:H,...`` makes those (layer, KV head) pairs read
+every block in decode (the causal test: does the answer come back?).
+
+    python3 benchmarks/bench_eval.py needle-probe --seed 1 --depth 0.25 --check
+    python3 benchmarks/bench_eval.py needle-probe --seed 1 --depth 0.25 --dense-heads 7:2,18:2
+
+About 45 s per prompt at 7,680 tokens on two CPU cores.
+"""
+
+PASSKEY_DEMO_DOC = """\
+The bundled passkey demo through the CLI on a GPU: ``sparda demo`` with its CUDA defaults
+(KV cache offloaded to pinned host memory, uva transfer engine, lookahead prefetch, dense
+prefill), then ``sparda generate --method sparda --offload --dense-prefill --json`` on the
+same ~7K-token passkey prompt (held-out Emma, depth 0.5, seed 0), with JSON stats.
+
+    python3 benchmarks/bench_eval.py passkey-demo MODEL OUT_DIR [-- EXTRA sparda options, e.g. --device cpu]
+
+MODEL: the bundled GGUF file or any model path sparda accepts. Writes ``OUT_DIR/device.txt``
+(date, torch, device), ``OUT_DIR/demo-sparda.txt`` and ``OUT_DIR/generate-sparda-offload.txt``
+(each command's output and its wall time, ``<s> s wall``) and ``OUT_DIR/prompt.txt``; prints
+the expected pass key. Exit status: non-zero if either command failed.
+"""
+
+
+# ---------------------------------------------------------------------------------- run
 TASKS = ("passkey", "passkey-synth", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery",
          "vt", "cwe", "fwe")
 METHODS = ("dense", "sparse", "oracle", "sparda", "sparda-random", "infinigen")
@@ -86,8 +184,8 @@ def _csv(kind):
     return lambda text: tuple(kind(v) for v in text.split(",") if v.strip())
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """``run``'s arguments."""
     p.add_argument("out", help="output directory (reuse it to resume)")
     p.add_argument("--time-budget-s", type=float, default=550.0, help="start no batch after this [550]")
     p.add_argument("--commit", default=None, help="commit of the code (recorded; default: git, if present)")
@@ -124,9 +222,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the plans of different output directories in this many processes at once [1]")
     p.add_argument("--worker-report", default=None, help=argparse.SUPPRESS)  # a worker's plans' progress (JSON)
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # a worker's: epoch seconds
-    args = p.parse_args(argv)
-    if args.workers < 1:
-        p.error(f"--workers must be >= 1, got {args.workers}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of any subcommand (``bench_eval.py run OUT ...``); ``run``'s options
+    checked (``--workers`` >= 1)."""
+    args = parser().parse_args(argv)
+    if args.command == "run" and args.workers < 1:
+        args.parser.error(f"--workers must be >= 1, got {args.workers}")
     return args
 
 
@@ -205,13 +308,9 @@ def selector_plans(args, common: dict, gen: tuple[str, ...]) -> list[tuple[str, 
 
 
 def _commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    from sparda.bench.harness import git_commit
+
+    return git_commit(given)
 
 
 def _device_name(device: str) -> str:
@@ -469,9 +568,50 @@ def run_workers(args, argv: list[str], named: list[tuple[str, EvalPlan]], starte
     return {name: done[name] for name, _ in named if name in done}, status
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+# --------------------------------------------------------------------------- needle-probe
+def key_token_positions(tokenizer, ids: list[int], key: str) -> list[int]:
+    """Prompt positions (tokens) of the tokens that spell an occurrence of ``key``."""
+    pieces = [tokenizer.decode([t]) for t in ids]
+    text = "".join(pieces)
+    spans, i = [], text.find(key)
+    while i >= 0:
+        spans.append((i, i + len(key)))
+        i = text.find(key, i + 1)
+    out, start = [], 0
+    for p, piece in enumerate(pieces):
+        end = start + len(piece)
+        if any(start < b and end > a for a, b in spans):
+            out.append(p)
+        start = end
+    return out
+
+
+def brute_force_selection(q: torch.Tensor, k: torch.Tensor, t: int, cfg) -> set[int]:
+    """``sparse``'s decode selection for one KV head, in float64 from the cached keys.
+
+    Args:
+        q: ``[G, d]`` the step's queries of the group (post-RoPE); k: ``[T, d]`` post-RoPE
+            keys, ``T >= t + 1``; t: the query's position (tokens); cfg: SelectionConfig.
+    Returns:
+        The selected block ids.
+    """
+    q, k = q.double(), k[:t + 1].double()
+    bs, ker, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
+    windows = list(range((t + 1 - ker) // st + 1)) if t + 1 >= ker else []
+    ck = torch.stack([k[j * st:j * st + ker].mean(0) for j in windows]) if windows else k[:0]
+    p = torch.softmax(q @ ck.T / math.sqrt(q.shape[-1]), -1).sum(0) if windows else k.new_zeros(0)
+    cur = t // bs
+    score = []
+    for b in range(cur + 1):
+        hits = [float(p[j]) for j in windows if j * st < (b + 1) * bs and j * st + ker > b * bs]
+        score.append(max(hits) if hits else -math.inf)
+    forced = {b for b in range(cur + 1) if b < cfg.init_blocks or b > cur - cfg.local_blocks}
+    free = sorted((b for b in range(cur + 1) if b not in forced), key=lambda b: (-score[b], b))
+    return forced | set(free[:cfg.topk_blocks])
+
+
+# ---------------------------------------------------------------------------- commands
+def cmd_run(args, argv: list[str]) -> int:
     if args.estimate:
         try:
             print(json.dumps(estimate(args), indent=1))
@@ -506,13 +646,203 @@ def main(argv=None) -> int:
     calls = json.loads(calls_path.read_text()) if calls_path.is_file() else []
     calls.append(dict(started_utc=start_utc, wall_s=round(time.perf_counter() - started, 1), commit=_commit(args.commit),
                       device=_device_name(args.device), torch=torch.__version__, argv=argv,
-                      command="python3 benchmarks/eval_gpu.py " + " ".join(argv), plans=done))
+                      command="python3 benchmarks/bench_eval.py " + " ".join(argv), plans=done))
     atomic_write(calls_path, json.dumps(calls, indent=1))
     print(_summary_table(out))
     complete = all(isinstance(p, dict) and p.get("complete") for p in done.values())
     print(f"{'all plans complete' if complete else 'not complete: copy OUT back and run the same command again'}; "
           f"{calls[-1]['wall_s']:.0f} s this call", file=sys.stderr)
     return status
+
+
+def cmd_doc(args, argv=None) -> int:
+    from sparda.eval.accuracy_doc import write_doc
+
+    try:
+        print(f"wrote {write_doc(Path(args.out), Path(args.doc))}")
+    except SpardaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_passkey_demo(args, argv=None) -> int:
+    from sparda.bench.harness import run_logged, sparda_cli, write_device_txt
+    from sparda.data import heldout_text
+    from sparda.eval.tasks.passkey import make_passkey
+    from sparda.model.loader import load_tokenizer, resolve_model_dir
+
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_device_txt(out)
+    cli, env = sparda_cli()
+    print("== sparda demo (defaults: sparda, offload on CUDA), dense prefill", flush=True)
+    demo = run_logged([*cli, "demo", "--model", args.model, "--dense-prefill", *extra], out / "demo-sparda.txt", env)
+    sample = make_passkey(load_tokenizer(resolve_model_dir(args.model)), heldout_text(), 7000, 0.5, 0)
+    (out / "prompt.txt").write_text(sample.prompt, encoding="utf-8")
+    print("expected pass key:", sample.answer)
+    print("== sparda generate --method sparda --offload (same prompt), dense prefill", flush=True)
+    gen = run_logged([*cli, "generate", "--model", args.model, "--method", "sparda", "--offload", "--dense-prefill",
+                      "-f", str(out / "prompt.txt"), "--max-new-tokens", "24", "--json", *extra],
+                     out / "generate-sparda-offload.txt", env)
+    return demo or gen
+
+
+def cmd_dense_heads(args, argv=None) -> int:
+    from sparda.data import heldout_text
+    from sparda.engine.llm import LLM
+    from sparda.eval.metrics import budget_topk
+    from sparda.eval.tasks import make_sample
+
+    pairs = [(int(s), float(d)) for s, d in (p.split(":") for p in args.prompts.split(","))]
+    rows = []
+    for method in args.methods.split(","):
+        for setting in args.settings.split(";" if ";" in args.settings else ","):
+            extra = {}
+            if args.budget_pct is not None:
+                from sparda.config import SelectionConfig
+
+                extra["topk_blocks"] = budget_topk(args.budget_pct, args.length, SelectionConfig.from_preset("small"))
+            llm = LLM(method=method, device="cpu", dtype="float32", dense_heads=setting, **extra)
+            samples = [make_sample("passkey", llm.tokenizer, heldout_text(), args.length, d, s) for s, d in pairs]
+            outs = llm.generate([s.prompt for s in samples], max_new_tokens=16, chat=True)
+            for (seed, depth), sample, out in zip(pairs, samples, outs):
+                row = {"method": method, "dense_heads": setting, "heads": [list(h) for h in llm.config.dense_heads],
+                       "seed": seed, "depth": depth, "right": sample.answers[0] in out.text,
+                       "kv_read": out.stats["kv_read_fraction"], "text": out.text.strip()[:40]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            right = sum(r["right"] for r in rows[-len(pairs):])
+            read = sum(r["kv_read"] for r in rows[-len(pairs):]) / len(pairs)
+            print(f"# {method} dense_heads={setting} {llm.config.dense_heads}: {right}/{len(pairs)} right, "
+                  f"KV read per step {100 * read:.1f} %", flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(rows, handle, indent=1)
+    return 0
+
+
+def cmd_needle_probe(args, argv=None) -> int:
+    from sparda.data import heldout_text
+    from sparda.engine.llm import LLM
+    from sparda.eval.tasks import make_sample
+    from sparda.kernels import reference as ref
+
+    llm = LLM(method=args.method, device="cpu", dtype="float32", dense_heads="none")  # the probe forces its own
+    cfg = llm.method.selection
+    sample = make_sample("passkey", llm.tokenizer, heldout_text(), args.length, args.depth, args.seed)
+    ids = llm.encode(sample.prompt, True)
+    key = sample.answers[0]
+    positions = key_token_positions(llm.tokenizer, ids, key)
+    needle = sorted({p // cfg.block_size for p in positions})
+    dense_heads = [tuple(map(int, p.split(":"))) for p in args.dense_heads.split(",") if p]
+    print(f"seed {args.seed} depth {args.depth}: {len(ids)} prompt tokens, key {key} at tokens {positions} "
+          f"(blocks {needle}); {cfg.init_blocks} sink + {cfg.local_blocks} local + {cfg.topk_blocks} top-k "
+          f"blocks of {cfg.block_size}, compressed keys {cfg.kernel_size}/{cfg.kernel_stride}")
+    rows, state = [], {"step": -1, "checked": 0, "differ": 0}
+    select = llm.method.select
+
+    def probed_select(self, layer, q, h, cache, step, first=0):
+        mask = select(layer, q, h, cache, step, first)
+        if step.phase != "decode":
+            return mask
+        state["step"] += layer == 0
+        for lay, head in dense_heads:
+            if lay == layer:
+                mask[:, head] = True  # the attention applies causality and kv_len
+        t = int(step.q_pos[0, -1])
+        k, _, ck = cache.view(layer, step.rows, step.max_kv_len)
+        k, qq = k[:, :, :t + 1], q[..., -1:, :]
+        ck = ck[:, :, :ref.num_compressed(t + 1, cfg.kernel_size, cfg.kernel_stride)]
+        nb = t // cfg.block_size + 1
+        mass = ref.block_attention_mass(qq, k, step.q_pos[:, -1:], step.kv_len[:1], cfg.block_size)[0, :, 0]
+        cs = ref.pool_to_blocks(ref.query_group_scores(qq, ck, step.q_pos[:, -1:], cfg.kernel_size,
+                                                       cfg.kernel_stride), nb, cfg)[0, :, 0]
+        free = torch.arange(cfg.init_blocks, nb - cfg.local_blocks)
+        group = q.shape[2]
+        for head in range(k.shape[1]):
+            if args.check and args.method == "sparse" and (layer, head) not in dense_heads:
+                want = brute_force_selection(q[0, head, :, -1], k[0, head], t, cfg)
+                got = set(torch.nonzero(mask[0, head, -1, :nb]).flatten().tolist())
+                state["checked"] += 1
+                state["differ"] += want != got
+            for b in needle:
+                share = float(mass[head, b]) / group
+                if share >= args.min_mass and b in free:
+                    rank_o = int((mass[head, free] > mass[head, b]).sum()) + 1
+                    rank_c = int((cs[head, free] > cs[head, b]).sum()) + 1
+                    rows.append((state["step"], layer, head, b, share, rank_o, rank_c, bool(mask[0, head, -1, b])))
+        return mask
+
+    llm.method.select = types.MethodType(probed_select, llm.method)
+    out = llm.generate([sample.prompt], max_new_tokens=args.max_new_tokens, chat=True)[0]
+    print(f"{args.method} answers {out.text!r}: {'right' if key in out.text else 'WRONG'}")
+    print("step layer head block   mass  rank oracle  rank ck  sel")
+    for st, layer, head, b, share, rank_o, rank_c, sel in rows:
+        print(f"{st:4d}  L{layer:<3d}  h{head}  {b:5d}  {100 * share:5.1f}%  {rank_o:11d}  {rank_c:7d}  "
+              f"{'yes' if sel else 'MISSED'}")
+    missed: dict[tuple[int, int], list[float]] = {}
+    for _, layer, head, _, share, _, _, sel in rows:
+        if not sel:
+            missed.setdefault((layer, head), []).append(share)
+    print("missed (layer, KV head): steps, largest mass -- "
+          + ", ".join(f"L{lay}h{head}: {len(v)}, {100 * max(v):.1f}%" for (lay, head), v in sorted(missed.items())))
+    if args.check and args.method == "sparse":
+        print(f"float64 brute force: {state['differ']} of {state['checked']} decode selections differ")
+    return 0
+
+
+def _doc_parser(sub, name: str, doc: str, short: str, func) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=short, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=func, parser=p)
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_eval.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    _run_arguments(_doc_parser(sub, "run", RUN_DOC, "the full sparda eval, resumable, within a time budget",
+                               cmd_run))
+
+    p = _doc_parser(sub, "doc", DOC_DOC, "regenerate docs/results/accuracy.md from a run's OUT", cmd_doc)
+    p.add_argument("out", metavar="OUT", help="the `run` output directory (holds main/, budget/, calls.json)")
+    p.add_argument("--doc", default=str(DEFAULT_DOC), help="the page to write [docs/results/accuracy.md]")
+
+    p = _doc_parser(sub, "dense-heads", DENSE_HEADS_DOC, "passkey with and without dense retrieval heads (CPU)",
+                    cmd_dense_heads)
+    p.add_argument("--prompts", required=True, help="SEED:DEPTH,... of task passkey")
+    p.add_argument("--length", type=int, default=7680, help="prompt tokens [7680]")
+    p.add_argument("--methods", default="sparse,sparda", help="[sparse,sparda]")
+    p.add_argument("--settings", default="none,auto", help="--dense-heads values to compare [none,auto]")
+    p.add_argument("--budget-pct", type=float, default=None, help="KV budget in %% of the context [default: preset]")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+    p = _doc_parser(sub, "needle-probe", NEEDLE_PROBE_DOC, "where block selection loses a pass key (CPU)",
+                    cmd_needle_probe)
+    p.add_argument("--seed", type=int, required=True, help="the passkey sample's seed")
+    p.add_argument("--depth", type=float, required=True, help="the needle's depth (0-1)")
+    p.add_argument("--length", type=int, default=7680, help="prompt tokens [7680]")
+    p.add_argument("--method", default="sparse", choices=("sparse", "oracle"))
+    p.add_argument("--min-mass", type=float, default=0.02, help="smallest block share of the group's mass shown")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--check", action="store_true", help="float64 brute force of every decode selection")
+    p.add_argument("--dense-heads", default="", help="L:H,... pairs that read every block in decode")
+
+    p = _doc_parser(sub, "passkey-demo", PASSKEY_DEMO_DOC, "the CLI passkey demo and offloaded generate, logged",
+                    cmd_passkey_demo)
+    p.add_argument("model", metavar="MODEL", help="the bundled GGUF file or any model path sparda accepts")
+    p.add_argument("out", metavar="OUT_DIR", help="directory for the logs")
+    p.add_argument("extra", nargs=argparse.REMAINDER, metavar="EXTRA",
+                   help="more options for both sparda commands, after --")
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    return args.func(args, argv)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,88 @@
-"""Fused-decode measurements on the GPU for the fused-decode issue (design §6).
+"""Decode benchmarks: one entry point, one subcommand per measurement (docs/bench.md).
 
-Usage (on a CUDA machine, from the repository root):
+Run from the repository root (the GPU subcommands on a CUDA machine)::
 
-    python3 benchmarks/decode_sweep_gpu.py OUT BUDGET_S PART [PART ...]
+    python3 benchmarks/bench_decode.py sweep OUT BUDGET_S PART [PART ...]   # the decode grid, by parts
+    python3 benchmarks/bench_decode.py graphs {parity,bundled,sweep} OUT ... # CUDA graphs vs eager
+    python3 benchmarks/bench_decode.py fused {kernels,parity,profile} OUT ...  # the fused decode step
+    python3 benchmarks/bench_decode.py profile OUT [CONTEXT [BATCH [METHOD ...]]]  # kernels of a step
+    python3 benchmarks/bench_decode.py report RUN_DIR_OR_JSON... --out DIR  # merged report + plots
+
+``python3 benchmarks/bench_decode.py SUBCOMMAND --help`` describes each one: what it
+measures, its arguments and the files it writes (JSON records and markdown, the formats of
+the result pages under docs/results/benchmarks/). The single-point harness is ``sparda bench``
+(:mod:`sparda.bench`); these subcommands drive it (``sweep``, ``graphs sweep``) or measure
+what it does not (kernel parity, profiles, the merged report).
+
+The subcommands replace the former scripts ``decode_sweep_gpu.py`` (``sweep``),
+``cuda_graphs_gpu.py`` (``graphs``), ``fused_decode_gpu.py`` (``fused``),
+``profile_decode_gpu.py`` (``profile``) and ``decode_report.py`` (``report``), with the
+same measurements and output files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from sparda import kernels  # noqa: E402
+from sparda.bench import point as pt  # noqa: E402
+from sparda.bench.harness import NoText, prefill_selection_check, random_llama  # noqa: E402
+from sparda.bench.models import build_model, random_forecast, selection_config  # noqa: E402
+from sparda.bench.sweep import BASELINE_METHODS, SWEEP_METHODS, SweepConfig, run_sweep  # noqa: E402
+from sparda.bench.traces import SHIPPED_TRACE, Replayer, load_traces, replay_masks, trace_for  # noqa: E402
+from sparda.config import SelectionConfig  # noqa: E402
+from sparda.engine.llm import LLM  # noqa: E402
+from sparda.kernels import reference as ref  # noqa: E402
+from sparda.kernels import twins  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: smoke runs of the parts that allow it
+T0 = time.perf_counter()
+
+
+def log(line: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.0f} s] {line}", flush=True)
+
+
+def _random_model(dtype):
+    """The random 4-layer model of the parity checks (:func:`sparda.bench.harness.random_llama`)."""
+    return random_llama(dtype, DEV)
+
+
+SWEEP_DOC = """\
+Decode measurements on the GPU for the fused-decode issue (design §6):
+parts of the decode grid, each a sweep of ``sparda.bench.sweep.run_sweep`` or a check.
+
+    python3 benchmarks/bench_decode.py sweep OUT BUDGET_S PART [PART ...]
+    python3 benchmarks/bench_decode.py sweep --smoke OUT 600 quick  # CPU, tiny model (SMOKE=1 too)
 
 Parts run in the order given until ``BUDGET_S`` seconds are spent (a part that starts
-gets the time left as its sweep's ``--time-budget-s``); each writes ``OUT/<part>/``
-(``results.json``, ``report.md``, plots) or ``OUT/<part>.json``, and a short table is
-printed last:
+gets the time left as its sweep's ``--time-budget-s``); each writes JSON into ``OUT``
+(a sweep's records ``OUT/<sweep>.json``, a check's rows ``OUT/<part>.json`` or
+``OUT/<part>-check.json``), and a short table is printed last:
 
 * ``check``: registered pinned host memory (``cache.pinned.pinned_zeros``: pinned,
   async copies, UVA gather equal to plain indexing, freed and re-registered 3 times,
   host memory back after each), and the lookahead on its selection stream: offloaded
   ``sparda`` generates the same greedy tokens as ``sparda-no-prefetch`` (same
   selection, synchronous fetch) and as itself eager, random 4-layer model, bf16 + fp32.
+  ``quick``: the same, one round, bf16 only, plus an int8 cache's token agreement.
 * ``hitrate``: MiniCPM-8B shape, 128K, B4 and B16, ``sparda`` and ``sparse-offload``:
   the trace plus synthetic selections of hit rate 0.5, 0.7, 0.8, 0.9 on one filled
   cache each, with compute-alone / transfer-alone timing (overlap efficiency).
 * ``b128``: MiniCPM-8B shape, 128K, every method at B4, B8, B16, B24 (the largest batch
   <= 96 GiB of pinned host KV), greedy parity of 64 replayed steps vs eager.
+  ``b128sparda``: offloaded ``sparda`` and ``dense`` alone at the same points.
 * ``cap80``: the GPU capped at 80 GiB (``set_per_process_memory_fraction``): on-GPU
   ``sparse`` at B8..B16 and offloaded ``sparda`` at B16, B24, MiniCPM-8B shape, 128K.
 * ``grid``: the rest of the grid (Llama-3-8B and MiniCPM-8B shapes, 32K / 64K / 128K,
@@ -63,30 +127,466 @@ printed last:
   buffer holds exactly the widest selection, the behaviour before spare slots) and 1.5
   (the default), parity 16, overlap timed; ``sparda`` with 2 at B16 / B24; then ``sparda``
   at 32K B24 with 1 and 1.5.
+
+Each sweep's own report and plots go to ``/tmp/sweeps/<sweep>``, its records to
+``OUT/<sweep>.json`` and the environment to ``OUT/env.json``. ``--smoke`` (or ``SMOKE=1``):
+every part on the CPU with the tiny model at 2K, batches 1-2 (a test of this command, no
+numbers). ``bench_decode.py report OUT --out DIR`` merges the parts' records into one report.
 """
 
-from __future__ import annotations
+GRAPHS_DOC = """\
+CUDA-graph decode on the GPU: parity with eager, speed-up, and the 128K sweep (docs/cuda_graphs.md).
 
-import gc
-import json
-import sys
-import time
-from pathlib import Path
+    python3 benchmarks/bench_decode.py graphs parity OUT          # random model, every method, bf16 + fp32
+    python3 benchmarks/bench_decode.py graphs bundled OUT GGUF    # bundled model, ~7K-token passkey prompt
+    python3 benchmarks/bench_decode.py graphs sweep OUT [BUDGET_S [NAME ...]]  # MiniCPM-8B shape, 128K
 
-import torch
+Each part writes ``OUT/<part>.json`` and prints a short table. ``parity`` generates with
+``cuda_graphs=True`` and ``False`` from the same prompts and checks that the greedy tokens
+are equal (a prompt below ``dense_len`` crosses the dense fallback mid-generation, so
+two graphs are captured); it also checks that the device timestamps of the offload
+timing and the profiler's kernel count work inside a replayed graph. On the CPU ``parity``
+runs in fp32 as a smoke test of the command (no graphs, no profile).
+"""
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+FUSED_DOC = """\
+Fused decode on the GPU: the kernels in bf16 against their twins, parity, and a profile.
 
-from sparda.bench.sweep import BASELINE_METHODS, SWEEP_METHODS, SweepConfig, run_sweep  # noqa: E402
+    python3 benchmarks/bench_decode.py fused kernels OUT    # bf16/fp32 kernels vs PyTorch twins (real tl.dot)
+    python3 benchmarks/bench_decode.py fused parity OUT     # every method: fused graphs vs fused eager vs unfused
+    python3 benchmarks/bench_decode.py fused profile OUT [CONTEXT BATCH METHOD...]  # kernels by name
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-T0 = time.perf_counter()
+Each part writes ``OUT/<part>.json`` (``profile``: ``OUT/profile-b<BATCH>.json``) and prints
+a short table. ``kernels`` checks, on CUDA tensors with compiled kernels (the interpreter
+runs fp32 dots only): RoPE + append (offload partial slot + ring + pinned host store, and
+the full device cache), the slot diff, add + RMSNorm, SiLU * mul, and the bf16 ``tl.dot``
+paths of decode selection, decode attention (full cache and slots) and prefill attention.
+Needs CUDA.
+"""
+
+PROFILE_DOC = """\
+Where a decode step's GPU time goes: kernels grouped by name, per method (fused-decode work).
+
+    python3 benchmarks/bench_decode.py profile OUT [CONTEXT [BATCH [METHOD ...]]]
+    python3 benchmarks/bench_decode.py profile OUT 131072 24 sparda --kv-dtype int8   # a quantised cache
+
+Builds the ``sparda bench`` setup of one point (MiniCPM-8B shape, random weights, bf16, KV
+filled directly, the shipped trace replayed by offloaded methods, CUDA graphs on), runs a
+few decode steps, then profiles 3 replayed steps with ``torch.profiler`` and writes
+``OUT/profile-<method>-b<B>.json`` (``-<kv_dtype>`` appended for ``--kv-dtype`` int8 / int4,
+docs/kv_quant.md; the ``KV_DTYPE`` environment variable sets the default): every kernel
+name with its launches and GPU time per step, and the time of each set-up phase. Prints
+the top kernels per method. Needs CUDA.
+"""
+
+REPORT_DOC = """\
+The decode benchmark report of several sweep runs: merged records, markdown and plots.
+
+    python3 benchmarks/bench_decode.py report RUN_DIR_OR_JSON... --out DIR
+
+Each input is a sweep's output directory (every ``*.json`` list of records in it, its
+``env.json`` for the date and commit), a directory of such directories (the
+``results.json`` of each subdirectory: ``bench_decode.py sweep OUT`` writes one per part)
+or a ``results.json``-like file. A point measured more than once (same model, method,
+context, batch, selection, target hit rate, GPU cap, CUDA graphs, KV place, dtype, device)
+keeps its newest record: the record's own ``date``, else its run's ``env.json`` date, then
+the later input on the command line, then the newer file. Writes ``DIR/results.json`` (the
+merged records), ``DIR/report.md`` (issue #20's Done-when verdicts, per-context decode
+tables, speed-ups, the capped comparison, the paper's table beside ours) and the plots
+(``sparda.bench.report``), each atomically. Runs on the CPU.
+"""
 
 
-def log(line: str) -> None:
-    print(f"[{time.perf_counter() - T0:6.0f} s] {line}", flush=True)
+# ------------------------------------------------------------------------------- graphs
+#: the methods of the graphs and fused parity checks: (method, offload)
+GRAPH_METHODS = [("dense", None), ("sparse", None), ("oracle", None), ("infinigen", None), ("sparda", False),
+                 ("sparda", True), ("sparse-offload", None), ("sparda-no-prefetch", None)]
 
 
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _generate(llm, prompts, new_tokens):
+    _sync()
+    start = time.perf_counter()
+    out = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    _sync()
+    return out, time.perf_counter() - start
+
+
+def graphs_parity(out_dir: Path) -> list[dict]:
+    rows = []
+    budget = dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=512)
+    gen = torch.Generator().manual_seed(0)
+    cases = {"batch": [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (1500, 2300, 700)],
+             "crossing": [torch.randint(0, 2048, (450,), generator=gen).tolist()]}
+    for dtype in ((torch.bfloat16, torch.float32) if DEV == "cuda" else (torch.float32,)):
+        model = _random_model(dtype)
+        forecast = random_forecast(model)
+        for method, offload in GRAPH_METHODS:
+            for case, prompts in cases.items():
+                res = {}
+                for graphs in (False, True):
+                    llm = LLM.from_model(model, NoText(), method=method, forecast=forecast, offload=offload,
+                                         cuda_graphs=graphs, **budget)
+                    _generate(llm, prompts, 8)  # compile the kernels
+                    res[graphs] = _generate(llm, prompts, 128)
+                (eager, t_e), (graph, t_g) = res[False], res[True]
+                same = all(a.token_ids == b.token_ids for a, b in zip(eager, graph))
+                rows.append({"dtype": str(dtype).replace("torch.", ""), "method": method, "offload": offload,
+                             "case": case, "tokens_equal": same, "cuda_graph": graph[0].stats["cuda_graph"],
+                             "eager_tok_s": eager[0].stats["decode_tok_s"],
+                             "graph_tok_s": graph[0].stats["decode_tok_s"],
+                             "speedup": round(graph[0].stats["decode_tok_s"] / max(eager[0].stats["decode_tok_s"], 1e-9), 2)})
+                print(rows[-1], flush=True)
+    # offload timing (device timestamps) and the profiler inside replayed graphs
+    model = _random_model(torch.bfloat16)
+    llm = LLM.from_model(model, NoText(), method="sparda", forecast=random_forecast(model), offload=True,
+                         offload_timing=True, **budget)
+    out, _ = _generate(llm, cases["batch"], 64)
+    timing = out[0].stats["offload"]
+    cache = llm.new_cache(2, 3000)
+    run = llm.runner(cache)
+    llm.prefill(cache, 0, cases["batch"][0])
+    llm.prefill(cache, 1, cases["batch"][1])
+    run.load(torch.zeros(2, dtype=torch.long, device=DEV), torch.tensor([1500, 2300], device=DEV))
+    for _ in range(3):
+        run.step(2301)
+    prof = pt.profile_kernels(lambda: run.step(2301), 3) if DEV == "cuda" else None
+    extra = {"offload_timing": timing, "graph_profile": prof, "graph_replays": run.replays}
+    print(extra, flush=True)
+    (out_dir / "parity.json").write_text(json.dumps({"rows": rows, **extra}, indent=1))
+    return rows
+
+
+def graphs_bundled(out_dir: Path, gguf: str) -> list[dict]:
+    from sparda.data import heldout_text
+    from sparda.eval.tasks.passkey import make_passkey
+
+    rows = []
+    for method, extra in (("sparda", {}), ("dense", {})):
+        res = {}
+        for graphs in (False, True):
+            llm = LLM(gguf, method=method, device=DEV, dense_prefill=True, cuda_graphs=graphs, **extra)
+            sample = make_passkey(llm.tokenizer, heldout_text(), 7000, 0.5, 0)
+            ids = llm.encode(sample.prompt)
+            llm.generate(None, prompt_token_ids=[ids], max_new_tokens=8, ignore_eos=True)
+            res[graphs] = llm.generate(None, prompt_token_ids=[ids], max_new_tokens=128, ignore_eos=True)[0]
+        e, g = res[False], res[True]
+        rows.append({"method": method, "offload": bool(llm.config.offload), "prompt_tokens": len(ids),
+                     "new_tokens": 128, "tokens_equal": e.token_ids == g.token_ids,
+                     "answer": g.text[:40], "expected": sample.answer,
+                     "eager_tok_s": e.stats["decode_tok_s"], "graph_tok_s": g.stats["decode_tok_s"],
+                     "speedup": round(g.stats["decode_tok_s"] / e.stats["decode_tok_s"], 2),
+                     "cuda_graph": g.stats["cuda_graph"], "offload_stats": g.stats.get("offload")})
+        print(rows[-1], flush=True)
+    (out_dir / "bundled.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+#: (name, methods, batches, parity steps): every method at B4 and B8, the offloaded pair at B16
+#: and at B24 (host memory: 24 rows x 4.2 GB of offloaded KV at 128K)
+GRAPH_ALL = ["sparse-offload", "dense", "sparse", "sparda-no-prefetch", "infinigen", "sparda"]
+GRAPH_SWEEPS = [("b4", GRAPH_ALL, [4], 64), ("b16", ["sparda", "sparse-offload"], [16], 64),
+          ("b24", ["sparda", "sparse-offload"], [24], 16), ("b8", GRAPH_ALL, [8], 64)]
+
+
+def graphs_sweep(out_dir: Path, budget_s: float, names=None) -> list[dict]:
+    from sparda.bench.sweep import SweepConfig, run_sweep
+
+    t0 = time.perf_counter()
+    records = []
+    for name, methods, batches, parity_steps in GRAPH_SWEEPS:
+        if names and name not in names:
+            continue
+        left = budget_s - (time.perf_counter() - t0)
+        if left < 30:
+            break
+        cfg = SweepConfig(models=["minicpm-8b"], contexts=[131072], batches=batches, methods=methods,
+                          decode_steps=16, repeats=3, warmup_steps=3, breakdown_steps=0, prefill_tokens=16384,
+                          out=str(out_dir / f"sweep-{name}"), time_budget_s=left, parity_steps=parity_steps)
+        records += run_sweep(cfg, log=lambda line: print(f"[{time.perf_counter() - t0:6.0f} s] {line}", flush=True))
+    (out_dir / "sweep.json").write_text(json.dumps(records, indent=1))
+    return records
+
+
+# -------------------------------------------------------------------------------- fused
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def fused_kernels(out_dir: Path) -> list[dict]:
+    from sparda.kernels.norm import add_rmsnorm_triton, silu_mul_triton
+    from sparda.kernels.rope_append import rope_append_triton
+    from sparda.kernels.slot_diff import slot_diff_triton
+
+    rows = []
+    cfg = SelectionConfig(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1, local_blocks=4,
+                          topk_blocks=8, dense_len=1024)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).replace("torch.", "")
+        for g, d in ((16, 128), (4, 128), (3, 64), (1, 64)):
+            b, hk, nf, cap = 4, 2, 2, 4096
+            qkv = torch.randn(b, (hk * g + (2 + nf) * hk) * d, device=DEV, generator=gen).to(dtype)
+            pos = torch.tensor([31, 1000, 2047 + 16, 4000], device=DEV)
+            theta = pos.view(-1, 1).float() * (1.0 / 10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+            emb = torch.cat([theta, theta], -1)
+            cos, sin = emb.cos().to(dtype).view(b, 1, 1, d), emb.sin().to(dtype).view(b, 1, 1, d)
+            slots = 24
+            for layout in ("slots", "full"):
+                if layout == "slots":
+                    kd = torch.randn(b, hk, slots + 1, cfg.block_size, d, device=DEV, generator=gen).to(dtype)
+                    ring = torch.randn(b, hk, cfg.kernel_size, d, device=DEV, generator=gen).to(dtype)
+                    host = tuple(torch.zeros(b, hk, cap // cfg.block_size, cfg.block_size, d, dtype=dtype,
+                                             pin_memory=True) for _ in range(2))
+                    extra = dict(slot=slots, ring=ring, host=host)
+                else:
+                    kd = torch.randn(b, hk, cap, d, device=DEV, generator=gen).to(dtype)
+                    extra = {}
+                vd = torch.randn(kd.shape, device=DEV, generator=gen).to(dtype)
+                ck = torch.randn(b, hk, ref.num_compressed(cap, 32, 16), d, device=DEV, generator=gen).to(dtype)
+                outs = []
+                for fn in (rope_append_triton, twins.rope_append_reference):
+                    state = {k: v.clone() for k, v in dict(kd=kd, vd=vd, ck=ck).items()}
+                    ex = dict(extra)
+                    if "ring" in ex:
+                        ex["ring"] = ring.clone()
+                        ex["host"] = tuple(h.clone().pin_memory() for h in host)
+                    q = torch.empty(b, hk * g, d, device=DEV, dtype=dtype)
+                    f = torch.empty(b, nf, hk, d, device=DEV, dtype=dtype)
+                    fn(qkv, cos, sin, pos, q, f, state["kd"], state["vd"], state["ck"], num_kv_heads=hk, group=g,
+                       num_f=nf, block_size=cfg.block_size, kernel=32, stride=16, **ex)
+                    torch.cuda.synchronize()
+                    outs.append((q, f, state, ex))
+                (q1, f1, s1, e1), (q2, f2, s2, e2) = outs
+                errs = {"q": _rel(q1, q2), "f": _rel(f1, f2), "k": _rel(s1["kd"], s2["kd"]),
+                        "v": _rel(s1["vd"], s2["vd"]), "ck": _rel(s1["ck"], s2["ck"])}
+                if layout == "slots":
+                    errs.update(ring=_rel(e1["ring"], e2["ring"]), host_k=_rel(e1["host"][0], e2["host"][0]))
+                rows.append({"kernel": f"rope_append/{layout}", "dtype": name, "G": g, "d": d,
+                             "max_rel_err": max(errs.values()), **{k: round(v, 8) for k, v in errs.items()}})
+        # add + rmsnorm, silu * mul
+        x = torch.randn(8, 4096, device=DEV, generator=gen).to(dtype)
+        delta = torch.randn(8, 4096, device=DEV, generator=gen).to(dtype)
+        w = torch.randn(4096, device=DEV, generator=gen).to(dtype)
+        a, b_ = x.clone(), x.clone()
+        o1 = add_rmsnorm_triton(a, delta, w, 1e-5, torch.empty_like(x))
+        o2 = twins.add_rmsnorm_reference(b_, delta, w, 1e-5, torch.empty_like(x))
+        rows.append({"kernel": "add_rmsnorm", "dtype": name, "max_rel_err": max(_rel(o1, o2), _rel(a, b_)),
+                     "exact_residual": bool(torch.equal(a, b_))})
+        gu = torch.randn(8, 2 * 16384, device=DEV, generator=gen).to(dtype)
+        m1 = silu_mul_triton(gu, torch.empty(8, 16384, device=DEV, dtype=dtype))
+        m2 = twins.silu_mul_reference(gu, torch.empty(8, 16384, device=DEV, dtype=dtype))
+        rows.append({"kernel": "silu_mul", "dtype": name, "max_rel_err": _rel(m1, m2)})
+    # slot diff (integers: must be exact); w < s: spare slots (slot_factor, design §6) with the
+    # compact (block, slot) list attention reads
+    for b, h, s, n, w in ((4, 2, 96, 2048, 96), (16, 8, 128, 1024, 128), (3, 3, 7, 40, 7), (4, 2, 192, 2048, 128),
+                          (16, 2, 48, 1024, 32)):
+        ok = True
+        for trial in range(20):
+            pos = torch.randint(64 * 4, n * 64, (b,), device=DEV, generator=gen)
+            slot_map = torch.full((b, h, s), -1, dtype=torch.long, device=DEV)
+            ids = torch.full((b, h, w), -1, dtype=torch.int32, device=DEV)
+            for i in range(b):
+                cur = int(pos[i]) // 64
+                for j in range(h):
+                    held = torch.randperm(cur, device=DEV, generator=gen)[:int(torch.randint(0, s + 1, (1,)))]
+                    slot_map[i, j, torch.randperm(s, device=DEV, generator=gen)[:held.numel()]] = held
+                    k = int(torch.randint(0, min(w - 1, cur) + 1, (1,)))
+                    pool = torch.unique(torch.cat([held, torch.randperm(cur, device=DEV, generator=gen)[:s]]))
+                    chosen = torch.sort(torch.cat([pool[torch.randperm(pool.numel(), device=DEV, generator=gen)[:k]],
+                                                   torch.tensor([cur], device=DEV)])).values
+                    ids[i, j, :chosen.numel()] = chosen.int()
+            res = []
+            for fn in (slot_diff_triton, twins.slot_diff_reference):
+                sm, load = slot_map.clone(), torch.empty_like(slot_map)
+                attn = torch.empty(b, h, s + 1, dtype=torch.int32, device=DEV)
+                cnt = tuple(torch.zeros(b, dtype=torch.long, device=DEV) for _ in range(4))
+                compact = tuple(torch.empty(b, h, min(w, s) + 1, dtype=torch.int32, device=DEV) for _ in range(2)) \
+                    if w < s else None
+                fn(ids, sm, pos, 64, n, load, attn, cnt, compact)
+                res.append((load, sm, attn, *cnt, *(compact or ())))
+            ok &= all(torch.equal(x, y) for x, y in zip(*res))
+        rows.append({"kernel": "slot_diff", "dtype": "int", "B": b, "H": h, "S": s, "W": w, "exact": bool(ok),
+                     "max_rel_err": 0.0 if ok else 1.0})
+    # the bf16 tl.dot paths of the older kernels (review C8)
+    for g in (16, 4, 1):
+        b, hk, d, t = 4, 2, 128, 8192
+        k = torch.randn(b, hk, t, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(b, hk, g, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+        kv_len = torch.tensor([t, t - 5, 3000, 777], device=DEV)
+        ck = ref.compress_keys(k, 32, 16)
+        sel = SelectionConfig(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1, local_blocks=4,
+                              topk_blocks=16, dense_len=1024)
+        ids_t = kernels.select_decode_blocks(q, ck, kv_len - 1, t // 64, sel)
+        ids_r = twins.select_decode_reference(q, ck, kv_len - 1, t // 64, sel)
+        same = float((twins.ids_to_block_mask(ids_t, t // 64) == twins.ids_to_block_mask(ids_r, t // 64)).float().mean())
+        rows.append({"kernel": "select_decode(query, bf16 dot)", "dtype": "bfloat16", "G": g,
+                     "mask_agreement": round(same, 5), "max_rel_err": 1 - same})
+        o1 = kernels.decode_attention(q, k, v, ids_r, kv_len, 64)
+        o2 = twins.decode_attention_reference(q, k, v, ids_r, kv_len, 64)
+        rows.append({"kernel": "decode_attention (bf16 dot)", "dtype": "bfloat16", "G": g, "max_rel_err": _rel(o1, o2)})
+        qp = torch.randn(1, hk, g, 2048, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+        kp, vp = k[:1, :, :2048].contiguous(), v[:1, :, :2048].contiguous()
+        qpos = torch.arange(2048, device=DEV).view(1, -1)
+        o1 = kernels.prefill_attention(qp, kp, vp, None, qpos, torch.tensor([2048], device=DEV), 64)
+        o2 = ref.block_sparse_attention(qp.float(), kp.float(), vp.float(), None, qpos,
+                                        torch.tensor([2048], device=DEV), 64)
+        rows.append({"kernel": "prefill_attention (bf16 dot)", "dtype": "bfloat16", "G": g, "max_rel_err": _rel(o1, o2)})
+    # decode selection in bf16 for the other group sizes and the Forecast's mode (one head, raw
+    # dot, the next layer's compressed keys cut at the window complete before this token)
+    for mode in ("forecast", 3, 8):
+        b, hk, d, t = 4, 2, 128, 8192
+        k = torch.randn(b, hk, t, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+        kv_len = torch.tensor([t, t - 5, 3000, 777], device=DEV)
+        ck = ref.compress_keys(k, 32, 16)
+        sel = SelectionConfig(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1, local_blocks=4,
+                              topk_blocks=16, dense_len=1024)
+        if mode == "forecast":
+            q = torch.randn(b, hk, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+            ck_len = torch.clamp((kv_len - 1 - 32) // 16 + 1, min=0)  # windows complete at q_pos - 1
+        else:
+            q = torch.randn(b, hk, mode, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+            ck_len = None
+        ids_t = kernels.select_decode_blocks(q, ck, kv_len - 1, t // 64, sel, ck_len=ck_len)
+        ids_r = twins.select_decode_reference(q, ck, kv_len - 1, t // 64, sel, ck_len=ck_len)
+        same = float((twins.ids_to_block_mask(ids_t, t // 64) == twins.ids_to_block_mask(ids_r, t // 64)).float().mean())
+        rows.append({"kernel": f"select_decode({'forecast' if mode == 'forecast' else 'query'}, bf16 dot)",
+                     "dtype": "bfloat16", "G": 1 if mode == "forecast" else mode, "mask_agreement": round(same, 5),
+                     "max_rel_err": 1 - same})
+    for r in rows:
+        print(r, flush=True)
+    (out_dir / "kernels.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def fused_parity(out_dir: Path) -> list[dict]:
+    from sparda.bench.models import random_forecast
+    from sparda.engine.llm import LLM
+
+    rows = []
+    budget = dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=512)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (1500, 2300, 700, 450)]
+    for dtype in (torch.bfloat16, torch.float32):
+        model = _random_model(dtype)
+        forecast = random_forecast(model)
+        for method, offload in GRAPH_METHODS:
+            res = {}
+            for name, kw in (("fused", {}), ("fused_eager", {"cuda_graphs": False}),
+                             ("unfused", {"fused_decode": False})):
+                llm = LLM.from_model(model, NoText(), method=method, forecast=forecast, offload=offload,
+                                     **budget, **kw)
+                _generate(llm, prompts, 8)
+                res[name] = _generate(llm, prompts, 128)
+                del llm
+            (f, t_f), (e, _), (u, t_u) = res["fused"], res["fused_eager"], res["unfused"]
+            agree = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(f, u))
+            total = sum(len(a.token_ids) for a in f)
+            rows.append({"dtype": str(dtype).replace("torch.", ""), "method": method, "offload": offload,
+                         "graph_eq_eager": all(a.token_ids == b.token_ids for a, b in zip(f, e)),
+                         "fused_eq_unfused": all(a.token_ids == b.token_ids for a, b in zip(f, u)),
+                         "token_agreement": round(agree / total, 4),
+                         "fused_tok_s": f[0].stats["decode_tok_s"], "unfused_tok_s": u[0].stats["decode_tok_s"]})
+            print(rows[-1], flush=True)
+    (out_dir / "parity.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def fused_profile(out_dir: Path, context: int, batch: int, methods: list[str]) -> list[dict]:
+    from sparda.bench.models import build_model, random_forecast
+    from sparda.bench.traces import SHIPPED_TRACE, load_traces
+
+    model = build_model("minicpm-8b", DEV, torch.bfloat16, context + 1024)
+    forecast = random_forecast(model)
+    traces = load_traces(SHIPPED_TRACE)
+    recs = []
+    for method in methods:
+        rec = profile_point(model, forecast, method, batch, context, traces)
+        recs.append(rec)
+        print(f"\n== {method} B{batch} {context}: TPOT {rec['tpot_ms']} ms, {rec['kernels_per_step']:.0f} kernels, "
+              f"{rec['gpu_kernel_ms']} ms kernel time; phases {rec['phases']}", flush=True)
+        for k in rec["kernels"][:22]:
+            print(f"  {k['us_per_step']:9.1f} us {k['per_step']:7.1f}x  {k['name'][:90]}")
+    (out_dir / f"profile-b{batch}.json").write_text(json.dumps(recs, indent=1))
+    return recs
+
+
+# ------------------------------------------------------------------------------ profile
+def profile_point(model, forecast, method: str, batch: int, context: int, traces, kv_dtype: str = "bf16") -> dict:
+    phases = {}
+    t = time.perf_counter()
+    selection = selection_config("minicpm-8b")
+    llm = pt.make_llm(model, method, selection, forecast, kv_dtype=kv_dtype)
+    steps = 24
+    cache = llm.new_cache(batch, context + steps + 2)
+    torch.cuda.synchronize()
+    phases["new_cache_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    pt.fill_cache(cache, model.shape, batch, context, llm.device, llm.dtype)
+    torch.cuda.synchronize()
+    phases["fill_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    replayer = None
+    if hasattr(cache, "fetch"):
+        trace = trace_for(traces, method)
+        masks = replay_masks(trace, model.shape.num_layers, model.shape.num_kv_heads, selection,
+                             [context] * batch, steps, cache.num_blocks).to(llm.device)
+        replayer = Replayer(masks)
+        replayer.install(cache)
+    phases["trace_s"] = time.perf_counter() - t
+    runner = llm.runner(cache)
+    runner.load(torch.zeros(batch, dtype=torch.long, device=llm.device),
+                torch.full((batch,), context, device=llm.device))
+    state = {"i": 0}
+
+    def step():
+        i = state["i"]
+        if replayer is not None:
+            replayer.step = i
+        runner.positions.fill_(context + i)
+        runner.step(context + i + 1)
+        state["i"] = i + 1
+
+    t = time.perf_counter()
+    for _ in range(6):
+        step()
+    torch.cuda.synchronize()
+    phases["warm_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(8):
+        step()
+    torch.cuda.synchronize()
+    tpot = (time.perf_counter() - t) / 8 * 1e3
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    by_name = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        by_name[ev.name][0] += 1
+        by_name[ev.name][1] += ev.time_range.elapsed_us()
+    kernels = sorted(({"name": k[:120], "per_step": v[0] / 3, "us_per_step": round(v[1] / 3, 1)}
+                      for k, v in by_name.items()), key=lambda r: -r["us_per_step"])
+    rec = {"method": method, "batch": batch, "context": context, "kv_dtype": kv_dtype, "tpot_ms": round(tpot, 3),
+           "kernels_per_step": sum(k["per_step"] for k in kernels),
+           "gpu_kernel_ms": round(sum(k["us_per_step"] for k in kernels) / 1e3, 3),
+           "phases": {k: round(v, 2) for k, v in phases.items()}, "kernels": kernels}
+    del runner, cache, replayer, llm
+    pt.release_memory(torch.device("cuda"))
+    return rec
+
+
+# -------------------------------------------------------------------------------- sweep
 def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
     from sparda.bench.models import random_forecast
     from sparda.cache import pinned
@@ -127,13 +627,8 @@ def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
         rows.append(row)
         log(row)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import prefill_gpu
-
-    for row in prefill_gpu.kernel_check() if DEV == "cuda" and not quick else []:  # the prefill selection kernel on the GPU
+    for row in prefill_selection_check(DEV) if DEV == "cuda" and not quick else []:  # the prefill selection kernel on the GPU
         rows.append({"check": "prefill selection bf16 vs twin", **row})
-
-    from cuda_graphs_gpu import _NoText, _random_model  # the same random 4-layer model and token-only tokenizer
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (1500, 2300, 700)]
@@ -149,7 +644,7 @@ def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
         for name, method, graphs, kv in runs:
             llm = LLM.from_model(model, method=method, preset="small", forecast=forecast, offload=True,
                                  cuda_graphs=graphs, kv_dtype=kv, **budget_sel)
-            llm.tokenizer = _NoText()
+            llm.tokenizer = NoText()
             out_ = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=64, ignore_eos=True)
             toks[name] = [o.token_ids for o in out_]
         row = {"check": f"lookahead on the selection stream ({str(dtype).replace('torch.', '')})",
@@ -167,8 +662,9 @@ def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
     return rows
 
 
-#: SMOKE=1: every part on the CPU with the tiny model at 2K (a test of this script, no numbers)
-SMOKE = bool(int(__import__("os").environ.get("SMOKE", "0")))
+#: ``SMOKE=1`` or ``sweep --smoke``: every part on the CPU with the tiny model at 2K (a test of
+#: this script, no numbers)
+SMOKE = bool(int(os.environ.get("SMOKE", "0")))
 
 
 def _sweep(out: Path, budget: float, **kw) -> list[dict]:
@@ -254,14 +750,11 @@ def grid_long(out: Path, budget: float) -> list[dict]:
 
 
 def early(out: Path, budget: float) -> list[dict]:
-    from cuda_graphs_gpu import _NoText, _random_model  # noqa: F401 (the random 4-layer model)
-
     from sparda.bench.models import random_forecast
     from sparda.engine.llm import LLM
     from sparda.kernels import slot_diff, twins
     from sparda.kernels.decode_attention import decode_attention_slots_triton
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     rows = []
     gen = torch.Generator(device=DEV).manual_seed(0)
     bsz, heads, groups, d, slots, bs = (4, 2, 16, 128, 96, 64) if DEV == "cuda" else (2, 2, 4, 16, 12, 16)
@@ -298,7 +791,7 @@ def early(out: Path, budget: float) -> list[dict]:
                                                ("no-prefetch", "sparda-no-prefetch", True, False)):
             llm = LLM.from_model(model, method=method, preset="small", forecast=forecast, offload=True,
                                  cuda_graphs=graphs, early_attention=early_on, **sel)
-            llm.tokenizer = _NoText()
+            llm.tokenizer = NoText()
             toks[name] = [o.token_ids for o in llm.generate(None, prompt_token_ids=prompts, max_new_tokens=64,
                                                              ignore_eos=True)]
         flat = lambda a: [t for x in toks[a] for t in x]  # noqa: E731
@@ -378,7 +871,7 @@ def _tune(path: Path, budget: float, points, configs, warm: int, timed: int) -> 
             if DEV == "cuda":
                 cache.prefetcher.stream = torch.cuda.Stream(device=llm.device, priority=prio)
                 cache.prefetcher.select_stream = torch.cuda.Stream(device=llm.device, priority=prio)
-            runner = DecodeRunner(llm, cache)
+            runner = DecodeRunner(llm.model_runner, cache)
             runner.load(torch.zeros(batch, dtype=torch.long, device=llm.device),
                         torch.full((batch,), context, device=llm.device))
             def step():
@@ -532,8 +1025,6 @@ def kvquant_check(quick: bool = False) -> list[dict]:
     from sparda.engine.llm import LLM
     from sparda.model.fused import FusedDecoder
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from cuda_graphs_gpu import _NoText, _random_model
 
     gen = torch.Generator().manual_seed(1)
     lengths, new, sel = (((1500, 2300, 700), 64, dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4,
@@ -551,11 +1042,11 @@ def kvquant_check(quick: bool = False) -> list[dict]:
                 llm = LLM.from_model(model, method="sparda", preset="small", forecast=forecast, offload=True,
                                      kv_dtype=kv, fused_decode=fused, **sel)
                 if fused and DEV != "cuda":  # the CUDA choice, on the CPU (kernel twins)
-                    llm._fused_checked, llm._fused = True, FusedDecoder(model, llm.method)
-                llm.tokenizer = _NoText()
+                    llm.model_runner._fused_checked, llm.model_runner._fused = True, FusedDecoder(model, llm.method)
+                llm.tokenizer = NoText()
                 out_ = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=new, ignore_eos=True)
                 toks[fused] = [o.token_ids for o in out_]
-                used[fused] = llm._fused_decoder() is not None
+                used[fused] = llm.model_runner.fused_decoder() is not None
             same = [a == b for x, y in zip(toks[True], toks[False]) for a, b in zip(x, y)]
             first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                      for x, y in zip(toks[True], toks[False])]
@@ -725,14 +1216,35 @@ PARTS = {"check": check, "recheck": recheck, "early": early, "tune": tune, "quic
          "hitrate": hitrate, "baselines": baselines, "quest": lambda out, budget: baselines(out, budget, ["quest"], "quest"), "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid, "grid-long": grid_long,
          "kvquant": kvquant, "kvmixed": kvmixed, "spare": spare, "tune-synth": tune_synth}
 
-if __name__ == "__main__":
-    out_dir, budget_s, parts = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-    bad = [p for p in parts if p not in PARTS]
-    if bad or not parts:
-        raise SystemExit(f"usage: decode_sweep_gpu.py OUT BUDGET_S PART...; parts: {', '.join(PARTS)}")
+
+# ------------------------------------------------------------------------------- report
+def build(inputs, out) -> tuple[Path, int, int]:
+    """Merge ``inputs`` and write the report into ``out``; returns ``(report path, kept, dropped)``.
+
+    Raises:
+        SpardaError: a bad input (see :func:`sparda.bench.records.load_runs`) or output path,
+            checked before anything is written.
+    """
+    from sparda.bench.records import dedup, load_runs, merged_env
+    from sparda.bench.report import write_report
+    from sparda.io import atomic_write, check_output_dir
+
+    out = check_output_dir(out, "--out")
+    entries, runs = load_runs(inputs)
+    records, dropped = dedup(entries)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "results.json", json.dumps(records, indent=1, default=str))
+    return write_report(records, merged_env(runs), out), len(records), dropped
+
+
+# ---------------------------------------------------------------------------- commands
+def cmd_sweep(args) -> int:
+    global SMOKE
+    SMOKE = SMOKE or args.smoke
+    out_dir, budget_s = Path(args.out), args.budget_s
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = []
-    for part in parts:
+    for part in args.parts:
         left = budget_s - (time.perf_counter() - T0)
         if left < 45:
             log(f"{part}: skipped (budget)")
@@ -756,3 +1268,143 @@ if __name__ == "__main__":
                   f" / {r.get('timed_step_ms')} tl {len(r.get('lookahead_timeline_us') or [])}"
                   f"  C {r.get('compute_alone_ms')}  T {r.get('transfer_alone_ms')}"
                   f"  eff {r.get('overlap_efficiency')}  par {r.get('graph_tokens_equal')}")
+    return 0
+
+
+def cmd_graphs(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.part == "parity":
+        graphs_parity(out)
+    elif args.part == "bundled":
+        graphs_bundled(out, args.gguf)
+    else:
+        recs = graphs_sweep(out, args.budget_s, args.names)
+        for r in recs:
+            print(r["method"], r["batch"], r["status"], r.get("decode_tok_s"), r.get("tpot_ms"),
+                  r.get("gpu_kernel_ms"), r.get("kernels_per_step"), r.get("graph_tokens_equal"))
+    return 0
+
+
+def cmd_fused(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if args.part == "kernels":
+        fused_kernels(out)
+    elif args.part == "parity":
+        fused_parity(out)
+    else:
+        fused_profile(out, args.context, args.batch, args.methods or ["sparda", "sparse-offload", "dense"])
+    print(f"[{args.part}: {time.perf_counter() - t0:.0f} s]")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    context, batch, kv_dtype = args.context, args.batch, args.kv_dtype
+    methods = args.methods or ["sparda", "sparse-offload", "dense"]
+    suffix = "" if kv_dtype == "bf16" else f"-{kv_dtype}"
+    t = time.perf_counter()
+    model = build_model("minicpm-8b", "cuda", torch.bfloat16, context + 1024)
+    forecast = random_forecast(model)
+    traces = load_traces(SHIPPED_TRACE)
+    print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
+    for method in methods:
+        rec = profile_point(model, forecast, method, batch, context, traces, kv_dtype)
+        (out / f"profile-{method}-b{batch}{suffix}.json").write_text(json.dumps(rec, indent=1))
+        print(f"\n== {method} B{batch} {context} KV {kv_dtype}: TPOT {rec['tpot_ms']} ms, {rec['kernels_per_step']:.0f} kernels, "
+              f"{rec['gpu_kernel_ms']} ms kernel time; phases {rec['phases']}", flush=True)
+        for k in rec["kernels"][:28]:
+            print(f"  {k['us_per_step']:9.1f} us {k['per_step']:7.1f}x  {k['name'][:90]}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from sparda.errors import SpardaError
+
+    try:
+        path, kept, dropped = build(args.inputs, args.out)
+    except SpardaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(f"wrote {path} ({kept} points; {dropped} older duplicates dropped)")
+    return 0
+
+
+def _doc_parser(sub, name: str, doc: str, short: str, **kw) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=short, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          **kw)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_decode.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+
+    p = _doc_parser(sub, "sweep", SWEEP_DOC, "parts of the decode grid (sweeps and checks) within a time budget")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.add_argument("budget_s", metavar="BUDGET_S", type=float, help="seconds for all the parts together")
+    p.add_argument("parts", nargs="+", metavar="PART", choices=list(PARTS), help=f"one of: {', '.join(PARTS)}")
+    p.add_argument("--smoke", action="store_true", help="every part on the CPU with the tiny model (as SMOKE=1)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = _doc_parser(sub, "graphs", GRAPHS_DOC, "CUDA graphs vs eager: parity, speed-up, the 128K sweep")
+    parts = p.add_subparsers(dest="part", required=True, metavar="PART")
+    q = parts.add_parser("parity", help="random model, every method, bf16 + fp32: graph tokens == eager tokens")
+    q.add_argument("out", metavar="OUT", help="output directory (parity.json)")
+    q = parts.add_parser("bundled", help="the bundled model on a ~7K-token passkey prompt, sparda and dense")
+    q.add_argument("out", metavar="OUT", help="output directory (bundled.json)")
+    q.add_argument("gguf", metavar="GGUF", help="the bundled model (GGUF file or any model path sparda accepts)")
+    q = parts.add_parser("sweep", help="MiniCPM-8B shape, 128K: every method at B4 / B8, offloaded at B16 / B24")
+    q.add_argument("out", metavar="OUT", help="output directory (sweep.json, sweep-<name>/)")
+    q.add_argument("budget_s", metavar="BUDGET_S", type=float, nargs="?", default=480.0,
+                   help="seconds for all sweeps [480]")
+    q.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"only these sweeps, of {', '.join(s[0] for s in GRAPH_SWEEPS)} [all]")
+    p.set_defaults(func=cmd_graphs)
+
+    p = _doc_parser(sub, "fused", FUSED_DOC, "the fused decode step: kernels vs twins, parity, profile (CUDA)")
+    parts = p.add_subparsers(dest="part", required=True, metavar="PART")
+    q = parts.add_parser("kernels", help="bf16/fp32 kernels vs PyTorch twins (real tl.dot)")
+    q.add_argument("out", metavar="OUT", help="output directory (kernels.json)")
+    q = parts.add_parser("parity", help="every method: fused graphs vs fused eager vs unfused")
+    q.add_argument("out", metavar="OUT", help="output directory (parity.json)")
+    q = parts.add_parser("profile", help="kernels by name of a replayed step, per method")
+    q.add_argument("out", metavar="OUT", help="output directory (profile-b<BATCH>.json)")
+    q.add_argument("context", metavar="CONTEXT", type=int, nargs="?", default=131072, help="tokens [131072]")
+    q.add_argument("batch", metavar="BATCH", type=int, nargs="?", default=4, help="rows [4]")
+    q.add_argument("methods", nargs="*", metavar="METHOD", help="[sparda sparse-offload dense]")
+    p.set_defaults(func=cmd_fused, needs_cuda=True)
+
+    p = _doc_parser(sub, "profile", PROFILE_DOC, "GPU time of a replayed decode step by kernel name (CUDA)")
+    p.add_argument("out", metavar="OUT", help="output directory (profile-<method>-b<B>[-<kv_dtype>].json)")
+    p.add_argument("context", metavar="CONTEXT", type=int, nargs="?", default=131072, help="tokens [131072]")
+    p.add_argument("batch", metavar="BATCH", type=int, nargs="?", default=4, help="rows [4]")
+    p.add_argument("methods", nargs="*", metavar="METHOD", help="[sparda sparse-offload dense]")
+    p.add_argument("--kv-dtype", default=os.environ.get("KV_DTYPE", "bf16"),
+                   help="KV cache dtype: bf16, int8, int4 (docs/kv_quant.md) [$KV_DTYPE or bf16]")
+    p.set_defaults(func=cmd_profile, needs_cuda=True)
+
+    p = _doc_parser(sub, "report", REPORT_DOC, "merge sweep records into one report: markdown, plots (CPU)")
+    p.add_argument("inputs", nargs="+", metavar="RUN_DIR_OR_JSON", help="sweep outputs to merge")
+    p.add_argument("--out", required=True, help="output directory for results.json, report.md and the plots")
+    p.set_defaults(func=cmd_report)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if getattr(args, "needs_cuda", False) and not torch.cuda.is_available():
+        ap.error(f"{args.command} needs a CUDA GPU")
+    unknown = [n for n in getattr(args, "names", None) or () if n not in [s[0] for s in GRAPH_SWEEPS]]
+    if unknown:
+        ap.error(f"graphs sweep: unknown NAME {', '.join(unknown)}; choose from "
+                 f"{', '.join(s[0] for s in GRAPH_SWEEPS)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
