@@ -33,7 +33,9 @@ def _plan(model_dir, out, batch_size=2):
 
 def _counting(monkeypatch):
     calls = {"generate": 0, "logits": 0}
-    generate, logits = LLM.generate, LLM.logits
+    from sparda.engine.runner import ModelRunner
+
+    generate, logits = LLM.generate, ModelRunner.logits
 
     def counted_generate(self, *a, **k):
         calls["generate"] += 1
@@ -44,7 +46,7 @@ def _counting(monkeypatch):
         return logits(self, *a, **k)
 
     monkeypatch.setattr(LLM, "generate", counted_generate)
-    monkeypatch.setattr(LLM, "logits", counted_logits)
+    monkeypatch.setattr(ModelRunner, "logits", counted_logits)
     return calls
 
 
@@ -394,7 +396,7 @@ def test_prefill_tokens_that_fit_bounds_the_batched_prefill(monkeypatch, make_ti
     bound, nor below the default."""
     from types import SimpleNamespace
 
-    from sparda.engine.llm import DEFAULT_PREFILL_BATCH_TOKENS
+    from sparda.config import DEFAULT_PREFILL_BATCH_TOKENS
     from sparda.eval import runner
     from sparda.eval.runner import _Models
 
@@ -402,7 +404,7 @@ def test_prefill_tokens_that_fit_bounds_the_batched_prefill(monkeypatch, make_ti
     wanted = 100 * (400 + 256)  # batch x (longest length + the prompt slack)
     for fit, want in ((1 << 62, wanted), (20_000, 20_000), (1_000, DEFAULT_PREFILL_BATCH_TOKENS)):
         monkeypatch.setattr(runner, "prefill_tokens_that_fit", lambda llm, fit=fit: fit)
-        assert _Models(plan).base.prefill_batch_tokens == want, fit
+        assert _Models(plan).base.config.runtime.prefill_batch_tokens == want, fit
     monkeypatch.undo()
 
     import torch

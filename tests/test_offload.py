@@ -131,7 +131,7 @@ def test_offloaded_shallow_matches_device_shallow(tiny, shallow_layers):
     stats = cache.offload_stats(96)
     assert stats["misses"] > 0 and stats["hits"] > 0
     assert off.method.read_fraction() < 0.9  # the deep layers read a subset
-    with pytest.raises(SpardaError, match="--shallow-select-once does not run offloaded"):
+    with pytest.raises(SpardaError, match="shallow_select_once=True does not run offloaded"):
         _llm(tiny, "shallow", offload=True, shallow_select_once=True)
 
 
@@ -471,15 +471,17 @@ def test_copy_time_is_zero_when_nothing_was_copied():
 
 
 def test_offload_defaults():
-    """sparda offloads by default on CUDA only; no other method offloads unless asked."""
-    from sparda.config import METHODS
-    from sparda.engine.llm import default_offload
+    """sparda offloads by default on CUDA only; no other method offloads unless asked
+    (sparse-offload and sparda-no-prefetch always do)."""
+    from sparda.config import ALWAYS_OFFLOADED, METHODS, build_config
 
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert default_offload("sparda", cuda)
-    assert not default_offload("sparda", cpu)
-    for method in set(METHODS) - {"sparda"}:
-        assert not default_offload(method, cuda) and not default_offload(method, cpu)
+    def offloaded(method, cuda):
+        config = build_config(method=method, device="cuda" if cuda else "cpu", cuda_available=cuda)
+        return config.offload or method in ALWAYS_OFFLOADED
+
+    assert offloaded("sparda", True) and not offloaded("sparda", False)
+    for method in set(METHODS) - {"sparda", *ALWAYS_OFFLOADED}:
+        assert not offloaded(method, True) and not offloaded(method, False)
 
 
 def test_sparda_on_cpu_keeps_cache_on_device(tiny, forecast_file):

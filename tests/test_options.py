@@ -23,7 +23,6 @@ BAD = [
      ["--method", "sparse-offload", "--transfer", "uva", "--device", "cpu"], "needs a CUDA device"),
     (dict(slot_factor=0.5), ["--slot-factor", "0.5"], "must be a number >= 1"),
     (dict(prefill_chunk_tokens=-1), ["--prefill-chunk", "-1"], "must be an integer >= 0"),
-    (dict(method="sparse", topk_blocks=0), ["--method", "sparse", "--topk-blocks", "0"], "no scored block"),
     (dict(local_blocks=0), ["--local-blocks", "0"], "must be >= 1"),
     (dict(block_size=40), ["--block-size", "40"], "must divide"),
     (dict(method="dense", offload=True), ["--method", "dense", "--offload"], "not supported for method 'dense'"),
@@ -121,3 +120,16 @@ def test_cpu_threads_leave_busy_cores_alone(monkeypatch):
     assert cpu_threads() == 3
     assert build_config(method="dense", device="cpu", cpu_threads=2).runtime.cpu_threads == 2
     assert build_config(method="dense", device="cpu").runtime.cpu_threads == 3
+
+
+def test_a_budget_without_scored_blocks_is_said(caplog):
+    from sparda.config import _note, build_config
+
+    _note.cache_clear()
+    with caplog.at_level("WARNING", logger="sparda"):
+        build_config(method="sparse", device="cpu", topk_blocks=0)
+        build_config(method="sparse", device="cpu", topk_blocks=0)
+        build_config(method="streaming", device="cpu", topk_blocks=0)
+    notes = [r.getMessage() for r in caplog.records if "no scored block" in r.getMessage()]
+    assert notes == ["note: topk_blocks 0 leaves method sparse no scored block: it reads the sinks and the local "
+                     "window only (--method streaming does the same without scoring)"]

@@ -9,6 +9,8 @@ most recent blocks (current partial block included) and ``topk_blocks`` scored b
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -276,6 +278,12 @@ class OptionError(SpardaError):
         self.option = option
 
 
+@functools.lru_cache(maxsize=None)
+def _note(message: str) -> None:
+    """Say ``message`` once per process on stderr (logger ``sparda``)."""
+    logging.getLogger("sparda").warning(message)
+
+
 def _fail(option: str, message: str):
     raise OptionError(option, message)
 
@@ -460,9 +468,9 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             _fail(key, f"{key} must be an integer, got {value!r}")
     selection = SelectionConfig.from_preset(preset, **sel)
-    if method in SCORED_METHODS and selection.topk_blocks < 1:
-        _fail("topk_blocks", f"topk_blocks 0 leaves method {method} no scored block to select; use --topk-blocks 1 "
-                             "or more, or --method streaming for sinks and the local window only")
+    if method in SCORED_METHODS and selection.topk_blocks < 1:  # allowed (the eval's smallest budgets), but said
+        _note(f"note: topk_blocks 0 leaves method {method} no scored block: it reads the sinks and the local window "
+              "only (--method streaming does the same without scoring)")
     sparse_prefill = resolve_sparse_prefill(preset, _flag("sparse_prefill", get("sparse_prefill")),
                                             _flag("dense_prefill", get("dense_prefill")))
     if defaults == "bench" and get("sparse_prefill") is None and get("dense_prefill") is None:
