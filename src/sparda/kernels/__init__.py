@@ -1,8 +1,9 @@
 """Kernels for block-sparse attention, dispatched by tensor device (design §3, §4, §6).
 
-Each function runs its Triton kernel when every tensor is on CUDA, Triton imports and the
-head dim is a power of two >= 16; otherwise the PyTorch twin (:mod:`~sparda.kernels.reference`,
-:mod:`~sparda.kernels.twins`), same result. No environment variable or global switch.
+Each function runs its Triton kernel when its tensors are on CUDA, Triton imports and (where
+a head dim is tiled) it is a power of two >= 16; otherwise the PyTorch twin
+(:mod:`~sparda.kernels.reference`, :mod:`~sparda.kernels.twins`), same result. No
+environment variable or global switch.
 
 Shapes: ``B`` batch, ``H`` KV heads, ``G`` query heads per KV head, ``T`` key tokens, ``Tq``
 query tokens, ``C`` compressed keys, ``N`` KV blocks, ``W`` id-list width, ``S`` slots,

@@ -2,7 +2,7 @@
 
 One program per (row, KV head) writes ``load``, the updated ``slot_map``, ``attn_ids``, the
 optional compact list and the counters of :func:`sparda.kernels.slot_diff`; membership is an
-``[S, W]`` comparison matrix. Twin: :func:`sparda.kernels.twins.diff_slots`.
+``[S, W]`` comparison matrix. Twin: :func:`sparda.kernels.twins.slot_diff_reference`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def ids_to_block_mask(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                block_ids: torch.Tensor, kv_len: torch.Tensor,
                                block_size: int) -> torch.Tensor:
-    """Twin of :func:`sparda.kernels.decode_attention` (same arguments, no shape checks)."""
+    """Twin of :func:`sparda.kernels.decode_attention` on unquantised K/V (no shape checks)."""
     num_blocks = -(-k.shape[2] // block_size)
     mask = ids_to_block_mask(block_ids, num_blocks)[:, :, None]  # [B, H, 1, N]
     q_pos = (kv_len.long() - 1).view(-1, 1)
