@@ -1,9 +1,6 @@
-"""Issue #20's "Done when", checked against bench records: one verdict per criterion.
-
-Each criterion of :data:`ISSUE20` (its wording from the issue, its thresholds beside it)
-becomes one :class:`Verdict`: ``PASS`` when every point it covers meets the threshold,
-``FAIL`` when one does not (the measured text names the worst), ``NOT MEASURED`` when no
-record covers it (or only part of it, none failing). Only ``ok`` records count.
+"""Issue #20's "Done when", checked against ``ok`` bench records: per criterion of
+:data:`ISSUE20` a :class:`Verdict`, ``PASS``, ``FAIL`` (naming the worst point) or
+``NOT MEASURED``.
 """
 
 from __future__ import annotations
@@ -161,13 +158,9 @@ def _capped(key: str, crit: dict, records: list[dict]) -> Verdict:
 
 def judged(records: list[dict], slot_factor: float | None = DEFAULT_SLOT_FACTOR,
            early_attention: bool | None = False) -> list[dict]:
-    """The records issue #20's verdicts judge (:func:`check_issue20`): bf16 KV caches only (the
-    issue's numbers are for an unquantised cache; records without ``kv_dtype`` predate
-    quantisation and are bf16), and the engine as users get it: of offloaded methods only those
-    run at ``slot_factor`` (the shipped default; records written before spare slots count as
-    1.0, :func:`~sparda.bench.records.record_field`) and, for every method, with
-    ``early_attention`` as given (off by default, as in ``LLM``; records without the field ran
-    without it). ``None``: any slot factor / either setting."""
+    """The records the verdicts judge: bf16 KV (no ``kv_dtype``: bf16), offloaded methods at
+    ``slot_factor`` (missing: 1.0) and every method with ``early_attention`` as given (missing:
+    off); ``None``: any."""
     return [r for r in records if record_field(r, "kv_dtype") == "bf16"
             and (slot_factor is None or r.get("kv") != "host" or record_field(r, "slot_factor") == slot_factor)
             and (early_attention is None or bool(record_field(r, "early_attention")) == early_attention)]

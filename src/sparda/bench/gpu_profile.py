@@ -1,11 +1,5 @@
-"""What a ``torch.profiler`` trace says about where a GPU run's wall time goes.
-
-Two questions the benchmarks ask of a trace: which kernels take the GPU time
-(:func:`kernel_summary`), and how long the GPU sat idle while the host was busy: the host
-launching kernels, or waiting in a synchronising runtime call (:func:`gap_summary`, the
-union of kernel intervals over every stream against the wall time, and the count and host
-time of the CUDA runtime calls that block or allocate). :func:`profile_call` records one call
-and returns both.
+"""What a ``torch.profiler`` trace says about a GPU run: kernel time (:func:`kernel_summary`)
+and GPU idle time with the blocking runtime calls behind it (:func:`gap_summary`).
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaMallocHost", "cud
 
 
 def busy_us(intervals) -> float:
-    """Length of the union of ``[start, end)`` intervals (any units; here µs): the time at
-    least one of them runs. Empty or zero-length intervals add nothing; the order is free."""
+    """Length of the union of ``[start, end)`` intervals (µs here), in any order."""
     total, end = 0.0, None
     for lo, hi in sorted((float(a), float(b)) for a, b in intervals if b > a):
         if end is None or lo > end:
@@ -42,10 +35,8 @@ def _is_kernel(ev) -> bool:
 
 
 def kernel_summary(events, steps: int = 1, top: int = 12) -> dict:
-    """``kernels_per_step``, ``gpu_kernel_ms`` (summed kernel time per step over every stream,
-    ms) and ``kernel_top`` (the ``top`` kernel names with the most time: launches and ms per
-    step) of a profiler's ``events()`` covering ``steps`` steps. Memcpy/memset records are
-    left out; kernels inside replayed CUDA graphs count one by one."""
+    """``kernels_per_step``, ``gpu_kernel_ms`` (ms per step, every stream) and ``kernel_top`` of
+    profiler ``events`` over ``steps`` steps; memcpy/memset excluded, graph kernels one by one."""
     kernels, total_us, by_name = 0, 0.0, {}
     for ev in events:
         if not _is_kernel(ev):
@@ -62,11 +53,9 @@ def kernel_summary(events, steps: int = 1, top: int = 12) -> dict:
 
 
 def gap_summary(events, wall_ms: float) -> dict:
-    """Where the GPU idled: ``gpu_busy_ms`` (union of the kernel intervals of every stream,
-    memcpy included: a copy keeps the device busy), ``gpu_idle_ms = wall_ms - gpu_busy_ms``
-    (clamped at 0), and per runtime call of :data:`SYNC_CALLS` / :data:`ALLOC_CALLS` seen
-    in the trace its count and host ms (``runtime_calls``). ``wall_ms``: the host's time of the
-    profiled call (the profiler's own overhead included)."""
+    """``gpu_busy_ms`` (union of kernel and memcpy intervals), ``gpu_idle_ms = wall_ms -
+    gpu_busy_ms`` (>= 0) and ``runtime_calls`` (count, host ms of :data:`SYNC_CALLS` /
+    :data:`ALLOC_CALLS`); ``wall_ms`` the profiled call's host time."""
     device = [(ev.time_range.start, ev.time_range.end) for ev in events
               if ev.device_type == torch.autograd.DeviceType.CUDA]
     busy = busy_us(device) / 1e3
@@ -84,10 +73,8 @@ def gap_summary(events, wall_ms: float) -> dict:
 
 
 def profile_call(fn, *, cuda: bool | None = None) -> dict:
-    """Run ``fn()`` once under ``torch.profiler`` (CPU activity, and CUDA when ``cuda``:
-    default ``torch.cuda.is_available()``) and return :func:`kernel_summary` merged with
-    :func:`gap_summary`. The device is synchronised before and after the call, inside the
-    profiled region, so the wall time covers the GPU work the call queued."""
+    """``fn()`` once under ``torch.profiler`` (CUDA activity when ``cuda``), synchronised inside:
+    :func:`kernel_summary` merged with :func:`gap_summary`."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available() if cuda is None else cuda

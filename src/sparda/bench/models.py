@@ -1,20 +1,5 @@
-"""Random-weight Llama-family models at named shapes, for throughput benchmarks.
-
-The weights are random (``nn.Linear`` default init), so these models measure speed and
-memory, never quality. They are built through ``transformers.LlamaConfig`` and our
-:class:`~sparda.model.llama.CausalLM`, so the same runtime (caches, methods, kernels)
-runs them as a real checkpoint.
-
-Shapes (``MODEL_SPECS``):
-
-* ``llama-8b``: Llama-3-8B: 32 layers, 32 Q / 8 KV heads, d 128, hidden 4096, MLP 14336,
-  vocab 128256;
-* ``minicpm-8b``: MiniCPM4.1-8B's attention geometry: 32 layers, 32 Q / 2 KV heads, d 128,
-  hidden 4096, MLP 16384, vocab 73448 (MiniCPM's muP scalings are left out: they do not
-  change the bytes or FLOPs of a step);
-* ``bundled``: SmolLM2-135M-Instruct's shape (30 layers, 9 Q / 3 KV, d 64, hidden 576,
-  MLP 1536, vocab 49152, tied embeddings), random weights;
-* ``tiny``: 4 layers, 4 Q / 2 KV, d 32, hidden 128 (CPU tests, ``--quick``).
+"""Random-weight Llama-family models at named shapes (:data:`MODEL_SPECS`, docs/bench.md):
+speed and memory only, never quality; built through our :class:`~sparda.model.llama.CausalLM`.
 """
 
 from __future__ import annotations
@@ -32,12 +17,8 @@ from sparda.model.llama import CausalLM
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A named model shape plus the selection budget benchmarked with it (design §3 presets).
-
-    Attributes: ``layers``, ``q_heads``, ``kv_heads``, ``head_dim``, ``hidden``, ``mlp``
-    (intermediate size), ``vocab``; ``tie`` (tied embeddings); ``preset`` and
-    ``selection`` (overrides of the preset's fields).
-    """
+    """A model shape (``layers``, ``q_heads``, ``kv_heads``, ``head_dim``, ``hidden``, ``mlp``,
+    ``vocab``, ``tie``) plus its budget (``preset``, ``selection`` overrides; design §3.6)."""
 
     layers: int
     q_heads: int
@@ -69,18 +50,14 @@ def model_spec(name: str) -> ModelSpec:
 
 
 def selection_config(name: str) -> SelectionConfig:
-    """The selection budget benchmarked with model ``name`` (paper preset for 8B shapes, design §3).
-
-    Raises:
-        SpardaError: unknown name, or a preset/override the config rejects.
-    """
+    """The selection budget of model ``name`` (design §3.6). Raises SpardaError for an unknown
+    name or a rejected preset/override."""
     spec = model_spec(name)
     return SelectionConfig.from_preset(spec.preset, **spec.selection)
 
 
 def spec_weight_bytes(name: str, dtype: torch.dtype) -> int:
-    """Bytes of all the weights of model ``name`` in ``dtype`` (embedding, attention, MLP,
-    norms, LM head unless tied), counted from its :class:`ModelSpec` without building it."""
+    """Bytes of every weight of ``name`` in ``dtype``, from its :class:`ModelSpec`."""
     s = model_spec(name)
     attn = s.hidden * s.head_dim * (2 * s.q_heads + 2 * s.kv_heads)  # q, o and k, v projections
     layer = attn + 3 * s.hidden * s.mlp + 2 * s.hidden
@@ -89,8 +66,7 @@ def spec_weight_bytes(name: str, dtype: torch.dtype) -> int:
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
-    """Memory that can hold new weights on ``device``: free GPU memory on CUDA, the
-    kernel's ``MemAvailable`` (else free pages) on the CPU; ``None`` if unknown."""
+    """Bytes free for weights: free GPU memory, or ``MemAvailable`` on the CPU; ``None`` if unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -104,12 +80,10 @@ def available_memory_bytes(device: torch.device) -> int | None:
 
 
 def check_models_fit(names, device: torch.device, dtype: torch.dtype, limit_bytes: float | None = None) -> None:
-    """Refuse, before anything is allocated, a model whose weights cannot fit on ``device``.
+    """Refuse, before allocating, a model whose weights exceed the free memory or ``limit_bytes``.
 
-    Args:
-        names: bench model names. limit_bytes: a cap (``--gpu-mem-gb``) below the free memory.
     Raises:
-        SpardaError: naming the model, the bytes its weights need and the bytes available.
+        SpardaError: naming the model, the bytes needed and available.
     """
     available = available_memory_bytes(device)
     if limit_bytes is not None:
@@ -129,13 +103,10 @@ def check_models_fit(names, device: torch.device, dtype: torch.dtype, limit_byte
 
 def build_model(name: str, device: torch.device | str, dtype: torch.dtype,
                 max_positions: int = 131072, seed: int = 0) -> CausalLM:
-    """A random-weight :class:`CausalLM` of shape ``name`` on ``device`` in ``dtype``.
+    """A random-weight :class:`CausalLM` of shape ``name``; ``max_positions`` in tokens.
 
-    Args:
-        max_positions: the config's ``max_position_embeddings`` (tokens; RoPE is computed
-            from positions, so this only documents the longest context benchmarked).
     Raises:
-        SpardaError: unknown name, or the weights do not fit on the device.
+        SpardaError: unknown name, or the weights do not fit.
     """
     from transformers import LlamaConfig
 
@@ -166,8 +137,7 @@ def random_forecast(model: CausalLM, seed: int = 0) -> Forecast:
 
 
 def weight_bytes(model: CausalLM) -> int:
-    """Bytes of weights one decode step reads: every parameter except the input embedding
-    (a decode step gathers ``B`` of its rows; it still counts once if tied to the LM head)."""
+    """Bytes of weights a decode step reads: every parameter but the input embedding (unless tied)."""
     seen, total = set(), 0
     embed = model.model.embed_tokens.weight
     tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
@@ -180,8 +150,7 @@ def weight_bytes(model: CausalLM) -> int:
 
 
 def method_extra_bytes(llm) -> int:
-    """Bytes of method-owned weights read per step (the Forecast of ``sparda*``; InfiniGen's
-    partial query weights); 0 for the others."""
+    """Bytes of method-owned weights read per step (Forecast, InfiniGen's partial query); else 0."""
     method = llm.method
     tensors = []
     if hasattr(method, "forecast"):

@@ -1,10 +1,5 @@
-"""One benchmark point: build the method's LLM, fill a cache directly, time prefill and decode.
-
-Decode points do not run a prefill: the KV cache of a random model is written directly
-(:func:`fill_cache`: random post-RoPE K/V per layer, appended through the cache's own
-prefill path, so compressed keys, host copies and partial-block slots are exactly what
-a prefill would leave). Prefill throughput and TTFT are measured separately on one
-sequence of ``min(context, prefill_tokens)`` random tokens (:func:`measure_prefill`).
+"""One benchmark point: build the method's LLM, fill a cache directly, time prefill and decode
+(docs/bench.md, How each number is measured).
 """
 
 from __future__ import annotations
@@ -49,10 +44,8 @@ def check_deadline(deadline: float | None) -> None:
 
 def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cuda_graphs: bool = True,
              kv_dtype: str = "bf16", slot_factor: float | None = None) -> LLM:
-    """The LLM a sweep method runs: ``sparda`` is the offloaded, prefetching SparDA;
-    ``dense``, ``sparse``, ``infinigen`` keep the KV cache on the device. ``cuda_graphs``:
-    decode steps replay CUDA graphs on CUDA (docs/cuda_graphs.md). ``kv_dtype``: the KV
-    cache's storage (``bf16`` or ``int8``/``int4``, docs/kv_quant.md)."""
+    """The LLM a sweep method runs (``sparda``: offloaded with prefetch; ``dense``, ``sparse``,
+    ``infinigen``: on-device cache); ``cuda_graphs`` (docs/cuda_graphs.md), ``kv_dtype`` (docs/kv_quant.md)."""
     fields = {f: getattr(selection, f) for f in ("block_size", "kernel_size", "kernel_stride", "init_blocks",
                                                  "local_blocks", "topk_blocks", "dense_len")}
     return LLM.from_model(model, method=method, preset="small", forecast=forecast, transfer=transfer,
@@ -61,10 +54,8 @@ def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cu
 
 
 def release_memory(device: torch.device) -> None:
-    """Give freed memory back: Python garbage, the CUDA caching allocator, the caching
-    *host* allocator and sparda's pool of page-locked host buffers (both keep freed pinned
-    memory, the pool the host KV cache of the last point, :mod:`sparda.cache.pinned`), so
-    that the next point sees the host's free memory and its own peak RSS."""
+    """Give freed memory back: Python garbage, the CUDA and host caching allocators and
+    :mod:`sparda.cache.pinned`'s pool, so the next point sees the free host memory."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -93,16 +84,10 @@ def is_oom(exc: BaseException) -> bool:
 def kv_need_bytes(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int,
                   capacity: int, slot_factor: float = DEFAULT_SLOT_FACTOR,
                   hot_blocks: int | None = None) -> tuple[int, int]:
-    """``(device_bytes, host_bytes)`` of the K and V of a point's cache (``capacity`` tokens
-    per row), in ``kv_dtype`` (a quantised cache: codes plus fp32 scales,
-    :func:`sparda.kernels.quant.token_bytes`). Offloaded methods (:data:`HOST_KV`) keep
-    layer 0 on the device and the other layers' whole blocks on the host, plus on the
-    device each offloaded layer's slot buffer of ``S + 1`` blocks (``S`` =
-    :func:`~sparda.cache.offload.spare_slot_count` of ``slot_factor``, design §6); the
-    others keep every layer on the device. ``mixed`` (offloaded only, design §6.1): the host
-    holds the int4 blocks plus the hot pool of ``hot_blocks`` blocks (``None``: the default
-    :func:`~sparda.cache.hot.default_hot_blocks`) per layer, row and KV head in ``dtype``; the
-    device holds layer 0 and the slots in ``dtype`` and the int4 staging of ``S`` blocks."""
+    """``(device_bytes, host_bytes)`` of a point's K and V, ``capacity`` tokens per row, in
+    ``kv_dtype`` (:func:`sparda.kernels.quant.token_bytes`). Offloaded methods (:data:`HOST_KV`):
+    layer 0 and ``S + 1`` slots per offloaded layer on the device, whole blocks on the host
+    (design §6; ``mixed``, design §6.1, adds the hot pool and the int4 staging)."""
     from sparda.kernels.quant import slot_dtype, store_dtype
 
     def per_token(kind: str) -> int:  # K and V of one token in every KV head of every row, one layer
@@ -127,8 +112,7 @@ def kv_need_bytes(method: str, shape, selection, kv_dtype: str, dtype: torch.dty
 
 
 def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
-    """``(device_bytes, host_bytes)`` the KV cache of a point needs (K and V only, in the
-    LLM's ``kv_dtype`` and ``slot_factor``: :func:`kv_need_bytes`)."""
+    """``(device_bytes, host_bytes)`` of a point's KV cache (:func:`kv_need_bytes`)."""
     return kv_need_bytes(llm.config.method, llm.shape, llm.config.selection, llm.config.cache.kv_dtype, llm.dtype, batch,
                          capacity, getattr(llm, "slot_factor", DEFAULT_SLOT_FACTOR),
                          hot_blocks=(getattr(llm, "kv_hot", None) or {}).get("hot_blocks"))
@@ -136,9 +120,8 @@ def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
 
 def largest_batch(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, capacity: int,
                   host_limit_bytes: float | None = None, device_limit_bytes: float | None = None) -> int:
-    """The largest batch whose KV cache (:func:`kv_need_bytes`, linear in the batch) fits
-    in ``host_limit_bytes`` of host memory and ``device_limit_bytes`` of device memory
-    (``None``: no limit on that side; at least one must be given). 0 if not even one row fits.
+    """Largest batch whose KV cache fits ``host_limit_bytes`` and ``device_limit_bytes`` (``None``:
+    no limit on that side); 0 if one row does not fit.
 
     Raises:
         SpardaError: neither limit given, or no limit bounds this method's cache.
@@ -153,17 +136,13 @@ def largest_batch(method: str, shape, selection, kv_dtype: str, dtype: torch.dty
 
 
 def run_steps(opts, name: str) -> int:
-    """Steps of the optional run ``name`` (``timing_steps``, ``overlap_steps``, ...) of ``opts``:
-    0 when absent, the TPOT's ``decode_steps * repeats`` when ``None`` (the copy timing and the
-    overlap runs then cover exactly the TPOT's steps)."""
+    """Steps of run ``name`` of ``opts``: 0 when absent, ``decode_steps * repeats`` when ``None``."""
     value = getattr(opts, name, 0)
     return opts.decode_steps * opts.repeats if value is None else int(value)
 
 
 def point_capacity(context: int, opts) -> int:
-    """Tokens per row of the cache :func:`decode_point` allocates: ``context`` plus every
-    step it runs (warm-up, timed repeats, breakdown, profile, copy timing, parity, overlap
-    runs and their warm-ups/captures) plus one. ``opts`` as :func:`decode_point`'s."""
+    """Tokens per row of the cache :func:`decode_point` allocates: ``context`` plus every step it runs, plus one."""
     extra = (getattr(opts, "profile_steps", 0) + run_steps(opts, "timing_steps") + 2  # + timed warm-up/capture
              + getattr(opts, "parity_steps", 0) + run_steps(opts, "overlap_steps") + 3)
     total_steps = opts.warmup_steps + opts.decode_steps * opts.repeats + opts.breakdown_steps + extra
@@ -183,12 +162,8 @@ def check_memory(llm: LLM, batch: int, capacity: int, host_limit: float | None) 
 
 
 def fill_cache(cache, shape, batch: int, context: int, device, dtype, seed: int = 0) -> None:
-    """Write ``context`` random post-RoPE K/V tokens into every row of ``cache`` (no model run).
-
-    Per layer one ``[1, H_kv, context, d]`` standard-normal K and V in ``dtype`` (seeded),
-    appended as a prefill of each of the ``batch`` rows. Raises SpardaError (from the
-    cache) if ``context`` exceeds its capacity.
-    """
+    """Write ``context`` seeded standard-normal post-RoPE K/V tokens (``dtype``) into every row of
+    ``cache`` through its prefill path. Raises SpardaError past its capacity."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q_pos = torch.arange(context, device=device).view(1, -1)
     for layer in range(shape.num_layers):
@@ -205,8 +180,7 @@ def fill_cache(cache, shape, batch: int, context: int, device, dtype, seed: int 
 
 
 def prime_method(method, cache, context: int) -> None:
-    """Give a stateful selector (``quest``, ``h2o``, ``snapkv``, ``shallow``) its per-row state
-    for a cache that :func:`fill_cache` wrote without a prefill (``state_from_cache``)."""
+    """Give a stateful selector its per-row state for a :func:`fill_cache` cache (``state_from_cache``)."""
     if hasattr(method, "state_from_cache"):
         with torch.inference_mode():  # the state tensors are inference tensors
             method.state_from_cache(cache, context)
@@ -224,12 +198,8 @@ def host_rss_bytes() -> int:
 
 
 def measure_prefill(llm: LLM, tokens: int, seed: int = 0) -> dict:
-    """TTFT and prefill tok/s of one random prompt of ``tokens`` tokens (on CUDA after a
-    warm-up prefill just past the dense fallback, which compiles the kernels).
-
-    Returns ``{"prefill_tokens", "ttft_ms" (ms, wall clock after a device sync),
-    "prefill_tok_s" (tokens/s)}``.
-    """
+    """``{"prefill_tokens", "ttft_ms", "prefill_tok_s"}`` of one random ``tokens``-token prompt
+    (ms wall clock after a device sync; tokens/s)."""
     vocab = llm.model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     cfg = llm.config.selection
@@ -251,19 +221,16 @@ def measure_prefill(llm: LLM, tokens: int, seed: int = 0) -> dict:
 def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, bandwidth: dict,
                  traces=None, deadline: float | None = None, hit_rate: float | None = None,
                  hit_rates=()) -> dict:
-    """Measure one decode point (module doc); returns the measured fields of a record.
+    """Measure one decode point; returns the record's measured fields (docs/bench.md).
 
     ``opts``: ``warmup_steps``, ``decode_steps``, ``repeats``, ``breakdown_steps``,
-    ``host_limit_bytes``, optionally ``profile_steps``, ``timing_steps``, ``parity_steps``,
-    ``overlap_steps`` (:func:`overlap_timing`), ``gpu_mem_gb``. ``hit_rate``: offloaded
-    methods replay :func:`synthetic_masks` of that step-to-step reuse instead of
-    ``traces`` (recorded as ``target_hit_rate``). ``hit_rates``: offloaded methods
-    measure each of these reuses too, on the same filled cache and captured graphs (the
-    replayed block ids are swapped in place), returned as ``rec["hit_rate_points"]``, a
-    list of records to merge over this one. ``deadline``: a ``time.perf_counter()``
-    value checked before every decode step. Raises :class:`OutOfMemory` (or the
-    allocator's error) if the cache does not fit, :class:`TimeBudgetExceeded` once
-    ``deadline`` has passed.
+    ``host_limit_bytes``, optional ``profile_steps``, ``timing_steps``, ``parity_steps``,
+    ``overlap_steps``, ``gpu_mem_gb``. ``hit_rate``: replay :func:`~sparda.bench.traces.synthetic_masks`
+    instead of ``traces``; ``hit_rates``: also each of these, as ``rec["hit_rate_points"]``.
+    ``deadline``: a ``time.perf_counter()`` value checked before every decode step.
+
+    Raises:
+        OutOfMemory: the cache does not fit. TimeBudgetExceeded: past ``deadline``.
     """
     dev, s, cfg = llm.device, llm.shape, llm.config.selection
     capacity = point_capacity(context, opts)
@@ -439,9 +406,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
 
 
 def profile_kernels(step, steps: int) -> dict:
-    """:func:`sparda.bench.gpu_profile.kernel_summary` (``kernels_per_step``,
-    ``gpu_kernel_ms``, ``kernel_top``) of ``steps`` calls of ``step()``, from
-    ``torch.profiler`` (CUDA activity; kernels inside replayed CUDA graphs count one by one)."""
+    """:func:`sparda.bench.gpu_profile.kernel_summary` of ``steps`` calls of ``step()``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -453,18 +418,14 @@ def profile_kernels(step, steps: int) -> dict:
 
 
 def restart(state: dict, cache, index: int = 0) -> None:
-    """Start the replayed steps over from the filled context: step index ``index``
-    (positions ``context + i`` are rewritten) and, for an offloaded cache, empty slots."""
+    """Start the replayed steps over at step ``index`` from the filled context (offloaded: empty slots)."""
     state["i"] = index
     for layer in getattr(cache, "offloaded", ()):
         cache.slot_map[layer].fill_(-1)
 
 
 def replay_to(step, state: dict, cache, start: int, minimum: int = 0) -> None:
-    """Restart (:func:`restart`, empty slots) and run the replayed steps before ``start``
-    untimed with ``step()``, from step 0, so that the slots at ``start`` hold what a run from
-    the filled context held there. A fresh runner needs ``minimum`` steps (warm-up, capture):
-    with ``start < minimum`` the run starts at step 0 and reaches ``minimum``, not ``start``."""
+    """:func:`restart`, then run the steps before ``start`` (at least ``minimum``) untimed."""
     pre = max(minimum, start)
     restart(state, cache, max(0, start - pre))
     for _ in range(pre):
@@ -472,8 +433,8 @@ def replay_to(step, state: dict, cache, start: int, minimum: int = 0) -> None:
 
 
 def timed_run(step, state: dict, cache, opts, dev) -> list[float]:
-    """Restart, ``warmup_steps`` untimed steps, zeroed counters, then ``repeats`` x
-    ``decode_steps`` timed steps; returns the per-repeat TPOTs (ms)."""
+    """Restart, ``warmup_steps`` untimed, counters zeroed, ``repeats`` x ``decode_steps`` timed:
+    per-repeat TPOTs (ms)."""
     restart(state, cache)
     for _ in range(opts.warmup_steps):
         step()
@@ -484,8 +445,7 @@ def timed_run(step, state: dict, cache, opts, dev) -> list[float]:
 
 
 def _timed_repeats(step, opts, dev) -> list[float]:
-    """``repeats`` x ``decode_steps`` steps, each repeat timed between device syncs; the
-    per-repeat TPOTs (ms)."""
+    """Per-repeat TPOTs (ms) of ``repeats`` x ``decode_steps`` steps, timed between device syncs."""
     tpots = []
     for _ in range(opts.repeats):
         sync(dev)
@@ -498,16 +458,14 @@ def _timed_repeats(step, opts, dev) -> list[float]:
 
 
 def _replay_ids(masks: torch.Tensor, width: int) -> torch.Tensor:
-    """``[steps, L, B, H, N]`` bool masks -> ``[steps, L, B, H, width]`` int32 block ids
-    (as :meth:`Replayer.install` makes them)."""
+    """``[steps, L, B, H, N]`` bool -> ``[steps, L, B, H, width]`` int32 ids (as :meth:`Replayer.install`)."""
     from sparda.kernels.reference import block_mask_to_indices
 
     return torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in masks])
 
 
 class _NoGather:
-    """A transfer engine that stores tokens like ``engine`` but copies no block (the
-    compute-alone step of :func:`overlap_timing`)."""
+    """A transfer engine that stores tokens like ``engine`` but copies no block."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -526,22 +484,10 @@ class _NoGather:
 
 def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dict | None = None,
                    start: int = 3) -> dict:
-    """Compute and transfer of an offloaded decode step, each measured alone (CUDA graphs),
-    over the replayed steps ``start .. start + steps - 1`` (those ``tpot_ms`` was measured
-    on: the selection, hence the misses, differ from step to step), each run replayed from
-    step 0 with empty slots (at least three steps before ``start``), so that the slots at
-    ``start`` hold what the TPOT's did.
-
-    * ``compute_alone_ms``: TPOT of the same step captured with a transfer engine that
-      copies nothing (every gather left out; the selection, diff, waits and token
-      write-back stay), ``steps`` replays after a warm-up and a capture;
-    * ``transfer_alone_ms``: the step's gathers alone -- after each of ``steps`` real
-      steps, the copy lists that step's slot diffs left (``cache.load``) are gathered
-      again, every offloaded layer back to back, replayed as one CUDA graph on an idle
-      GPU (the same blocks into the same slots: the cache is unchanged);
-    * ``overlap_efficiency`` = (compute + transfer - ``tpot_ms``) / min(compute, transfer):
-      1 when the shorter of the two is hidden entirely, 0 when they run one after the
-      other (``None`` when nothing is copied).
+    """Compute and transfer of an offloaded decode step, each alone (CUDA graphs), over replayed
+    steps ``start .. start + steps - 1`` from empty slots: ``compute_alone_ms`` (no gathers),
+    ``transfer_alone_ms`` (the steps' gathers alone) and ``overlap_efficiency`` = (compute +
+    transfer - ``tpot_ms``) / min(compute, transfer) (``None`` when nothing is copied).
     """
     state = state if state is not None else {}
     dev = llm.device
@@ -595,22 +541,14 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
 
 
 def copy_timing(llm: LLM, cache, step, steps: int, state: dict | None = None, start: int = 0) -> dict:
-    """Copy timing of an offloaded cache over the replayed steps ``start .. start + steps - 1``
-    (the first ones the TPOT covers: the selection, hence the misses, differ from step to
-    step; with spare slots the first steps after empty slots miss ~3x more of a trace than
-    the steady state, so only ``steps`` = the TPOT's steps describes the TPOT's misses),
-    with the prefetcher's device timestamps on (:mod:`sparda.cache.timestamps`), in a
-    runner of its own so that the throughput graphs stay free of the timestamp kernels.
+    """Copy timing of an offloaded cache over replayed steps ``start .. start + steps - 1`` with
+    device timestamps (:mod:`sparda.cache.timestamps`, docs/bench.md), in a runner of its own;
+    ``state``: restart from empty slots and replay the earlier steps untimed.
 
-    With ``state`` the run restarts (:func:`restart`, empty slots) at step 0 and replays the
-    steps before ``start`` untimed (at least two on CUDA: warm-up and capture), so that the
-    slots hold at ``start`` what they held when the TPOT's steps began; without it, it continues from
-    where the previous run stopped (steps that may lie past the trace's end). Returns, per
-    step: ``copy_ms``, ``exposed_wait_ms``, ``exposed_transfer_ms``, ``hidden_fraction``,
-    ``missed_bytes`` (K+V this run copied, all rows) and ``step_ms`` (this run's wall time:
-    the waits are parts of it, not of the untimed run's TPOT where the two differ); and the
-    last step's per-layer stamps (``timeline``,
-    :meth:`~sparda.cache.prefetch.Prefetcher.timeline`; ``[]`` off CUDA)."""
+    Returns per step ``copy_ms``, ``exposed_wait_ms``, ``exposed_transfer_ms``,
+    ``hidden_fraction``, ``missed_bytes`` (K+V, all rows), ``step_ms``, and the last step's
+    ``timeline`` (``[]`` off CUDA).
+    """
     pref = cache.prefetcher
     pref.set_timing(True)
     timed = DecodeRunner(llm.model_runner, cache, cuda_graphs=llm.config.runtime.cuda_graphs)

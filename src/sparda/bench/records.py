@@ -1,29 +1,12 @@
 """Bench records: load several runs, keep the newest of each point, derive the report's columns.
 
-A record is one dict per sweep point (:mod:`sparda.bench.sweep`); a run directory holds
-``results.json`` (or hand-named ``*.json`` lists of records) and ``env.json``. Fields that
-only newer runs write (``num_layers``, ``compute_alone_ms``, ``transfer_alone_ms``,
-``overlap_efficiency``, ``pcie_gbps_overlapped``, ``gpu_mem_cap_gb``) are optional
-everywhere: a derived column is ``None`` when its inputs are missing.
-
-Derived columns (:func:`derived`), for one decode step:
-
-* ``launches_per_layer`` = ``kernels_per_step / num_layers`` (embedding, final norm and
-  LM head included, so a lower bound is a little above the per-layer count);
-* ``roof_x`` = ``tpot_ms / roofline_tpot_ms`` (the roofline of bench/roofline.py, docs/bench.md);
-* ``tpot_per_kernel`` = ``tpot_ms / gpu_kernel_ms`` (below 1 where the copy stream overlaps);
-* ``exposed_pct`` = ``100 * exposed_wait_ms / tpot_ms`` (the compute stream's stall for the
-  lookahead: selection chain and copy);
-* ``exposed_transfer_pct`` = ``100 * exposed_transfer_ms / tpot_ms``, the part of that stall
-  after the copy's inputs were ready (:mod:`sparda.cache.timestamps`); records written before
-  the split (no ``exposed_transfer_ms``) give ``exposed_pct``, an upper bound. Both are
-  ``None`` where the copy-timing run copied other bytes per step than the TPOT's steps
-  (``timed_missed_bytes_per_step`` more than 10 % off ``missed_bytes_per_step``: it timed
-  other steps, e.g. the first 4 after empty slots, :func:`timing_describes_tpot`);
-* ``overlap_efficiency`` = ``(compute + transfer - tpot) / min(compute, transfer)`` with
-  compute and transfer each measured alone (1: the shorter one is fully hidden; 0: none);
-* ``pcie_gbps_overlapped`` = ``missed_bytes_per_step / copy_ms`` (GB/s = 1e9 bytes/s, the
-  copy timed inside the real step, so while compute competes for memory and SMs).
+Derived columns (:func:`derived`), per decode step; ``None`` where an input is missing:
+``launches_per_layer = kernels_per_step / num_layers``; ``roof_x = tpot_ms /
+roofline_tpot_ms`` (docs/bench.md); ``tpot_per_kernel = tpot_ms / gpu_kernel_ms``;
+``exposed_pct = 100 * exposed_wait_ms / tpot_ms``; ``exposed_transfer_pct = 100 *
+exposed_transfer_ms / tpot_ms`` (both ``None`` unless :func:`timing_describes_tpot`);
+``overlap_efficiency = (compute + transfer - tpot) / min(compute, transfer)``;
+``pcie_gbps_overlapped = missed_bytes_per_step / copy_ms`` (GB/s, 1e9 bytes/s).
 """
 
 from __future__ import annotations
@@ -79,20 +62,14 @@ def load_runs(paths) -> tuple[list[dict], list[dict]]:
     """Read the record lists of run directories or record files, oldest first.
 
     Args:
-        paths: directories (every ``*.json`` in them that is a list of records, see
-            :func:`is_record_list`, and the ``results.json`` of each subdirectory, as
-            ``benchmarks/bench_decode.py sweep OUT`` writes one per part; other JSON files
-            such as ``env.json`` or kernel tables are skipped) or JSON files of records.
-            The ``env.json`` beside a record file gives its run's date, commit and bandwidths.
+        paths: directories (their record-list ``*.json`` and subdirectories' ``results.json``)
+            or record files; an ``env.json`` beside gives date, commit and bandwidths.
     Returns:
-        ``(entries, runs)``: ``entries`` one dict per record with ``record``, ``rank`` (a sort
-        key: the record's ``date``, else its run's ``env.json`` date; then the position of its
-        path among ``paths``; then the file's modification time and name; then its index in
-        the file; larger = newer) and ``file``; ``runs`` one dict per file read (``file``,
-        ``records``, ``date``, ``commit``, ``env``).
+        ``(entries, runs)``: per record ``record``, ``rank`` (larger = newer) and ``file``; per
+        file ``file``, ``records``, ``date``, ``commit``, ``env``.
     Raises:
-        SpardaError: a path does not exist, a file is not JSON, a file given by name is not
-            a record list, or no records were found at all.
+        SpardaError: a missing path, a non-JSON file, a named file that is not a record list,
+            or no records.
     """
     paths = [Path(p).expanduser() for p in paths]
     if not paths:
@@ -136,8 +113,7 @@ def record_field(rec: dict, key: str):
 
 
 def point_key(rec: dict) -> tuple:
-    """The point a record measured: its :data:`POINT_FIELDS` values (missing ones as
-    :func:`record_field` gives them)."""
+    """The point a record measured: its :data:`POINT_FIELDS` values (:func:`record_field`)."""
     return tuple(json.dumps(record_field(rec, k), sort_keys=True) for k in POINT_FIELDS)
 
 
@@ -149,9 +125,7 @@ def method_label(rec: dict) -> str:
 
 
 def variant_parts(rec: dict) -> list[str]:
-    """What sets an offloaded record's point apart beyond method, shape and selection: its
-    slot factor when not :data:`DEFAULT_SLOT_FACTOR` (``slots ×1``) and ``early attention``
-    when on. ``rec``: a record, or a :func:`speedups` pair (its fields already filled in)."""
+    """An offloaded point's slot factor unless :data:`DEFAULT_SLOT_FACTOR` and ``early attention``."""
     parts = []
     slots = record_field(rec, "slot_factor")
     if slots is not None and slots != DEFAULT_SLOT_FACTOR:
@@ -162,12 +136,8 @@ def variant_parts(rec: dict) -> list[str]:
 
 
 def dedup(entries: list[dict]) -> tuple[list[dict], int]:
-    """Keep the newest record of each point (:func:`point_key`; newest = largest ``rank``).
-
-    A ``skipped`` record (the time budget ran out: nothing measured) never replaces a
-    record of another status; an ``oom`` or ``error`` does (it is what the newer code did).
-    Returns ``(records, dropped)``: the kept records, oldest first, and how many were dropped.
-    """
+    """Keep the newest record of each point; a ``skipped`` record never replaces another status.
+    Returns ``(records, dropped)``, oldest first."""
     def order(e):
         return (e["record"].get("status") != "skipped", e["rank"])
 
@@ -219,9 +189,8 @@ def overlap_efficiency(compute_ms, transfer_ms, step_ms) -> float | None:
 
 
 def timing_describes_tpot(rec: dict, tolerance: float = 0.1) -> bool:
-    """Whether the copy-timing run of ``rec`` (its exposed wait) describes the TPOT's steps:
-    its missed bytes per step within ``tolerance`` (relative) of the TPOT run's. Records
-    without ``timed_missed_bytes_per_step`` (written before it existed) are taken as they are."""
+    """Whether the copy-timing run's missed bytes per step are within ``tolerance`` (relative) of
+    the TPOT run's (true when not recorded)."""
     timed, missed = rec.get("timed_missed_bytes_per_step"), rec.get("missed_bytes_per_step")
     if timed is None or missed is None:
         return True
@@ -229,7 +198,7 @@ def timing_describes_tpot(rec: dict, tolerance: float = 0.1) -> bool:
 
 
 def derived(rec: dict) -> dict:
-    """The report's computed columns of one record (module doc); ``None`` where inputs are missing."""
+    """The computed columns of one record (module doc)."""
     tpot = rec.get("tpot_ms")
     eff = rec.get("overlap_efficiency")
     if eff is None:
@@ -277,14 +246,9 @@ def ok(records: list[dict]) -> list[dict]:
 
 
 def speedups(records: list[dict], fast: str = "sparda", slow: str = "sparse-offload") -> list[dict]:
-    """``fast``'s decode tok/s over ``slow``'s at the same point but for the method.
-
-    Pairs are matched on model, context, batch, selection kind (trace / synthetic),
-    ``target_hit_rate``, ``gpu_mem_cap_gb``, ``cuda_graph``, dtype, KV dtype, slot factor and early attention (the two
-    methods' trace names differ: ``trace:sparda`` vs ``trace:sparse``). Returns one dict per pair:
-    the pair's fields, ``fast_tok_s``, ``slow_tok_s``, ``speedup`` and ``label``, sorted by
-    model, context, target hit rate (trace first) and batch.
-    """
+    """``fast``'s decode tok/s over ``slow``'s at the same point (model, context, batch, selection
+    kind, ``target_hit_rate``, GPU cap, CUDA graphs, dtypes, slot factor, early attention): per
+    pair its fields, ``fast_tok_s``, ``slow_tok_s``, ``speedup``, ``label``."""
     fields = ("model", "context", "batch", "target_hit_rate", "gpu_mem_cap_gb", "cuda_graph", "dtype", "kv_dtype",
               "slot_factor", "early_attention")
 
@@ -305,11 +269,8 @@ def speedups(records: list[dict], fast: str = "sparda", slow: str = "sparse-offl
 
 
 def capped_best(records: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """Best decode tok/s per method among ``ok`` records run under a GPU memory cap.
-
-    Returns ``{(model, context, gpu_mem_cap_gb): {method: record}}`` (the record of the
-    method's highest tok/s over batches and selections).
-    """
+    """``{(model, context, gpu_mem_cap_gb): {method: record}}``: each method's best decode tok/s
+    under a GPU memory cap."""
     best: dict[tuple, dict[str, dict]] = {}
     for r in ok(records):
         if r.get("gpu_mem_cap_gb") is None:

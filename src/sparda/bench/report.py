@@ -1,23 +1,8 @@
-"""Benchmark report: a markdown table (with device, date, commit) and matplotlib plots.
-
-Files written to the output directory (each atomically):
-
-* ``report.md``: header (device, date, commit, bandwidths, trace and its reuse, the runs
-  merged), issue #20's "Done when" verdicts (:mod:`sparda.bench.criteria`), per model and
-  context a decode table (kernel counts, roofline, copy and overlap columns,
-  :func:`sparda.bench.records.derived`), the ``sparda`` / ``sparse-offload`` speed-ups and a
-  status/prefill/memory table; the memory-capped comparison; the paper's decode table
-  beside ours;
-* ``throughput.png``: decode tok/s vs batch, one line per method, one panel per model x
-  context (trace or native selection, no GPU cap: synthetic hit-rate and capped points
-  have their own plots);
-* ``speedup.png``: ``sparda`` over ``sparse-offload`` vs the synthetic selection's target
-  hit rate, one line per batch, one panel per model x context (only if such pairs exist);
-* ``capped.png``: best decode tok/s per method under a GPU memory cap, the batch written
-  on each bar (only if capped records exist);
-* ``breakdown.png``: per-component decode ms/step (stacked bars) at each method's largest
-  batch that ran (only if a record has a breakdown);
-* ``roofline.png``: measured TPOT vs roofline TPOT of every ``ok`` point.
+"""Benchmark report (docs/bench.md), each file written atomically: ``report.md`` (header,
+issue #20's verdicts, per model x context the decode table with :func:`~sparda.bench.records.derived`
+columns and speed-ups, points, the memory-capped comparison, the paper's table) and the
+plots ``throughput.png``, ``speedup.png``, ``capped.png``, ``breakdown.png``, ``roofline.png``
+(each when it has data).
 """
 
 from __future__ import annotations
@@ -214,14 +199,8 @@ def _paper_section(records: list[dict]) -> list[str]:
 
 
 def render_markdown(records: list[dict], env: dict, plots: list[str] | None = None) -> str:
-    """The report as markdown text (module doc).
-
-    Args:
-        records: sweep records (:mod:`sparda.bench.sweep`); fields a run did not write are ``-``.
-        env: the run's ``env.json`` (device, date, commit, bandwidths, trace); ``runs``, if
-            present (:func:`sparda.bench.records.merged_env`), lists the files merged.
-        plots: the plot file names to list; ``None``: the three plots every sweep writes.
-    """
+    """The report as markdown text (module doc): ``records`` (missing fields ``-``), ``env`` (its
+    ``runs``: the files merged), ``plots`` (names to list; ``None``: the three every sweep writes)."""
     lines = [f"# sparda bench — {env.get('device') or 'device unknown'}, {env.get('date') or 'date unknown'}", "",
              f"Commit `{env.get('commit')}`, torch {env.get('torch')}. Measured bandwidths: HBM "
              f"{env.get('hbm_gbps')} GB/s (device copy), PCIe {env.get('pcie_gbps')} GB/s (pinned host→device).",
@@ -396,11 +375,8 @@ def plot(records: list[dict], out: Path) -> list[Path]:
 
 
 def write_report(records: list[dict], env: dict, out: Path) -> Path:
-    """Write ``report.md`` and the plots into ``out`` (created if missing); returns the report's path.
-
-    Raises:
-        SpardaError: a file cannot be written (:func:`sparda.io.atomic_output`).
-    """
+    """Write ``report.md`` and the plots into ``out``; returns the report's path. Raises SpardaError
+    if a file cannot be written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -1,14 +1,5 @@
-"""Roofline of a decode step: the bytes it must read, over the bandwidths measured in the same run.
-
-A decode step of batch ``B`` reads every weight once, the KV bytes its attention covers
-(all of them for ``dense``; the selected blocks plus the compressed keys that selection
-scores for the block-sparse methods) from HBM, and copies its missed blocks over PCIe.
-The two transfers can overlap, so the fastest possible step takes::
-
-    roofline_tpot = max((weight_bytes + kv_bytes) / HBM_bandwidth, missed_bytes / PCIe_bandwidth)
-
-Bandwidths: HBM from a large device-to-device copy (bytes read + written), PCIe from a
-pinned host-to-device copy; on a CPU-only machine both are host memcpy rates.
+"""Roofline of a decode step (docs/bench.md): ``max((weight_bytes + kv_bytes) / HBM,
+missed_bytes / PCIe)`` with bandwidths measured in the same run.
 """
 
 from __future__ import annotations
@@ -22,11 +13,8 @@ from sparda.errors import SpardaError
 
 def roofline_ms(weight_bytes: float, kv_bytes: float, missed_bytes: float,
                 hbm_gbps: float, pcie_gbps: float) -> float:
-    """Lower bound of one decode step in ms: ``max((W + KV) / HBM, missed / PCIe)``.
-
-    Args: bytes per step; bandwidths in GB/s (1e9 bytes/s).
-    Raises: SpardaError for a non-positive bandwidth or negative bytes.
-    """
+    """Lower bound of one decode step, ms: ``max((W + KV) / HBM, missed / PCIe)``; bytes per step,
+    bandwidths GB/s. Raises SpardaError for a non-positive bandwidth or negative bytes."""
     if hbm_gbps <= 0 or pcie_gbps <= 0:
         raise SpardaError(f"bandwidths must be positive, got HBM {hbm_gbps} / PCIe {pcie_gbps} GB/s")
     if min(weight_bytes, kv_bytes, missed_bytes) < 0:
@@ -36,15 +24,11 @@ def roofline_ms(weight_bytes: float, kv_bytes: float, missed_bytes: float,
 
 def kv_read_bytes(method: str, shape, selection, batch: int, context: int, elem_bytes: int,
                   kv_token_bytes: int | None = None) -> int:
-    """KV bytes one decode step reads from device memory (design §3).
+    """KV bytes one decode step reads from device memory, whole batch and all layers (design §3).
 
-    ``dense``: all ``context`` keys and values. Block-sparse methods: per layer and KV head,
-    ``min(budget, blocks)`` blocks of K and V plus the ``C(context)`` compressed keys that
-    selection scores (one pass per KV head); all blocks under the dense fallback.
-    ``elem_bytes``: bytes of one model-dtype element (the compressed keys');
-    ``kv_token_bytes``: bytes of one token of one KV head in K (or V) as stored (a
-    quantised cache: codes plus scales, :func:`sparda.kernels.quant.token_bytes`;
-    default ``head_dim * elem_bytes``). Returns bytes (int) for the whole batch and all layers.
+    ``dense``: all keys and values; block-sparse: ``min(budget, blocks)`` blocks of K and V plus
+    the compressed keys per layer and KV head. ``elem_bytes``: model-dtype element;
+    ``kv_token_bytes``: one token of one head in K as stored (default ``head_dim * elem_bytes``).
     """
     ck_token = shape.head_dim * elem_bytes
     kv_token = ck_token if kv_token_bytes is None else kv_token_bytes
@@ -71,12 +55,8 @@ def _time(fn, device: torch.device, reps: int) -> float:
 
 
 def measure_bandwidth(device: torch.device, nbytes: int | None = None) -> dict[str, float]:
-    """Measure HBM and PCIe bandwidth (GB/s) on ``device``.
-
-    ``hbm_gbps``: ``2 * nbytes / t`` of a device-to-device ``copy_`` of ``nbytes``
-    (default 2 GiB on CUDA, 64 MiB on CPU). ``pcie_gbps``: ``nbytes / t`` of a pinned
-    host-to-device copy (CPU: a host memcpy). Returns both plus ``bandwidth_bytes``.
-    """
+    """``{"hbm_gbps", "pcie_gbps", "bandwidth_bytes"}``: ``2 * nbytes / t`` of a device copy and
+    ``nbytes / t`` of a pinned host-to-device copy (CPU: memcpy), GB/s."""
     cuda = device.type == "cuda"
     nbytes = nbytes or ((2 << 30) if cuda else (64 << 20))
     n = nbytes // 2

@@ -1,12 +1,8 @@
-"""The benchmark sweep: models x methods x contexts x batches, one record per point.
+"""The benchmark sweep: models x methods x contexts x batches, one record per point (docs/bench.md).
 
-Every point gets a record (``status`` ``ok``, ``oom``, ``error`` or ``skipped``, the
-last when the time budget ran out); an out-of-memory point (CUDA OOM, a host-memory
-pre-check, a SpardaError from an allocation) is recorded as ``oom`` and the sweep goes
-on; once a batch is ``oom`` the larger batches of the same model, method and context are
-recorded as ``oom`` without being tried. ``results.json`` is rewritten atomically after
-every point, so a killed run keeps what it measured; ``report.md`` and the plots are
-written at the end (:func:`sparda.bench.report.write_report`).
+Status ``ok``, ``oom`` (then larger batches of that model, method and context are ``oom``
+untried), ``error`` or ``skipped`` (time budget); ``results.json`` is rewritten atomically
+after every point, ``report.md`` and plots at the end.
 """
 
 from __future__ import annotations
@@ -37,40 +33,23 @@ REQUIRED_KEYS = ("model", "method", "context", "batch", "status", "prefill_tok_s
 
 @dataclass
 class SweepConfig:
-    """What to sweep and how long to measure.
+    """What to sweep and how long to measure (docs/bench.md).
 
     Attributes:
         models, methods, contexts (tokens), batches: the grid.
-        decode_steps: timed decode steps per repeat; repeats: timed repeats (median);
-        warmup_steps: untimed steps first; breakdown_steps: steps of the instrumented run.
+        decode_steps, repeats, warmup_steps, breakdown_steps: steps per timed repeat, timed
+            repeats (median), untimed steps first, steps of the instrumented run.
         prefill_tokens: prefill is timed on ``min(context, prefill_tokens)`` tokens.
-        out: output directory. device, dtype: as :class:`~sparda.LLM`.
-        gpu_mem_gb: cap on this process's GPU memory; host_mem_gb: cap on host KV bytes.
-        trace: selection trace file, ``None`` = the shipped one, ``"none"`` = native selection.
-        transfer: offload copy engine. time_budget_s: later points are ``skipped``.
-        eager: run decode steps eagerly (default: CUDA graphs on CUDA, docs/cuda_graphs.md).
-        profile_steps: steps profiled with ``torch.profiler`` for ``kernels_per_step`` and
-            ``gpu_kernel_ms`` (CUDA; 0 = off). timing_steps: steps of the copy-timing run
-            of offloaded methods (device timestamps, ``copy_ms`` / ``exposed_wait_ms``); ``None``
-            (default) = the TPOT's ``decode_steps * repeats`` (fewer steps describe other misses
-            than the TPOT's, docs/bench.md); 0 = off.
-        parity_steps: CUDA graphs: greedy tokens of this many replayed steps are compared
-            with an eager run from the same filled cache (``graph_tokens_equal``); 0 = off.
-        hit_rates: offloaded methods also run each value with a synthetic selection of that
-            step-to-step reuse (:func:`sparda.bench.traces.synthetic_masks`) instead of the
-            trace, on the same filled cache; those records carry ``target_hit_rate``.
-            Empty: the trace only.
-        overlap_steps: offloaded methods on CUDA: steps of the compute-alone and
-            transfer-alone runs behind ``overlap_efficiency``
-            (:func:`sparda.bench.point.overlap_timing`); ``None`` (default) = the TPOT's steps; 0 = off.
-        early_attention: offloaded methods attend to resident blocks before the prefetch
-            wait (``LLM(early_attention=True)``, design §6).
-        kv_dtype: KV-cache storage of every point, ``bf16`` (the model dtype),
-            ``int8``/``int4`` (docs/kv_quant.md), or ``mixed`` (design §6.1: offloaded
-            methods only; the others' points are recorded ``skipped``); records carry it,
-            and the memory checks count its bytes (:func:`sparda.bench.point.kv_need_bytes`).
-        slot_factor: offloaded methods' GPU slots per selected block (``LLM(slot_factor=)``,
-            design §6); records of offloaded methods carry it.
+        out: output directory. device, dtype: as :class:`~sparda.LLM`. transfer: offload copy engine.
+        gpu_mem_gb: GPU memory cap; host_mem_gb: host KV cap (GB). trace: file, ``None`` (shipped)
+            or ``"none"`` (native). time_budget_s: seconds, later points ``skipped``.
+        eager: no CUDA graphs (docs/cuda_graphs.md). profile_steps, timing_steps, parity_steps,
+            overlap_steps: steps of the profiler, copy-timing, graph-parity and overlap runs
+            (``None``: ``decode_steps * repeats``; 0: off).
+        hit_rates: synthetic step-to-step reuses also run by offloaded methods (``target_hit_rate``).
+        early_attention, slot_factor: of offloaded methods (design §6).
+        kv_dtype: ``bf16``, ``int8``/``int4`` (docs/kv_quant.md) or ``mixed`` (design §6.1,
+            offloaded methods only; others ``skipped``).
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -170,10 +149,8 @@ def _blank(model, method, context, batch, status, error=None, kv_dtype: str = "b
 
 
 def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
-    """Run the sweep, write ``results.json`` (after every point), ``report.md`` and plots.
-
-    Returns the records. Raises SpardaError for a bad device, dtype or trace file.
-    """
+    """Run the sweep, writing ``results.json`` after every point, ``report.md`` and plots; returns
+    the records. Raises SpardaError for a bad device, dtype or trace file."""
     from sparda.bench.report import write_report
 
     out = check_output_dir(cfg.out, "--out")

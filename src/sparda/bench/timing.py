@@ -1,14 +1,6 @@
-"""Per-component decode timing: projections, selection, attention, MLP, transfer, append.
-
-:class:`ComponentTimer` wraps the pieces of one :class:`~sparda.engine.llm.LLM` and its
-cache for an *instrumented* run (the throughput run is not instrumented): forward hooks
-on the Q/K/V/O projections, MLPs and LM head, and instance-level wrappers (the classes are
-untouched) around the method's ``attend`` and selection entry points and the cache's
-``append``, ``fetch`` and prefetch ``wait``. Intervals nest; each component gets its
-*exclusive* time (children subtracted), so ``attention`` is the attention kernel and its
-glue without the selection or the copies it triggers. On CUDA the intervals are CUDA
-events on the compute stream (a ``wait`` interval is the time the stream stalled on a
-prefetch); on CPU ``time.perf_counter``.
+"""Per-component decode timing of an instrumented run (docs/bench.md, Breakdown): hooks and
+instance wrappers on an LLM and its cache; nested intervals give each component its
+exclusive time (CUDA events on the compute stream, else ``time.perf_counter``).
 """
 
 from __future__ import annotations
@@ -23,10 +15,7 @@ COMPONENTS = ("projections", "selection", "attention", "mlp", "transfer", "appen
 
 
 class ComponentTimer:
-    """Nested interval timer with hooks into an LLM and its cache.
-
-    Args: ``device`` (CUDA: events; else wall clock).
-    """
+    """Nested interval timer with hooks into an LLM and its cache (``device``: CUDA events, else wall clock)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -75,7 +64,7 @@ class ComponentTimer:
         self._undo += [pre.remove, post.remove]
 
     def install(self, llm, cache) -> None:
-        """Instrument ``llm`` (model, method) and ``cache`` (module doc)."""
+        """Instrument ``llm`` (projections, MLPs, LM head, selection, attention) and ``cache`` (append, fetch, wait)."""
         for layer in llm.model.model.layers:
             attn = layer.self_attn
             for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
@@ -131,8 +120,7 @@ class ComponentTimer:
 
 
 def cuda_ms(fn, reps: int = 20) -> float:
-    """Mean milliseconds of one ``fn()`` on the current CUDA stream: one untimed call
-    (compilation, caches), then ``reps`` calls between two CUDA events."""
+    """Mean ms of one ``fn()`` on the current CUDA stream: one untimed call, then ``reps`` timed."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,32 +1,10 @@
-"""Selection traces: record which KV blocks a real model selects, replay them at other shapes.
+"""Selection traces: the blocks a real model selects, recorded and replayed at other shapes
+(docs/bench.md, Realistic selection: trace replay).
 
-Random weights make a random selection at every step, so the offload runtime would see
-an unrealistically low step-to-step block reuse (hit rate). A *trace* records, for every
-decode step, row, layer and KV head, the block ids a real model selected (the bundled
-SmolLM2-135M on the held-out Emma, teacher-forced), and the benchmark replays it at the
-8B shapes.
-
-File format (``.npz``, numpy, no pickles), one group of keys per selecting method
-(``sparse``: the layer's own query; ``sparda``: the shipped Forecast):
-
-* ``{method}.ids``: ``[S, R, L, H, K]`` int16 selected block ids, sorted, ``-1`` padded
-  (S decode steps, R rows, L layers, H KV heads, K = budget blocks);
-* ``{method}.pos``: ``[S, R]`` int64 position of each step's token;
-* ``{method}.meta``: JSON string: block size, init/local/topk blocks, model, text.
-
-Replay mapping (source ``s`` = trace, target ``t`` = benchmarked model), per target
-step ``i``, row ``b``, layer ``l``, KV head ``h``:
-
-* step: ping-pong over the trace (``0, 1, .., S-1, S-2, .., 1, 0, ..``; a reversed step
-  has the same overlap as the forward one), starting at ``b * 7``;
-* row ``(b + h // H_s) % R``, layer ``l * L_s // L_t``, head ``h % H_s``;
-* blocks: forced blocks (``init`` sinks, ``local`` recent) follow the target position;
-  each source top-k block at offset ``o`` of the source's non-forced range (width
-  ``W_s``) becomes ``k = ceil(topk_t / topk_s)`` target blocks
-  ``init_t + floor((o*k + j) * W_t / (W_s*k))``, ``j < k`` (the same relative place in
-  the target's range of width ``W_t``); sub-blocks ``j`` are taken in order, ties by
-  a fixed hash of the source block, up to ``topk_t``. A source block kept from one step
-  to the next keeps its target blocks, so the top-k reuse of the trace is preserved.
+File (``.npz``, no pickles), per method (``sparse``, ``sparda``): ``{method}.ids`` ``[S, R,
+L, H, K]`` int16 sorted block ids, ``-1`` padded (steps, rows, layers, KV heads, budget
+blocks); ``{method}.pos`` ``[S, R]`` int64 positions; ``{method}.meta`` JSON (block size,
+init/local/topk blocks, model, text).
 """
 
 from __future__ import annotations
@@ -50,14 +28,8 @@ SHIPPED_TRACE = Path(__file__).with_name("traces") / "smollm2-emma.npz"
 
 @dataclass
 class SelectionTrace:
-    """One method's recorded selection.
-
-    Attributes:
-        ids: ``[S, R, L, H, K]`` int16 block ids (sorted, ``-1`` padded).
-        pos: ``[S, R]`` int64 token position of each step.
-        meta: ``block_size``, ``init_blocks``, ``local_blocks``, ``topk_blocks`` (ints) and
-            free-form fields (``model``, ``text``, ``method``).
-    """
+    """One method's recorded selection: ``ids [S, R, L, H, K]`` int16, ``pos [S, R]`` int64,
+    ``meta`` (``block_size``, ``init_blocks``, ``local_blocks``, ``topk_blocks``, free-form fields)."""
 
     ids: np.ndarray
     pos: np.ndarray
@@ -109,10 +81,8 @@ def trace_for(traces: dict[str, SelectionTrace], method: str) -> SelectionTrace:
 
 
 def reuse_stats(trace: SelectionTrace) -> dict[str, float]:
-    """Step-to-step block reuse of a trace: the fraction of a step's selected blocks (the
-    current block excluded) that the previous step also selected, i.e. the hit rate of a
-    slot buffer holding exactly the previous selection. ``reuse`` over all such blocks,
-    ``topk_reuse`` over the non-forced (top-k) blocks only. Fractions in [0, 1]."""
+    """Step-to-step reuse of a trace, fractions 0-1: of a step's selected blocks (current block
+    excluded) those the previous step selected, over all (``reuse``) or top-k blocks (``topk_reuse``)."""
     m = trace.meta
     ids, pos = trace.ids.astype(np.int64), trace.pos
     cur = (pos // m["block_size"])[..., None, None, None]
@@ -138,13 +108,11 @@ def _source_index(i: int, steps: int) -> int:
 
 def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, selection,
                  start_pos: list[int], steps: int, num_blocks: int, row_offset: int = 7) -> torch.Tensor:
-    """Target block masks for ``steps`` decode steps replayed from ``trace`` (module doc).
+    """Target block masks of ``steps`` decode steps replayed from ``trace`` (docs/bench.md).
 
     Args:
-        selection: the target :class:`~sparda.config.SelectionConfig`.
-        start_pos: per row, the position of the first replayed step's token.
-        num_blocks: mask width ``N`` (blocks of the target cache).
-        row_offset: row ``b`` starts at trace step ``b * row_offset`` (decorrelates rows).
+        selection: the target config. start_pos: per row, the first step's position (tokens).
+        num_blocks: ``N``. row_offset: row ``b`` starts at trace step ``b * row_offset``.
     Returns:
         ``[steps, L, B, H, N]`` bool (CPU), forced blocks included.
     """
@@ -188,14 +156,9 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
 
 def synthetic_prefill_mask(num_kv_heads: int, selection, num_keys: int, num_queries: int, num_blocks: int,
                            keep: float, seed: int = 0) -> torch.Tensor:
-    """Prefill masks of the last ``num_queries`` tokens of ``num_keys`` whose neighbouring tokens
-    keep ``keep`` of their top-k (:func:`synthetic_masks`, consecutive tokens taken as decode
-    steps): ``[1, H, num_queries, num_blocks]`` bool (CPU). Real selections keep most of their
-    top-k from one token to the next, random weights almost none (design §3.5).
-
-    Raises:
-        SpardaError: ``keep`` outside ``[0, 1]``.
-    """
+    """``[1, H, num_queries, num_blocks]`` bool (CPU) prefill masks of the last ``num_queries`` of
+    ``num_keys`` tokens whose neighbours keep ``keep`` of their top-k (design §3.5). Raises
+    SpardaError for ``keep`` outside [0, 1]."""
     masks = synthetic_masks(1, num_kv_heads, selection, [num_keys - num_queries], num_queries, num_blocks, keep,
                             seed=seed)
     return masks[:, 0, 0, :, :num_blocks].permute(1, 0, 2).unsqueeze(0).contiguous()
@@ -203,24 +166,14 @@ def synthetic_prefill_mask(num_kv_heads: int, selection, num_keys: int, num_quer
 
 def synthetic_masks(num_layers: int, num_kv_heads: int, selection, start_pos: list[int], steps: int,
                     num_blocks: int, hit_rate: float, seed: int = 0) -> torch.Tensor:
-    """Block masks with a chosen step-to-step reuse, for the bench's ``--hit-rate`` sweep.
+    """Block masks with step-to-step top-k reuse ``hit_rate`` (``--hit-rate``): forced blocks
+    (design §3.4) plus ``topk_blocks`` others, ``round(hit_rate * k)`` kept per step, the rest
+    redrawn uniformly (seeded); forced blocks hit too, so the measured hit rate is higher.
 
-    Per (layer, row, KV head) the forced blocks (sinks and the local window, design §3.4)
-    plus ``topk_blocks`` others: at the first step drawn uniformly from the valid
-    non-forced blocks, then at each step a fraction ``hit_rate`` of the previous step's
-    top-k blocks is kept (``round(hit_rate * k)``, a random subset) and the rest is
-    redrawn uniformly among the non-forced blocks not kept (seeded). Kept blocks are hits
-    of the slot cache; the forced blocks hit too (except the block entering the local
-    window), so the measured hit rate lies above ``hit_rate``. Contexts whose blocks fit
-    the budget select every block (the dense fallback).
-
-    Args:
-        start_pos: per row, the position of the first step's token. num_blocks: mask width.
-        hit_rate: in ``[0, 1]``.
     Returns:
         ``[steps, L, B, H, N]`` bool (CPU).
     Raises:
-        SpardaError: ``hit_rate`` outside ``[0, 1]``.
+        SpardaError: ``hit_rate`` outside [0, 1].
     """
     from sparda.errors import SpardaError
 
@@ -271,16 +224,8 @@ def synthetic_masks(num_layers: int, num_kv_heads: int, selection, start_pos: li
 
 
 class Replayer:
-    """Replaces the blocks an offloaded cache fetches by replayed ones.
-
-    :meth:`install` wraps ``cache.fetch`` of an :class:`~sparda.cache.offload.OffloadKVCache`
-    (the one place where a selection turns into copies and into the slots attention
-    reads); the benchmark sets :attr:`step` before each decode step. The method still
-    computes its own selection (its cost is measured); only the blocks used change.
-
-    Args: ``masks`` ``[steps, L, B, H, N]`` bool on the cache's device (:func:`replay_masks`);
-    :meth:`install` turns them into block ids of the cache's slot width once (and drops them).
-    """
+    """Replace the blocks an offloaded cache fetches by replayed ones (``masks [steps, L, B, H, N]``
+    bool, :func:`replay_masks`); the method's own selection still runs. Set :attr:`step` per step."""
 
     def __init__(self, masks: torch.Tensor) -> None:
         self.masks = masks
@@ -325,20 +270,12 @@ def _masks_to_ids(masks: list[torch.Tensor], width: int) -> np.ndarray:
 def record_selection(model, seqs: list[list[int]], prompt_tokens: int, steps: int,
                      methods=("sparse", "sparda"), preset: str = "small", forecast=None,
                      meta: dict | None = None, **overrides) -> dict[str, SelectionTrace]:
-    """Record the decode selections of ``model`` (a CausalLM) on token sequences.
+    """Record the decode selections of ``model`` on token sequences ``seqs`` (each at least
+    ``prompt_tokens + steps`` tokens): dense prefill, then ``steps`` teacher-forced decode steps
+    per method. Returns method -> :class:`SelectionTrace`.
 
-    Each sequence's first ``prompt_tokens`` tokens are prefilled densely once (one cache
-    row per sequence); then every method decodes ``steps`` teacher-forced steps (the
-    sequence's next tokens) from a copy of that cache, and the block mask each layer
-    attends over is captured (``sparda``: the Forecast's prediction made in the previous
-    layer; ``sparse``: the layer's own query).
-
-    Args:
-        seqs: ``R`` token id lists of at least ``prompt_tokens + steps`` tokens.
-        forecast: the :class:`Forecast` for ``sparda*`` methods.
-        overrides: selection fields on top of ``preset``.
-    Returns: method -> :class:`SelectionTrace`.
-    Raises: SpardaError if a sequence is too short or the context stays under the dense fallback.
+    Raises:
+        SpardaError: a sequence too short, or a context under the dense fallback.
     """
     import copy
 
@@ -387,14 +324,11 @@ def record_selection(model, seqs: list[list[int]], prompt_tokens: int, steps: in
 
 def record_traces(rows: int = 4, prompt_tokens: int = 4096, steps: int = 64, device: str = "cpu",
                   methods=("sparse", "sparda")) -> dict[str, SelectionTrace]:
-    """:func:`record_selection` of the bundled SmolLM2-135M (real weights, shipped Forecast)
-    on ``rows`` evenly spaced excerpts of the held-out Emma, ``small`` preset.
-
-    ``prompt_tokens`` and ``steps`` (decoded tokens) are token counts.
+    """:func:`record_selection` of the bundled model (shipped Forecast) on ``rows`` excerpts of Emma,
+    ``small`` preset; ``prompt_tokens`` and ``steps`` are token counts.
 
     Raises:
-        SpardaError: Emma is too short for ``rows x (prompt_tokens + steps)`` tokens, no
-            shipped Forecast for a ``sparda*`` method, or the model fails to load.
+        SpardaError: Emma too short, no shipped Forecast, or the model fails to load.
     """
     from sparda.attention.forecast import load_forecast, shipped_path
     from sparda.data import heldout_text

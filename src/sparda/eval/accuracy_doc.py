@@ -1,16 +1,7 @@
-"""Regenerate ``docs/results/accuracy.md`` from a ``benchmarks/bench_eval.py run`` output directory (design §8).
-
-The page holds: how ``sparda eval`` measures (fixed text), the run's device, dates,
-commits, commands and wall time (``OUT/calls.json``), issue #12's criteria evaluated on
-the records with their intervals, then the reports of ``OUT/main`` and ``OUT/budget``
-(:func:`sparda.eval.report.markdown`) with their plots copied beside the page, then the
-KV-cache dtype section from ``OUT/kv-<dtype>`` (:func:`kv_section`; "not run" without them).
-Where ``OUT/baselines`` exists (the seeds' selectors, issue #13), its records join main's in
-main's tables and plots (same prompts, checked by :func:`baseline_records`); without it
-the page is what it was before that plan existed. ``OUT/selectors`` (the block-sparse
-selectors rerun with ``dense_heads none`` on main's prompts) gets its own section,
-:func:`selectors_section`, and issue #12's accuracy criteria are judged in both
-configurations; without the directory the section says it was not run.
+"""Regenerate ``docs/results/accuracy.md`` from a ``benchmarks/bench_eval.py run`` output directory
+(design §8): run metadata (``OUT/calls.json``), issue #12's criteria, the reports of
+``OUT/main`` (joined by ``OUT/baselines``) and ``OUT/budget``, and the sections of
+``OUT/kv-<dtype>`` and ``OUT/selectors``; "not run" where a directory is absent.
 """
 
 from __future__ import annotations
@@ -119,11 +110,9 @@ def _criterion_name(a: str, b: str, margin: float) -> str:
 
 def _measured(records: list[dict], a: str, b: str, margin: float, task=None, length=None,
               judged: bool = True, agg: dict | None = None) -> tuple[str, str, str]:
-    """``(measured, paired difference, met)`` cells of the criterion "``a`` ≥ ``b`` +
-    ``margin`` points" on ``records`` (the mean task accuracy, or ``task`` at ``length``):
-    both accuracies with Wilson 95 % intervals, ``a`` − ``b`` paired on the same prompts
-    (:func:`~sparda.eval.report.paired_difference`) and whether its point estimate reaches
-    the margin; ``met`` is withheld ("–") without pairs or when not ``judged`` (an incomplete run)."""
+    """``(measured, paired difference, met)`` cells of "``a`` >= ``b`` + ``margin`` points" on
+    ``records`` (mean task accuracy, or ``task`` at ``length``); ``met`` is "–" without pairs or
+    unless ``judged``."""
     agg = aggregate(records) if agg is None else agg
     d = paired_difference(records, a, b, task=task, length=length)
     cell = (lambda m: agg["by_length"].get(m, {}).get(task, {}).get(str(length))) if task else \
@@ -138,10 +127,7 @@ def _measured(records: list[dict], a: str, b: str, margin: float, task=None, len
 
 
 def criteria(main: list[dict], budget: list[dict], selectors: dict | None = None) -> list[str]:
-    """Issue #12's "done when" rows, evaluated on the records: a markdown table. The
-    mean-accuracy rows are judged on ``main`` (dense heads ``auto``) and again on the
-    ``selectors`` run (:func:`selector_records`; "not run" / its problem when it has no
-    records that pair with main's)."""
+    """Issue #12's criteria as a markdown table, judged on ``main`` and on the ``selectors`` run."""
     agg = aggregate(main)
     lengths = sorted({r["length"] for r in main if r["task"] not in ("ppl", "selection")})
     longest = max(lengths) if lengths else None
@@ -183,9 +169,8 @@ def _kv_runs(out: Path) -> dict[str, list[dict]]:
 
 
 def _kl_ratio(runs: dict[str, list[dict]], kv: str, label: str, length: int) -> tuple | None:
-    """``(ratio, low, high, n)``: ``label``'s mean ``ppl-decode`` KL under ``kv`` over its mean
-    under bf16 on the windows both scored (paired bootstrap 95 %,
-    :func:`~sparda.eval.stats.bootstrap_ratio`), or ``None`` without such windows."""
+    """``(ratio, low, high, n)`` of ``label``'s ``ppl-decode`` KL under ``kv`` over bf16 on shared
+    windows (:func:`~sparda.eval.stats.bootstrap_ratio`), or ``None``."""
     def kl(records):
         return {r["sample"]: r["kl"] for r in records
                 if r["task"] == PPL_DECODE and r["label"] == label and r["length"] == length}
@@ -206,11 +191,7 @@ def _ratio_cell(r) -> str:
 
 
 def kv_section(out: Path) -> list[str]:
-    """Markdown lines of the KV-cache dtype section (issue #14) from ``OUT/kv-<dtype>``:
-    its criterion row per ``ppl-decode`` length, passkey accuracy per method x dtype
-    (Wilson 95 %), and per method x dtype x length the decode-time perplexity, top-1
-    agreement and KL against dense (bootstrap 95 % over windows) with the KL's ratio to
-    the same method's under bf16. "Not run" rows where the directories are absent."""
+    """Markdown lines of the KV-cache dtype section (issue #14) from ``OUT/kv-<dtype>``."""
     runs = _kv_runs(out)
     lines = ["", "## KV-cache dtype (`kvquant`, issue #14)", "",
              "`OUT/kv-<dtype>` (plan `kvquant` of `benchmarks/bench_eval.py run`): every method's K/V stored as bf16, "
@@ -278,11 +259,9 @@ _NOT_PROMPT = frozenset({"tasks", "methods", "lengths", "samples", "out", "budge
 
 
 def _plan_differences(out: Path, name: str, free: frozenset = frozenset()) -> tuple[dict, dict, list[str]]:
-    """``(main's plan.json, name's plan.json, fields)``: the ``plan.json`` fields outside
-    :data:`_NOT_PROMPT` and ``free`` in which ``out/name`` differs from ``out/main`` (a field
-    absent from one file, written before the field existed, counts as its default).
-
-    Raises SpardaError if either file is missing or unreadable."""
+    """``(main's plan, name's plan, fields)`` where ``out/name``'s ``plan.json`` differs from main's
+    outside :data:`_NOT_PROMPT` and ``free`` (absent fields count as defaults). Raises SpardaError
+    if either file is missing or unreadable."""
     plans = {}
     for sub in ("main", name):
         path = Path(out) / sub / "plan.json"
@@ -299,14 +278,12 @@ def _plan_differences(out: Path, name: str, free: frozenset = frozenset()) -> tu
 
 
 def baseline_records(out: Path) -> tuple[list[dict], str | None]:
-    """Records of ``out/baselines`` (``[]`` where it has none) and a note for the page, or
-    ``None``: the note says when its plan fingerprint differs from main's although their
-    prompts agree (the model's Forecast weights or dense-heads calibration changed between
-    the runs).
+    """``(records, note)`` of ``out/baselines``; ``note`` when its fingerprint differs from main's
+    although the prompts agree.
 
-    Raises SpardaError if the two ``plan.json`` differ in a field that changes the prompts
-    or the methods' settings (seed, depths, text, model, preset, dtype, ppl windows, prefill,
-    KV dtype, dense heads, overrides): such records would not pair with main's."""
+    Raises:
+        SpardaError: the plans differ in a field that changes the prompts or method settings.
+    """
     records = load_results(Path(out) / "baselines" / "results.jsonl")
     if not records:
         return [], None
@@ -327,15 +304,9 @@ SELECTORS_COMMAND = "python3 benchmarks/bench_eval.py run OUT --plans selectors"
 
 
 def selector_records(out: Path) -> dict:
-    """What ``out/selectors`` holds, checked against ``out/main``.
-
-    Returns ``{"records", "problem", "complete", "progress"}``: the generation-task
-    records (``[]`` when there are none, or when they cannot be paired with main's), a
-    one-line reason they are not shown or ``None``, whether ``progress.json`` says the
-    plan is complete, and that file's dict (``None`` when absent). Problems: a ``plan.json``
-    that is unreadable, differs from main's in a field that changes the prompts or the
-    methods' settings other than ``dense_heads``, or whose ``dense_heads`` is not ``none``;
-    records that ran with dense heads (their ``dense_heads`` field)."""
+    """``{"records", "problem", "complete", "progress"}`` of ``out/selectors`` checked against
+    ``out/main``: generation records (``[]`` if unpairable), the one-line ``problem`` or ``None``,
+    whether the plan is complete, ``progress.json``."""
     sub = Path(out) / "selectors"
     records = [r for r in load_results(sub / "results.jsonl") if r["task"] not in ("ppl", "selection")]
     progress = json.loads((sub / "progress.json").read_text()) if (sub / "progress.json").is_file() else None
@@ -360,8 +331,7 @@ def selector_records(out: Path) -> dict:
 
 
 def _selector_cells(selectors: dict | None, a: str, b: str, margin: float) -> tuple[str, str, str]:
-    """The criterion's cells (:func:`_measured`) on the ``selectors`` run, judged only when
-    it is complete; "not run" or its problem when it has no usable records."""
+    """:func:`_measured` cells on the ``selectors`` run, judged only when complete."""
     if selectors is None or (not selectors["records"] and not selectors["problem"]):
         return f"not run (`{SELECTORS_COMMAND}`)", "–", "–"
     if selectors["problem"]:
@@ -377,14 +347,9 @@ def _commits_of(calls: list[dict], plan: str) -> str:
 
 def selectors_section(out: Path, main: list[dict], selectors: dict | None = None,
                       calls: list[dict] | None = None) -> list[str]:
-    """Markdown lines of the section "Selectors without dense heads" from ``out/selectors``
-    (:func:`selector_records`, read here when ``selectors`` is ``None``) and main's records:
-    per selector the mean task accuracy (Wilson 95 %) with dense heads ``auto`` (main) and
-    ``none`` (selectors), their paired difference none − auto on the same prompts (bootstrap
-    95 %) and the KV blocks read per decode step of each; then issue #12's mean-accuracy
-    criteria in both configurations, each labelled, judged where the run is complete. Says
-    "not run", incomplete, or why the records are not comparable, with no numbers for the
-    missing configuration."""
+    """Markdown lines of "Selectors without dense heads": per selector the mean accuracy with
+    dense heads ``auto`` (main) and ``none`` (selectors), their paired difference and blocks read
+    per step; then issue #12's mean-accuracy criteria in both configurations."""
     selectors = selector_records(out) if selectors is None else selectors
     calls = calls or []
     lines = ["", "## Selectors without dense heads (`selectors`)", "",
@@ -444,10 +409,8 @@ FULL_EVAL_TARGET = (2, 600)
 
 
 def advanced_plans(calls: list[dict]) -> list[dict[str, int]]:
-    """Per call of ``calls.json`` (in order), the plans it advanced and their records done
-    after it: a plan advanced when the call added records to its journal (``new``, recorded
-    since the 2026-12-04 runs) or, for older entries without it, when its ``done`` count grew
-    over the last call that reported it (on its first report: is above 0)."""
+    """Per ``calls.json`` entry, the plans it advanced (``new`` records, or a grown ``done`` count)
+    and their records done after it."""
     last: dict[str, int] = {}
     out = []
     for call in calls:
@@ -463,9 +426,8 @@ def advanced_plans(calls: list[dict]) -> list[dict[str, int]]:
 
 
 def full_eval_timing(calls: list[dict], advanced: list[dict[str, int]]) -> str | None:
-    """One sentence: how many calls and seconds of wall time the plans of :data:`FULL_EVAL`
-    took (the calls that advanced any of them), whether all of them completed, against
-    :data:`FULL_EVAL_TARGET`; ``None`` when no call advanced them."""
+    """One sentence: calls and wall seconds the plans of :data:`FULL_EVAL` took against
+    :data:`FULL_EVAL_TARGET`; ``None`` if no call advanced them."""
     ran = [(c, a) for c, a in zip(calls, advanced) if set(a) & set(FULL_EVAL)]
     if not ran:
         return None
@@ -484,10 +446,8 @@ def full_eval_timing(calls: list[dict], advanced: list[dict[str, int]]) -> str |
 
 
 def dense_ceiling_notes(main: list[dict]) -> list[str]:
-    """For each criterion of :data:`MEAN_CRITERIA` with a positive margin: a sentence when
-    its reference is so close to ``dense`` that ``dense`` itself, which reads every block,
-    would not reach the margin over it (paired on the same prompts), so no selector can
-    be expected to; ``[]`` otherwise or without the records."""
+    """Sentences for criteria of :data:`MEAN_CRITERIA` whose margin ``dense`` itself would not
+    reach over the reference (paired); ``[]`` otherwise."""
     notes = []
     for a, b, margin in MEAN_CRITERIA:
         if margin <= 0:
@@ -508,9 +468,8 @@ def _shift(md: str) -> str:
 
 
 def render(out: Path, doc_dir: Path, plot_dir: str = "accuracy/gpu") -> str:
-    """The page for eval directory ``out``; copies its plots into ``doc_dir / plot_dir``.
-
-    Raises SpardaError if ``out/main/results.jsonl`` is missing."""
+    """The page for ``out``; copies its plots into ``doc_dir / plot_dir``. Raises SpardaError if
+    ``out/main/results.jsonl`` is missing."""
     out = Path(out)
     main = load_results(out / "main" / "results.jsonl")
     if not main:

@@ -1,37 +1,9 @@
-"""Calibration of dense retrieval heads (design §3.7): which (layer, KV head) the sparse selection blinds.
+"""Calibration of dense retrieval heads, ``sparda calibrate-heads`` (design §3.7).
 
-Synthetic needle prompts (``passkey`` and ``niah-single`` by default, the eval's own
-generators, :mod:`sparda.eval.tasks`) are built from the *training* split of the bundled
-text (:func:`sparda.data.train_texts`, never the held-out Emma that ``sparda eval`` uses),
-4K-6K tokens, needles at depths spread over 10-90 %. Each prompt, in the model's chat
-template, is followed by its answer (teacher forcing) and run densely once
-(:meth:`~sparda.model.llama.CausalLM.dense_layers`). The *retrieval queries* are the
-decode steps that write the answer's tokens after the first (the first is the prefill's
-last query, dense at the ``small`` preset): the query at position ``p`` produces the
-token at ``p + 1``.
-
-For each retrieval query, layer and KV head:
-
-* ``mass``: the group's attention on the needle tokens (the prompt tokens that spell the
-  answer), ``mean_g sum_{i in needle} softmax_i(q_g . k_i / sqrt(d))`` over the causally
-  visible keys -- what dense decode reads there;
-* ``seen``: the part of that mass whose tokens lie in a block the head's own
-  compressed-key selection keeps (``sparse``'s rule at the preset budget: group-summed
-  softmax over mean-pooled keys, max-pooled onto blocks, sinks + local + top-k, design
-  §3.2-3.4, the CPU reference :mod:`sparda.kernels.reference`);
-* ``lost = mass - seen``: needle mass the sparse selection hides from the head.
-
-Heads are ranked by ``lost`` averaged over every retrieval query of every prompt. The
-chosen set is the smallest top prefix holding ``coverage`` (default 90 %) of the summed
-lost mass of *all* heads, capped at ``max_heads`` (default ``ceil(3 %)`` of the KV heads:
-3 of 90 for the bundled model), without heads losing less than ``min_share`` (3 %) of the
-top head's loss. Why: on the bundled model one head loses most (layer 7 head 2: 80 % of the
-total), but the strong retrieval heads next in line (needle mass 0.45-0.5) lose their
-needle only at some steps and prompts, a small mean that still decides answers
-(design §3.7: layer 7 head 2 alone restores 1 of 3 failing prompts, with layer 18
-head 2 all 3); the long tail after them -- tens of heads each losing a sliver -- is the
-top-k's ordinary approximation error, and each dense head costs a full KV read. The result is written atomically as JSON (``sparda_dense_heads.json`` in the
-model directory, read by ``dense_heads="auto"``, or ``--out``).
+Teacher-forced needle prompts from the training split, one dense forward each; per
+retrieval query, layer and KV head, ``mass`` is the group's mean attention on the needle
+tokens and ``lost = mass - seen``, ``seen`` its part inside the head's own §3.2-3.4
+selection. The rule that picks heads from the mean ``lost``: design §3.7, :func:`choose_heads`.
 """
 
 from __future__ import annotations
@@ -53,8 +25,7 @@ TASKS = ("passkey", "niah-single")
 
 
 def needle_positions(offsets: list[tuple[int, int]], text: str, needle: str) -> list[int]:
-    """Token indices whose character span ``offsets[i] = (start, end)`` overlaps an
-    occurrence of ``needle`` in ``text`` (the tokens that spell the needle)."""
+    """Token indices whose ``offsets[i] = (start, end)`` overlap an occurrence of ``needle`` in ``text``."""
     spans, at = [], text.find(needle)
     while at >= 0:
         spans.append((at, at + len(needle)))
@@ -71,14 +42,11 @@ def prompt_depths(count: int, seed: int) -> list[float]:
 
 
 def build_prompt(tokenizer, task: str, haystack: str, length: int, depth: float, seed: int):
-    """One teacher-forced needle sequence.
+    """One teacher-forced needle sequence: ``(ids, needle, answer_start)``, the chat-wrapped prompt
+    plus answer tokens, the prompt indices spelling the answer, the answer's first index.
 
-    Returns:
-        ``(ids, needle, answer_start)``: token ids of the chat-wrapped prompt followed by the
-        answer's tokens (``list[int]``), the prompt token indices that spell the answer
-        (``list[int]``), and the index of the answer's first token.
     Raises:
-        SpardaError: the answer does not occur in the prompt (a task without a needle).
+        SpardaError: the answer does not occur in the prompt.
     """
     from sparda.eval.tasks import make_sample
 
@@ -100,11 +68,10 @@ def head_losses(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, needle: t
     """Needle mass and the part the compressed-key selection loses, per KV head.
 
     Args:
-        q: ``[1, H, G, Q, d]`` retrieval queries (post-RoPE); k: ``[1, H, T, d]`` post-RoPE
-            keys; q_pos: ``[1, Q]`` int64 positions; needle: ``[M]`` int64 token positions;
-            cfg: the :class:`~sparda.config.SelectionConfig`.
+        q: ``[1, H, G, Q, d]``, k: ``[1, H, T, d]`` post-RoPE. q_pos: ``[1, Q]`` int64.
+        needle: ``[M]`` int64 token positions.
     Returns:
-        ``(mass, lost)``: ``[H, Q]`` fp32 each (fractions of the group's attention).
+        ``(mass, lost)``, ``[H, Q]`` fp32 each (fractions of the group's attention).
     """
     t = k.shape[-2]
     logits = torch.einsum("bhgqd,bhtd->bhgqt", q.float(), k.float()) / math.sqrt(q.shape[-1])
@@ -122,9 +89,8 @@ def head_losses(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, needle: t
 
 def choose_heads(lost: list[tuple[float, int, int]], coverage: float, max_heads: int,
                  min_share: float) -> list[tuple[int, int]]:
-    """The smallest prefix of ``lost`` (``(loss, layer, head)``, sorted by loss descending)
-    whose summed loss reaches ``coverage`` of the total, at most ``max_heads`` long, without
-    heads losing less than ``min_share`` of the first one's loss."""
+    """Smallest prefix of ``lost`` (``(loss, layer, head)``, descending) reaching ``coverage`` of the
+    total, at most ``max_heads``, without heads under ``min_share`` of the first (design §3.7)."""
     total = sum(x for x, _, _ in lost)
     chosen, acc = [], 0.0
     for value, layer, head in lost[:max_heads]:
@@ -140,25 +106,17 @@ def calibrate_heads(model=None, *, prompts: int = 12, lengths=(4096, 6144), task
                     coverage: float = 0.9, max_heads: int | None = None, min_share: float = 0.03,
                     preset: str = "small", device=None, out: str | None = None, llm=None,
                     texts: list[str] | None = None) -> dict:
-    """Score every (layer, KV head) as the module docstring says and store the chosen heads.
+    """Score every (layer, KV head) and write the chosen heads as JSON (design §3.7).
 
     Args:
-        model: model directory / .gguf / None (bundled); ignored if ``llm`` is given.
-        prompts: needle prompts (>= 1), cycling over ``tasks`` and the training novels.
-        lengths: ``(shortest, longest)`` prompt tokens, spread evenly over the prompts
-            (``dense_len <= shortest <= longest <= max_positions - 64``).
-        tasks: needle tasks of :mod:`sparda.eval.tasks` (passkey, passkey-synth, niah-*).
-        seed: seeds the prompts (sample ``i`` uses ``seed + i``) and their depths.
-        coverage, max_heads, min_share: the choice rule (:func:`choose_heads`);
-            ``max_heads=None``: ``ceil(0.03 * L * H_kv)``.
-        out: output JSON path; None: ``sparda_dense_heads.json`` in the model directory.
-        texts: haystacks (default: the training split, :func:`sparda.data.train_texts`).
+        prompts: needle prompts (>= 1). lengths: ``(shortest, longest)`` tokens, within
+            ``[dense_len, max_positions - 64]``. tasks: needle tasks of :mod:`sparda.eval.tasks`.
+        coverage, max_heads, min_share: :func:`choose_heads` (``max_heads=None``: ``ceil(0.03 L H_kv)``).
+        out: JSON path; ``None``: ``sparda_dense_heads.json`` in the model directory.
     Returns:
-        The JSON written (``format``, ``heads`` ``[[layer, head], ...]``, ``ranking`` of the
-        top heads with ``lost`` / ``mass``, ``total_lost``, ``covered``, ``model``, ``preset``,
-        ``selection``, ``prompts``, ``command``) plus ``path``.
+        The JSON written (``heads`` ``[[layer, head], ...]``, ``ranking``, ...) plus ``path``.
     Raises:
-        SpardaError: bad counts, lengths, tasks or output path (checked before the model runs).
+        SpardaError: bad counts, lengths, tasks or output path (before the model runs).
     """
     from sparda.attention.dense_heads import CALIBRATION_FILE, FORMAT
     from sparda.attention.forecast import model_identity, model_name

@@ -1,13 +1,5 @@
-"""Scores and model-quality metrics for ``sparda eval`` (design §8).
-
-* task scoring: exact match, contains, fraction of expected items found;
-* logit comparison against dense attention: perplexity, next-token top-1 agreement,
-  KL(dense || method), summed over positions (:func:`compare_logits`) or per position
-  (:func:`logit_terms`);
-* budgets given as a percentage of the context, mapped onto ``topk_blocks`` (design §3.4);
-* block hit rate in decode: for offloaded methods the offload runtime's own count
-  (:func:`runtime_hit_rate`), for on-device ones the step-to-step overlap of the
-  selections (:class:`HitRateTracker`).
+"""Task scores and model-quality metrics of ``sparda eval`` (design §8): scoring, logit
+comparison against dense, budgets in % of the context, decode block hit rates.
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ SCORERS = {"exact": exact_match, "contains": contains, "fraction": fraction_foun
 
 
 def score(sample, completion: str) -> float:
-    """Score (0-1) of ``completion`` for a :class:`~sparda.eval.tasks.TaskSample` using its
-    ``metric``. Raises SpardaError for an unknown metric."""
+    """Score (0-1) of ``completion`` under ``sample.metric``. Raises SpardaError for an unknown metric."""
     if sample.metric not in SCORERS:
         raise SpardaError(f"unknown metric {sample.metric!r}; choose from {', '.join(SCORERS)}")
     return SCORERS[sample.metric](sample.answers, completion)
@@ -56,16 +47,14 @@ def score(sample, completion: str) -> float:
 
 @torch.no_grad()
 def logit_terms(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-position terms behind perplexity, agreement and KL, in float64 on the logits' device.
+    """Per-position terms behind perplexity, agreement and KL, float64, no host sync.
 
     Args:
-        logits: ``[N, V]`` next-token logits of the method (any float dtype).
-        reference: ``[N, V]`` dense-attention logits of the same tokens.
-        targets: ``[N]`` int64, the true next token at each position.
+        logits, reference: ``[N, V]`` method and dense logits (any float dtype).
+        targets: ``[N]`` int64 true next tokens.
     Returns:
-        ``[N]`` float64 tensors: ``nll`` (nats, method), ``ref_nll`` (nats, dense),
-        ``agree`` (1.0 where the method's argmax equals dense's), ``kl``
-        (``KL(dense || method)`` in nats). No host sync (usable inside a decode loop).
+        ``[N]`` float64 ``nll``, ``ref_nll`` (nats), ``agree`` (argmax equal, 0/1) and ``kl``
+        (``KL(dense || method)``, nats).
     """
     lp = torch.log_softmax(logits.double(), -1)
     ref = torch.log_softmax(reference.double(), -1)
@@ -77,19 +66,10 @@ def logit_terms(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Te
 @torch.no_grad()
 def compare_logits(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor,
                    chunk: int = 1024) -> dict[str, float]:
-    """Sums over positions of the quantities behind perplexity, agreement and KL
-    (:func:`logit_terms`, ``chunk`` positions at a time).
+    """:func:`logit_terms` summed over positions, ``chunk`` at a time (memory ``chunk x V`` fp64).
 
-    Args:
-        logits: ``[T, V]`` next-token logits of the method (any float dtype).
-        reference: ``[T, V]`` dense-attention logits of the same tokens.
-        targets: ``[T]`` int64, the true next token at each position.
-        chunk: positions processed at once (bounds memory: ``chunk x V`` fp64).
     Returns:
-        ``positions``, ``nll_sum`` (nats, method), ``ref_nll_sum`` (nats, dense),
-        ``agree_sum`` (positions whose argmax equals dense's), ``kl_sum``
-        (``KL(dense || method)`` in nats, summed). Divide by ``positions`` for means;
-        perplexity is ``exp(nll_sum / positions)``.
+        ``positions``, ``nll_sum``, ``ref_nll_sum``, ``agree_sum``, ``kl_sum`` (nats).
     Raises:
         SpardaError: mismatched shapes.
     """
@@ -110,10 +90,8 @@ def perplexity(nll_sum: float, positions: int) -> float:
 
 
 def budget_topk(percent: float, context_tokens: int, selection) -> int:
-    """``topk_blocks`` that makes the whole budget (init + local + topk) about ``percent`` %
-    of a ``context_tokens`` context's blocks (never below 0).
-
-    Raises SpardaError unless ``0 < percent <= 100``."""
+    """``topk_blocks`` making the whole budget about ``percent`` % of a ``context_tokens`` context's
+    blocks (>= 0). Raises SpardaError unless ``0 < percent <= 100``."""
     if not 0 < percent <= 100:
         raise SpardaError(f"budget must be a percentage in (0, 100], got {percent}")
     blocks = -(-context_tokens // selection.block_size)
@@ -121,15 +99,8 @@ def budget_topk(percent: float, context_tokens: int, selection) -> int:
 
 
 def runtime_hit_rate(offload_stats: dict) -> float | None:
-    """Block hit rate measured by the offload runtime (design §6), 0-1, or ``None`` when it
-    fetched nothing.
-
-    Args:
-        offload_stats: ``Completion.stats["offload"]``, i.e. ``OffloadKVCache.offload_stats``:
-            ``hits`` and ``misses`` (selected blocks already in a GPU slot / copied from the
-            host, over every decode step and offloaded layer: ints or per-row lists) and
-            ``hit_rate``.
-    """
+    """Block hit rate (0-1) counted by the offload runtime (design §6) from
+    ``Completion.stats["offload"]``; ``None`` when it fetched nothing."""
     def total(value) -> float:
         return float(torch.as_tensor(value, dtype=torch.float64).sum())
 
@@ -141,24 +112,12 @@ def runtime_hit_rate(offload_stats: dict) -> float | None:
 
 
 class HitRateTracker:
-    """Step-to-step block hit rate of an on-device block-sparse method in decode, per row.
+    """Step-to-step block hit rate of an on-device block-sparse method in decode, per row (design §8).
 
-    Wraps ``method.select`` (instance attribute, the class is untouched) and, per layer and
-    cache row, compares each decode step's selected blocks with the same row's previous
-    step: hit rate = blocks selected at step ``t`` that were also selected at ``t-1`` /
-    blocks selected at ``t`` (the blocks a prefetching runtime would already hold), summed
-    over layers and KV heads. A step counts only where the row's previous decode step
-    (position ``p - 1``) was recorded too.
-
-    Counts are kept per row and per position in device buffers updated in place, with no
-    host sync, so the wrapper also runs inside a captured CUDA graph
-    (:mod:`sparda.engine.graph_runner`: the buffers are allocated by the eager warm-up
-    step, the replays keep adding into them). :meth:`take_rows` then sums only the
-    positions of the tokens a row kept, so a row of a batch reports what it reports alone,
-    however long the batch kept decoding after the row's EOS.
-
-    Methods without ``select`` (dense) report ``None``. Offloaded methods decode without
-    ``select``: use :func:`runtime_hit_rate` for them.
+    Wraps ``method.select`` (instance attribute): blocks selected at step ``t`` that were also
+    selected at ``t - 1`` over blocks selected at ``t``, summed over layers and KV heads. Device
+    buffers, no host sync (CUDA graphs). Dense methods report ``None``; offloaded ones use
+    :func:`runtime_hit_rate`.
     """
 
     def __init__(self, method) -> None:
@@ -182,8 +141,7 @@ class HitRateTracker:
             method.select = select
 
     def _buffers(self, layer: int, mask: torch.Tensor) -> None:
-        """(Re)allocate the buffers for ``mask [B, H_kv, N]`` (eager steps only: a new cache
-        shape always starts with an eager warm-up step)."""
+        """(Re)allocate for ``mask [B, H_kv, N]`` (eager steps only)."""
         batch, _, blocks = mask.shape
         width = blocks * self._block_size
         if self._hits is None or self._hits.shape != (batch, width) or self._hits.device != mask.device:
@@ -196,8 +154,7 @@ class HitRateTracker:
             self._last_pos[layer] = torch.full((batch,), -2, dtype=torch.long, device=mask.device)
 
     def _record(self, layer: int, mask: torch.Tensor, pos: torch.Tensor) -> None:
-        """Add one decode step of ``layer``: ``mask [B, H_kv, N]`` bool selected blocks of the
-        token at ``pos [B]`` (int64 positions). Device ops only, in place."""
+        """Add one decode step of ``layer``: ``mask [B, H_kv, N]`` bool at ``pos [B]`` int64, in place."""
         self._buffers(layer, mask)
         prev, last = self._prev[layer], self._last_pos[layer]
         follows = (last == pos - 1).long()  # [B]: the row's previous step was recorded
@@ -210,7 +167,7 @@ class HitRateTracker:
         last.copy_(pos)
 
     def reset(self) -> None:
-        """Zero the counts and forget the previous steps (in place; call between generations)."""
+        """Zero the counts and forget the previous steps (call between generations)."""
         with torch.inference_mode():  # the buffers are made inside generate's inference mode
             if self._hits is not None:
                 self._hits.zero_()
@@ -219,10 +176,8 @@ class HitRateTracker:
                 last.fill_(-2)
 
     def take_rows(self, spans: list[tuple[int, int]]) -> list[float | None]:
-        """Hit rate (0-1, or ``None`` where nothing was recorded) of each row over its decode
-        steps at positions ``first..last`` (inclusive; ``spans[b]`` for cache row ``b``),
-        then :meth:`reset`. A row whose prompt has ``P`` tokens and that kept ``n`` new tokens
-        fed positions ``P .. P + n - 2`` to the decode steps that made them."""
+        """Hit rate (0-1, ``None`` if nothing recorded) of row ``b`` over decode positions ``spans[b] =
+        (first, last)`` inclusive, then :meth:`reset`."""
         rates: list[float | None] = []
         if self._hits is None:
             rates = [None] * len(spans)

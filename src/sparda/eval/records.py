@@ -1,8 +1,5 @@
-"""What one unit of ``sparda eval`` work measures (design §8): a batch of generation
-samples of one task x length through one method, one perplexity window through every
-method, a batch of perplexity windows decoded token by token through every method
-(``ppl-decode``), or one selection report. Each returns (or yields) the records that
-:mod:`sparda.eval.runner` journals.
+"""What one unit of ``sparda eval`` work measures (design §8): a generation batch, a
+``ppl`` window, a ``ppl-decode`` batch or a selection report; returns or yields records.
 """
 
 from __future__ import annotations
@@ -23,43 +20,28 @@ SELECTION = "selection"
 
 
 def _budget_fields(llm, length: int) -> dict:
-    """``budget_blocks`` (init + local + top-k) and ``context_blocks`` (blocks of a
-    ``length``-token context) of ``llm``'s selection (design §3.4)."""
+    """``budget_blocks`` and ``context_blocks`` of a ``length``-token context (design §3.4)."""
     sel = llm.config.selection
     return dict(budget_blocks=sel.init_blocks + sel.local_blocks + sel.topk_blocks,
                 context_blocks=-(-length // sel.block_size))
 
 
 def _dense_heads_field(llm) -> str:
-    """The (layer, KV head) pairs that read every visible block in ``llm``'s decode steps
-    (``llm.config.dense_heads``, design §3.7) as ``"L:H,L:H,..."``, or ``"none"``: what a
-    record's decode ran with, whatever the plan's setting (``auto`` resolves per method)."""
+    """The dense heads ``llm``'s decode ran with (design §3.7) as ``"L:H,..."``, or ``"none"``."""
     return ",".join(f"{layer}:{head}" for layer, head in llm.config.dense_heads) or "none"
 
 
 def task_records(models, spec, batch: list, length: int) -> list[dict]:
-    """Generate one batch of samples with ``spec`` and score each.
-
-    Every prompt of the batch goes through one :meth:`sparda.LLM.generate` call (one
-    batched prefill forward where the method allows it, else row by row; decode batched,
-    design §3.8); greedy decoding, so each record equals what the sample gives alone in
-    fp32 (tests/test_eval_runner.py); in bf16 another batch size sums in another order,
-    which can flip a near tie.
+    """Generate one batch of samples with ``spec`` (one :meth:`sparda.LLM.generate` call, design
+    §3.8) and score each.
 
     Args:
-        models: the runner's ``_Models`` (one loaded model, one method per spec).
-        spec: the :class:`~sparda.eval.runner.MethodSpec` (method, budget %).
-        batch: ``[(index, seed, TaskSample)]`` of one task and length (any ``max_new_tokens``:
-            each completion is cut to its own).
-        length: the context length in tokens the samples were made for.
+        models: the runner's ``_Models``. spec: a :class:`~sparda.eval.runner.MethodSpec`.
+        batch: ``[(index, seed, TaskSample)]`` of one task and length. length: tokens.
     Returns:
-        One record per sample, in order: score, completion, token counts, timings,
-        ``kv_read_fraction`` (KV blocks read per decode step, whole batch's steps),
-        ``kv_bytes_read_per_token`` (bytes), ``hit_rate`` and its ``hit_rate_source``
-        (``runtime``: the offload runtime's slot hits, :func:`~sparda.eval.metrics.runtime_hit_rate`;
-        ``overlap``: the step-to-step overlap over the row's own decode steps,
-        :class:`~sparda.eval.metrics.HitRateTracker`), ``host_bytes_copied_per_token``
-        for offloaded methods, ``dense_heads`` (:func:`_dense_heads_field`).
+        One record per sample: score, completion, token counts, timings, ``kv_read_fraction``,
+        ``kv_bytes_read_per_token`` (bytes), ``hit_rate`` with ``hit_rate_source`` (``runtime``
+        or ``overlap``), ``host_bytes_copied_per_token``, ``dense_heads``.
     """
     from sparda.eval.metrics import exact_match, runtime_hit_rate, score
 
@@ -104,9 +86,7 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
 
 
 def ppl_window(text_ids: list[int], length: int, seed: int) -> list[int]:
-    """The ``length + 1`` held-out token ids of perplexity window ``seed`` (a seeded offset).
-
-    Raises SpardaError if the text is shorter than one window."""
+    """The ``length + 1`` held-out token ids of window ``seed``. Raises SpardaError if the text is shorter."""
     if len(text_ids) < length + 1:
         raise SpardaError(f"the perplexity text has {len(text_ids)} tokens, fewer than {length + 1}; "
                           "use a longer --text or shorter --lengths")
@@ -115,12 +95,8 @@ def ppl_window(text_ids: list[int], length: int, seed: int) -> list[int]:
 
 
 def ppl_records(models, todo: list, text_ids: list[int], length: int, index: int, seed: int):
-    """Yield the logit metrics of each spec in ``todo`` against dense on one window of
-    ``length`` tokens (:func:`ppl_window`); positions in the second half of the window are
-    scored (where sparsity can act). Every method prefills block-sparsely here (``ppl``
-    scores prefill logits). The reference is dense attention over an unquantised KV cache
-    (``models.reference``), whatever the plan's ``kv_dtype``. Metrics:
-    :func:`~sparda.eval.metrics.compare_logits`."""
+    """Yield each spec's :func:`~sparda.eval.metrics.compare_logits` against the unquantised dense
+    reference on one window, second half scored, block-sparse prefill (``ppl``, design §8)."""
     from sparda.eval.metrics import compare_logits, perplexity
 
     ids = ppl_window(text_ids, length, seed)
@@ -146,26 +122,15 @@ def ppl_records(models, todo: list, text_ids: list[int], length: int, index: int
 @torch.inference_mode()
 def teacher_forced_terms(llm, windows: list[list[int]], prefix: int, reference: torch.Tensor,
                          targets: torch.Tensor) -> dict[str, list[float]]:
-    """Feed held-out windows through ``llm``'s decode path and sum, per window, the logit
-    terms of every decode step against ``reference`` (:func:`~sparda.eval.metrics.logit_terms`).
-
-    All windows share one KV cache of ``B`` rows (``llm.new_cache``: on the device or
-    offloaded, in ``llm.kv_dtype``): each row prefills its window's first ``prefix`` tokens
-    (``llm.prefill``, the method's prefill mode), then every row feeds its next true token
-    (teacher forcing) through the same decode steps ``LLM.generate`` runs (the
-    :class:`~sparda.engine.graph_runner.DecodeRunner`: on CUDA captured graphs, the fused
-    decode step, selection, offload and the quantised cache). Step ``t`` feeds token
-    ``prefix + t`` at that position and is scored on predicting token ``prefix + t + 1``.
+    """Teacher-force windows through ``llm``'s decode path and sum each step's logit terms against
+    ``reference`` (``ppl-decode``, design §8).
 
     Args:
-        llm: a :class:`sparda.LLM`.
-        windows: ``B`` lists of ``L + 1`` token ids each (same ``L``).
-        prefix: prompt tokens prefilled (``1 <= prefix < L``); ``D = L - prefix`` decode steps.
-        reference: ``[B, D, V]`` reference logits at positions ``prefix .. L - 1`` (device).
-        targets: ``[B, D]`` int64, ``windows[b][prefix + 1:]`` (device).
+        llm: a :class:`sparda.LLM`. windows: ``B`` lists of ``L + 1`` token ids.
+        prefix: tokens prefilled, ``1 <= prefix < L``; ``D = L - prefix`` decode steps.
+        reference: ``[B, D, V]`` logits at positions ``prefix .. L - 1``. targets: ``[B, D]`` int64.
     Returns:
-        ``nll``, ``ref_nll``, ``agree``, ``kl``: ``B`` sums over the ``D`` steps (nats; agree
-        counts positions). Sums stay on the device until the end (no per-step host sync).
+        ``nll``, ``ref_nll``, ``agree``, ``kl``: ``[B]`` sums over the steps (nats; agree: count).
     """
     from sparda.eval.metrics import logit_terms
 
@@ -193,24 +158,13 @@ def teacher_forced_terms(llm, windows: list[list[int]], prefix: int, reference: 
 
 def ppl_decode_records(models, todo: dict[int, list], text_ids: list[int], length: int, seeds: dict[int, int],
                        decode_tokens: int):
-    """Yield the decode-time logit metrics against dense of a batch of perplexity windows
-    (``ppl-decode``, design §8): window ``i`` through each spec of ``todo[i]``.
+    """Yield the ``ppl-decode`` metrics (design §8) of window ``i`` (:func:`ppl_window` of
+    ``seeds[i]``) through each spec of ``todo[i]``: the last ``decode_tokens`` tokens decoded
+    one step at a time against one dense unquantised forward.
 
-    Window ``i`` is :func:`ppl_window` of ``seeds[i]`` (the windows of ``ppl``); its first
-    ``length - decode_tokens`` tokens are prefilled in the plan's prefill mode (as in the
-    generation tasks), the last ``decode_tokens`` are fed one decode step at a time
-    (:func:`teacher_forced_terms`, one batch per spec) and every step's logits are
-    compared with the reference: dense attention over an unquantised KV cache, one full
-    forward of the window (``models.reference``, whatever the plan's ``kv_dtype``;
-    computed once for the batch). So the records carry the cost of the decode path as
-    served: selection, offload, dense heads and the KV cache's storage; ``dense`` itself
-    measures the decode path's numerics and, under ``kv_dtype`` int8/int4, the
-    quantisation alone.
-
-    Memory: the reference holds ``B x decode_tokens x V`` fp32 logits on the device.
-    Records as ``ppl``'s, per window: ``positions`` (``decode_tokens``), ``ppl``,
-    ``dense_ppl``, ``top1_agreement`` (= ``score``), ``kl`` (nats per position), plus
-    ``prefix`` and ``kv_dtype``; ``seconds`` is the spec's batch time per window.
+    Memory: ``B x decode_tokens x V`` fp32 reference logits on the device. Records: ``positions``,
+    ``ppl``, ``dense_ppl``, ``top1_agreement`` (= ``score``), ``kl`` (nats per position),
+    ``prefix``, ``kv_dtype``, ``seconds`` (per window).
     """
     from sparda.eval.metrics import perplexity
 
@@ -248,9 +202,8 @@ def ppl_decode_records(models, todo: dict[int, list], text_ids: list[int], lengt
 
 
 def selection_records(models, todo: list, length: int, index: int, seed: int) -> list[dict]:
-    """Selection recall (vs sparse and oracle top-k) and attention mass covered, from
-    :func:`sparda.eval.selection.selection_report`, for the methods it knows (preset budget);
-    the others get a record with ``score=None``."""
+    """Records of :func:`sparda.eval.selection.selection_report` for the methods it knows
+    (``score=None`` for the others)."""
     from sparda.eval.selection import KNOWN, selection_report
 
     names = sorted({s.method for s in todo if s.method in KNOWN})

@@ -1,7 +1,5 @@
-"""Tables, plots and ``summary.json`` from the records of ``sparda eval`` (design §8).
-
-Everything here is rebuilt from ``results.jsonl`` alone, so it can run on a partial
-(still running or interrupted) evaluation. Every file is written atomically.
+"""Tables, plots and ``summary.json`` from ``results.jsonl`` alone (design §8), so a partial
+run reports too; files written atomically.
 """
 
 from __future__ import annotations
@@ -79,13 +77,9 @@ def _comparisons(labels: list[str]) -> list[tuple[str, str]]:
 
 def paired_difference(records: list[dict], a: str, b: str, task: str | None = None,
                       length: int | None = None) -> dict | None:
-    """Score of label ``a`` minus label ``b`` on the same prompts (task, length, sample),
-    over the generation tasks (or only ``task`` / ``length``), with a paired bootstrap 95 %
-    interval stratified by (task, length) cell (:func:`~sparda.eval.stats.bootstrap_mean`,
-    10,000 resamples, seed 0).
-
-    Returns ``{"diff", "low", "high", "n"}`` (score units 0-1; ``n`` pairs), or ``None``
-    when no prompt was scored by both."""
+    """Score of ``a`` minus ``b`` on the same prompts (optionally one ``task`` / ``length``) with a
+    bootstrap 95 % interval stratified by (task, length) (design §8): ``{"diff", "low", "high",
+    "n"}`` in score units 0-1, or ``None`` without pairs."""
     scores: dict = {}
     for r in records:
         if r["task"] in NOT_TASKS or r.get("score") is None or r["label"] not in (a, b):
@@ -113,21 +107,10 @@ def _logit_metrics(records: list[dict]) -> dict:
 
 
 def aggregate(records: list[dict]) -> dict:
-    """Aggregates of the records.
-
-    Returns a dict with ``summary`` (label -> task -> mean score 0-1, ppl excluded; also
-    ``summary.json``), ``accuracy`` (label -> task -> ``{"mean", "n", "low", "high"}`` with
-    the 95 % Wilson interval), ``mean_accuracy`` (label -> the same for the mean over tasks:
-    the mean of the task means, its interval from the pooled sample count), ``by_length``
-    (label -> task -> length -> the same), ``by_depth`` (label -> length -> depth -> the
-    same over needle tasks), ``ppl`` (label -> length -> means of ppl, dense_ppl,
-    top1_agreement, kl, with bootstrap 95 % intervals over windows of agreement and KL, and
-    ``n`` windows), ``ppl_decode`` (the same for ``ppl-decode``; only if it has records), ``selection``, ``efficiency`` (label -> mean kv_read_fraction,
-    kv_bytes_read_per_token, host_bytes_copied_per_token, hit_rate, its sources,
-    prefill_ms: per prompt, a batched prefill's time divided among its prompts), ``budgets`` (method -> length -> budget % -> effective budget %, task
-    accuracy, top-1 agreement, KL, ppl) and ``paired`` (rows of :func:`paired_difference`:
-    ``a``, ``b``, ``scope`` ``all`` / a length / a task).
-    """
+    """Aggregates of the records: ``summary`` (label -> task -> mean 0-1), ``accuracy``,
+    ``mean_accuracy``, ``by_length``, ``by_depth`` (``{"mean", "n", "low", "high"}``, Wilson
+    95 %), ``ppl``, ``ppl_decode`` (means with bootstrap 95 % of agreement and KL), ``selection``,
+    ``efficiency``, ``budgets`` and ``paired`` (:func:`paired_difference` rows)."""
     tasks = [r for r in records if r["task"] not in NOT_TASKS]
     out: dict = {"summary": {}, "accuracy": {}, "mean_accuracy": {}, "by_length": {}, "by_depth": {}, "ppl": {},
                  "efficiency": {}, "budgets": {}, "selection": {}, "paired": []}
@@ -211,9 +194,8 @@ def _ci(low, high, pct: bool = True) -> str:
 
 
 def markdown(records: list[dict], agg: dict) -> str:
-    """The markdown report: accuracy (%) per task, per length, per depth, each with its
-    95 % Wilson interval; paired differences with bootstrap intervals; perplexity /
-    agreement / KL against dense; selection; efficiency; budget sweep."""
+    """The markdown report: accuracy (%) per task, length and depth with Wilson 95 %, paired
+    differences, perplexity / agreement / KL against dense, selection, efficiency, budgets."""
     labels = _labels(records)
     tasks = sorted({r["task"] for r in records if r["task"] not in NOT_TASKS})
     lengths = sorted({r["length"] for r in records if r["task"] not in NOT_TASKS})

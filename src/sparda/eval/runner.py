@@ -1,16 +1,9 @@
 """``sparda eval``: every task x method x length x sample, batched and resumable (design §8).
 
-The samples of one task x length run through one method in batches of
-``plan.batch_size`` (one :meth:`sparda.LLM.generate` call each, its prompts prefilled in
-one forward where the method allows it, design §3.8: greedy, so a sample's record is the
-one it gets alone, exactly in fp32; in bf16 up to summation order). Each finished sample is appended (one JSON line,
-flushed and fsynced) to ``DIR/results.jsonl``; a rerun with the same plan skips every key
-already there, so an interrupted run resumes where it stopped, and a time budget stops a
-run cleanly between batches (``DIR/progress.json`` says how far it got). The tables, plots and ``summary.json`` are
-rebuilt from that file at the end (:mod:`sparda.eval.report`), each written atomically.
-Every check (tasks, methods, lengths, budgets, device, dtype, ``--text``, ``--out``)
-runs before anything is written; ``DIR`` and its ``plan.json`` appear only with the
-first finished sample, so a run that fails at its start never locks its ``--out``.
+Each finished sample is one fsynced JSON line of ``DIR/results.jsonl``; a rerun of the same
+plan skips what is there, a time budget stops between batches (``DIR/progress.json``), and
+the report is rebuilt from that file (:mod:`sparda.eval.report`). Every check runs before
+``DIR`` is written (docs/results/accuracy.md).
 """
 
 from __future__ import annotations
@@ -45,40 +38,21 @@ FULL = dict(tasks=("passkey", "niah-single", "niah-multikey", "vt", "cwe", PPL),
 
 @dataclass
 class EvalPlan:
-    """What ``sparda eval`` runs.
+    """What ``sparda eval`` runs; the fields that change a sample's content form :meth:`fingerprint`.
 
     Attributes:
-        tasks: names from :data:`sparda.eval.tasks.TASKS`, plus ``ppl``, ``ppl-decode`` and
-            ``selection``.
-        methods: registered attention method names (the reference of ``ppl`` and
-            ``ppl-decode`` is dense attention over an unquantised cache, run whether listed or not).
-        lengths: prompt lengths in tokens.
-        samples: samples per task x length (``ppl``, ``ppl-decode``: ``ppl_windows`` windows instead).
-        ppl_windows: held-out text windows per length for ``ppl`` and ``ppl-decode``.
-        decode_tokens: the last tokens of each ``ppl-decode`` window, fed one decode step at a
-            time after the rest is prefilled (:func:`~sparda.eval.records.ppl_decode_records`);
-            part of the fingerprint unless :data:`DECODE_TOKENS`.
-        out: output directory.
-        budgets: KV budgets in % of the context for the non-dense methods; empty = preset.
-        depths: needle depths (0-1), cycled over sample indices.
-        model, preset, device, dtype: as for :class:`sparda.LLM`; ``overrides`` are extra
-            selection fields (``dense_len``, ``block_size``...).
-        text: haystack / perplexity text file; ``None`` = the held-out novel.
-        seed: base seed of every generator.
-        sparse_prefill: whether block-sparse methods select in the prefill of the generation
-            tasks (``None``: the preset's default, :func:`sparda.config.resolve_sparse_prefill`:
-            dense prefill at ``small``, block-sparse at ``paper``; ``ppl-decode`` prefills
-            the same way). ``ppl`` scores prefill logits, so it always runs block-sparse
-            prefill (dense prefill would make them dense's).
-        batch_size: samples of one task x length per generate call (``None``:
-            :data:`DEFAULT_BATCH` of the device). Changes no result, so it is not part of
-            the fingerprint: a run may resume with another batch size.
-        kv_dtype: KV-cache storage of every method, ``bf16`` (the model dtype), ``int8`` or
-            ``int4`` (docs/kv_quant.md); part of the fingerprint unless ``bf16``. Not the
-            reference's: ``ppl`` and ``ppl-decode`` compare with an unquantised dense cache.
-        dense_heads: the ``dense_heads`` setting of every method (design §3.7; default
-            ``auto``, as :class:`sparda.LLM`); part of the fingerprint unless ``auto`` (then
-            the calibration file's digest is, :meth:`asset_digests`).
+        tasks: :data:`sparda.eval.tasks.TASKS` names, ``ppl``, ``ppl-decode``, ``selection``.
+        methods: registered method names (the ``ppl`` reference, dense unquantised, always runs).
+        lengths: prompt lengths, tokens. samples: per task x length. ppl_windows: windows per length.
+        decode_tokens: tokens of each ``ppl-decode`` window fed one decode step at a time.
+        budgets: KV budgets, % of the context (empty: preset). depths: needle depths 0-1, cycled.
+        model, preset, device, dtype, overrides: as :class:`sparda.LLM` (``overrides``: selection fields).
+        text: haystack / perplexity text; ``None``: the held-out novel. seed: base seed.
+        sparse_prefill: prefill mode of the generation tasks and ``ppl-decode`` (``None``: the
+            preset's, design §3.6); ``ppl`` always prefills block-sparsely.
+        batch_size: samples per generate call (``None``: :data:`DEFAULT_BATCH`); not fingerprinted.
+        kv_dtype: ``bf16``, ``int8`` or ``int4`` (docs/kv_quant.md), not the reference's.
+        dense_heads: design §3.7 (default ``auto``: the calibration file's digest is fingerprinted).
     """
 
     tasks: tuple[str, ...]
@@ -133,12 +107,8 @@ class EvalPlan:
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
     def asset_digests(self) -> dict[str, str]:
-        """Digests (:func:`sparda.model.loader.file_digest`) of the per-model files the
-        methods read by default: the shipped Forecast weights (``forecast``) and the first
-        dense-heads calibration found (``dense_heads``, design §3.7); only those that exist.
-        Part of the fingerprint, so a run directory made with other weights or heads is
-        refused instead of resumed into a mix. Raises SpardaError if the model cannot be
-        resolved."""
+        """Digests of the default per-model files that exist: Forecast weights (``forecast``) and the
+        dense-heads calibration (``dense_heads``). Raises SpardaError if the model cannot be resolved."""
         from sparda.attention.dense_heads import calibration_sources
         from sparda.attention.forecast import shipped_path
         from sparda.model.loader import file_digest, resolve_model_dir, shipped_name
@@ -167,9 +137,8 @@ class MethodSpec:
 
 
 def method_specs(plan: EvalPlan) -> list[MethodSpec]:
-    """Dense once; every other method once per budget (or once at the preset budget).
-
-    Raises SpardaError for a method name the registry does not have."""
+    """Dense once; every other method once per budget (or at the preset budget). Raises SpardaError
+    for an unknown method."""
     from sparda.attention.registry import METHOD_CLASSES
 
     unknown = [m for m in plan.methods if m not in METHOD_CLASSES]
@@ -183,8 +152,7 @@ def method_specs(plan: EvalPlan) -> list[MethodSpec]:
 
 
 def load_results(path: Path) -> list[dict]:
-    """Records of a results file; a torn last line (killed mid-write) is dropped and the
-    file rewritten without it, so later appends start on a clean line."""
+    """Records of a results file; a torn last line is dropped and the file rewritten without it."""
     if not path.exists():
         return []
     raw = path.read_text(encoding="utf-8")
@@ -237,9 +205,7 @@ class _Models:
 
     @property
     def reference(self):
-        """The reference of ``ppl`` and ``ppl-decode``: dense attention with an unquantised
-        KV cache (the model dtype). :attr:`base` itself under ``kv_dtype`` bf16, else a
-        copy of it (same weights) whose caches are unquantised."""
+        """The ``ppl``/``ppl-decode`` reference: dense attention over an unquantised KV cache (model dtype)."""
         if self.plan.kv_dtype == "bf16":
             return self.base
         if self._reference is None:
@@ -247,11 +213,8 @@ class _Models:
         return self._reference
 
     def get(self, spec: MethodSpec, length: int, sparse_prefill: bool | None = None):
-        """``(llm, tracker, topk_blocks)`` for ``spec`` at ``length`` tokens; ``sparse_prefill``
-        replaces the plan's prefill mode (``ppl``). ``tracker`` is a
-        :class:`~sparda.eval.metrics.HitRateTracker` for on-device block-sparse methods and
-        ``None`` for offloaded ones (their decode bypasses ``select``; the runtime counts
-        their hits, :func:`~sparda.eval.metrics.runtime_hit_rate`)."""
+        """``(llm, tracker, topk_blocks)`` for ``spec`` at ``length`` tokens; ``tracker`` a
+        :class:`~sparda.eval.metrics.HitRateTracker` for on-device block-sparse methods, else ``None``."""
         from sparda.config import SelectionConfig
         from sparda.eval.metrics import HitRateTracker, budget_topk
 
@@ -278,14 +241,9 @@ PREFILL_MEMORY_SHARE = 0.25
 
 
 def prefill_tokens_that_fit(llm) -> int:
-    """Padded prompt tokens whose prefill activations fit in :data:`PREFILL_MEMORY_SHARE` of
-    the free CUDA memory (``torch.cuda.mem_get_info``), estimated per token as the
-    ``dtype``'s bytes x (8 x hidden + 3 x MLP intermediate size): the residual stream,
-    norms, q/k/v/o and the gate/up/act products a layer holds at once (attention itself
-    runs fused, ``O(T)``); unbounded off CUDA. The eval raises ``prefill_batch_tokens``
-    up to this, so that a large model on a small GPU prefills fewer prompts per forward
-    instead of running out of memory (~1.7 M tokens for the bundled 135M model on an H200,
-    ~100 K for an 8B one on an 80 GB GPU)."""
+    """Padded prompt tokens whose prefill activations fit :data:`PREFILL_MEMORY_SHARE` of the free
+    CUDA memory, at ``dtype`` bytes x (8 x hidden + 3 x intermediate) per token; unbounded off
+    CUDA (design §3.8)."""
     import torch
 
     if llm.device.type != "cuda":
@@ -323,10 +281,8 @@ def _units(plan: EvalPlan):
 
 
 def _check_device_and_lengths(plan: EvalPlan) -> None:
-    """Fail before anything is written: an unusable ``--device`` or ``--dtype``, ``kv_dtype``
-    ``mixed`` with a method whose cache stays on the device, or ``--lengths``
-    that leave no room for an answer in the model's context (read from its config, no weights
-    loaded)."""
+    """Fail before anything is written: an unusable device or dtype, ``mixed`` with an on-device
+    cache, or lengths that leave no room for an answer (model config only)."""
     from sparda.config import build_config
     from sparda.model.loader import context_length
 
@@ -340,8 +296,7 @@ def _check_device_and_lengths(plan: EvalPlan) -> None:
 
 
 def _check_plan_file(out: Path, plan: EvalPlan) -> None:
-    """Refuse an ``--out`` that holds results of another plan (``plan.json`` of a different
-    fingerprint); an absent or unreadable file, or one beside no results, counts as none."""
+    """Refuse an ``--out`` whose ``plan.json`` has another fingerprint beside results."""
     plan_path = out / "plan.json"
     if not plan_path.is_file() or not (out / "results.jsonl").exists():
         return
@@ -366,10 +321,8 @@ def _key(label: str, task: str, length: int, index: int) -> str:
 
 
 def _work(plan: EvalPlan, specs: list[MethodSpec], journal: _Journal, state: dict, haystack: str):
-    """Yield ``(kind, compute)`` units in run order, for what ``journal`` lacks: ``compute()``
-    returns an iterable of records (lazily computed: each is journaled as soon as it
-    exists). ``kind`` (hashable) names units expected to take about as long. The model
-    loads (``state["models"]``) only when the first unit computes."""
+    """Yield ``(kind, compute)`` units for what ``journal`` lacks, in run order; ``compute()`` yields
+    records lazily; units of one ``kind`` take about as long. The model loads at the first unit."""
     from sparda.eval.records import ppl_decode_records, ppl_records, selection_records, task_records
     from sparda.eval.tasks import make_sample
 
@@ -422,8 +375,7 @@ def _work(plan: EvalPlan, specs: list[MethodSpec], journal: _Journal, state: dic
 
 
 def _write_progress(out: Path, planned: int, done: int, stopped: str | None, elapsed_s: float) -> dict:
-    """``DIR/progress.json``: records of this plan done / planned, whether it is complete and
-    why it stopped early (``time budget``, ``max_new_items``); returns the dict."""
+    """Write and return ``DIR/progress.json``: records done / planned, complete, why it stopped early."""
     progress = dict(planned=planned, done=done, complete=done >= planned, stopped=stopped,
                     elapsed_s=round(elapsed_s, 1))
     atomic_write(out / "progress.json", json.dumps(progress, indent=1))
@@ -432,23 +384,17 @@ def _write_progress(out: Path, planned: int, done: int, stopped: str | None, ela
 
 def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool = True,
              time_budget_s: float | None = None) -> dict:
-    """Run (or resume) ``plan``; write ``results.jsonl``, tables, plots, ``summary.json``.
+    """Run (or resume) ``plan``; write ``results.jsonl``, tables, plots and ``summary.json``.
 
     Args:
-        plan: what to run.
-        max_new_items: stop after computing this many new records (tests; ``None`` = all).
-        progress: show a tqdm bar on stderr.
-        time_budget_s: wall seconds (from this call's start, model load included) after
-            which no new unit of work starts: the run stops between batches when the next
-            one would not finish in time (predicted from the last unit of the same kind, or
-            the longest so far; the first unit starts if any time is left), writes the report
-            of what it has and returns; rerun the same plan to resume. ``None``: no limit.
+        max_new_items: stop after this many new records (``None``: all). progress: tqdm on stderr.
+        time_budget_s: wall seconds from this call's start after which no unit starts that is
+            predicted not to finish; ``None``: no limit.
     Returns:
-        The summary, ``{label: {task: mean score 0-1}}`` (also ``DIR/summary.json``);
-        ``DIR/progress.json`` says whether the plan is complete.
+        The summary ``{label: {task: mean score 0-1}}``.
     Raises:
-        SpardaError: unknown task or method, bad lengths, batch size or time budget, a DIR
-            from a different plan.
+        SpardaError: an unknown task or method, bad lengths, batch size or time budget, or a
+            ``DIR`` from another plan.
     """
     from tqdm import tqdm
 
@@ -520,8 +466,7 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
                       device="cpu", dtype=None, seed=0, sparse_prefill=None, batch_size=None,
                       kv_dtype=None, dense_heads=None, decode_tokens=None) -> EvalPlan:
-    """An :class:`EvalPlan` from CLI options: unset ones come from the ``--quick`` or full
-    defaults; methods default to every registered one. Raises SpardaError on bad values."""
+    """An :class:`EvalPlan` from CLI options (``--quick`` or full defaults). Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
 
     base = QUICK if quick else FULL
@@ -539,8 +484,7 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
 
 
 def _dense_heads_setting(value) -> str:
-    """The plan's ``dense_heads`` string: ``auto`` (``None``), ``none`` or a normalised
-    ``L:H,...`` list. Raises SpardaError on a malformed value."""
+    """``auto`` (``None``), ``none`` or a normalised ``L:H,...``. Raises SpardaError if malformed."""
     from sparda.attention.dense_heads import parse_dense_heads
 
     heads = parse_dense_heads("auto" if value is None else value)

@@ -1,35 +1,11 @@
-"""Selection-quality report (design §8): how well each selector recovers the top-k blocks.
+"""Selection-quality report, ``sparda selection-report`` (design §8).
 
-For each context length, a window of real text runs through the frozen model with dense
-attention; at ``queries`` query positions spread over the window's second half, every
-layer's block selection by each method is compared with
-
-* the ``sparse`` free top-k (query-based selection minus the forced init/local blocks):
-  ``recall_vs_sparse`` = shared free blocks / sparse free blocks;
-* the ``oracle`` free top-k (blocks ranked by true attention mass): ``recall_vs_oracle``;
-* the true attention mass its whole selection (forced blocks included) covers, per
-  query head: ``mass``;
-* ``reuse``: step-to-step reuse, the fraction of its free top-k blocks at ``t + 1`` that its
-  whole selection at ``t`` (forced blocks included) already held (each query position ``t``
-  of the window but the last), as decode steps see it: a block the previous step read is
-  resident in an offloaded cache's GPU slots.
-
-Methods: ``sparse``, ``oracle``, ``sparda`` (shipped or ``--forecast`` weights),
-``sparda-random`` (a seeded random-init Forecast), ``sparda-qinit`` (the untrained
-query-weight initialisation), ``infinigen``. The lookahead selectors (the Forecasts and
-``infinigen``) score layer ``l >= 1``'s compressed keys as decode does, as they stood before
-the query's token (:func:`sparda.kernels.reference.lookahead_pos`); ``sparse`` and the
-oracle use the layer's own query on every key up to it. Numbers are pooled over lengths and
-query tokens per layer, then averaged over layers (``mean_*``).
-
-The seeds' selectors at each query position ``t`` (preset budget): ``streaming`` sinks +
-most recent blocks; ``quest`` the page bounds of the keys up to ``t``; ``snapkv`` the
-selection it would make for a prompt ending just before ``t`` (observation window
-``t-32 .. t-1``) plus the blocks from that prompt's local window on; ``shallow`` the mean
-block mass of layers ``0..N-1`` at ``t`` (no EMA: the report's queries are not consecutive
-steps; the shallow layers themselves read every block); ``h2o`` the blocks ranked by the
-attention mass accumulated under dense attention from every ``length // 256``-th earlier
-query (an approximation: no eviction feedback).
+On a window of real text under dense attention, at ``queries`` positions of its second
+half, per layer and method: ``recall_vs_sparse`` and ``recall_vs_oracle`` (shared free top-k
+blocks over the reference's), ``mass`` (true attention mass the whole selection covers,
+per query head) and ``reuse`` (free top-k blocks at ``t + 1`` held by the whole selection at
+``t``). Lookahead selectors follow :func:`sparda.kernels.reference.lookahead_pos`; the seed
+selectors are approximated at isolated positions (docs/baselines.md, Selection quality).
 """
 
 from __future__ import annotations
@@ -97,9 +73,8 @@ def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
 
 @torch.no_grad()
 def eval_window(ids_all: list[int], length: int, queries: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The evaluated window of a text: ``length`` tokens starting a third of the way into
-    ``ids_all`` (``[1, length]`` int64), and ``queries`` query positions spread evenly over
-    its second half (``[Q]`` int64, ``Q <= queries`` after removing repeats)."""
+    """``length`` tokens from a third into ``ids_all`` (``[1, length]`` int64) and at most ``queries``
+    positions spread over its second half (``[Q]`` int64)."""
     start = (len(ids_all) - length) // 3
     ids = torch.tensor([ids_all[start:start + length]], device=device)
     q_idx = torch.linspace(length // 2, length - 1, queries, device=device).long().unique()
@@ -109,22 +84,18 @@ def eval_window(ids_all: list[int], length: int, queries: int, device) -> tuple[
 def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths=(4096, 8192), *,
                      queries: int = 64, preset: str = "small", forecast: str | None = None,
                      device=None, llm=None) -> dict:
-    """Compute the report (see module docstring).
+    """The report of the module doc, per method.
 
     Args:
-        model: model directory / .gguf / None (bundled); ignored if ``llm`` (an ``LLM``, whose
-            selection budget then replaces ``preset``) is given.
-        text: path of a UTF-8 text file, or None for the held-out Emma.
-        methods: selector names from :data:`KNOWN`. lengths: context lengths in tokens.
-        queries: query positions per length (evenly spaced over the second half).
+        model: directory / .gguf / ``None`` (bundled); ignored if ``llm`` is given.
+        text: UTF-8 file, or ``None`` for the held-out Emma. methods: :data:`KNOWN` names.
+        lengths: tokens. queries: positions per length.
     Returns:
-        ``{method: {"per_layer": [{"layer", "recall_vs_sparse", "recall_vs_oracle", "mass", "reuse"}],
-        "mean_recall_vs_sparse", "mean_recall_vs_oracle", "mean_mass", "mean_reuse", "setup":
-        {text, lengths, queries, budget_blocks}}}`` (keyed by method only; ``reuse`` is None for a
-        layer where no next-step pair selected a free block).
+        ``{method: {"per_layer": [{"layer", "recall_vs_sparse", "recall_vs_oracle", "mass",
+        "reuse"}], "mean_*", "setup"}}``; ``reuse`` ``None`` where no pair selected a free block.
     Raises:
-        SpardaError: unknown method, ``queries < 1``, a length outside
-            ``[dense_len, model context]``, text shorter than a length, unreadable file.
+        SpardaError: unknown method, ``queries < 1``, a length outside ``[dense_len, context]``,
+            text too short or unreadable.
     """
     from sparda.engine.llm import LLM
 
@@ -162,8 +133,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
             ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()
 
             def masks(idx, state):
-                """Every method's selection and free top-k at positions ``idx``, the oracle's mass
-                and the forced blocks."""
+                """Every method's selection and free top-k at ``idx``, the oracle's mass, the forced blocks."""
                 pos = idx.view(1, -1)
                 forced = ref.forced_blocks(pos, num_blocks, cfg)
                 mass = ref.block_attention_mass(q[..., idx, :], k, pos, kv_len, cfg.block_size)
@@ -218,8 +188,8 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
 
 
 def _baseline_mask(name, layer, q, k, q_idx, q_pos, mass, state, llm, cfg) -> torch.Tensor:
-    """Block mask ``[1, H, Q, N]`` of one of :data:`BASELINES` at the report's queries (module
-    docstring); ``q [1, H, G, T, d]``, ``k [1, H, T, d]`` of ``layer``, ``mass`` the oracle's."""
+    """``[1, H, Q, N]`` bool mask of one of :data:`BASELINES` at the report's queries; ``q [1, H,
+    G, T, d]``, ``k [1, H, T, d]`` of ``layer``, ``mass`` the oracle's."""
     from sparda.attention.quest import page_bounds, page_scores, pages_to_blocks
     from sparda.attention.shallow import ShallowAttention
     from sparda.attention.snapkv import window_votes

@@ -1,20 +1,7 @@
-"""Calibration of ``shallow`` (design §7): which dense shallow layers predict the deep ones.
-
-A window of real text runs through the frozen model with dense attention. At ``queries``
-query positions spread over the window's second half, every layer gets two free top-k
-sets per KV head (the §3.4 rule minus the forced sink/local blocks, design §3.4):
-
-* a *shallow* set, from the layer's own attention mass per block (softmax over every key,
-  averaged over the group's query heads), which is what ``shallow`` fuses;
-* a *deep* set, the query-based top-k of ``sparse`` (design §3.2-3.4).
-
-``iou[s][l] = |A_s ∩ B_l| / |A_s ∪ B_l|`` (pooled over KV heads and query positions) for
-each candidate shallow layer ``s < max(candidates)`` and deep layer ``l >= max(candidates)``.
-For each candidate ``N`` the fused mask (mass averaged over layers ``0..N-1``, as the method
-fuses it) is scored the same way; the ``N`` with the highest mean IoU over the deep
-layers wins (ties: the smaller, cheaper ``N``). The result is written as JSON next to the
-model (``sparda_shallow.json`` in the model directory, read by
-:func:`sparda.attention.shallow.calibrated_layers`) or to ``--out``.
+"""Calibration of ``shallow``, ``sparda calibrate-shallow`` (design §7; the rule:
+docs/baselines.md, Calibration of ``shallow``): the IoU of shallow layers' attention-mass
+free top-k with the deep layers' ``sparse`` free top-k, and the number of fused layers ``N``
+with the best mean IoU.
 """
 
 from __future__ import annotations
@@ -42,22 +29,17 @@ def _iou(a: torch.Tensor, b: torch.Tensor) -> float:
 def calibrate_shallow(model=None, text: str | None = None, *, length: int = 4096, queries: int = 64,
                       candidates=CANDIDATES, preset: str = "small", device=None, out: str | None = None,
                       llm=None) -> dict:
-    """Measure the IoUs of the module docstring and store the chosen ``shallow_layers``.
+    """Measure the IoUs and write the chosen ``shallow_layers`` as JSON.
 
     Args:
-        model: model directory / .gguf / None (bundled); ignored if ``llm`` is given.
-        text: UTF-8 text file, or None for the held-out Emma.
-        length: context tokens of the window (``>= dense_len``, within the model's context).
-        queries: query positions scored (evenly over the second half).
-        candidates: numbers of shallow layers to choose from (each ``1 .. L-1``).
-        out: output JSON path; None: ``sparda_shallow.json`` in the model directory.
+        model: directory / .gguf / ``None``; ignored if ``llm`` is given. text: file or ``None`` (Emma).
+        length: window tokens (``>= dense_len``, within the context). queries: positions scored.
+        candidates: numbers of shallow layers (each ``1 .. L-1``). out: JSON path, or
+            ``None`` for ``sparda_shallow.json`` in the model directory.
     Returns:
-        ``{"shallow_layers", "fused_iou": {N: mean IoU}, "per_layer": [{"layer", "mean_iou",
-        "iou_by_deep_layer"}], "deep_layers", "text", "length", "queries", "budget_blocks",
-        "path"}``.
+        ``{"shallow_layers", "fused_iou", "per_layer", "deep_layers", ..., "path"}``.
     Raises:
-        SpardaError: bad ``length`` / ``queries`` / ``candidates``, text shorter than ``length``,
-            unreadable text or unwritable output (checked before the model runs).
+        SpardaError: bad arguments, text too short or unreadable, unwritable output.
     """
     from sparda.engine.llm import LLM
     from sparda.attention.shallow import CALIBRATION_FILE

@@ -1,12 +1,5 @@
-"""Confidence intervals for ``sparda eval`` reports (design §8).
-
-* :func:`wilson_interval`: the score interval of a proportion (Wilson 1927), for every
-  accuracy in the reports;
-* :func:`bootstrap_mean`: a seeded (optionally stratified) percentile bootstrap of a mean,
-  used on paired differences (method A minus method B on the same prompts) and on
-  per-window perplexity metrics;
-* :func:`bootstrap_ratio`: the same for a ratio of means of paired values (a KV dtype's
-  KL over bf16's on the same windows).
+"""Confidence intervals of the ``sparda eval`` reports (design §8, Uncertainty): Wilson score
+intervals of accuracies, seeded percentile bootstraps of (paired) means and ratios.
 """
 
 from __future__ import annotations
@@ -24,26 +17,13 @@ RESAMPLES = 10_000
 
 
 def wilson_interval(p_hat: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion.
-
-    E. B. Wilson, "Probable inference, the law of succession, and statistical inference",
-    J. Amer. Statist. Assoc. 22 (1927) 209-212: the ``p`` with
-    ``|p_hat - p| <= z * sqrt(p (1 - p) / n)``, i.e.
-
-        centre = (p_hat + z^2 / (2n)) / (1 + z^2 / n)
-        half   = z / (1 + z^2 / n) * sqrt(p_hat (1 - p_hat) / n + z^2 / (4 n^2))
-
-    Unlike the normal (Wald) interval it stays inside [0, 1] and is not empty at
-    ``p_hat`` = 0 or 1. For scores with partial credit (fraction of items found) the mean
-    score is treated as the proportion, an approximation that is conservative when the
-    per-sample scores are less spread out than 0/1 outcomes.
+    """Wilson score interval of a proportion (Wilson 1927, J. Amer. Statist. Assoc. 22:209-212;
+    design §8). A partial-credit mean score is treated as the proportion.
 
     Args:
-        p_hat: observed proportion (mean score), 0-1.
-        n: number of samples (> 0).
-        z: standard normal quantile (default: 95 % two-sided).
+        p_hat: observed proportion, 0-1. n: samples (>= 1). z: normal quantile (95 % two-sided).
     Returns:
-        ``(low, high)``, both in [0, 1].
+        ``(low, high)`` in [0, 1].
     Raises:
         SpardaError: ``n < 1`` or ``p_hat`` outside [0, 1].
     """
@@ -60,20 +40,9 @@ def wilson_interval(p_hat: float, n: int, z: float = Z95) -> tuple[float, float]
 
 def bootstrap_mean(values, strata=None, *, resamples: int = RESAMPLES, seed: int = 0,
                    level: float = 0.95) -> tuple[float, float, float]:
-    """Mean of ``values`` with a percentile bootstrap interval (seeded numpy).
+    """Mean with a seeded percentile bootstrap interval; with ``strata`` (one label per value)
+    each stratum is resampled within itself (design §8: paired, per task x length cell).
 
-    For a paired comparison pass the per-prompt differences ``score_A - score_B``: each
-    resample draws prompts (pairs) with replacement, so what both methods share (the
-    prompt's difficulty) cancels, which is the paired bootstrap. With ``strata`` (one
-    label per value, e.g. ``(task, length)``) each stratum is resampled within itself and
-    keeps its size, so the statistic stays the pooled mean over fixed cells.
-
-    Args:
-        values: 1-D sequence of floats (n >= 1).
-        strata: optional sequence of hashable labels, one per value.
-        resamples: bootstrap resamples.
-        seed: seed of ``numpy.random.default_rng``.
-        level: two-sided coverage of the percentile interval.
     Returns:
         ``(mean, low, high)``.
     Raises:
@@ -102,18 +71,13 @@ def bootstrap_mean(values, strata=None, *, resamples: int = RESAMPLES, seed: int
 
 def bootstrap_ratio(numerators, denominators, *, resamples: int = RESAMPLES, seed: int = 0,
                     level: float = 0.95) -> tuple[float, float, float]:
-    """``sum(numerators) / sum(denominators)`` (the ratio of the means) of paired values,
-    with a percentile bootstrap interval that resamples the pairs (seeded numpy): each
-    resample draws ``n`` indices with replacement and takes the ratio of the drawn sums.
+    """``sum(numerators) / sum(denominators)`` of paired values with a seeded percentile bootstrap
+    over the pairs; a resample whose denominators sum to 0 counts as ``inf``.
 
-    Args:
-        numerators, denominators: 1-D sequences of floats, one pair per index (n >= 1),
-            e.g. the mean KL of each window under int8 and under bf16.
-        resamples, seed, level: as :func:`bootstrap_mean`.
     Returns:
-        ``(ratio, low, high)``; a resample whose denominators sum to 0 counts as ``inf``.
+        ``(ratio, low, high)``.
     Raises:
-        SpardaError: no pairs, sequences of different lengths, or denominators summing to 0.
+        SpardaError: no pairs, unequal lengths, or denominators summing to 0.
     """
     a = np.asarray(numerators, dtype=np.float64)
     b = np.asarray(denominators, dtype=np.float64)

@@ -1,15 +1,13 @@
-"""Kernels for block-sparse attention, with dispatch by tensor device (design §3, §4, §6).
+"""Kernels for block-sparse attention, dispatched by tensor device (design §3, §4, §6).
 
-Each public function runs a Triton kernel when its tensors live on a CUDA device and
-Triton imports, and the PyTorch twin (:mod:`sparda.kernels.reference`,
-:mod:`sparda.kernels.twins`) otherwise. The choice depends on the tensors only: no
-environment variable, no global switch. Head dims that the kernels do not tile (not a
-power of two >= 16) also take the twin, which gives the same result more slowly.
+Each function runs its Triton kernel when its tensors are on CUDA, Triton imports and (where
+a head dim is tiled) it is a power of two >= 16; otherwise the PyTorch twin
+(:mod:`~sparda.kernels.reference`, :mod:`~sparda.kernels.twins`), same result. No
+environment variable or global switch.
 
-Shapes: ``B`` batch, ``H`` KV heads, ``G`` query heads per KV head, ``T`` key tokens,
-``Tq`` query tokens, ``C`` compressed keys, ``N`` KV blocks, ``W`` selected-block
-slots, ``d`` head dim. Positions and lengths are in tokens; block ids count blocks of
-``block_size`` tokens.
+Shapes: ``B`` batch, ``H`` KV heads, ``G`` query heads per KV head, ``T`` key tokens, ``Tq``
+query tokens, ``C`` compressed keys, ``N`` KV blocks, ``W`` id-list width, ``S`` slots,
+``d`` head dim. Positions and lengths in tokens; block ids in blocks of ``block_size`` tokens.
 """
 
 from __future__ import annotations
@@ -61,26 +59,16 @@ def _on_triton(*tensors: torch.Tensor | None) -> bool:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor,
                      kv_len: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Attention of one decode token per sequence over its selected KV blocks (design §3.5).
-
-    All ``G`` query heads of a KV head attend to that head's blocks. The query sits at
-    position ``kv_len[b] - 1``: key ``i`` is visible iff it lies in a listed block and
-    ``i < kv_len[b]``. Exact softmax over those keys, fp32 accumulation; a row that sees
-    no key returns zeros. On CUDA: split-KV Triton kernel plus a combine step.
+    """Attention of one decode token per row over its selected KV blocks (design §3.5).
 
     Args:
-        q: ``[B, H, G, d]`` fp16/bf16/fp32.
-        k, v: ``[B, H, T, d]``, same dtype, the full on-device cache; or a quantised cache
-            (:class:`~sparda.kernels.quant.QuantizedKV` of that logical shape), dequantised
-            in registers on CUDA, by :func:`~sparda.kernels.quant.dequantize` in the twin.
-        block_ids: ``[B, H, W]`` int32/int64 block ids, ``-1`` = padding, each id at most
-            once per row (as from ``reference.block_mask_to_indices`` or
-            :func:`select_decode_blocks`); order does not matter.
-        kv_len: ``[B]`` integer, valid keys per sequence (``<= T``).
-        block_size: tokens per block.
+        q: ``[B, H, G, d]`` fp16/bf16/fp32, the token at position ``kv_len[b] - 1``.
+        k, v: ``[B, H, T, d]`` same dtype, or :class:`~sparda.kernels.quant.QuantizedKV` of that shape.
+        block_ids: ``[B, H, W]`` int32/int64, ``-1`` padded, each id at most once per row, any order.
+        kv_len: ``[B]`` integer valid keys (``<= T``). block_size: tokens per block.
     Returns:
-        ``[B, H, G, d]`` in ``q``'s dtype. Equals ``reference.block_sparse_attention``
-        with ``Tq = 1``, ``q_pos = kv_len - 1`` and the mask of ``block_ids``.
+        ``[B, H, G, d]`` in ``q``'s dtype, fp32 accumulation; a row that sees no key is 0. Equals
+        ``reference.block_sparse_attention`` at ``Tq = 1``, ``q_pos = kv_len - 1``.
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
@@ -97,28 +85,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
 def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                            block_ids: torch.Tensor, slot_ids: torch.Tensor, kv_len: torch.Tensor, *,
                            late: torch.Tensor | None = None, between=None) -> torch.Tensor:
-    """Decode attention reading the offload runtime's slot buffer (design §6).
-
-    Same result as :func:`decode_attention` on a cache whose logical block
-    ``block_ids[b, h, w]`` is stored in slot ``slot_ids[b, h, w]``.
+    """:func:`decode_attention` over the offload slot buffer (design §6): logical block
+    ``block_ids[b, h, w]`` is held in slot ``slot_ids[b, h, w]``.
 
     Args:
         q: ``[B, H, G, d]``.
-        k_slots, v_slots: ``[B, H, S, block_size, d]``, one KV block per slot, or quantised
-            (:class:`~sparda.kernels.quant.QuantizedKV`; dequantised on read, as
-            :func:`decode_attention`).
-        block_ids: ``[B, H, W]`` logical block ids (``-1`` = skip); positions and the
-            ``kv_len`` mask are computed from them.
-        slot_ids: ``[B, H, W]`` (or broadcastable) physical slot of each entry. With a
-            slot map ``[B, H, S]`` (logical block held by each slot, ``-1`` free), pass
-            it as ``block_ids`` and ``torch.arange(S)`` as ``slot_ids``.
-        kv_len: ``[B]`` valid keys per sequence.
-        late, between: overlap with a pending copy (design §6). ``late [B, H, S]``: the
-            logical block being copied into slot ``s`` this step (``-1`` none; entry
-            ``s < S`` of ``block_ids`` must be slot ``s``, as the slot diff writes them).
-            On CUDA the resident entries are attended first, then ``between()`` (the wait
-            for the copy) runs, then the ``late`` slots are attended and combined in one
-            kernel; elsewhere ``between()`` runs first. Same result either way.
+        k_slots, v_slots: ``[B, H, S, block_size, d]``, or :class:`~sparda.kernels.quant.QuantizedKV`.
+        block_ids: ``[B, H, W]`` logical block ids (``-1`` skip); positions come from them.
+            A slot map ``[B, H, S]`` works as ``block_ids`` with ``slot_ids = torch.arange(S)``.
+        slot_ids: ``[B, H, W]`` (or broadcastable) slot of each entry.
+        kv_len: ``[B]`` valid keys.
+        late, between: ``late [B, H, S]`` int64, block copied into slot ``s`` this step (``-1``
+            none; entry ``s < S`` of ``block_ids`` is slot ``s``); ``between()`` is the wait
+            for the copy, run before the ``late`` slots are read (design §6, early attention).
     Returns:
         ``[B, H, G, d]`` in ``q``'s dtype.
     Raises:
@@ -142,23 +121,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       block_size: int) -> torch.Tensor:
     """Block-sparse (or dense) causal prefill attention (design §3.5).
 
-    Same signature and result as ``reference.block_sparse_attention`` (without its
-    ``chunk``). On CUDA: a FlashAttention-2-style kernel whose 64-row tiles pack a few
-    query tokens x all ``G`` query heads of a KV head (they share each token's
-    selection), visit the union of those tokens' selected blocks, load each block once
-    for all heads and mask each token exactly.
-
     Args:
-        q: ``[B, H, G, Tq, d]`` fp16/bf16/fp32.
-        k, v: ``[B, H, T, d]``, same dtype.
-        block_mask: ``[B, H, Tq, N]`` bool, ``N >= ceil(T / block_size)``, or ``None``
-            for dense causal attention.
-        q_pos: ``[B, Tq]`` absolute positions; key ``i`` is visible iff ``i <= q_pos``,
-            ``i < kv_len`` and its block is selected for that query.
-        kv_len: ``[B]`` valid keys per sequence.
-        block_size: tokens per block.
+        q: ``[B, H, G, Tq, d]`` fp16/bf16/fp32. k, v: ``[B, H, T, d]``, same dtype.
+        block_mask: ``[B, H, Tq, N]`` bool, ``N >= ceil(T / block_size)``, or ``None`` (dense causal).
+        q_pos: ``[B, Tq]`` positions; key ``i`` visible iff ``i <= q_pos``, ``i < kv_len`` and its
+            block is selected. kv_len: ``[B]``. block_size: tokens per block.
     Returns:
-        ``[B, H, G, Tq, d]`` in ``q``'s dtype; rows that see no key are 0.
+        ``[B, H, G, Tq, d]`` in ``q``'s dtype, equal to ``reference.block_sparse_attention``;
+        rows that see no key are 0.
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
@@ -173,33 +143,19 @@ def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Ten
                          return_mask: bool = False):
     """Decode block selection: score, pool, forced blocks + top-k (design §3.2-3.4, §4).
 
-    Scores (see ``query``) are max-pooled onto blocks; the rule is ``reference.select_blocks`` at
-    ``Tq = 1``: sinks, the local window (current block included), the dense fallback,
-    then the ``topk_blocks`` best other valid blocks, ties to the lower id.
-
     Args:
-        query: ``[B, H, G, d]`` queries -> query-based scores (per-head softmax over the
-            visible compressed keys, summed over the group); or ``[B, H, d]`` Forecast
-            queries -> raw dot products (``-inf`` where invisible).
-        ck: ``[B, H, C, d]`` compressed keys (a preallocated buffer is fine).
-        q_pos: ``[B]`` position of the decoded token; compressed key ``j`` is visible iff
-            ``j*stride + kernel - 1 <= q_pos``.
-        num_blocks: ``N``, blocks to score (cover ``q_pos // block_size``).
-        cfg: the selection config (block size, compression kernel and stride).
-        ck_len: optional ``[B]``: row ``b`` has only its first ``ck_len[b]`` compressed
-            keys (as if ``ck`` were cut there), e.g. a Forecast scoring the next layer's
-            keys before this step's window was appended (design §4).
-        width: length of the returned id lists; default
-            ``min(N, max(budget_blocks, ceil(dense_len / block_size)))``, which holds
-            every selection with no host sync. Callers that never select in the dense
-            fallback may pass ``cfg.budget_blocks``. Longer selections are cut.
-        return_mask: also return the ``[B, H, N]`` bool block mask.
+        query: ``[B, H, G, d]`` queries (softmax scores summed over the group) or ``[B, H, d]``
+            Forecast queries (raw dot products).
+        ck: ``[B, H, C, d]`` compressed keys. q_pos: ``[B]`` position of the decoded token.
+        num_blocks: ``N`` (covers ``q_pos // block_size``). cfg: the selection config.
+        ck_len: optional ``[B]``: row ``b`` sees only its first ``ck_len[b]`` keys (lookahead, design §4).
+        width: id-list length; default ``twins.default_width`` (holds every selection, no host
+            sync). Longer selections are cut.
+        return_mask: also return the ``[B, H, N]`` bool mask.
     Returns:
-        ``block_ids [B, H, width]`` int32, ascending, padded with ``-1`` (feed it to
-        :func:`decode_attention`); with ``return_mask``, ``(block_ids, mask)``.
+        ``block_ids [B, H, width]`` int32, ascending, ``-1`` padded; or ``(block_ids, mask)``.
     Raises:
-        SpardaError: mismatched shapes or dtypes. Any head dim works: those the kernel
-            does not tile take the PyTorch twin.
+        SpardaError: mismatched shapes or dtypes.
     """
     if _on_triton(query, ck, q_pos, ck_len) and supported_head_dim(query.shape[-1]):
         return _selection.select_decode_blocks_triton(query, ck, q_pos, num_blocks, cfg, ck_len=ck_len,
@@ -210,32 +166,19 @@ def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Ten
 
 def select_prefill_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, num_blocks: int,
                           cfg: SelectionConfig, *, lookahead: bool = False) -> torch.Tensor:
-    """Prefill block selection per query token: score, pool, forced blocks + top-k
-    (design §3.2-3.4, §3.6, §4), strictly causal.
-
-    The rule is ``reference.select_blocks`` per query token: sinks, the local window
-    (current block included), the dense fallback, then the ``topk_blocks`` best other valid
-    blocks, ties to the lower block id. On CUDA one fused Triton kernel
-    (:mod:`sparda.kernels.prefill_selection`; the query-based softmax reads the compressed
-    keys twice: statistics, then probabilities); elsewhere the PyTorch twin
-    ``twins.select_prefill_reference``.
+    """Prefill block selection per query token, strictly causal (design §3.2-3.4, §3.6, §4).
 
     Args:
-        query: ``[B, H, G, Tq, d]`` queries -> query-based scores (per-head softmax over the
-            visible compressed keys, summed over the group); or ``[B, H, Tq, d]`` Forecast
-            queries (RoPE applied) -> raw dot products.
-        ck: ``[B, H, C, d]`` compressed keys of the scored layer (a view is fine); key
-            ``j`` exists iff ``j < C``.
-        q_pos: ``[B, Tq]`` integer positions of the query tokens (tokens).
-        num_blocks: ``N``, blocks of the mask (cover ``max(q_pos) // block_size``).
-        cfg: the selection config (block size, compression geometry, budget, dense_len).
-        lookahead: score the compressed keys complete at ``q_pos - 1`` (a Forecast of
-            layer >= 1, ``reference.lookahead_pos``); selection still at ``q_pos``.
+        query: ``[B, H, G, Tq, d]`` queries (softmax scores summed over the group) or
+            ``[B, H, Tq, d]`` Forecast queries, RoPE applied (raw dot products).
+        ck: ``[B, H, C, d]`` compressed keys of the scored layer (a view is fine).
+        q_pos: ``[B, Tq]`` integer positions. num_blocks: ``N`` (covers ``max(q_pos) // block_size``).
+        cfg: the selection config.
+        lookahead: score the keys complete at ``q_pos - 1`` (``reference.lookahead_pos``).
     Returns:
-        ``[B, H, Tq, N]`` bool block mask (feed it to :func:`prefill_attention`).
+        ``[B, H, Tq, N]`` bool block mask, as ``twins.select_prefill_reference``.
     Raises:
-        SpardaError: mismatched shapes or dtypes. Any head dim works: those the kernel
-            does not tile take the PyTorch twin.
+        SpardaError: mismatched shapes or dtypes.
     """
     if _on_triton(query, ck, q_pos) and supported_head_dim(query.shape[-1]):
         return _prefill_selection.select_prefill_blocks_triton(query, ck, q_pos, num_blocks, cfg,
@@ -244,23 +187,15 @@ def select_prefill_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Te
 
 
 def token_attention_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Attention mass each key gets from a prefill chunk's queries, summed over the group
-    (``h2o``'s starting scores and ``snapkv``'s votes, docs/baselines.md).
+    """Attention mass each key gets from a chunk of causal queries, summed over the group
+    (``h2o``/``snapkv``, design §7).
 
-    ``mass[b, h, i] = sum_g sum_t softmax_i(q_{g,t} . k_i / sqrt(d))`` over the causally
-    visible keys: query ``t`` of ``Tq`` sits at key position ``T - Tq + t`` (the whole
-    prompt, a later chunk of a chunked prefill, or the prompt's last ``Tq`` queries). On
-    CUDA with fp16/bf16 ``q`` and ``k`` of one dtype, two Triton passes (each query's
-    log-sum-exp, then column sums; :mod:`sparda.kernels.attention_mass`); else the gradient
-    SDPA's backward gives ``V`` in fp32
-    (:func:`~sparda.kernels.twins.token_attention_mass_reference`), which on the H200 beats
-    the kernel's fp32 tiles (3.0 against 5.7 ms at 4,096 tokens,
-    design §7); neither materialises the
-    ``[G, Tq, T]`` probabilities.
+    ``mass[b, h, i] = sum_g sum_t softmax_i(q_{g,t} . k_i / sqrt(d))``; query ``t`` sits at key
+    position ``T - Tq + t``. Triton for fp16/bf16 ``q``, ``k`` of one dtype; else the SDPA
+    backward of :func:`~sparda.kernels.twins.token_attention_mass_reference` (design §7).
 
     Args:
-        q: ``[B, H, G, Tq, d]``; k: ``[B, H, T, d]`` with ``T >= Tq``, every key valid
-            (fp16/bf16/fp32; a ``k`` of another dtype than ``q``: both are taken in fp32, twin).
+        q: ``[B, H, G, Tq, d]``; k: ``[B, H, T, d]``, ``T >= Tq``, every key valid (fp16/bf16/fp32).
     Returns:
         ``[B, H, T]`` fp32; sums to ``G * Tq`` per ``(b, h)``.
     Raises:
@@ -273,23 +208,18 @@ def token_attention_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """:func:`token_attention_mass` summed onto KV blocks of ``block_size`` tokens:
-    ``[B, H, N]`` fp32, ``N = ceil(T / block_size)`` (the last block partial). Equals
-    :func:`sparda.kernels.reference.block_attention_mass` summed over queries and the group
-    (tests)."""
+    """:func:`token_attention_mass` summed onto blocks: ``[B, H, ceil(T / block_size)]`` fp32."""
     return reference.sum_onto_blocks(token_attention_mass(q, k), block_size)
 
 
 def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Compressed keys: mean of each complete window of ``kernel`` keys every ``stride`` (design §3.1).
+    """Compressed keys, the fp32 mean of each complete window (design §3.1).
 
     Args:
-        k: ``[B, H, T, d]`` or ``[H, T, d]`` post-RoPE keys, fp16/bf16/fp32 (the twin takes
-            any ``[..., T, d]``); the last dim contiguous for the kernel (else copied).
-        kernel, stride: window length and step in tokens.
+        k: ``[B, H, T, d]`` or ``[H, T, d]`` post-RoPE keys, fp16/bf16/fp32 (the twin: any ``[..., T, d]``).
+        kernel, stride: window length and step, tokens.
     Returns:
-        ``[..., C, d]`` in ``k``'s dtype, ``C = reference.num_compressed(T, kernel, stride)``;
-        the mean is taken in fp32.
+        ``[..., C, d]`` in ``k``'s dtype, ``C = reference.num_compressed(T, kernel, stride)``.
     Raises:
         SpardaError: an unsupported dtype (Triton path).
     """
@@ -302,18 +232,13 @@ def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
 
 def completed_compressed_keys(keys: torch.Tensor, start: int, end: int, kernel: int,
                               stride: int) -> tuple[int, torch.Tensor]:
-    """The compressed keys that tokens ``start .. end - 1`` complete (design §3.1): windows
-    ``j0 .. j1 - 1`` with ``j0 = num_compressed(start)``, ``j1 = num_compressed(end)``
-    (a prefill chunk; ``start = 0``: every window of the prompt). The caches' prefill
-    ``append`` calls it.
+    """The compressed keys that tokens ``start .. end - 1`` complete (design §3.1).
 
     Args:
-        keys: ``[H, T, d]`` or ``[B, H, T, d]`` post-RoPE keys of positions ``0 .. T-1``,
-            ``T >= end`` (only ``keys[..., j0*stride:end, :]`` is read).
-        kernel, stride: window length and step in tokens.
+        keys: ``[H, T, d]`` or ``[B, H, T, d]`` post-RoPE keys, ``T >= end``.
+        kernel, stride: window length and step, tokens.
     Returns:
-        ``(j0, ck)`` with ``ck [..., j1 - j0, d]`` in ``keys``' dtype (:func:`compress_keys`:
-        the Triton kernel on CUDA, :func:`reference.compress_keys` otherwise).
+        ``(j0, ck)``: ``j0 = num_compressed(start)``, ``ck [..., j1 - j0, d]`` in ``keys``' dtype.
     """
     j0 = reference.num_compressed(start, kernel, stride)
     return j0, compress_keys(keys[..., j0 * stride:end, :], kernel, stride)
@@ -322,30 +247,19 @@ def completed_compressed_keys(keys: torch.Tensor, start: int, end: int, kernel: 
 def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
               num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
               compact=None) -> None:
-    """Diff one layer's selection against its GPU slots, in place (design §6; no host sync).
-
-    Selected blocks already in a slot are hits and stay; the ``k``-th missed block
-    (ascending id) goes to the ``k``-th replaceable slot: empty slots first, then slots
-    whose block is no longer selected, each in slot order. The current block (``pos //
-    block_size``) is never loaded: it lives in the partial slot.
+    """Diff one layer's selection against its GPU slots, in place, no host sync (design §6, step 4).
 
     Args:
-        ids: ``[B, H, W]`` int32/int64 selected block ids, ``-1`` padded, each at most once
-            per row (``W <= S + 1``; e.g. :func:`select_decode_blocks` with ``width = S``).
-        slot_map: ``[B, H, S]`` int64 block held by each slot (``-1`` empty); updated.
-        pos: ``[B]`` int64 position of this step's token.
-        block_size: tokens per block. num_blocks: ``N``, an upper bound of the block ids.
-        load: ``[B, H, S]`` int64 output: block to copy into each slot, ``-1`` none.
-        attn_ids: ``[B, H, S + 1]`` int32/int64 output: logical block of each slot for this
-            step's attention (``-1`` not selected), the current block last (the partial slot).
-        counters: optional ``(hits, misses, blocks_read, blocks_valid)``, each ``[B]`` int64,
-            incremented: hits and misses summed over heads, blocks read = selected ids
-            (the current block included), blocks valid = ``pos // block_size + 1`` per head.
-        compact: optional ``(attn_blocks, attn_slots)`` outputs, each ``[B, H, C]`` int32/int64
-            with ``C >= min(W, S) + 1``: the entries of ``attn_ids`` that are selected, as
-            (logical block, slot) pairs in slot order, then ``(-1, 0)`` padding, and the
-            current block with slot ``S`` last. Attention over them reads ``C`` entries,
-            not ``S + 1`` (spare slots beyond the selection, design §6).
+        ids: ``[B, H, W]`` int32/int64 selected block ids, ``-1`` padded, unique per row (``W <= S + 1``).
+        slot_map: ``[B, H, S]`` int64 block per slot (``-1`` empty); updated.
+        pos: ``[B]`` int64 token position. block_size: tokens. num_blocks: bound of the ids.
+        load: ``[B, H, S]`` int64 out: block to copy into each slot, ``-1`` none.
+        attn_ids: ``[B, H, S + 1]`` int32/int64 out: block of each slot for attention (``-1``
+            not selected), the current block last.
+        counters: optional ``(hits, misses, blocks_read, blocks_valid)``, each ``[B]`` int64, added to.
+        compact: optional ``(attn_blocks, attn_slots)``, each ``[B, H, C]`` int32/int64,
+            ``C >= min(W, S) + 1``: selected (block, slot) pairs in slot order, ``(-1, 0)``
+            padded, the current block with slot ``S`` last.
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
@@ -357,21 +271,12 @@ def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, bloc
 
 def dequantize_cold_slots(staged_k: quant.QuantizedKV, staged_v: quant.QuantizedKV, k_dst: torch.Tensor,
                           v_dst: torch.Tensor, cold: torch.Tensor) -> None:
-    """``--kv-dtype mixed``: dequantise the cold blocks a fetch staged into their slots, in
-    place (design §6.1; no host sync, static shapes for CUDA graphs).
+    """``--kv-dtype mixed``: dequantise the staged cold blocks into their slots, in place (design §6.1).
 
     Args:
-        staged_k, staged_v: :class:`~sparda.kernels.quant.QuantizedKV` ``[B, H, S, block, d]``
-            (codes ``[..., d']`` uint8, scales ``[..., 2]`` fp32 ``(step, lo)``), one staged
-            block per slot.
-        k_dst, v_dst: ``[B, H, S, block, d]`` slots in the model dtype (a view of the
-            layer's slot buffer), written where ``cold >= 0``.
-        cold: ``[B, H, S]`` int64, the host block each slot received as int4 (``-1``: none,
-            the slot keeps its values).
-    On CUDA one Triton launch for K and V whose programs for slots with no cold block do
-    nothing (:mod:`sparda.kernels.cold_slots`); elsewhere
-    :func:`~sparda.kernels.twins.dequantize_cold_reference`.
-
+        staged_k, staged_v: :class:`~sparda.kernels.quant.QuantizedKV` ``[B, H, S, block, d]``.
+        k_dst, v_dst: ``[B, H, S, block, d]`` model-dtype slots, written where ``cold >= 0``.
+        cold: ``[B, H, S]`` int64 host block each slot received as int4, ``-1`` none.
     Raises:
         SpardaError: mismatched shapes, strides or dtypes (Triton path).
     """
@@ -389,30 +294,18 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: to
     """RoPE + KV append + compressed-key update of one decode token per row, in place (design §3.1, §6).
 
     Args:
-        qkv: ``[B, (H_q + (2 + num_f) * H_kv) * d]`` one layer's stacked projection output:
-            queries, keys, values, then ``num_f`` Forecast heads per KV head.
-        cos, sin: ``[B, 1, 1, d]`` RoPE tables of this step's positions (storage dtype).
-        pos: ``[B]`` int64 token positions.
-        q_out: ``[B, H_q, d]`` output, rotated queries. f_out: ``[B, num_f, H_kv, d]``
-            output, rotated Forecast heads (``None`` if ``num_f == 0``).
-        k_dst, v_dst: the full cache ``[B, H_kv, T, d]`` (``slot is None``) or an offload
-            slot buffer ``[B, H_kv, S + 1, block_size, d]`` whose slot ``slot`` is the
-            partial block (the token goes to ``pos % block_size`` there). Tensors in the
-            storage dtype, or :class:`~sparda.kernels.quant.QuantizedKV` of that logical
-            shape (a quantised cache, docs/kv_quant.md): K and V are quantised once per
-            token and head (:func:`~sparda.kernels.quant.quantize`) and the codes and
-            ``(step, lo)`` written; ``ring`` is then required.
-        ck: ``[B, H_kv, C_cap, d]`` compressed keys, updated when the token completes a window.
-        num_kv_heads, group: ``H_kv`` and ``G``. num_f: Forecast heads per KV head.
-        block_size, kernel, stride: tokens (selection config).
-        ring: ``[B, H_kv, kernel, d]`` the last ``kernel`` keys (offload cache), updated;
-            ``None``: the window is read from ``k_dst`` (full cache only).
-        host: optional ``(k, v)`` host store ``[B, H_kv, N, block_size, d]`` (pinned) that
-            also receives the token (the same bytes; quantised like ``k_dst``).
-        lengths: optional ``[B]`` int64, set to ``pos + 1`` (the model's last layer).
-    The Triton kernel runs on CUDA tensors with a power-of-two head dim >= 16; otherwise
-    the twin (:func:`sparda.kernels.twins.rope_append_reference`).
-
+        qkv: ``[B, (H_q + (2 + num_f) * H_kv) * d]`` stacked projection: Q, K, V, Forecast heads.
+        cos, sin: ``[B, 1, 1, d]`` RoPE tables (storage dtype). pos: ``[B]`` int64 positions.
+        q_out: ``[B, H_q, d]`` out. f_out: ``[B, num_f, H_kv, d]`` out, or ``None`` if ``num_f == 0``.
+        k_dst, v_dst: ``[B, H_kv, T, d]`` full cache (``slot is None``) or slot buffer
+            ``[B, H_kv, S + 1, block_size, d]`` (token at ``pos % block_size`` of ``slot``);
+            tensors or :class:`~sparda.kernels.quant.QuantizedKV` (docs/kv_quant.md).
+        ck: ``[B, H_kv, C_cap, d]`` compressed keys, updated when a window completes.
+        num_kv_heads, group, num_f: ``H_kv``, ``G``, Forecast heads per KV head.
+        block_size, kernel, stride: tokens.
+        ring: ``[B, H_kv, kernel, d]`` last ``kernel`` keys, updated; ``None``: read ``k_dst``.
+        host: optional ``(k, v)`` host store ``[B, H_kv, N, block_size, d]``, written too.
+        lengths: optional ``[B]`` int64, set to ``pos + 1``.
     Raises:
         SpardaError: a quantised ``k_dst`` without ``ring``.
     """
@@ -431,16 +324,13 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: to
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Residual add + RMSNorm of decode rows (a decoder layer's norm, fused).
+    """Residual add + RMSNorm of decode rows (Zhang & Sennrich 2019).
 
     Args:
-        x: ``[R, N]`` contiguous residual stream (bf16/fp16/fp32); ``x += delta`` in place.
-        delta: ``[R, N]`` same dtype, or ``None`` (norm only).
-        weight: ``[N]`` norm weight. eps: the config's ``rms_norm_eps``.
-        out: optional ``[R, N]`` output buffer (dtype of ``weight * x``).
+        x: ``[R, N]`` contiguous bf16/fp16/fp32; ``x += delta`` in place. delta: ``[R, N]`` or ``None``.
+        weight: ``[N]``. eps: ``rms_norm_eps``. out: optional ``[R, N]`` buffer.
     Returns:
-        ``out = weight * (x / sqrt(mean(x^2) + eps))``, normalised in fp32 and cast to ``x``'s
-        dtype before the weight (:class:`sparda.model.llama.RMSNorm`; Zhang & Sennrich 2019).
+        ``weight * (x / sqrt(mean(x^2) + eps))``, as :class:`sparda.model.llama.RMSNorm`.
     """
     if out is None:
         out = torch.empty_like(x, dtype=torch.promote_types(weight.dtype, x.dtype))
@@ -450,8 +340,7 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU's ``silu(gate) * up`` from a stacked gate/up output ``gate_up [R, 2 * inner]``
-    (contiguous, gate first) -> ``[R, inner]`` in its dtype (Shazeer 2020)."""
+    """``silu(gate) * up`` of ``gate_up [R, 2 * inner]`` (gate first) -> ``[R, inner]`` (Shazeer 2020)."""
     if out is None:
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     if _on_triton(gate_up) and gate_up.is_contiguous():

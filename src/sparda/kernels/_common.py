@@ -15,10 +15,10 @@ def next_pow2(n: int) -> int:
 
 
 def check_head_dim(d: int) -> None:
-    """The kernels tile the head dim in one piece: it must be a power of two >= 16.
+    """Check that head dim ``d`` (elements) is a power of two >= 16, which the kernels tile whole.
 
     Raises:
-        SpardaError: ``d`` (head dim, elements) is below 16 or not a power of two.
+        SpardaError: otherwise.
     """
     if d < 16 or d & (d - 1):
         raise SpardaError(f"this Triton kernel tiles the head dim in one piece and needs a power of two "
@@ -37,31 +37,25 @@ def _sm_count(index: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (count, cached per GPU); 4 off-GPU (the Triton interpreter)."""
+    """SM count of ``device`` (cached per GPU); 4 off-GPU (the Triton interpreter)."""
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tl_float_dtype_ok(t: torch.Tensor, name: str) -> None:
-    """Check that a kernel operand ``t`` (any shape) is fp16, bf16 or fp32.
+    """Check that kernel operand ``t`` (any shape) is fp16, bf16 or fp32.
 
-    Args:
-        t: tensor of any shape. name: its name in the error message.
     Raises:
-        SpardaError: ``t.dtype`` is not fp16/bf16/fp32.
+        SpardaError: otherwise, naming ``name``.
     """
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise SpardaError(f"{name} must be fp16, bf16 or fp32, got {t.dtype}")
 
 
 def patch_interpreter_for_numpy() -> None:
-    """Let Triton 3.6's CPU interpreter (``TRITON_INTERPRET=1``) run under NumPy >= 2.4.
-
-    The interpreter turns 1-element arrays into ints with ``int(arr)``, which NumPy 2.4
-    rejects ("only 0-dimensional arrays can be converted to Python scalars") at any
-    ``range()`` over a run-time value. Tests and ``bench_kernels.py timing --smoke`` call this;
-    compiled GPU kernels never need it.
+    """Let Triton 3.6's interpreter (``TRITON_INTERPRET=1``) run under NumPy >= 2.4, which
+    refuses ``int()`` of a 1-element array. Tests and ``bench_kernels.py timing --smoke`` call it.
     """
     try:
         import triton.runtime.interpreter as interp

@@ -1,20 +1,8 @@
-"""Attention mass per key of a prefill in Triton: ``sum_g sum_t softmax_i(q_{g,t} . k_i)``.
+"""Attention mass per key of a prefill in Triton, two passes, no ``[G, Tq, T]`` tensor (design §7).
 
-``h2o`` starts its accumulated scores from this mass (docs/baselines.md): the column sums
-of the causal attention probabilities over every prompt query and the ``G`` query heads
-of a KV head. Two passes, no ``[G, Tq, T]`` tensor:
-
-1. :func:`_row_lse_kernel`: each query's log-sum-exp over the keys it sees (the
-   normaliser of its softmax), FlashAttention-style online max and sum, in fp32;
-2. :func:`_column_mass_kernel`: one program per ``BN`` keys walks the query tiles that
-   can see them and sums ``exp(q . k - lse)`` down each column.
-
-Both pack a KV head's ``G`` query heads into the rows of a tile (``BM // G_P`` query
-tokens x ``G_P = next_pow2(G)`` heads, padding heads masked) as
-:mod:`sparda.kernels.prefill_attention` does, so a key tile is loaded once for the group.
-Logits come from ``tl.dot`` with fp32 accumulation: on bf16 inputs every product is exact
-in fp32, so the mass equals an fp32 softmax of the same bf16 values up to summation order;
-fp32 inputs (and the CPU interpreter) use IEEE fp32 dots.
+:func:`_row_lse_kernel`: each query's log-sum-exp (online max and sum, fp32);
+:func:`_column_mass_kernel`: per ``BN`` keys, ``sum exp(q . k - lse)`` down each column.
+Tiles pack ``BM // G_P`` query tokens x the ``G_P = next_pow2(G)`` heads of a KV head.
 """
 
 from __future__ import annotations
@@ -121,29 +109,17 @@ def _column_mass_kernel(
 
 def token_attention_mass_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = 64,
                                 block_n: int = 64, key_splits: int | None = None) -> torch.Tensor:
-    """Attention mass each key receives from a chunk of causal queries, summed over the group.
-
-    ``out[b, h, i] = sum_g sum_t softmax_i(q[b, h, g, t] . k[b, h, :] / sqrt(d))`` over the
-    keys query ``t`` sees: it sits at key position ``T - Tq + t`` (the whole prompt when
-    ``Tq = T``, or the last chunk of a chunked prefill) and sees keys ``0 .. T - Tq + t``.
+    """Triton :func:`sparda.kernels.token_attention_mass`.
 
     Args:
-        q: ``[B, H, G, Tq, d]`` fp16/bf16/fp32. k: ``[B, H, T, d]``, same dtype, ``T >= Tq``,
-            every key valid.
-        block_m: rows per tile (a power of two >= 16): ``block_m // next_pow2(G)`` query
-            tokens x the group (at least one token). block_n: keys per tile (power of two >= 16);
-            fp32 inputs on CUDA take at most 32 of each (fp32 dots on CUDA cores spill
-            registers at 64 x 64).
-        key_splits: programs per query tile of the log-sum-exp pass, each over its share of
-            the keys (combined on the host); ``None``: enough for about two programs per SM
-            when there are few query tiles (snapkv's window of 32 queries), one otherwise.
+        q: ``[B, H, G, Tq, d]`` fp16/bf16/fp32. k: ``[B, H, T, d]`` same dtype, ``T >= Tq``.
+        block_m, block_n: rows and keys per tile (powers of two >= 16; fp32 on CUDA: at most 32).
+        key_splits: programs per query tile of the log-sum-exp pass; ``None``: about two per
+            SM when query tiles are few, else one.
     Returns:
-        ``[B, H, T]`` fp32; each ``(b, h)`` sums to ``G * Tq``. Equals
-        :func:`sparda.kernels.reference.block_attention_mass` with ``block_size = 1``,
-        summed over queries (tests/kernels/test_attention_mass.py).
+        ``[B, H, T]`` fp32; each ``(b, h)`` sums to ``G * Tq``.
     Raises:
-        SpardaError: a bad dtype, rank or shape mismatch, ``T < Tq``, or a head dim not a
-            power of two >= 16.
+        SpardaError: a bad dtype, rank or shape, ``T < Tq``, or a head dim not a power of two >= 16.
     """
     for name, t in (("q", q), ("k", k)):
         tl_float_dtype_ok(t, name)

@@ -1,15 +1,6 @@
-"""``--kv-dtype mixed``: dequantise the cold blocks a fetch staged into their GPU slots, in
-one Triton launch for K and V (design §6.1).
-
-A mixed fetch copies a hot block's bf16 copy straight into its slot and a cold block's int4
-codes and ``(step, lo)`` scales into a staging buffer ``[B, H, S, block, d']`` (one entry
-per slot, static shapes for CUDA graphs). This launch turns the staged entries of the
-slots that received a cold block into model-dtype values, ``q * step + lo`` in fp32
-(:func:`sparda.kernels.quant.dequantize`), and leaves every other slot as it is. Grid
-``(S, B*H)``: a program whose slot got no cold block masks all its loads and stores off,
-so the work and the bytes follow the step's cold misses, not the buffer's size.
-
-The PyTorch twin is :func:`sparda.kernels.twins.dequantize_cold_reference`.
+"""``--kv-dtype mixed``: dequantise the cold blocks staged for their GPU slots, one Triton
+launch for K and V (design §6.1). Grid ``(S, B*H)``; a slot with no cold block does nothing.
+Twin: :func:`sparda.kernels.twins.dequantize_cold_reference`.
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ def _cold_slots_kernel(
 
 def dequantize_cold_triton(staged_k: quant.QuantizedKV, staged_v: quant.QuantizedKV, k_dst: torch.Tensor,
                            v_dst: torch.Tensor, cold: torch.Tensor) -> None:
-    """Triton twin of :func:`sparda.kernels.twins.dequantize_cold_reference` (see
-    :func:`sparda.kernels.dequantize_cold_slots` for the arguments).
+    """Triton :func:`sparda.kernels.dequantize_cold_slots`.
 
     Raises:
         SpardaError: mismatched shapes, strides or dtypes.

@@ -1,11 +1,5 @@
-"""Compressed-key construction in Triton (design §3.1).
-
-``compress_keys_triton`` builds all complete windows (mean over ``kernel`` keys every
-``stride`` keys) of a prefilled chunk; the caches' prefill calls it through
-:func:`sparda.kernels.completed_compressed_keys`. Its twin is
-:func:`sparda.kernels.reference.compress_keys`. The decode-time update of the one window
-a new token completes is part of the fused RoPE + append kernel
-(:mod:`sparda.kernels.rope_append`; PyTorch: :func:`sparda.kernels.reference.update_compressed_keys`).
+"""Compressed keys of a prefilled chunk in Triton (design §3.1); twin
+:func:`sparda.kernels.reference.compress_keys`. Decode's update is in :mod:`~sparda.kernels.rope_append`.
 """
 
 from __future__ import annotations
@@ -50,9 +44,8 @@ def _check_k(k: torch.Tensor) -> None:
 
 
 def compress_keys_triton(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Triton twin of ``reference.compress_keys`` for ``k [B, H, T, d]`` -> ``[B, H, C, d]`` (design §3.1).
-
-    ``k`` fp16/bf16/fp32; output in ``k``'s dtype; ``kernel``/``stride`` in tokens.
+    """Triton ``reference.compress_keys``: ``k [B, H, T, d]`` fp16/bf16/fp32 -> ``[B, H, C, d]``
+    in ``k``'s dtype (design §3.1).
 
     Raises:
         SpardaError: ``k`` not 4-D, a bad dtype, or a head dim not a power of two >= 16.

@@ -1,27 +1,10 @@
-"""Decode attention over selected KV blocks: Triton split-KV kernel (design §3.5, §6).
+"""Decode attention over selected KV blocks: Triton split-KV kernel plus combine (design §3.5, §6).
 
-One query token per sequence; all ``G`` query heads of a KV head share its block list.
-The grid is ``(B * H_kv, splits)``: each program walks a contiguous slice of the block
-list with an online softmax and writes a partial output plus its log-sum-exp; a
-second kernel combines the splits (flash-decoding). With one split the first kernel
-writes the final output directly.
-
-Two cache layouts share the kernel:
-
-* the full on-device cache ``k, v [B, H, T, d]``: physical block = logical block;
-* the offload slot buffer ``k_slots, v_slots [B, H, S, block_size, d]``: a block
-  table gives the physical slot of each selected logical block. Token positions (and
-  so the ``kv_len`` mask) always come from the logical block id.
-
-A quantised cache (``int8``/``int4``, :mod:`sparda.kernels.quant`) takes the same kernel
-with ``QBITS`` set: it loads the ``uint8`` data (int4: the byte of column ``c`` is
-``c // 2``, its nibble ``c % 2``) and the ``(step, lo)`` pair of each token, and
-dequantises in registers (``q * step + lo``, fp32) before the dots.
-
-The PyTorch twins are :func:`sparda.kernels.reference.block_sparse_attention`
-(dense cache, via ``twins.decode_attention_reference``) and
-``twins.slots_attention_reference`` (slot buffer); for a quantised cache, the same on
-the dequantised buffers.
+Grid ``(B * H_kv, splits)``; the ``G`` query heads of a KV head share its block list. Layouts:
+the full cache ``[B, H, T, d]``, or the slot buffer ``[B, H, S, block_size, d]`` with a block
+table (positions always from the logical block id). ``QBITS`` 8/4 reads a quantised cache
+and dequantises in registers (docs/kv_quant.md). Twins: ``twins.decode_attention_reference``,
+``twins.slots_attention_reference``.
 """
 
 from __future__ import annotations
@@ -205,13 +188,8 @@ def _decode_late_combine_kernel(
     BS: tl.constexpr, BS_P: tl.constexpr, IEEE: tl.constexpr, QBITS: tl.constexpr = 0,
     S_P: tl.constexpr = 16,
 ):
-    """Phase 2 of the overlapped slot attention: one program per (row, KV head) attends to
-    the slots that received a miss this step (``LOAD[s] >= 0``, the logical block copied
-    into slot ``s``), then merges the phase-1 splits' partial outputs and log-sum-exps.
-
-    The row's ``S`` load entries are read as one vector and the loop runs over the late
-    slots only (their rank by a prefix sum), so a step that misses ``m`` of ``S`` slots pays
-    ``m`` block updates and no chain of ``S`` dependent scalar loads."""
+    """Early attention, phase 2 (design §6): per (row, KV head), attend to the slots copied this
+    step (``LOAD[s] >= 0``) and merge with the phase-1 splits through their log-sum-exps."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -284,12 +262,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ids: torch.T
 
 def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, num_splits,
             num_warps, num_stages, ks_view=None, vs_view=None, qbits=0, late=None, between=None):
-    """k_view/v_view strides: (b, h, block, token-in-block); last dim contiguous.
-    ``ks_view``/``vs_view``: the same for the ``[..., 2]`` fp32 scales of a quantised
-    cache (``qbits`` 8 or 4); ``None`` unquantised. ``late``: ``[B, H, S]`` logical block
-    copied into each slot this step (``-1`` none; slot ``s`` = entry ``s`` of ``logical``):
-    the split kernel skips those slots, ``between()`` runs, then one kernel attends to them
-    and combines (the overlapped path of :func:`decode_attention_slots_overlapped_triton`)."""
+    """Strides of ``k_view``/``v_view`` (b, h, block, token-in-block), last dim contiguous;
+    ``ks_view``/``vs_view`` of the ``[..., 2]`` fp32 scales (``None`` unquantised); ``late`` as
+    :func:`decode_attention_slots_triton`."""
     bsz, heads, groups, d = q.shape
     width = logical.shape[-1]
     out = torch.empty_like(q)
@@ -365,23 +340,19 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             block_ids: torch.Tensor, kv_len: torch.Tensor, block_size: int,
                             num_splits: int | None = None, *, num_warps: int = 4,
                             num_stages: int = 2) -> torch.Tensor:
-    """Triton decode attention over selected blocks of the full cache.
+    """Triton :func:`sparda.kernels.decode_attention` on the full cache.
 
     Args:
-        q: ``[B, H_kv, G, d]`` fp16/bf16/fp32, the query of the token at position
-            ``kv_len[b] - 1``; ``d`` a power of two >= 16.
+        q: ``[B, H_kv, G, d]`` fp16/bf16/fp32, ``d`` a power of two >= 16.
         k, v: ``[B, H_kv, T, d]`` same dtype, last dim contiguous.
-        block_ids: ``[B, H_kv, W]`` int32/int64 logical block ids, ``-1`` = padding;
-            each id at most once per row (as from ``block_mask_to_indices``).
-        kv_len: ``[B]`` integer, valid keys per sequence (key ``i`` visible iff
-            ``i < kv_len[b]`` and ``i < T``).
-        block_size: tokens per block.
-        num_splits: KV splits per (sequence, head); ``None`` picks one from the SM count.
-        num_warps, num_stages: Triton launch parameters of the split kernel (tuning).
+        block_ids: ``[B, H_kv, W]`` int32/int64, ``-1`` padded, unique per row.
+        kv_len: ``[B]`` integer. block_size: tokens.
+        num_splits: KV splits per (row, head); ``None``: from the SM count.
+        num_warps, num_stages: Triton launch parameters.
     Returns:
-        ``[B, H_kv, G, d]`` in ``q``'s dtype, fp32 accumulation; rows that see no key are 0.
+        ``[B, H_kv, G, d]`` in ``q``'s dtype, fp32 accumulation.
     Raises:
-        SpardaError: on a shape/dtype mismatch or an unsupported head dim.
+        SpardaError: a shape/dtype mismatch or an unsupported head dim.
     """
     _check(q, k, v, block_ids, kv_len)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -397,27 +368,17 @@ def decode_attention_slots_triton(q: torch.Tensor, k_slots: torch.Tensor, v_slot
                                   kv_len: torch.Tensor, num_splits: int | None = None, *,
                                   num_warps: int = 4, num_stages: int = 2, late: torch.Tensor | None = None,
                                   between=None) -> torch.Tensor:
-    """Triton decode attention reading the offload slot buffer (design §6).
+    """Triton :func:`sparda.kernels.decode_attention_slots` (design §6).
 
     Args:
-        q: ``[B, H_kv, G, d]``.
-        k_slots, v_slots: ``[B, H_kv, S, block_size, d]``: slot ``s`` holds one KV block.
-        block_ids: ``[B, H_kv, W]`` logical block id of each entry (``-1`` = skip);
-            token positions and the ``kv_len`` mask come from it.
-        slot_ids: ``[B, H_kv, W]`` physical slot (``0 <= slot < S``) holding that block;
-            ignored where ``block_ids`` is ``-1``. A slot map ``[B, H_kv, S]``
-            (logical block per slot, ``-1`` free) works too: pass it as ``block_ids``
-            with ``slot_ids = arange(S)`` broadcast.
-        kv_len: ``[B]`` valid keys per sequence.
-        late, between: the overlapped path (design §6): ``late [B, H_kv, S]`` int64, the
-            logical block being copied into slot ``s`` this step (``-1``: none), where entry
-            ``s < S`` of ``block_ids`` is slot ``s``. The split kernel attends to every
-            other entry, ``between()`` runs (the wait for the copy), then one kernel attends
-            to the ``late`` slots and combines. Same result as without ``late``.
+        q: ``[B, H_kv, G, d]``. k_slots, v_slots: ``[B, H_kv, S, block_size, d]``.
+        block_ids: ``[B, H_kv, W]`` logical ids (``-1`` skip). slot_ids: ``[B, H_kv, W]``
+            slots in ``[0, S)``, or ``arange(S)`` with a slot map as ``block_ids``.
+        kv_len: ``[B]``. late, between: as :func:`sparda.kernels.decode_attention_slots`.
     Returns:
         ``[B, H_kv, G, d]`` in ``q``'s dtype.
     Raises:
-        SpardaError: on a shape/dtype mismatch or an unsupported head dim.
+        SpardaError: a shape/dtype mismatch or an unsupported head dim.
     """
     if k_slots.dim() != 5 or v_slots.shape != k_slots.shape:
         raise SpardaError(f"k_slots/v_slots must be [B, H_kv, S, block_size, d], got "
@@ -459,19 +420,11 @@ def _check_quantized(q: torch.Tensor, k, v, block_ids: torch.Tensor, kv_len: tor
 def decode_attention_quantized_triton(q: torch.Tensor, k, v, block_ids: torch.Tensor, kv_len: torch.Tensor,
                                       block_size: int, num_splits: int | None = None, *,
                                       num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """:func:`decode_attention_triton` over a quantised full cache, dequantised in registers.
+    """:func:`decode_attention_triton` over a :class:`~sparda.kernels.quant.QuantizedKV` cache
+    (``data [B, H_kv, T, d']`` uint8, ``scale [B, H_kv, T, 2]`` fp32), dequantised in registers.
 
-    Args:
-        q: ``[B, H_kv, G, d]`` fp16/bf16/fp32.
-        k, v: :class:`~sparda.kernels.quant.QuantizedKV` of logical shape ``[B, H_kv, T, d]``
-            (``data [B, H_kv, T, d']`` uint8, ``scale [B, H_kv, T, 2]`` fp32).
-        block_ids, kv_len, block_size, num_splits, num_warps, num_stages: as
-            :func:`decode_attention_triton`.
-    Returns:
-        ``[B, H_kv, G, d]`` in ``q``'s dtype; equals :func:`decode_attention_triton` on the
-        dequantised cache (fp32 accumulation).
     Raises:
-        SpardaError: on a shape/dtype mismatch or an unsupported head dim.
+        SpardaError: a shape/dtype mismatch or an unsupported head dim.
     """
     qbits = _check_quantized(q, k, v, block_ids, kv_len)
     k, v = k.contiguous(), v.contiguous()
@@ -486,19 +439,11 @@ def decode_attention_slots_quantized_triton(q: torch.Tensor, k_slots, v_slots, b
                                             num_splits: int | None = None, *, num_warps: int = 4,
                                             num_stages: int = 2, late: torch.Tensor | None = None,
                                             between=None) -> torch.Tensor:
-    """:func:`decode_attention_slots_triton` over quantised slot buffers (design §6),
-    dequantised in registers.
+    """:func:`decode_attention_slots_triton` over :class:`~sparda.kernels.quant.QuantizedKV` slots
+    (``data [..., d']`` uint8, ``scale [..., 2]`` fp32).
 
-    Args:
-        q: ``[B, H_kv, G, d]``.
-        k_slots, v_slots: :class:`~sparda.kernels.quant.QuantizedKV` of logical shape
-            ``[B, H_kv, S, block_size, d]`` (``data [..., d']`` uint8, ``scale [..., 2]`` fp32).
-        block_ids, slot_ids, kv_len, num_splits, num_warps, num_stages, late, between: as
-            :func:`decode_attention_slots_triton`.
-    Returns:
-        ``[B, H_kv, G, d]`` in ``q``'s dtype.
     Raises:
-        SpardaError: on a shape/dtype mismatch or an unsupported head dim.
+        SpardaError: a shape/dtype mismatch or an unsupported head dim.
     """
     if k_slots.dim() != 5:
         raise SpardaError(f"k_slots/v_slots must be [B, H_kv, S, block_size, d], got {tuple(k_slots.shape)}")
@@ -514,8 +459,7 @@ def decode_attention_slots_quantized_triton(q: torch.Tensor, k_slots, v_slots, b
 
 
 def _check_late(late: torch.Tensor | None, k_slots, block_ids: torch.Tensor) -> None:
-    """``late`` must be ``[B, H, S']`` integer with ``S'`` at most the slots and the entries
-    of ``block_ids`` (slot ``s`` = entry ``s``)."""
+    """``late``: integer ``[B, H, S']``, ``S'`` at most the slots and the entries of ``block_ids``."""
     if late is None:
         return
     bsz, heads, slots = k_slots.shape[:3]

@@ -1,13 +1,6 @@
-"""Fused elementwise work of a decoder layer in decode: residual add + RMSNorm, SiLU * mul.
+"""Decode's fused elementwise work in Triton: residual add + RMSNorm, SiLU * mul.
 
-* :func:`add_rmsnorm_triton`: ``x += delta`` (the residual stream, in place, rounded to its
-  dtype as PyTorch's add) then ``y = weight * (x / sqrt(mean(x^2) + eps))`` with the
-  normalisation in fp32, cast back to ``x``'s dtype before the weight (as
-  :class:`sparda.model.llama.RMSNorm`); one program per row.
-* :func:`silu_mul_triton`: ``silu(gate) * up`` from the stacked gate/up GEMM output
-  ``[B, 2 * inner]`` (each product rounded like PyTorch's ``act(g) * u``).
-
-PyTorch twins: :func:`sparda.kernels.twins.add_rmsnorm_reference`, ``silu_mul_reference``.
+Twins: :func:`sparda.kernels.twins.add_rmsnorm_reference`, ``silu_mul_reference``.
 """
 
 from __future__ import annotations

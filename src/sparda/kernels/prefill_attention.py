@@ -1,20 +1,9 @@
-"""Block-sparse prefill attention in Triton (design §3.5), FlashAttention-2 style.
+"""Block-sparse prefill attention in Triton, FlashAttention-2 style (design §3.5).
 
-A KV head's ``G`` query heads share each query token's block selection, so one program
-packs them: its ``BLOCK_M`` rows are ``TT = BLOCK_M // G_P`` consecutive query tokens x
-the ``G_P = next_pow2(G)`` query heads of one KV head (rows of padding heads are
-masked). It walks the key blocks that any of its ``TT`` tokens selected (the union over
-the tile, built once per call by :func:`tile_block_lists`) and loads each block once for
-all ``G`` heads; inside a block it applies the exact per-token mask (block selected by
-that token, causal ``key <= q_pos``, ``key < kv_len``), so the result equals
-:func:`sparda.kernels.reference.block_sparse_attention` up to fp rounding. Key blocks
-no token of the tile selected are never read.
-
-Why packed: selections are per query token, so the union over a tile grows with the
-tokens in it; a tile of 64 tokens of one head (the first version of this kernel) walked
-several times the blocks each token needs and read every block once per query head.
-With ``G = 16`` (MiniCPM-8B) a 64-row tile is 4 tokens, whose lists differ in a few
-top-k blocks only.
+A program's ``BLOCK_M`` rows are ``BLOCK_M // G_P`` query tokens x the ``G_P =
+next_pow2(G)`` heads of one KV head; it walks the union of those tokens' blocks
+(:func:`tile_block_lists`) and masks each token exactly. Twin:
+:func:`sparda.kernels.reference.block_sparse_attention`.
 """
 
 from __future__ import annotations
@@ -101,14 +90,12 @@ def _prefill_kernel(
 
 def tile_block_lists(block_mask: torch.Tensor | None, q_pos: torch.Tensor, kv_len: torch.Tensor,
                      num_heads: int, num_keys: int, block_size: int, tokens_per_tile: int):
-    """Per tile of ``tokens_per_tile`` consecutive query tokens, the key blocks any of them may need.
+    """Blocks each tile of ``tokens_per_tile`` query tokens may need.
 
     Args:
-        block_mask: ``[B, H, Tq, N]`` bool or ``None`` (dense causal).
-        q_pos: ``[B, Tq]``; kv_len: ``[B]``.
+        block_mask: ``[B, H, Tq, N]`` bool or ``None`` (dense causal). q_pos: ``[B, Tq]``; kv_len: ``[B]``.
     Returns:
-        ``(ids [B*H*num_m, N] int32, counts [B*H*num_m] int32)``: the first ``counts``
-        ids of each row are the blocks to visit, ascending.
+        ``(ids [B*H*num_m, N] int32, counts [B*H*num_m] int32)``: the first ``counts`` ids, ascending.
     """
     bsz, num_q = q_pos.shape
     num_m = -(-num_q // tokens_per_tile)
@@ -142,18 +129,11 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              block_mask: torch.Tensor | None, q_pos: torch.Tensor,
                              kv_len: torch.Tensor, block_size: int, block_m: int = 64, *,
                              num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """Triton twin of ``reference.block_sparse_attention`` (see ``sparda.kernels.prefill_attention``).
-
-    ``q [B, H_kv, G, Tq, d]``, ``k, v [B, H_kv, T, d]`` (same fp16/bf16/fp32 dtype),
-    ``block_mask [B, H_kv, Tq, N]`` bool or None, ``q_pos [B, Tq]`` int, ``kv_len [B]``
-    int (tokens), ``block_size`` in tokens -> ``[B, H_kv, G, Tq, d]`` in ``q``'s dtype.
-    ``block_m`` rows per program (a power of two >= 16): ``block_m // next_pow2(G)``
-    query tokens x all ``G`` query heads of one KV head (at least one token); ``num_warps``
-    and ``num_stages`` are Triton launch parameters (tuning).
+    """Triton :func:`sparda.kernels.prefill_attention`; ``block_m`` rows per program (power of
+    two >= 16), ``num_warps``/``num_stages`` Triton launch parameters.
 
     Raises:
-        SpardaError: a bad dtype, rank or shape mismatch, or a head dim not a power
-            of two >= 16.
+        SpardaError: a bad dtype, rank or shape, or a head dim not a power of two >= 16.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         tl_float_dtype_ok(t, name)

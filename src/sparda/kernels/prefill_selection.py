@@ -1,42 +1,11 @@
-"""Prefill block selection in Triton: per query token, scoring fused with the block
-max-pool, the forced blocks, the dense fallback and the top-k (design §3.2-3.4, §3.6, §4).
+"""Prefill block selection in Triton, per query token (design §3.2-3.4, §3.6, §4).
 
-One kernel, two selectors (``SOFTMAX`` constexpr):
-
-* query-based (``sparse``): the ``G`` query heads of a KV head, ``p_h = softmax(q_h . K~ /
-  sqrt(d))`` over the causally visible compressed keys, summed over the group;
-* Forecast (``sparda``): one head per KV head, raw dot products ``f . K~`` (``-inf`` where
-  invisible).
-
-Grid ``(query tiles of BLOCK_M tokens, B*H)``. A program:
-
-1. (query-based only) **pass 1**: the per-head row maximum and sum of the softmax over
-   every visible compressed key, with an online rescale across key tiles (as
-   FlashAttention's statistics). The softmax needs them before any probability is
-   known; they cannot be folded into the pooled scores afterwards, because the
-   max-pool is taken over a *sum over heads* whose per-head normalisers differ (the
-   argmax of ``sum_h a_h e_hj`` moves when the ``a_h`` change by different factors).
-   So the query-based selector reads the compressed keys twice ("two passes"); the
-   Forecast needs no softmax and reads them once.
-2. **pass 2**: for each tile of ``NB`` blocks, block ``b`` pools compressed keys
-   ``b*r - p + o`` for ``o < r + p`` (:func:`sparda.kernels.reference.pool_window`); the
-   kernel computes one ``[rows, NB]`` dot product per offset ``o`` and keeps the running
-   max, so pooling is an elementwise max and no ``[rows, NB, keys]`` tensor exists (the
-   ``p`` halo keys are computed twice: ``(r + p) / r = 1.25x`` the dot products at the
-   paper geometry). Query-based scores are normalised, then summed over the group.
-   Only blocks up to the tile's last query block are scored (causal).
-3. **select**: the row of block scores goes through a scratch buffer, then the rule of
-   ``reference.select_blocks``: sinks, the local window, the dense fallback, and an
-   exact top-k by binary search on order-preserving int keys (ties to the lower block
-   index), writing the ``[B, H, Tq, N]`` block mask that ``kernels.prefill_attention`` reads. By default
-   this phase is a second launch (``_prefill_topk_kernel``: a few rows per program, one or
-   two warps, many programs per SM); run inside the scoring program instead, its 32
-   bisection steps per row group each end in a cross-warp reduction, and one program per
-   SM does them one after another (see docs/design.md §3.4).
-
-The PyTorch twin is :func:`sparda.kernels.twins.select_prefill_reference` (built from
-``reference.query_group_scores`` / ``forecast_scores``, ``pool_to_blocks`` and
-``select_blocks``).
+Scoring launch, grid ``(query tiles of BLOCK_M tokens, B*H)``: query-based (``SOFTMAX``;
+pass 1 the per-head softmax max and sum, pass 2 the scores) or Forecast (raw dot products,
+one pass), max-pooled onto blocks per offset of :func:`~sparda.kernels.reference.pool_window`
+into an fp32 scratch row. Select launch: the rule of ``reference.select_blocks`` (bisection
+or bracket top-k, design §3.4), writing the ``[B, H, Tq, N]`` bool mask. Twin:
+:func:`sparda.kernels.twins.select_prefill_reference`.
 """
 
 from __future__ import annotations
@@ -62,10 +31,8 @@ def _select_rows(SCR, MASK, QPOS, b, h, sr, Tq, N, stride_pb, stride_sb, stride_
                  stride_mb, stride_mh, stride_mt, BS: tl.constexpr, INIT: tl.constexpr,
                  LOCAL: tl.constexpr, TOPK: tl.constexpr, BUDGET: tl.constexpr,
                  DENSE_LEN: tl.constexpr, N_P: tl.constexpr, RS: tl.constexpr):
-    """The rule of ``reference.select_blocks`` on query rows ``sr`` (``[RS]`` int): reads
-    their block scores from ``SCR``, writes their ``N`` mask entries: sinks, the local
-    window, the dense fallback and an exact top-k by binary search on order-preserving
-    int32 keys (ties to the lower block index)."""
+    """The rule of ``reference.select_blocks`` on query rows ``sr [RS]``: scores from ``SCR``, mask
+    entries out; top-k by 32-step bisection on order-preserving int32 keys (design §3.4)."""
     cols = tl.arange(0, N_P)
     in_row = cols < N
     s_ok = sr < Tq
@@ -207,10 +174,7 @@ def _prefill_topk_kernel(
     H, Tq, N, BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, TOPK: tl.constexpr,
     BUDGET: tl.constexpr, DENSE_LEN: tl.constexpr, N_P: tl.constexpr, RS: tl.constexpr,
 ):
-    """The select phase as its own launch: grid ``(ceil(Tq / RS), B*H)``, ``RS`` query rows
-    per program and few warps, so a bisection step's row sum stays inside a warp or two and
-    many programs share an SM (the fused phase ran 32 steps x BM / RS row groups one after
-    another in one program per SM, a cross-warp reduction and barrier each)."""
+    """Select launch, ``topk_search="bisect"``: grid ``(ceil(Tq / RS), B*H)``, ``RS`` rows per program."""
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -225,20 +189,8 @@ def _prefill_topk_bracket_kernel(
     H, Tq, N, BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, TOPK: tl.constexpr,
     BUDGET: tl.constexpr, DENSE_LEN: tl.constexpr, N_P: tl.constexpr,
 ):
-    """The select phase with ``topk_search="bracket"``: one query row per program, grid
-    ``(Tq, B*H)``; the same mask as :func:`_select_rows` (design §3.4).
-
-    Differences from the fixed 32-step bisection: the candidates (valid, neither forced nor
-    under the dense fallback) are the block range ``INIT .. c_hi``, so their count and
-    membership come from scalars, not from per-block flags kept across the search; the
-    search runs on 31-bit keys ``key >> 1``, for which ``count(key >> 1 >= mid) = N_P +
-    sum(((key >> 1) - mid) >> 31)`` (the difference cannot overflow: two instructions per
-    score instead of a compare, a select and an add); it starts from the row's own
-    ``[min, max]`` and stops as soon as ``count == k`` (then ``key >> 1 >= mid`` is exactly
-    the top k: no tie pass); only a row whose k-th and (k+1)-th keys share their 31-bit key
-    ends with ``hi - lo == 1`` and decides between the two full keys ``2 lo`` and ``2 lo +
-    1``, then breaks ties at that key by block index (the prefix sum the bisection path
-    always runs)."""
+    """Select launch, ``topk_search="bracket"``: grid ``(Tq, B*H)``, one row per program; the
+    mask of :func:`_select_rows` by the bracket search of design §3.4."""
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -291,19 +243,14 @@ def _prefill_topk_bracket_kernel(
 
 
 def _default_block_m(rows_per_token: int, on_gpu: bool, softmax: bool = True) -> int:
-    """Query tokens per program: ``BLOCK_M * G_P`` dot-product rows, 128 on the GPU for the
-    query-based selector (tensor-core tiles; each compressed-key load serves 128 rows) and
-    64 for the Forecast's one-head rows (with 4 warps and a 3-stage pipeline 35 % faster
-    than 128 rows at 8 warps on the H200 at 128K, both 8B shapes:
-    design §3.4), 64 elsewhere (fewer programs under the
-    interpreter)."""
+    """Query tokens per program: ``128 // G_P`` (query-based) or 64 (Forecast) on the GPU, 64 // G_P
+    elsewhere, at least 1 (design §3.4)."""
     target = 128 if on_gpu and softmax else 64
     return max(1, target // rows_per_token)
 
 
-#: Register cap of the bracket top-k launch on CUDA (Triton ``maxnreg``; ``None``: uncapped,
-#: 255 registers per thread): at 128, with 2 warps per row, it ran 10-20 % faster on the H200
-#: (design §3.4). Read at each launch (benchmarks vary it).
+#: Register cap of the bracket top-k launch on CUDA (Triton ``maxnreg``; ``None``: uncapped;
+#: design §3.4). Read at each launch (benchmarks vary it).
 _BRACKET_MAXNREG = 128
 
 
@@ -313,38 +260,21 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
                                  num_warps: int | None = None, select_launch: str = "split",
                                  topk_rows: int | None = None, topk_warps: int | None = None,
                                  topk_search: str | None = None, num_stages: int | None = None):
-    """Triton twin of :func:`sparda.kernels.twins.select_prefill_reference` (see
-    :func:`sparda.kernels.select_prefill_blocks` for the arguments).
+    """Triton :func:`sparda.kernels.select_prefill_blocks` (same arguments), plus tuning (design §3.4):
 
-    ``block_m``: query tokens per program (a power of two; default on the GPU 128 / ``G_P``
-    for the query-based selector and 64 for the Forecast, 64 / ``G_P`` elsewhere, at least 1,
-    with ``G_P`` the group padded to a power of two).
-    ``return_scores``: also return the ``[B, H, Tq, N]`` fp32 block scores; entries past a
-    query's own block are unspecified (the rule never reads them). ``num_warps``: Triton
-    launch parameter (tuning; default 8 for 128-token Forecast tiles on the GPU, else 4).
-    ``num_stages``: the scoring launch's software pipelining depth (Triton; tuning; default
-    3 for the Forecast's 64-row tiles on the GPU, else 1: a deeper pipeline needs shared
-    memory per stage). These defaults were the fastest on the H200 at 128K
-    (design §3.4).
-    ``select_launch``: ``"split"`` (default) runs the rule (forced blocks, fallback, top-k)
-    as a second launch over the scratch scores; ``"fused"`` runs it at the end of the
-    scoring program (one program per 128 rows walks every row group's 32 bisection steps in
-    turn). Both give the same mask.
-    ``topk_search``: how the split launch finds each row's k-th key: ``"bracket"`` (default
-    unless ``select_launch="fused"`` or ``topk_rows > 1`` asks for the bisection:
-    ``_prefill_topk_bracket_kernel``, one row per program, 31-bit keys, the row's own
-    ``[min, max]`` as the start, stop at ``count == k``, the prefix sum only on a tie at the
-    k-th key; ``topk_warps`` default 2 from ``N_P = 2,048`` up, else 1; register cap
-    ``_BRACKET_MAXNREG`` on CUDA; about half the bisection's time on the H200) or
-    ``"bisect"`` (32 fixed bisection steps on int32 keys, then a prefix sum for ties;
-    ``topk_rows`` rows per program, default ``2048 // next_pow2(N)`` clamped to 1..8, and
-    ``topk_warps`` default ``rows * next_pow2(N) / 2048`` clamped to 1..8, so a lane holds
-    at most 64 scores). Same mask; ``"bracket"`` takes ``topk_rows`` 1 only.
+    ``block_m``: query tokens per program (power of two; :func:`_default_block_m`).
+    ``return_scores``: also return the ``[B, H, Tq, N]`` fp32 scores (unspecified past a
+    query's own block). ``num_warps``, ``num_stages``: the scoring launch's Triton parameters.
+    ``select_launch``: ``"split"`` (default, its own launch) or ``"fused"`` (end of the scoring
+    program). ``topk_search``: ``"bracket"`` (default; ``topk_rows`` 1) or ``"bisect"``
+    (``topk_rows`` rows per program); ``topk_warps``: warps of the select launch. Same mask
+    under every choice.
 
     Returns:
         ``mask [B, H, Tq, N]`` bool, or ``(mask, scores)``.
     Raises:
         SpardaError: via :func:`~sparda.kernels.twins.check_prefill_selection_inputs`.
+        ValueError: a bad tuning argument.
     """
     check_prefill_selection_inputs(query, ck, q_pos, need_pow2_head_dim=True)
     softmax = query.dim() == 5
@@ -360,7 +290,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
         block_m = 16 // g_p
     if select_launch not in ("split", "fused"):
         raise ValueError(f"select_launch must be 'split' or 'fused', got {select_launch!r}")
-    if num_stages is None:  # the Forecast's 64-row tiles pipeline 3 deep on the GPU (measured)
+    if num_stages is None:  # the Forecast's 64-row tiles pipeline 3 deep on the GPU (design §3.4)
         num_stages = 3 if query.is_cuda and not softmax and block_m * g_p <= 64 else 1
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
@@ -395,7 +325,7 @@ def select_prefill_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: t
     if isinstance(topk_rows, bool) or not isinstance(topk_rows, int) or topk_rows < 1 or topk_rows & (topk_rows - 1):
         raise ValueError(f"topk_rows must be a power of two, got {topk_rows}")
     if topk_warps is None:
-        # bracket: 2 warps at N_P >= 2,048 (measured there: 10-20 % faster than 1), else 1;
+        # bracket: 2 warps at N_P >= 2,048 (design §3.4), else 1;
         # bisection: a lane holds <= 64 scores
         topk_warps = (2 if n_p >= 2048 else 1) if bracket else max(1, min(8, topk_rows * n_p // 2048))
     if isinstance(topk_warps, bool) or not isinstance(topk_warps, int) or topk_warps not in (1, 2, 4, 8, 16, 32):

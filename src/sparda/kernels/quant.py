@@ -1,35 +1,9 @@
-"""The KV-cache quantisation rule (docs/kv_quant.md): one place, used by every cache.
+"""The KV-cache quantisation rule, used by every cache (docs/kv_quant.md, design §6.1).
 
-``kv_dtype`` is one of :data:`KV_DTYPES`:
-
-* ``bf16``: no quantisation; K and V are stored in the model dtype (the name is the
-  GPU default's: on the CPU the model dtype is fp32);
-* ``int8`` / ``int4``: each token's ``d`` values of one KV head (K or V) are quantised
-  asymmetrically on append, with their own step and offset (per token, per head)::
-
-      lo, hi = min(x), max(x)              # over the head dim
-      step = (hi - lo) / (2**bits - 1)     # fp32
-      q = round((x - lo) / step)           # integers in [0, 2**bits - 1]
-      x' = q * step + lo                   # dequantised, fp32
-
-  so ``|x' - x| <= step / 2`` per element (half a quantisation step; plus fp32
-  rounding of the two operations). ``int8`` stores ``q`` as one ``uint8`` per value;
-  ``int4`` packs two values per byte (element ``2i`` in the low nibble, ``2i + 1`` in the
-  high nibble; ``d`` must be even). The pair ``(step, lo)`` is stored beside the data as
-  ``[..., 2]`` fp32 (8 bytes per token and head);
-* ``mixed`` (offloaded caches only, :mod:`sparda.cache.hot`): the host store holds every
-  block in ``int4`` (:data:`MIXED_STORE`) and a bounded pool of hot blocks in the model
-  dtype; the GPU slots hold the model dtype (cold blocks are dequantised as they arrive).
-
-Asymmetric rather than symmetric (``max|x|`` and signed levels): on the bundled model's
-K/V its relative error is 28 % (K) / 18 % (V) lower at int8 and 32 % / 22 % lower at
-int4 (``benchmarks/bench_kernels.py kv-quant-error``), for 4 more bytes per token and head.
-
-:class:`QuantizedKV` is a quantised K (or V) buffer that indexes like the tensor it
-replaces (any index that leaves the head dim whole), so the caches keep their indexing
-code and only choose the buffer type. The Triton attention kernels read ``data`` and
-``scale`` directly and dequantise in registers (:mod:`sparda.kernels.decode_attention`);
-the PyTorch twins call :func:`dequantize`.
+``int8``/``int4``: asymmetric per token and KV head, ``lo = min(x)``, ``step = (max(x) - lo)
+/ (2**bits - 1)``, ``q = round((x - lo) / step)``, ``x' = q * step + lo`` in fp32, so
+``|x' - x| <= step / 2``; int4 packs element ``2i`` in the low nibble; ``(step, lo)`` is
+stored as ``[..., 2]`` fp32. :class:`QuantizedKV` indexes like the tensor it replaces.
 """
 
 from __future__ import annotations
@@ -64,23 +38,22 @@ def check_kv_dtype(kv_dtype: str | None) -> str:
 
 
 def is_quantized(kv_dtype: str) -> bool:
-    """True for ``int8`` and ``int4`` (not ``mixed``: ask :func:`store_dtype`)."""
+    """True for ``int8`` and ``int4`` (not ``mixed``)."""
     return kv_dtype in BITS
 
 
 def store_dtype(kv_dtype: str) -> str:
-    """The type every block is stored in on the host: ``kv_dtype`` itself, ``int4`` for ``mixed``."""
+    """The host store's type: ``kv_dtype``, or ``int4`` for ``mixed``."""
     return MIXED_STORE if kv_dtype == "mixed" else kv_dtype
 
 
 def slot_dtype(kv_dtype: str) -> str:
-    """The type of the GPU-side buffers (slots, resident layers): ``kv_dtype`` itself,
-    ``bf16`` (the model dtype) for ``mixed``, whose cold blocks are dequantised on arrival."""
+    """The GPU buffers' type: ``kv_dtype``, or ``bf16`` (the model dtype) for ``mixed``."""
     return "bf16" if kv_dtype == "mixed" else kv_dtype
 
 
 def packed_dim(head_dim: int, kv_dtype: str) -> int:
-    """Bytes per token and head of the quantised data (``d`` for int8, ``d / 2`` for int4).
+    """Bytes per token and head of quantised data: ``d`` (int8), ``d / 2`` (int4).
 
     Raises:
         SpardaError: int4 with an odd head dim.
@@ -94,9 +67,7 @@ def packed_dim(head_dim: int, kv_dtype: str) -> int:
 
 
 def token_bytes(head_dim: int, kv_dtype: str, dtype: torch.dtype) -> int:
-    """Bytes one token of one KV head takes in K (or V) alone: ``d`` elements of ``dtype``
-    unquantised, else the packed data plus the fp32 ``(step, lo)`` pair (``mixed``: its
-    int4 store's; the bf16 hot pool is a fixed extra, :class:`~sparda.cache.host.HostKVStore`)."""
+    """Bytes of one token of one KV head in K (or V) alone, scales included (``mixed``: its int4 store's)."""
     kv_dtype = store_dtype(kv_dtype)
     if not is_quantized(kv_dtype):
         return head_dim * torch.empty((), dtype=dtype).element_size()
@@ -104,13 +75,12 @@ def token_bytes(head_dim: int, kv_dtype: str, dtype: torch.dtype) -> int:
 
 
 def max_error(scale: torch.Tensor) -> torch.Tensor:
-    """The bound of :func:`quantize` -> :func:`dequantize`: half a step per element,
-    ``[..., 1]`` from ``scale [..., 2]`` (fp32 rounding aside)."""
+    """Bound of quantize -> dequantize, ``[..., 1]`` from ``scale [..., 2]``: half a step."""
     return scale[..., :1] / 2
 
 
 def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``x [..., d]`` (any float dtype) per row of the last dim (module doc).
+    """Quantise ``x [..., d]`` (any float dtype) per row (docs/kv_quant.md).
 
     Returns:
         ``(data [..., packed_dim(d)] uint8, scale [..., 2] fp32 = (step, lo))``.
@@ -133,8 +103,7 @@ def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, kv_dtype: str,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize`: ``data [..., d']`` uint8, ``scale [..., 2]`` ->
-    ``[..., d]`` in ``dtype`` (computed in fp32: ``q * step + lo``)."""
+    """Inverse of :func:`quantize`: ``data [..., d']`` uint8, ``scale [..., 2]`` -> ``[..., d]`` in ``dtype``."""
     q = data
     if kv_dtype == "int4":
         q = torch.stack([data & 15, data >> 4], -1).flatten(-2)
@@ -145,15 +114,8 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, kv_dtype: str,
 class QuantizedKV:
     """A quantised K (or V) buffer that indexes like the ``[..., d]`` tensor it replaces.
 
-    Attributes:
-        data: ``[..., d']`` uint8 (``d' = packed_dim(d, kv_dtype)``).
-        scale: ``[..., 2]`` fp32, ``(step, lo)`` per token and head.
-        kv_dtype: ``int8`` or ``int4``.
-
-    ``buf[index]`` gives a :class:`QuantizedKV` view (or copy, for advanced indices) of
-    both parts; ``buf[index] = x`` quantises a float tensor ``x`` (or copies another
-    :class:`QuantizedKV`) into both. ``index`` must leave the head dim whole (the last
-    dim untouched or a full slice).
+    ``data [..., d']`` uint8, ``scale [..., 2]`` fp32, ``kv_dtype`` ``int8``/``int4``. Indexing
+    (get and set; a float value is quantised) must leave the head dim whole.
     """
 
     __slots__ = ("data", "scale", "kv_dtype")
@@ -163,7 +125,7 @@ class QuantizedKV:
 
     @classmethod
     def zeros(cls, shape, kv_dtype: str, device=None, pin_memory: bool = False) -> "QuantizedKV":
-        """A zero buffer of logical shape ``shape = (..., d)`` (dequantises to 0)."""
+        """Zero buffer of logical shape ``(..., d)``."""
         *lead, d = shape
         data = torch.zeros((*lead, packed_dim(d, kv_dtype)), dtype=torch.uint8, device=device,
                            pin_memory=pin_memory)
@@ -181,7 +143,7 @@ class QuantizedKV:
 
     @property
     def shape(self) -> torch.Size:
-        """The logical shape ``(..., d)``."""
+        """Logical shape ``(..., d)``."""
         return torch.Size((*self.data.shape[:-1], self.head_dim))
 
     @property
@@ -190,14 +152,14 @@ class QuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by data and scales."""
+        """Bytes of data and scales."""
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
 
     def dim(self) -> int:
         return self.data.dim()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The ``[..., d]`` values in ``dtype`` (:func:`dequantize`)."""
+        """``[..., d]`` values in ``dtype``."""
         return dequantize(self.data, self.scale, self.kv_dtype, dtype)
 
     def __getitem__(self, index) -> "QuantizedKV":
@@ -210,7 +172,7 @@ class QuantizedKV:
         self.scale[index] = value.scale.to(self.scale.device)
 
     def copy_(self, src: "QuantizedKV", non_blocking: bool = False) -> "QuantizedKV":
-        """Copy ``src`` (same shape, any device) into this buffer in place."""
+        """Copy ``src`` (same shape, any device) in place."""
         self.data.copy_(src.data, non_blocking=non_blocking)
         self.scale.copy_(src.scale, non_blocking=non_blocking)
         return self
@@ -221,7 +183,7 @@ class QuantizedKV:
                            self.scale.to(device, non_blocking=non_blocking), self.kv_dtype)
 
     def flatten(self, start: int, end: int) -> "QuantizedKV":
-        """Flatten leading dims ``start..end`` (not the head dim) of both parts."""
+        """Flatten leading dims ``start..end`` of both parts."""
         return QuantizedKV(self.data.flatten(start, end), self.scale.flatten(start, end), self.kv_dtype)
 
     def contiguous(self) -> "QuantizedKV":
@@ -233,20 +195,19 @@ class QuantizedKV:
 
 
 def kv_zeros(shape, kv_dtype: str, dtype: torch.dtype, device=None, pin_memory: bool = False):
-    """A K (or V) buffer of logical shape ``(..., d)``: a ``dtype`` tensor for ``bf16``
-    (no quantisation), else a :class:`QuantizedKV`."""
+    """K (or V) buffer of logical shape ``(..., d)``: a ``dtype`` tensor, or :class:`QuantizedKV`."""
     if is_quantized(kv_dtype):
         return QuantizedKV.zeros(shape, kv_dtype, device, pin_memory=pin_memory)
     return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
 
 def as_float(buf, dtype: torch.dtype) -> torch.Tensor:
-    """A cache buffer (tensor or :class:`QuantizedKV`) read as ``dtype`` values."""
+    """A cache buffer read as ``dtype`` values."""
     return buf.dequantize(dtype) if isinstance(buf, QuantizedKV) else buf
 
 
 def cat(parts: list, dim: int = 0):
-    """``torch.cat`` of cache buffers (tensors, or :class:`QuantizedKV` along a leading dim)."""
+    """``torch.cat`` of cache buffers (:class:`QuantizedKV` along a leading dim)."""
     if isinstance(parts[0], QuantizedKV):
         return QuantizedKV(torch.cat([p.data for p in parts], dim), torch.cat([p.scale for p in parts], dim),
                            parts[0].kv_dtype)

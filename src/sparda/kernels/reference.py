@@ -1,23 +1,10 @@
-"""Pure-PyTorch reference of SparDA's block-sparse attention (design §3, §4).
+"""Pure-PyTorch reference of the block-sparse backbone and the lookahead rule (design §3, §4).
 
-Every Triton kernel in ``sparda.kernels`` has its twin here, and the CPU runtime uses
-these functions directly. They favour clarity over speed. Scores, pooling, compressed-key
-means and attention mass are computed in fp32 (float64 inputs are rounded to fp32); the
-attention itself (:func:`block_sparse_attention`) runs
-``torch.nn.functional.scaled_dot_product_attention`` in the inputs' dtype.
-
-Shape conventions (``B`` batch, ``H`` KV heads, ``G`` query heads per KV head,
-``Tq`` query tokens, ``T`` key tokens, ``C`` compressed keys, ``N`` KV blocks,
-``d`` head dim):
-
-* keys / values: ``[B, H, T, d]``
-* queries: ``[B, H, G, Tq, d]`` (query head ``h*G + g`` belongs to KV head ``h``)
-* query positions ``q_pos``: ``[B, Tq]`` int64, absolute token positions
-* compressed keys: ``[B, H, C, d]``; compressed key ``j`` is the mean of keys
-  ``[j*stride, j*stride + kernel)`` and is visible to a query at position ``t``
-  iff ``j*stride + kernel - 1 <= t``.
-* block scores / block masks: ``[B, H, Tq, N]``; block ``b`` holds tokens
-  ``[b*block_size, (b+1)*block_size)``.
+The twin of every Triton kernel and the CPU runtime's implementation. Scores, pooling,
+compressed-key means and attention mass are fp32; :func:`block_sparse_attention` runs SDPA
+in the inputs' dtype. Shapes: keys/values ``[B, H, T, d]``, queries ``[B, H, G, Tq, d]``
+(query head ``h*G + g`` of KV head ``h``), ``q_pos [B, Tq]`` int64 tokens, compressed keys
+``[B, H, C, d]``, block scores/masks ``[B, H, Tq, N]``; notation of design §2.
 """
 
 from __future__ import annotations
@@ -35,12 +22,8 @@ _UNSCORED = -1e30
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding, half-split convention (the model's queries and keys, and
-    the Forecast's queries): rotate ``x [B, H, T, d]`` by ``cos, sin [B, 1, T, d]``.
-
-    Returns ``x * cos + rotate_half(x) * sin`` in the inputs' promoted dtype, where
-    ``rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])``.
-    """
+    """RoPE, half-split: ``x [B, H, T, d]`` by ``cos, sin [B, 1, T, d]`` -> ``x * cos +
+    rotate_half(x) * sin`` in the promoted dtype (Su et al. 2021)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -52,14 +35,8 @@ def num_compressed(num_tokens: int, kernel: int, stride: int) -> int:
 
 
 def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Mean-pool keys into compressed keys (design §3.1).
-
-    Args:
-        k: ``[..., T, d]`` post-RoPE keys, any float dtype.
-    Returns:
-        ``[..., C, d]`` with ``C = num_compressed(T, kernel, stride)``, dtype of ``k``
-        (the mean is taken in fp32).
-    """
+    """Mean-pool keys ``[..., T, d]`` (any float dtype) into ``[..., C, d]`` of ``k``'s dtype,
+    fp32 mean (design §3.1)."""
     num = num_compressed(k.shape[-2], kernel, stride)
     if num == 0:
         return k.new_zeros(*k.shape[:-2], 0, k.shape[-1])
@@ -69,24 +46,13 @@ def compress_keys(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
 
 def update_compressed_keys(ck: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                            kernel: int, stride: int, ring: bool = False) -> None:
-    """After a decode append, write the compressed key that each row's new token completes,
-    in place (design §3.1; no host sync, static shapes).
-
-    The token at ``pos`` completes window ``j`` when ``pos + 1 - kernel = j * stride`` with
-    ``0 <= j < C_cap``; then ``ck[row, :, j]`` becomes the fp32 mean of the window's
-    ``kernel`` keys (oldest first, as :func:`compress_keys` averages them), cast to ``ck``'s
-    dtype. Other entries, and rows whose token completes no window, are left as they are.
-    The one PyTorch form of this update: both caches' decode ``append`` and the twin of the
-    fused RoPE + append kernel (:func:`sparda.kernels.twins.rope_append_reference`) call it.
+    """Write the compressed key each row's new token completes, in place, no host sync (design §3.1).
 
     Args:
-        ck: ``[B_all, H, C_cap, d]`` compressed-key buffer, written in place.
-        keys: the layer's keys with this step's token already written, ``[B_all, H, T, d]``
-            (the window is read at positions ``j*stride ..``, clamped to ``T - 1``), or with
-            ``ring`` the last ``kernel`` keys ``[B_all, H, kernel, d]``, key ``t`` at
-            ``t % kernel``.
-        rows: ``[B]`` int64 cache rows of this step; pos: ``[B]`` int64 token positions.
-        kernel, stride: window length and step in tokens.
+        ck: ``[B_all, H, C_cap, d]``, written in place.
+        keys: ``[B_all, H, T, d]`` with this step's token written, or with ``ring`` the last
+            ``kernel`` keys ``[B_all, H, kernel, d]`` (key ``t`` at ``t % kernel``).
+        rows: ``[B]`` int64 cache rows. pos: ``[B]`` int64 positions. kernel, stride: tokens.
     """
     done = pos + 1 - kernel  # the window's first token
     j = done.clamp(min=0) // stride
@@ -100,53 +66,26 @@ def update_compressed_keys(ck: torch.Tensor, keys: torch.Tensor, rows: torch.Ten
 
 
 def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: int) -> torch.Tensor:
-    """Causal visibility of compressed keys (design §3.1-3.2): ``[B, Tq, C]`` bool.
-
-    Compressed key ``j`` covers tokens ``[j*stride, j*stride + kernel)``; a query at
-    position ``t`` (``q_pos [B, Tq]`` int64, tokens) sees it iff its last token ``<= t``.
-    """
+    """Causal visibility of compressed keys (design §3.1): ``[B, Tq, C]`` bool from ``q_pos [B, Tq]`` int64."""
     ends = torch.arange(num_ck, device=q_pos.device) * stride + kernel - 1
     return ends.view(1, 1, -1) <= q_pos.unsqueeze(-1)
 
 
 def lookahead_pos(q_pos: torch.Tensor, target_layer: int) -> torch.Tensor:
-    """The lookahead rule (design §4): up to which position a selector may see the
-    compressed keys of ``target_layer`` when it picks blocks for a query at ``q_pos``.
-
-    A selector of layer ``l+1 >= 1`` (the Forecast ``F_l``, ``infinigen``'s partial query)
-    runs during layer ``l``, before this step's token is appended to layer ``l+1``; it
-    scores layer ``l+1``'s compressed keys *as they stood before that token*, i.e. the
-    windows complete at ``q_pos - 1``. The window that the token at ``q_pos`` completes is
-    not scored; it lies in the forced local window (``SelectionConfig`` refuses budgets
-    where it would not), so the selection loses nothing. Layer 0 is scored by its own
-    current-layer projection after the append: it sees the windows complete at ``q_pos``.
-
-    Decode implements it by cutting the keys (``predict_next``, offloaded ``ck_len``);
-    prefill, Forecast training, the selection report and ``infinigen`` call this function.
-
-    Args:
-        q_pos: ``[B, Tq]`` int64 query positions (tokens). target_layer: the scored layer.
-    Returns:
-        ``[B, Tq]`` int64 positions to pass as ``q_pos`` to :func:`compressed_visible`
-        (and the score functions built on it).
-    """
+    """The lookahead rule (design §4): ``[B, Tq]`` int64 positions up to which the selector of
+    ``target_layer`` sees its compressed keys: ``q_pos - 1`` for a layer >= 1, ``q_pos`` for 0."""
     return q_pos - 1 if target_layer > 0 else q_pos
 
 
 def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                        kernel: int, stride: int) -> torch.Tensor:
-    """Query-based compressed scores, summed over the GQA group (design §3.2).
-
-    ``p_h = softmax(q_h . ck / sqrt(d))`` over the causally visible compressed keys,
-    summed over the ``G`` query heads of each KV head.
+    """Query-based compressed scores summed over the GQA group (design §3.2).
 
     Args:
-        q: ``[B, H, G, Tq, d]`` queries (any float dtype; computed in fp32).
-        ck: ``[B, H, C, d]`` compressed keys.
-        q_pos: ``[B, Tq]`` int64 query positions (tokens).
-        kernel, stride: compression window and stride (tokens; design §3.1: 32, 16).
+        q: ``[B, H, G, Tq, d]`` any float dtype (fp32 math). ck: ``[B, H, C, d]``.
+        q_pos: ``[B, Tq]`` int64. kernel, stride: tokens.
     Returns:
-        ``[B, H, Tq, C]`` fp32; zeros at invisible keys (rows with no visible key are 0).
+        ``[B, H, Tq, C]`` fp32, 0 at invisible keys.
     """
     d = q.shape[-1]
     logits = torch.matmul(q.float(), ck.float().unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
@@ -158,16 +97,8 @@ def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
 
 def forecast_scores(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                     kernel: int, stride: int) -> torch.Tensor:
-    """Forecast scores: raw dot products, one row per KV head (design §4).
-
-    Args:
-        f: ``[B, H, Tq, d]`` Forecast queries (RoPE applied; any float dtype, fp32 math).
-        ck: ``[B, H, C, d]`` compressed keys of the scored layer.
-        q_pos: ``[B, Tq]`` int64 query positions (tokens).
-        kernel, stride: compression window and stride (tokens; design §3.1).
-    Returns:
-        ``[B, H, Tq, C]`` fp32, ``-inf`` at causally invisible compressed keys.
-    """
+    """Forecast scores, raw dot products (design §4): ``f [B, H, Tq, d]`` (RoPE applied), ``ck
+    [B, H, C, d]``, ``q_pos [B, Tq]`` int64 -> ``[B, H, Tq, C]`` fp32, ``-inf`` where invisible."""
     scores = torch.einsum("bhqd,bhcd->bhqc", f.float(), ck.float())
     vis = compressed_visible(q_pos, ck.shape[-2], kernel, stride)[:, None]
     return scores.masked_fill(~vis, NEG_INF)
@@ -175,12 +106,7 @@ def forecast_scores(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
 
 def block_overlap(num_ck: int, num_blocks: int, cfg: SelectionConfig,
                   device: torch.device | str = "cpu") -> torch.Tensor:
-    """Which compressed keys overlap which blocks: ``[C, N]`` bool (design §3.3).
-
-    Compressed key ``j`` covers tokens ``[j*s, j*s + k)``; block ``b`` covers
-    ``[b*B_s, (b+1)*B_s)``; they overlap iff the intervals intersect. With
-    ``k=32, s=16, B_s=64`` this is max-pool kernel 5, stride 4, padding 1.
-    """
+    """``[C, N]`` bool: compressed key ``j`` overlaps block ``b`` (design §3.3)."""
     j = torch.arange(num_ck, device=device)
     b = torch.arange(num_blocks, device=device)
     start = (j * cfg.kernel_stride).view(-1, 1)
@@ -189,29 +115,20 @@ def block_overlap(num_ck: int, num_blocks: int, cfg: SelectionConfig,
 
 
 def pool_window(cfg: SelectionConfig) -> tuple[int, int, int]:
-    """Max-pool geometry ``(kernel, stride, left_padding)`` mapping compressed keys to blocks.
-
-    Derived from the overlap rule of :func:`block_overlap` (design §3.3): with
-    ``r = block_size / kernel_stride`` and ``p = ceil(kernel_size / kernel_stride) - 1``,
-    block ``b`` pools compressed keys ``b*r - p .. b*r + r - 1``, i.e. kernel ``r + p``,
-    stride ``r``, left padding ``p`` (5, 4, 1 for ``k=32, s=16, B_s=64``).
-    """
+    """Max-pool geometry ``(kernel, stride, left_padding)`` from compressed keys to blocks (design §3.3)."""
     r = cfg.block_size // cfg.kernel_stride
     p = -(-cfg.kernel_size // cfg.kernel_stride) - 1
     return r + p, r, p
 
 
 def pool_to_blocks(scores: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
-    """Max-pool compressed scores onto KV blocks (design §3.3).
+    """Max-pool compressed scores ``[..., C]`` onto ``N`` blocks (design §3.3).
 
     Args:
-        scores: ``[..., C]``; invisible entries must be ``-inf`` (or 0 for softmax
-            scores, which are non-negative).
-        num_blocks: ``N``, KV blocks of the context (``ceil(tokens / block_size)``).
-        cfg: the block size and compression geometry (:func:`pool_window`).
+        scores: ``[..., C]``; invisible entries ``-inf`` (or 0 for softmax scores).
+        num_blocks: ``N``. cfg: block size and compression geometry.
     Returns:
-        ``[..., N]`` fp32: per block the max over the compressed keys overlapping it
-        (:func:`block_overlap`), ``-inf`` where none exists.
+        ``[..., N]`` fp32, ``-inf`` where no key overlaps.
     """
     kernel, stride, pad = pool_window(cfg)
     num_ck = scores.shape[-1]
@@ -221,10 +138,8 @@ def pool_to_blocks(scores: torch.Tensor, num_blocks: int, cfg: SelectionConfig) 
 
 
 def _rank_key(scores: torch.Tensor) -> torch.Tensor:
-    """Unique int64 ranking keys for ``[..., N]`` fp32 scores: larger score first, and
-    equal scores (adjacent blocks share a compressed key, softmax underflows to 0) go to
-    the lower block index. The fp32 bits are mapped to order-preserving int32 values and
-    shifted left by 24 bits; the low bits hold ``2^24 - 1 - index``."""
+    """Unique int64 ranking keys of ``[..., N]`` fp32 scores: order-preserving int32 bits << 24,
+    low bits ``2^24 - 1 - index`` (ties to the lower block, design §3.4)."""
     if scores.shape[-1] >= 1 << 24:
         raise ValueError("more than 2^24 blocks per row are not supported")
     bits = scores.float().contiguous().view(torch.int32)
@@ -234,34 +149,22 @@ def _rank_key(scores: torch.Tensor) -> torch.Tensor:
 
 
 def forced_blocks(q_pos: torch.Tensor, num_blocks: int, cfg: SelectionConfig) -> torch.Tensor:
-    """Blocks the top-k never competes for: ``[B, 1, Tq, N]`` bool (design §3.4).
-
-    True for the forced blocks (the ``init_blocks`` sinks and the ``local_blocks`` most
-    recent valid blocks) and for the causally invalid ones (after the query's block).
-    ``q_pos [B, Tq]`` int64 token positions; ``num_blocks`` ``N``.
-    """
+    """``[B, 1, Tq, N]`` bool: the forced blocks and the causally invalid ones (design §3.4)."""
     blocks = torch.arange(num_blocks, device=q_pos.device).view(1, 1, 1, -1)
     cur = (q_pos // cfg.block_size).unsqueeze(1).unsqueeze(-1)
     return (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks) | (blocks > cur)
 
 
 def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
-    """The selection rule (design §3.4, §3.6): sinks + local window + top-k, per KV head.
-
-    For a query at position ``t`` the causally valid blocks are ``0 .. t // B_s``.
-    Forced: blocks ``< init_blocks`` and the ``local_blocks`` most recent valid blocks.
-    Then the ``topk_blocks`` highest-scoring other valid blocks (ties go to the lower
-    block index). If the budget covers every valid block, or ``t + 1 < dense_len``
-    (dense fallback), every valid block is selected.
+    """The selection rule, sinks + local window + top-k per KV head (design §3.4, §3.6).
 
     Args:
-        block_scores: ``[B, H, Tq, N]``; larger is better; ``-inf`` and NaN count as
-            unscored (ranked below every scored block, chosen only to fill the top-k).
-        q_pos: ``[B, Tq]`` int64 query positions.
+        block_scores: ``[B, H, Tq, N]``; ``-inf`` and NaN rank below every finite score.
+        q_pos: ``[B, Tq]`` int64. cfg: the selection config.
     Returns:
         ``[B, H, Tq, N]`` bool block mask.
     Raises:
-        ValueError: ``N >= 2^24`` blocks per row (the tie-breaking key's limit).
+        ValueError: ``N >= 2^24`` blocks per row.
     """
     num_blocks = block_scores.shape[-1]
     blocks = torch.arange(num_blocks, device=block_scores.device).view(1, 1, 1, -1)
@@ -281,12 +184,8 @@ def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selectio
 
 
 def block_mask_to_indices(mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """Turn a bool block mask ``[..., N]`` into sorted int64 block ids ``[..., width]``,
-    padded with -1 (the index lists the kernels read, design §3.5; callers cast to int32).
-
-    ``width`` defaults to the largest number of selected blocks in any row (one host
-    synchronisation); a smaller ``width`` keeps the lowest ids.
-    """
+    """Bool mask ``[..., N]`` -> ascending int64 ids ``[..., width]``, ``-1`` padded (design §3.5).
+    ``width`` defaults to the widest row (one host sync); a smaller one keeps the lowest ids."""
     counts = mask.sum(-1)
     width = int(counts.max().item()) if width is None else width
     n = mask.shape[-1]
@@ -303,22 +202,14 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            chunk: int = 512) -> torch.Tensor:
     """Exact softmax attention over the selected blocks, causal (design §3.5).
 
-    Each query chunk only reads keys up to its last position; the softmax itself is
-    ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
-
     Args:
-        q: ``[B, H, G, Tq, d]``. k, v: ``[B, H, T, d]``.
-        block_mask: ``[B, H, Tq, N]`` bool with ``N >= ceil(T / block_size)``, or
-            ``None`` for dense causal attention.
-        q_pos: ``[B, Tq]`` positions; key ``i`` is visible iff ``i <= q_pos`` and
-            ``i < kv_len``. A query that sees no key gets 0.
-        kv_len: ``[B]`` valid keys per sequence (tokens).
-        block_size: tokens per KV block (``B_s``).
-        chunk: query tokens per chunk (bounds memory at ``B*H*G*chunk*T`` floats).
-        q, k and v share one float dtype; ``q_pos`` and ``kv_len`` are int64. One host
-        synchronisation per chunk (its largest position). ``Tq = 0`` gives an empty output.
+        q: ``[B, H, G, Tq, d]``. k, v: ``[B, H, T, d]``, one float dtype.
+        block_mask: ``[B, H, Tq, N]`` bool, ``N >= ceil(T / block_size)``, or ``None`` (dense).
+        q_pos: ``[B, Tq]`` int64; key ``i`` visible iff ``i <= q_pos`` and ``i < kv_len``.
+        kv_len: ``[B]`` int64. block_size: tokens.
+        chunk: query tokens per chunk (memory ``B*H*G*chunk*T``; one host sync each).
     Returns:
-        ``[B, H, G, Tq, d]`` in ``q``'s dtype.
+        ``[B, H, G, Tq, d]`` in ``q``'s dtype; a row that sees no key is 0.
     """
     b, h, g, tq, d = q.shape
     outs = []
@@ -346,8 +237,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def sum_onto_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Per-token values ``[..., T]`` summed onto KV blocks of ``block_size`` tokens:
-    ``[..., ceil(T / block_size)]`` (the last block partial)."""
+    """Per-token ``[..., T]`` summed onto blocks: ``[..., ceil(T / block_size)]``."""
     num_blocks = -(-x.shape[-1] // block_size)
     x = torch.nn.functional.pad(x, (0, num_blocks * block_size - x.shape[-1]))
     return x.view(*x.shape[:-1], num_blocks, block_size).sum(-1)
@@ -355,20 +245,13 @@ def sum_onto_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def block_attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
                          kv_len: torch.Tensor, block_size: int, chunk: int = 1024) -> torch.Tensor:
-    """True attention mass per block, summed over the GQA group (oracle scores, design §8).
-
-    ``mass[b, h, t, n] = sum_g sum_{i in block n} softmax_i(q_g . k_i / sqrt(d))`` over the
-    causally visible keys, in fp32.
+    """True attention mass per block, summed over the group, fp32 (oracle scores, design §8).
 
     Args:
-        q: ``[B, H, G, Tq, d]`` (``Tq = 0`` gives ``[B, H, 0, N]``). k: ``[B, H, T, d]``.
-        q_pos: ``[B, Tq]`` int64; kv_len: ``[B]`` int64 (tokens), as in
-            :func:`block_sparse_attention`.
-        block_size: tokens per KV block.
-        chunk: query tokens per chunk (memory about ``B*H*G*chunk*T`` fp32).
+        q: ``[B, H, G, Tq, d]``. k: ``[B, H, T, d]``. q_pos: ``[B, Tq]``, kv_len: ``[B]`` int64.
+        block_size: tokens. chunk: query tokens per chunk (memory ``B*H*G*chunk*T`` fp32).
     Returns:
-        ``[B, H, Tq, N]`` fp32 with ``N = ceil(T / block_size)``; each row sums to ``G``
-        (0 for a query that sees no key).
+        ``[B, H, Tq, ceil(T / block_size)]`` fp32; rows sum to ``G`` (0 if no key is visible).
     """
     d = q.shape[-1]
     num_keys = k.shape[-2]

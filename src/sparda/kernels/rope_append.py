@@ -1,30 +1,10 @@
-"""RoPE + KV append + compressed-key update of one decode token, in one Triton kernel.
+"""RoPE + KV append + compressed-key update of one decode token in one Triton kernel
+(design §3.1, §6 step 2); one program per (row, KV head).
 
-Input is the output row of a layer's stacked projection GEMM (design §6 "QKV(+F)"):
-``qkv [B, (H_q + 2 H_kv + n_f H_kv) * d]`` = queries, keys, values, then ``n_f`` Forecast
-heads per KV head. One program per (row, KV head):
-
-* applies RoPE (half-split, ``x * cos + rotate_half(x) * sin``, rounded to the storage
-  dtype after each operation as PyTorch does) to the ``G`` queries, the key and the
-  Forecast heads, and writes the rotated queries and Forecast heads out;
-* writes the key and value at the token's position: into the full cache
-  ``[B, H, T, d]`` (device cache, resident layers) or into the partial slot of the
-  offload slot buffer ``[B, H, S + 1, bs, d]`` (position ``pos % bs`` of slot ``S``);
-  optionally also into the host store ``[B, H, N, bs, d]`` (pinned, through UVA);
-* a quantised cache (``QBITS`` 8 or 4, docs/kv_quant.md): the key (after RoPE, rounded
-  to the storage dtype) and the value are quantised once per token and head by the rule
-  of :func:`sparda.kernels.quant.quantize` (asymmetric, fp32 ``(step, lo)``; IEEE
-  divisions and round-half-to-even, so the codes and scales are those PyTorch computes
-  from the same values), and the ``uint8`` codes (int4: two per byte, element ``2i`` in
-  the low nibble) and the ``(step, lo)`` pair go to every destination (slot or full
-  cache, host store); the ring and the compressed keys take the full-precision key;
-* keeps the compressed keys current (design §3.1): when the token completes window
-  ``j`` (``(pos + 1 - kernel) % stride == 0``), ``ck[j]`` becomes the fp32 mean of the
-  window's ``kernel`` keys, read from a ring of the last ``kernel`` keys (offload) or
-  from the full cache; the ring is updated too;
-* at the last layer, sets ``lengths[b] = pos + 1``.
-
-The PyTorch twin is :func:`sparda.kernels.twins.rope_append_reference`.
+Rounds like PyTorch in the storage dtype; a quantised cache (``QBITS`` 8/4) gets each token
+quantised once by the rule of :func:`sparda.kernels.quant.quantize` (docs/kv_quant.md), the
+ring and compressed keys the full-precision key. Twin:
+:func:`sparda.kernels.twins.rope_append_reference`.
 """
 
 from __future__ import annotations
@@ -50,8 +30,7 @@ def _rope(X, offs, offs_rot, sign, c, s, mask, DT: tl.constexpr):
 
 @triton.jit
 def _round_half_even(x):
-    """``x >= 0`` (fp32) rounded to the nearest integer, ties to even (``torch.round``);
-    exact: ``x - floor(x)`` and ``floor(f / 2)`` are exact in binary floating point."""
+    """``x >= 0`` fp32 rounded to the nearest integer, ties to even (``torch.round``)."""
     f = tl.floor(x)
     frac = x - f
     odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
@@ -60,9 +39,8 @@ def _round_half_even(x):
 
 @triton.jit
 def _quantize(x, D: tl.constexpr, QBITS: tl.constexpr):
-    """One head's ``x [D]`` (fp32) quantised as :func:`sparda.kernels.quant.quantize`:
-    returns ``(codes [D] (int8) or [D // 2] (int4, element 2i in the low nibble) uint8,
-    step, lo)``, ``step`` and ``lo`` fp32 scalars."""
+    """One head's ``x [D]`` fp32 quantised as :func:`sparda.kernels.quant.quantize`:
+    ``(codes uint8 [D] or [D // 2], step, lo)``."""
     LEVELS: tl.constexpr = (1 << QBITS) - 1
     lo = tl.min(x, 0)
     step = tl.math.div_rn(tl.max(x, 0) - lo, tl.full((), LEVELS, tl.float32))
@@ -180,8 +158,7 @@ def _planes(buf):
 
 
 def _dst_strides(t: torch.Tensor, slot: int | None) -> tuple[int, int, int, int]:
-    """``(row, head, base, token)`` element strides of a full cache ``[B, H, T, x]`` or of
-    slot ``slot`` of a slot buffer ``[B, H, S + 1, bs, x]``."""
+    """``(row, head, base, token)`` strides of ``[B, H, T, x]`` or of slot ``slot`` of ``[B, H, S + 1, bs, x]``."""
     if slot is None:
         return t.stride(0), t.stride(1), 0, t.stride(2)
     return t.stride(0), t.stride(1), slot * t.stride(2), t.stride(3)
@@ -194,13 +171,9 @@ def rope_append_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        host: tuple | None = None, lengths: torch.Tensor | None = None) -> None:
     """Launch :func:`_rope_append_kernel` (see :func:`sparda.kernels.rope_append`).
 
-    ``k_dst, v_dst`` (and ``host``'s pair) are tensors or, for a quantised cache,
-    :class:`~sparda.kernels.quant.QuantizedKV` (data and scale planes; K and V alike).
-
     Raises:
-        SpardaError: a quantised cache without ``ring`` (its window cannot be read back at
-            full precision), K and V (or their planes) of different strides, or a host store
-            of another quantisation than the cache.
+        SpardaError: a quantised cache without ``ring``, K and V of different strides, or a
+            host store of another quantisation than the cache.
     """
     bsz = qkv.shape[0]
     d = q_out.shape[-1]

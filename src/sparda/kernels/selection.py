@@ -1,20 +1,8 @@
-"""Decode block selection in Triton: scoring fused with block pooling, then the rule.
+"""Decode block selection in Triton, one query token per row (design §3.2-3.4, §4).
 
-Three kernels (design §3.2-§3.4, §4), all for one query token per sequence:
-
-* ``_forecast_pool_kernel``: Forecast raw dot products ``f . ck`` (one head per KV
-  head) fused with the block max-pool; grid ``(B*H, block tiles)``.
-* ``_query_logits_kernel`` + ``_query_pool_kernel``: query-based scores. The softmax
-  over all visible compressed keys needs a row-wide max and sum, so the first kernel
-  writes the ``G`` logit rows plus per-tile (max, sum) and the second normalises,
-  sums the group and max-pools; both grids are ``(B*H, tiles)``.
-* ``_select_kernel``: forced blocks (sinks, local window, dense fallback) plus an exact
-  top-k (binary search on order-preserving int keys, ties to the lower block index),
-  writing sorted block ids padded with -1 and optionally the block mask.
-
-The PyTorch twins are in :mod:`sparda.kernels.reference` (``query_group_scores``,
-``forecast_scores``, ``pool_to_blocks``, ``select_blocks``, ``block_mask_to_indices``);
-``twins.select_decode_reference`` chains them.
+``_forecast_pool_kernel`` (Forecast dot products + max-pool); ``_query_logits_kernel`` +
+``_query_pool_kernel`` (softmax needs the row-wide max and sum first); ``_select_kernel``
+(forced blocks + exact top-k, sorted ids ``-1`` padded). Twin: ``twins.select_decode_reference``.
 """
 
 from __future__ import annotations
@@ -221,7 +209,7 @@ def _tile_geometry(cfg: SelectionConfig) -> tuple[int, int, int]:
 def decode_block_scores_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                                num_blocks: int, cfg: SelectionConfig,
                                ck_len: torch.Tensor | None = None) -> torch.Tensor:
-    """Block scores ``[B, H, N]`` fp32 for one decode token (see ``select_decode_blocks``).
+    """Block scores ``[B, H, N]`` fp32 of one decode token.
 
     Raises:
         SpardaError: via ``twins.check_selection_inputs``.
@@ -271,11 +259,8 @@ def decode_block_scores_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: tor
 
 def select_from_scores_triton(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig,
                               width: int | None = None, return_mask: bool = False):
-    """The selection rule on ``[B, H, N]`` decode block scores (``reference.select_blocks``).
-
-    Returns ``ids [B, H, width]`` int32 (sorted, -1 padded) or, with ``return_mask``,
-    ``(ids, mask [B, H, N] bool)``.
-    """
+    """``reference.select_blocks`` on ``[B, H, N]`` scores -> ``ids [B, H, width]`` int32 (sorted,
+    -1 padded), or ``(ids, mask [B, H, N] bool)``."""
     bsz, heads, num_blocks = block_scores.shape
     width = default_width(num_blocks, cfg) if width is None else int(width)
     ids = torch.empty(bsz, heads, width, device=block_scores.device, dtype=torch.int32)
@@ -296,10 +281,7 @@ def select_decode_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: to
                                 num_blocks: int, cfg: SelectionConfig, *,
                                 ck_len: torch.Tensor | None = None, width: int | None = None,
                                 return_mask: bool = False):
-    """Triton twin of ``twins.select_decode_reference`` (see ``sparda.kernels.select_decode_blocks``).
-
-    ``query [B, H, G, d]`` or ``[B, H, d]`` (Forecast), ``ck [B, H, C, d]``, ``q_pos [B]``
-    -> ``ids [B, H, width]`` int32 (or ``(ids, mask [B, H, N] bool)``), design §3.2-3.4.
+    """Triton :func:`sparda.kernels.select_decode_blocks`.
 
     Raises:
         SpardaError: via ``twins.check_selection_inputs``.

@@ -1,24 +1,8 @@
-"""The offload runtime's slot diff in one Triton kernel (design §6): no sort, no host read.
+"""The offload runtime's slot diff in one Triton kernel, no sort, no host read (design §6 step 4).
 
-One program per (row, KV head) compares the selected block ids with the layer's block
-map and, in registers, produces everything the rest of the step needs:
-
-* ``load [B, H, S]``: the block each slot must receive (``-1``: none), the gather's input;
-* the block map ``slot_map [B, H, S]`` updated in place;
-* ``attn_ids [B, H, S + 1]``: the logical block each slot contributes to this step's
-  attention (``-1``: not selected), plus the current (partial) block in the last entry;
-* optionally the same list compacted, ``attn_blocks, attn_slots [B, H, C]``: the selected
-  slots' logical blocks and slot indices in slot order, ``-1`` padded, the current block
-  (slot ``S``) last, so that attention walks ``C`` entries however many slots there are
-  (spare slots, design §6);
-* per-row counters, added atomically: hits, misses, blocks read, blocks valid.
-
-The assignment is that of :func:`sparda.cache.prefetch.diff_slots` (its PyTorch twin):
-selected blocks already held stay in their slot (hits); the ``k``-th missed block in
-ascending id order goes to the ``k``-th replaceable slot, empty slots first, then slots
-whose block is no longer selected, each in slot order. Membership is an ``[S, W]``
-comparison matrix (``W <= 128`` at the presets, ``S = ceil(slot_factor * W)`` up to 192 at
-the default ``slot_factor`` 1.5), so nothing is sorted.
+One program per (row, KV head) writes ``load``, the updated ``slot_map``, ``attn_ids``, the
+optional compact list and the counters of :func:`sparda.kernels.slot_diff`; membership is an
+``[S, W]`` comparison matrix. Twin: :func:`sparda.kernels.twins.slot_diff_reference`.
 """
 
 from __future__ import annotations
@@ -89,7 +73,7 @@ def _slot_diff_kernel(
 def slot_diff_triton(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
                      num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
                      compact=None) -> None:
-    """Triton slot diff (see :func:`sparda.kernels.slot_diff`); writes its outputs in place.
+    """Triton :func:`sparda.kernels.slot_diff`, in place.
 
     Raises:
         SpardaError: shapes, dtypes or devices that do not match.
@@ -109,7 +93,7 @@ def slot_diff_triton(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tenso
 
 
 def check_slot_diff(ids, slot_map, pos, load, attn_ids, counters, compact=None) -> None:
-    """Validate :func:`sparda.kernels.slot_diff` operands (shapes, dtypes, contiguity).
+    """Validate :func:`sparda.kernels.slot_diff` operands.
 
     Raises:
         SpardaError: naming the operand that does not match.

@@ -1,9 +1,6 @@
-"""PyTorch twins of the kernels whose interface differs from :mod:`reference`.
+"""PyTorch twins of the kernels whose interface differs from :mod:`reference`, built from it.
 
-Everything here is built from :mod:`sparda.kernels.reference` (decode selection, decode
-attention from a block-id list, the compressed-key update of the fused append) or is a
-small fp32 twin of its own (the slot-buffer decode). No Triton: the CPU runtime and the
-dispatch fallbacks in :mod:`sparda.kernels` use these directly.
+The CPU runtime and the dispatch fallbacks of :mod:`sparda.kernels` call these; no Triton.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from sparda.kernels._common import check_head_dim, tl_float_dtype_ok
 
 
 def ids_to_block_mask(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``[..., W]`` integer block ids (-1 padded) -> ``[..., N]`` bool mask; ids outside ``[0, N)`` drop."""
+    """``[..., W]`` block ids (-1 padded) -> ``[..., N]`` bool mask; ids outside ``[0, N)`` drop."""
     ids = block_ids.long()
     ids = torch.where((ids < 0) | (ids >= num_blocks), num_blocks, ids)
     mask = torch.zeros(*ids.shape[:-1], num_blocks + 1, dtype=torch.bool, device=ids.device)
@@ -29,13 +26,7 @@ def ids_to_block_mask(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                block_ids: torch.Tensor, kv_len: torch.Tensor,
                                block_size: int) -> torch.Tensor:
-    """Decode attention over a block-id list via ``reference.block_sparse_attention``.
-
-    The query sits at position ``kv_len - 1``; ``q [B, H, G, d]`` -> ``[B, H, G, d]`` in
-    ``q``'s dtype. ``k, v [B, H, T, d]``; ``block_ids [B, H, W]`` int (-1 padded);
-    ``kv_len [B]`` int (tokens); ``block_size`` in tokens. No shape checks (the Triton twin
-    raises SpardaError on a mismatch).
-    """
+    """Twin of :func:`sparda.kernels.decode_attention` on unquantised K/V (no shape checks)."""
     num_blocks = -(-k.shape[2] // block_size)
     mask = ids_to_block_mask(block_ids, num_blocks)[:, :, None]  # [B, H, 1, N]
     q_pos = (kv_len.long() - 1).view(-1, 1)
@@ -44,26 +35,18 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def default_width(num_blocks: int, cfg: SelectionConfig) -> int:
-    """Static id-list width (blocks) that holds every decode selection (no host sync).
-
-    Returns ``min(num_blocks, max(budget_blocks, ceil(dense_len / block_size)))``, at
-    least 1 (design §3.4, §3.6). The budget bounds a sparse selection; the dense fallback (``t + 1 < dense_len``)
-    selects at most ``ceil(dense_len / block_size)`` blocks.
-    """
+    """Id-list width (blocks) that holds every decode selection: ``min(N, max(budget_blocks,
+    ceil(dense_len / block_size)))``, at least 1 (design §3.4, §3.6)."""
     dense_blocks = -(-cfg.dense_len // cfg.block_size)
     return max(1, min(num_blocks, max(cfg.budget_blocks, dense_blocks)))
 
 
 def check_selection_shapes(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, ck_len) -> None:
-    """Check the decode-selection inputs of one query token per sequence (design §3.2, §4),
-    for any head dim (what the PyTorch twins need).
+    """Check decode-selection inputs (any head dim): ``query [B, H, G, d]`` or ``[B, H, d]`` and
+    ``ck [B, H, C, d]`` fp16/bf16/fp32, ``q_pos [B]``, ``ck_len`` ``None`` or ``[B]``.
 
-    Args:
-        query: ``[B, H, G, d]`` (query-based) or ``[B, H, d]`` (Forecast), fp16/bf16/fp32.
-        ck: ``[B, H, C, d]`` compressed keys, fp16/bf16/fp32.
-        q_pos: ``[B]`` integer token position. ck_len: ``None`` or ``[B]`` integer.
     Raises:
-        SpardaError: a bad dtype, rank or shape mismatch.
+        SpardaError: a bad dtype, rank or shape.
     """
     tl_float_dtype_ok(query, "query")
     tl_float_dtype_ok(ck, "ck")
@@ -79,11 +62,10 @@ def check_selection_shapes(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.T
 
 
 def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor, ck_len) -> None:
-    """:func:`check_selection_shapes` plus the head dim the Triton selection kernel tiles.
+    """:func:`check_selection_shapes` plus a head dim the kernel tiles.
 
     Raises:
-        SpardaError: as :func:`check_selection_shapes`, or a head dim that is not a power
-            of two >= 16 (the dispatch in :mod:`sparda.kernels` sends those to the twins).
+        SpardaError: as :func:`check_selection_shapes`, or a head dim not a power of two >= 16.
     """
     check_selection_shapes(query, ck, q_pos, ck_len)
     check_head_dim(query.shape[-1])
@@ -92,15 +74,10 @@ def check_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.T
 def decode_block_scores_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                                   num_blocks: int, cfg: SelectionConfig,
                                   ck_len: torch.Tensor | None = None) -> torch.Tensor:
-    """PyTorch twin of :func:`decode_block_scores_triton`, built from ``reference`` (design §3.2-3.3, §4).
+    """Twin of ``selection.decode_block_scores_triton``: ``[B, H, N]`` fp32 block scores (design §3.2-3.3, §4).
 
-    Args: ``query [B, H, G, d]`` (softmax
-    scores summed over the group) or ``[B, H, d]`` (Forecast raw dot products),
-    ``ck [B, H, C, d]``, ``q_pos [B]`` int, ``num_blocks`` ``N``, ``ck_len`` ``[B]`` or None.
-    Returns:
-        ``[B, H, N]`` fp32 block scores.
     Raises:
-        SpardaError: via :func:`check_selection_shapes` (any head dim is accepted).
+        SpardaError: via :func:`check_selection_shapes`.
     """
     check_selection_shapes(query, ck, q_pos, ck_len)
     if ck_len is not None:  # row b sees only its first ck_len[b] compressed keys
@@ -121,15 +98,10 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
                             num_blocks: int, cfg: SelectionConfig, *,
                             ck_len: torch.Tensor | None = None, width: int | None = None,
                             return_mask: bool = False):
-    """Decode selection from the reference functions: score, pool, select, to ids (design §3.2-3.4).
+    """Twin of :func:`sparda.kernels.select_decode_blocks` (design §3.2-3.4).
 
-    Args as :func:`decode_block_scores_reference`; ``width`` defaults to
-    :func:`default_width`.
-    Returns:
-        ``ids [B, H, width]`` int32, ascending, -1 padded; with ``return_mask``,
-        ``(ids, mask [B, H, N] bool)``.
     Raises:
-        SpardaError: via :func:`check_selection_shapes` (any head dim is accepted).
+        SpardaError: via :func:`check_selection_shapes`.
     """
     scores = decode_block_scores_reference(query, ck, q_pos, num_blocks, cfg, ck_len)
     mask = reference.select_blocks(scores[:, :, None], q_pos.view(-1, 1).long(), cfg)[:, :, 0]
@@ -141,16 +113,8 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
 def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                               block_ids: torch.Tensor, slot_ids: torch.Tensor,
                               kv_len: torch.Tensor) -> torch.Tensor:
-    """PyTorch twin of :func:`decode_attention_slots_triton` (fp32 math, design §3.5, §6).
-
-    Args:
-        q: ``[B, H, G, d]``. k_slots, v_slots: ``[B, H, S, block_size, d]``.
-        block_ids: ``[B, H, W]`` int logical block ids (-1 = skip).
-        slot_ids: ``[B, H, W]`` int slot of each block (broadcastable; clamped to ``[0, S)``).
-        kv_len: ``[B]`` int valid tokens per sequence.
-    Returns:
-        ``[B, H, G, d]`` in ``q``'s dtype; rows that see no key are 0. No shape checks.
-    """
+    """Twin of :func:`sparda.kernels.decode_attention_slots` without ``late`` (fp32 math, no
+    shape checks; ``slot_ids`` clamped to ``[0, S)``)."""
     bsz, heads, groups, d = q.shape
     block_size = k_slots.shape[3]
     slot_ids = slot_ids.expand(block_ids.shape).long().clamp(0, k_slots.shape[2] - 1)
@@ -166,15 +130,13 @@ def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: t
 
 
 def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
-    """Diff a selection against the resident slots (device-side, static shapes).
+    """Diff a selection against the resident slots (design §6, step 4; static shapes).
 
     Args:
-        slot_map: ``[B, H, S]`` int64 logical block per slot, ``-1`` empty.
-        want: ``[B, H, N]`` bool, the blocks to make resident (at most ``S`` per row).
+        slot_map: ``[B, H, S]`` int64 block per slot, ``-1`` empty.
+        want: ``[B, H, N]`` bool, at most ``S`` per row.
     Returns:
-        ``(load, new_map, hits, misses)``: ``load [B, H, S]`` int64 block to copy into
-        each slot (``-1`` none); ``new_map [B, H, S]`` the block map afterwards;
-        ``hits, misses`` ``[B, H]`` int64 counts.
+        ``(load [B, H, S] int64 (-1 none), new_map [B, H, S], hits [B, H], misses [B, H])``.
     """
     b, h, s = slot_map.shape
     n = want.shape[-1]
@@ -205,9 +167,7 @@ def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
 def slot_diff_reference(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
                         num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
                         compact=None) -> None:
-    """PyTorch twin of :func:`sparda.kernels.slot_diff` (in place; :func:`diff_slots` on the
-    mask of ``ids`` minus the current block; ``num_blocks`` bounds the block ids; ``compact``
-    from ``attn_ids`` by a stable sort of the selected slots first). No shape checks."""
+    """Twin of :func:`sparda.kernels.slot_diff` (in place, no shape checks)."""
     cur = (pos // block_size).view(-1, 1, 1)
     want = ids_to_block_mask(ids, num_blocks)
     want &= torch.arange(num_blocks, device=ids.device).view(1, 1, -1) != cur
@@ -245,12 +205,7 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                           num_kv_heads: int, group: int, num_f: int, block_size: int, kernel: int, stride: int,
                           slot: int | None = None, ring: torch.Tensor | None = None, host=None,
                           lengths: torch.Tensor | None = None) -> None:
-    """PyTorch twin of :func:`sparda.kernels.rope_append` (in place; the arguments' meaning
-    is documented there). Built from ``reference.apply_rope`` and advanced indexing, the
-    way the caches' own decode ``append`` writes (design §3.1, §6); a quantised ``k_dst``
-    (:class:`~sparda.kernels.quant.QuantizedKV`) gets the token quantised once by
-    :func:`~sparda.kernels.quant.quantize`, the same codes going to the host store. No
-    shape checks."""
+    """Twin of :func:`sparda.kernels.rope_append` (in place, no shape checks)."""
     bsz = qkv.shape[0]
     d = q_out.shape[-1]
     hq, hk = num_kv_heads * group, num_kv_heads
@@ -289,8 +244,7 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def add_rmsnorm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                           out: torch.Tensor) -> torch.Tensor:
-    """PyTorch twin of :func:`sparda.kernels.add_rmsnorm`: ``x += delta`` in place, then
-    ``out = weight * rmsnorm(x)`` exactly as :class:`sparda.model.llama.RMSNorm`."""
+    """Twin of :func:`sparda.kernels.add_rmsnorm`."""
     if delta is not None:
         x.add_(delta)
     xf = x.float()
@@ -299,22 +253,19 @@ def add_rmsnorm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: t
 
 
 def silu_mul_reference(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """PyTorch twin of :func:`sparda.kernels.silu_mul`: ``silu(gate) * up``, ``gate_up = [gate | up]``."""
+    """Twin of :func:`sparda.kernels.silu_mul`."""
     n = out.shape[-1]
     return out.copy_(torch.nn.functional.silu(gate_up[..., :n]) * gate_up[..., n:])
 
 
 def check_prefill_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                                    need_pow2_head_dim: bool = False) -> None:
-    """Check the prefill-selection inputs (design §3.2, §4): many query tokens per row.
+    """Check prefill-selection inputs: ``query [B, H, G, Tq, d]`` or ``[B, H, Tq, d]`` and ``ck
+    [B, H, C, d]`` fp16/bf16/fp32, integer ``q_pos [B, Tq]``.
 
-    Args:
-        query: ``[B, H, G, Tq, d]`` (query-based) or ``[B, H, Tq, d]`` (Forecast), fp16/bf16/fp32.
-        ck: ``[B, H, C, d]`` compressed keys, fp16/bf16/fp32.
-        q_pos: ``[B, Tq]`` integer token positions.
-        need_pow2_head_dim: also require the head dim the Triton kernel tiles.
     Raises:
-        SpardaError: a bad dtype, rank or shape mismatch (or head dim, see above).
+        SpardaError: a bad dtype, rank or shape, or with ``need_pow2_head_dim`` a head dim
+            not a power of two >= 16.
     """
     tl_float_dtype_ok(query, "query")
     tl_float_dtype_ok(ck, "ck")
@@ -333,19 +284,12 @@ def check_prefill_selection_inputs(query: torch.Tensor, ck: torch.Tensor, q_pos:
 def select_prefill_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                              num_blocks: int, cfg: SelectionConfig, *, lookahead: bool = False,
                              chunk: int = 1024, return_scores: bool = False):
-    """Prefill selection from the reference functions, per query token (design §3.2-3.4, §4).
-
-    Scores (``reference.query_group_scores`` for ``query [B, H, G, Tq, d]``,
-    ``reference.forecast_scores`` for ``[B, H, Tq, d]``) over the compressed keys visible
-    at ``q_pos`` (at ``q_pos - 1`` with ``lookahead``: ``reference.lookahead_pos`` of a
-    layer >= 1), ``reference.pool_to_blocks`` onto ``num_blocks`` blocks, then
-    ``reference.select_blocks`` at ``q_pos``; ``chunk`` query tokens at a time (memory).
+    """Twin of :func:`sparda.kernels.select_prefill_blocks`, ``chunk`` query tokens at a time.
 
     Returns:
-        ``mask [B, H, Tq, N]`` bool; with ``return_scores``, ``(mask, scores)`` with the
-        ``[B, H, Tq, N]`` fp32 block scores.
+        ``mask [B, H, Tq, N]`` bool; with ``return_scores``, ``(mask, scores [B, H, Tq, N] fp32)``.
     Raises:
-        SpardaError: via :func:`check_prefill_selection_inputs` (any head dim).
+        SpardaError: via :func:`check_prefill_selection_inputs`.
     """
     check_prefill_selection_inputs(query, ck, q_pos)
     masks, all_scores = [], []
@@ -372,9 +316,7 @@ def select_prefill_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch
 
 def dequantize_cold_reference(staged_k, staged_v, k_dst: torch.Tensor, v_dst: torch.Tensor,
                               cold: torch.Tensor) -> None:
-    """PyTorch twin of :func:`sparda.kernels.dequantize_cold_slots`: ``k_dst[b, h, s] =
-    dequantize(staged_k[b, h, s])`` (and V) where ``cold[b, h, s] >= 0``, in place; other
-    slots unchanged. Dequantises the whole staging buffer (static shapes)."""
+    """Twin of :func:`sparda.kernels.dequantize_cold_slots` (dequantises the whole staging buffer)."""
     take = (cold >= 0)[..., None, None]
     for dst, staged in ((k_dst, staged_k), (v_dst, staged_v)):
         dst.copy_(torch.where(take, staged.dequantize(dst.dtype), dst))
@@ -386,20 +328,11 @@ MASS_CHUNK_BYTES = 1 << 28
 
 
 def token_attention_mass_reference(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """PyTorch twin of :func:`sparda.kernels.attention_mass.token_attention_mass_triton`:
-    ``out[b, h, i] = sum_g sum_t softmax_i(q_{g,t} . k_i / sqrt(d))`` over the causally
-    visible keys (query ``t`` of ``Tq`` at key position ``T - Tq + t``), in fp32.
+    """Twin of :func:`sparda.kernels.token_attention_mass`, fp32.
 
-    The column sums of the attention probabilities ``P`` are ``P^T 1``: the gradient that
-    SDPA's backward pass gives ``V`` for an output gradient of ones, so no ``[G, Tq, T]``
-    probabilities are materialised (a later chunk passes a ``[Tq, T]`` bool mask, one byte
-    per query and key). Off CUDA (SDPA's math backend) queries go :data:`MASS_CHUNK_BYTES`
-    at a time.
-
-    Args:
-        q: ``[B, H, G, Tq, d]``; k: ``[B, H, T, d]`` with ``T >= Tq``, every key valid.
-    Returns:
-        ``[B, H, T]`` fp32; sums to ``G * Tq`` per ``(b, h)``.
+    Column sums ``P^T 1`` are the gradient SDPA's backward gives ``V`` for an output gradient
+    of ones, so no ``[G, Tq, T]`` probabilities exist; off CUDA queries go
+    :data:`MASS_CHUNK_BYTES` at a time.
     """
     b, h, g, t, d = q.shape
     total = k.shape[-2]

@@ -1,13 +1,4 @@
-"""Checkpoints of Forecast training: everything a resumed run needs to continue bit for bit,
-and a SIGINT that stops at the end of the current step with a checkpoint written.
-
-``OUT.state.pt`` (``torch.save``, written atomically) holds the fp32 Forecast weights, the
-AdamW state, the data order (:meth:`sparda.training.data.Batches.state_dict`), the step
-count and the per-step history; the query tokens of a step depend on ``(seed, step,
-sequence)`` only (:func:`sparda.training.step.query_positions`). With the same command,
-a run of ``a`` steps resumed to ``a + b`` gives the same weights as one run of ``a + b``
-steps, bit for bit (same device, same number of threads).
-"""
+"""Checkpoints of Forecast training, ``OUT.state.pt``, and SIGINT handling (docs/forecast.md)."""
 
 from __future__ import annotations
 
@@ -32,22 +23,19 @@ class Interrupted(SpardaError):
 
 
 def state_path(out: Path) -> Path:
-    """Where the checkpoint state of weights file ``out`` lives: ``OUT.state.pt``."""
+    """``OUT.state.pt`` beside weights file ``out``."""
     return out.with_name(out.name + ".state.pt")
 
 
 def save_state(path: Path, forecast, optimizer, batches, step: int, history: list, run: dict) -> None:
-    """Write the checkpoint state atomically (no half-written file; SpardaError on failure)."""
+    """Write the checkpoint state atomically (SpardaError if it cannot be written)."""
     with atomic_output(path) as tmp:
         torch.save({"forecast": forecast.state_dict(), "optimizer": optimizer.state_dict(),
                     "data": batches.state_dict(), "step": step, "history": list(history), "run": dict(run)}, tmp)
 
 
 def load_state(path: Path, device) -> dict:
-    """Read a checkpoint state written by :func:`save_state` onto ``device``.
-
-    Raises SpardaError: an unreadable file or one without the expected keys.
-    """
+    """Read a :func:`save_state` file onto ``device`` (SpardaError: unreadable, or a key missing)."""
     try:
         state = torch.load(path, map_location=device, weights_only=False)
     except Exception as exc:  # torch raises pickle / zip / OS errors alike
@@ -59,11 +47,7 @@ def load_state(path: Path, device) -> dict:
 
 
 def check_resumable(run: dict, saved: dict) -> None:
-    """Refuse to resume with settings that change the data order or the loss.
-
-    ``run`` / ``saved``: the settings that must match (seq_len, batch_size, seed, queries,
-    preset, frozen_attention, data). Raises SpardaError naming the first difference.
-    """
+    """Refuse (SpardaError naming the key) to resume with settings that change the data or loss."""
     for key, value in run.items():
         if key in saved and saved[key] != value:
             raise SpardaError(f"--resume: the checkpoint was trained with {key} {saved[key]!r}, this run "
@@ -72,10 +56,8 @@ def check_resumable(run: dict, saved: dict) -> None:
 
 @contextmanager
 def stop_on_sigint():
-    """While active, a first SIGINT (Ctrl-C) only sets the yielded ``threading.Event``: the
-    training loop finishes its step, writes a checkpoint and raises :class:`Interrupted`. A
-    second SIGINT interrupts at once (``KeyboardInterrupt``). Outside the main thread the
-    handler cannot be installed and Ctrl-C keeps its default behaviour."""
+    """Yield a ``threading.Event`` set by a first SIGINT; a second raises ``KeyboardInterrupt``
+    (main thread only)."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop

@@ -1,8 +1,5 @@
-"""Training sequences for the Forecast: documents tokenised, packed with EOS and cut to
-``seq_len`` tokens, then drawn in a seeded, resumable order.
-
-Default data: the bundled training split (:func:`sparda.data.train_texts`, five Austen
-novels); the held-out Emma is never read here. Other inputs: :mod:`sparda.training.sources`.
+"""Forecast training sequences: documents tokenised, packed with EOS, cut to ``seq_len`` and
+drawn in a seeded, resumable order (docs/forecast.md). Default: the bundled training split.
 """
 
 from __future__ import annotations
@@ -15,12 +12,8 @@ from sparda.training.sources import read_documents
 
 
 def load_texts(paths, text_column: str = "text") -> tuple[list[str], str]:
-    """Documents of ``paths`` (:func:`sparda.training.sources.read_documents`); ``None`` or
-    empty -> the bundled training split.
-
-    Returns ``(documents, description)``. Raises SpardaError for a missing path, a missing
-    column or optional library, or no text.
-    """
+    """``(documents, description)`` of ``paths``, or of the bundled training split if empty
+    (SpardaError: :func:`~sparda.training.sources.read_documents`)."""
     if not paths:
         from sparda.data import TRAIN_TEXTS, train_texts
 
@@ -29,15 +22,8 @@ def load_texts(paths, text_column: str = "text") -> tuple[list[str], str]:
 
 
 def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
-    """Tokenise documents, join them with EOS and cut into ``[num_seq, seq_len]`` int64.
-
-    A document shorter than ``seq_len`` shares its sequence with the next ones (EOS
-    between them); a longer one is split across consecutive sequences. The tail that does
-    not fill a whole sequence is dropped. Token ids are held as int32 while packing (a
-    100M-token corpus takes 400 MB, not Python lists' ~3.6 GB).
-
-    Raises SpardaError if there are fewer than ``seq_len`` tokens in total.
-    """
+    """Documents joined with EOS, cut into ``[num_seq, seq_len]`` int64, tail dropped (SpardaError:
+    fewer than ``seq_len`` tokens)."""
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     pieces, total = [], 0
     for text in texts:
@@ -53,15 +39,7 @@ def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
 
 
 class Batches:
-    """Endless seeded shuffled batches of sequence indices; resumable bit for bit.
-
-    Each pass over the ``num_sequences`` packed sequences is a fresh ``torch.randperm``
-    from one seeded generator; a batch takes the next ``batch_size`` indices (crossing
-    into the next pass when one ends). :meth:`state_dict` / :meth:`load_state_dict` carry
-    the generator and the rest of the current pass, so a resumed run draws the same
-    batches as an uninterrupted one. Data-parallel ranks all draw the same global batch
-    and each takes its own disjoint slice of it.
-    """
+    """Endless seeded shuffled batches of sequence indices, resumable bit for bit (docs/forecast.md)."""
 
     def __init__(self, num_sequences: int, batch_size: int, seed: int) -> None:
         if num_sequences < 1:
@@ -71,7 +49,7 @@ class Batches:
         self.order: list[int] = []
 
     def next(self) -> list[int]:
-        """The next global batch: ``batch_size`` sequence indices (host ints)."""
+        """The next global batch: ``batch_size`` sequence indices."""
         picked = []
         while len(picked) < self.batch_size:
             if not self.order:
@@ -80,7 +58,7 @@ class Batches:
         return picked
 
     def state_dict(self) -> dict:
-        """``{"gen": ByteTensor, "order": list[int]}``: everything the next draw depends on."""
+        """``{"gen": ByteTensor, "order": list[int]}``."""
         return {"gen": self.gen.get_state(), "order": list(self.order)}
 
     def load_state_dict(self, state: dict) -> None:

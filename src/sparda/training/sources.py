@@ -1,21 +1,5 @@
-"""Where Forecast training text comes from: the documents of a user's files and datasets.
-
-Accepted ``--data`` inputs (repeatable, mixed freely):
-
-* a UTF-8 text file (``.txt``, ``.md`` or any other suffix): one document;
-* a jsonl file: one document per line, from the ``--text-column`` field (default ``text``);
-* a parquet file: one document per row of the ``--text-column`` column (needs ``pyarrow``,
-  the ``sparda[parquet]`` extra);
-* a directory saved by Hugging Face ``datasets`` (``Dataset.save_to_disk``, recognised by
-  its ``dataset_info.json``/``state.json`` or ``dataset_dict.json``): one document per row
-  of ``--text-column``, from the ``train`` split of a ``DatasetDict`` (needs ``datasets``,
-  the ``sparda[datasets]`` extra);
-* any other directory: every ``*.txt``, ``*.md``, ``*.jsonl`` and ``*.parquet`` below it,
-  in sorted path order.
-
-Documents come back in input order; empty documents are dropped. Every problem (a missing
-path, a missing column, a missing optional library) is one :class:`SpardaError` raised
-before any model loads.
+"""Documents of ``--data`` inputs: text, jsonl, parquet, ``datasets`` directories, or
+directories of those (docs/forecast.md, Data).
 """
 
 from __future__ import annotations
@@ -38,17 +22,13 @@ def _need(module: str, extra: str, what: str) -> None:
 
 
 def is_hf_dataset_dir(path: Path) -> bool:
-    """Whether ``path`` is a directory written by ``datasets``' ``save_to_disk``."""
+    """Whether ``path`` is a ``datasets`` ``save_to_disk`` directory."""
     return path.is_dir() and ((path / "dataset_dict.json").is_file()
                               or ((path / "dataset_info.json").is_file() and (path / "state.json").is_file()))
 
 
 def read_jsonl(path: Path, column: str) -> list[str]:
-    """Documents of a jsonl file: the string field ``column`` of each non-empty line.
-
-    Raises SpardaError naming ``path:line`` for a line that is not a JSON object with a
-    string ``column`` field.
-    """
+    """The string field ``column`` of each non-empty line (SpardaError names ``path:line`` otherwise)."""
     texts = []
     for number, line in enumerate(read_text(path, "--data").splitlines(), 1):
         if not line.strip():
@@ -79,11 +59,7 @@ def _strings(values, column: str, where: Path) -> list[str]:
 
 
 def read_parquet(path: Path, column: str) -> list[str]:
-    """Documents of a parquet file: the rows of its string column ``column`` (nulls skipped).
-
-    Raises SpardaError: ``pyarrow`` missing (names the ``sparda[parquet]`` extra), an
-    unreadable file, or no such column.
-    """
+    """The non-null rows of string column ``column`` (SpardaError: no ``pyarrow``, unreadable, no column)."""
     _need("pyarrow", "parquet", f"parquet ({path})")
     import pyarrow.parquet as pq
 
@@ -96,12 +72,8 @@ def read_parquet(path: Path, column: str) -> list[str]:
 
 
 def read_hf_dataset(path: Path, column: str) -> list[str]:
-    """Documents of a ``datasets.load_from_disk`` directory: the rows of ``column``; of a
-    ``DatasetDict``, its ``train`` split (or its only split).
-
-    Raises SpardaError: ``datasets`` missing (names the ``sparda[datasets]`` extra), a
-    ``DatasetDict`` with several splits but no ``train``, or no such column.
-    """
+    """The rows of ``column`` of a ``load_from_disk`` directory (a ``DatasetDict``: ``train`` or its
+    only split). SpardaError: no ``datasets``, several splits but no ``train``, or no column."""
     _need("datasets", "datasets", f"the Hugging Face datasets directory {path}")
     import datasets
 
@@ -121,7 +93,7 @@ def read_hf_dataset(path: Path, column: str) -> list[str]:
 
 
 def read_file(path: Path, column: str) -> list[str]:
-    """Documents of one file, by suffix: jsonl, parquet, else the whole file as text."""
+    """Documents of one file by suffix: jsonl, parquet, else the whole text."""
     if path.suffix == ".jsonl":
         return read_jsonl(path, column)
     if path.suffix == ".parquet":
@@ -130,15 +102,11 @@ def read_file(path: Path, column: str) -> list[str]:
 
 
 def read_documents(paths, column: str = "text") -> list[str]:
-    """Documents of every input in ``paths`` (see the module docstring), in order.
+    """The non-empty documents of ``paths`` (files and directories), in order.
 
-    Args:
-        paths: files and directories (``str`` or ``Path``). column: the text field of
-            jsonl, parquet and ``datasets`` inputs.
-    Returns: the non-empty documents (``str``).
     Raises:
-        SpardaError: a missing path, a directory without text files, an unreadable file,
-            a missing column, a missing optional library, or no text at all.
+        SpardaError: a missing path or column, an empty directory, an unreadable file, a
+            missing optional library, or no text.
     """
     texts: list[str] = []
     for item in paths:

@@ -1,20 +1,5 @@
-"""One training step of the Forecast (design §5): the frozen model layer by layer, the
-loss of every layer backpropagated at once, gradients accumulated over sequences.
-
-Memory is flat in the number of layers and bounded at long context:
-
-* the frozen model runs one sequence at a time (:meth:`CausalLM.dense_layers`, no grad),
-  holding the activations of one layer; only the Forecast's parameters get gradients;
-* of the previous layer only the attention input at the loss's query tokens is kept
-  (what the student ``F_{l-1}`` reads);
-* the teacher's fine keys are computed once per layer, and the teacher, the restriction,
-  the student and its backward run a chunk of query tokens at a time
-  (:func:`sparda.training.frozen.query_chunk`: the ``[H_q, chunk, T]`` fp32 scores stay
-  under 1 GiB), each chunk's loss backpropagated before the next.
-
-The loss query tokens of sequence ``j`` of step ``s`` are drawn from a generator seeded
-by ``(seed, s, j)`` alone (:func:`query_positions`), so a resumed run and a run split over
-data-parallel ranks draw exactly the same ones.
+"""One Forecast training step (design §5): the frozen model layer by layer, each layer's loss
+backpropagated at once, a chunk of query tokens at a time.
 """
 
 from __future__ import annotations
@@ -32,17 +17,14 @@ from sparda.training.teacher import fine_keys, teacher_distribution
 
 
 def first_query_position(cfg: SelectionConfig) -> int:
-    """The first position the loss queries: ``max(dense_len, budget tokens)``, where
-    selection starts (design §3.6)."""
+    """First loss query position, ``max(dense_len, budget tokens)`` (design §3.6, §5)."""
     return max(cfg.dense_len, cfg.budget_blocks * cfg.block_size)
 
 
 def query_positions(seed: int, step: int, sequence: int, seq_len: int, queries: int,
                     cfg: SelectionConfig) -> torch.Tensor:
-    """The loss query tokens of global sequence ``sequence`` of ``step``: ``[min(queries,
-    seq_len - low)]`` sorted int64 positions in ``[low, seq_len)``, ``low`` =
-    :func:`first_query_position`, drawn without replacement from a generator seeded by
-    ``(seed, step, sequence)``."""
+    """Loss query positions of global ``sequence`` of ``step``: sorted int64, ``[min(queries,
+    seq_len - low)]`` in ``[low, seq_len)``, seeded by ``(seed, step, sequence)``."""
     low = first_query_position(cfg)
     state = np.random.SeedSequence([seed, step, sequence]).generate_state(2)
     gen = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
@@ -51,12 +33,8 @@ def query_positions(seed: int, step: int, sequence: int, seq_len: int, queries: 
 
 @dataclass
 class StepTotals:
-    """What one rank's sequences of a step add up to (host numbers).
-
-    Attributes: ``loss`` (sum over sequences of the per-sequence loss, itself summed over
-    layers, design §5); ``hits``, ``total`` (free top-k blocks of ``sparse`` that the
-    Forecast also picks, and all of them: recall, design §8); ``sequences``; ``tokens``.
-    """
+    """One rank's step sums: ``loss`` (design §5), ``hits``/``total`` (recall, design §8),
+    ``sequences``, ``tokens``."""
 
     loss: float = 0.0
     hits: int = 0
@@ -73,7 +51,7 @@ class StepTotals:
         self.tokens += other.tokens
 
     def as_tensor(self) -> torch.Tensor:
-        """``[5]`` float64 (for an all-reduce across ranks)."""
+        """``[5]`` float64."""
         return torch.tensor([self.loss, self.hits, self.total, self.sequences, self.tokens], dtype=torch.float64)
 
     @classmethod
@@ -89,17 +67,11 @@ def layer_loss(forecast, layer: int, h_prev: torch.Tensor, q: torch.Tensor, k: t
     """Restricted KL of one layer for one sequence, backpropagated into ``forecast`` (design §5).
 
     Args:
-        forecast: the :class:`~sparda.attention.forecast.Forecast` being trained; the
-            scored ``layer``'s student is ``F_{layer-1}`` (``W^C_0`` for layer 0).
-        h_prev: ``[1, Tq, d_model]`` attention input of layer ``layer - 1`` (of layer 0 for
-            layer 0) at the query tokens only.
-        q: ``[1, H_kv, G, T, d]``, k: ``[1, H_kv, T, d]`` post-RoPE, of ``layer``.
-        cos, sin: ``[1, 1, Tq, d]`` query RoPE tables at the query tokens.
-        q_idx: ``[Tq]`` int64 query positions. scale: factor on the backpropagated loss
-            (``1 / global batch`` for gradient accumulation). chunk: query tokens per chunk.
+        h_prev: ``[1, Tq, d_model]`` attention input of layer ``layer - 1`` (0 for layer 0)
+            at the query tokens. q: ``[1, H_kv, G, T, d]``, k: ``[1, H_kv, T, d]`` post-RoPE.
+        cos, sin: ``[1, 1, Tq, d]``. q_idx: ``[Tq]`` int64. scale: loss factor. chunk: tokens.
     Returns:
-        ``(loss, hits, total)``: the layer's loss (host float, mean over KV heads and query
-        tokens, before ``scale``) and the free-top-k block counts behind recall (design §8).
+        ``(loss, hits, total)``: host float before ``scale``, free top-k counts (design §8).
     """
     num_tokens = k.shape[-2]
     heads = k.shape[1]
@@ -133,16 +105,8 @@ def layer_loss(forecast, layer: int, h_prev: torch.Tensor, q: torch.Tensor, k: t
 
 def sequence_loss(net, forecast, ids: torch.Tensor, q_idx: torch.Tensor, cfg: SelectionConfig,
                   attention=None, scale: float = 1.0, chunk: int | None = None) -> StepTotals:
-    """Run the frozen ``net`` over one sequence layer by layer and backpropagate every layer's
-    loss into ``forecast`` (design §5).
-
-    Args:
-        net: the frozen :class:`~sparda.model.llama.CausalLM`. ids: ``[T]`` int64 token ids.
-        q_idx: ``[Tq]`` int64 loss query positions (on ``ids``' device).
-        attention: the frozen model's attention hook (:func:`sparda.training.frozen.frozen_attention`;
-            ``None``: dense). scale, chunk: as :func:`layer_loss`.
-    Returns: this sequence's :class:`StepTotals` (loss summed over layers).
-    """
+    """Frozen ``net`` over ``ids [T]`` int64, every layer's loss backpropagated (design §5); this
+    sequence's :class:`StepTotals`."""
     totals = StepTotals(sequences=1, tokens=ids.numel())
     h_prev = None
     with torch.no_grad():

@@ -1,15 +1,4 @@
-"""The strictly causal fine-grained teacher of Forecast training (design §5).
-
-The real queries of layer ``l`` score *fine* compressed keys (kernel 2, stride 1,
-post-RoPE): per query head ``softmax(q . K_fine / sqrt(d))``, summed over the ``G``
-heads of a group, max-pooled onto the inference grid (kernel ``k``, stride ``s``)
-and renormalised over the inference-grid compressed keys visible to the query.
-
-Strict causality: fine key ``j`` averages tokens ``j, j+1`` and is visible to a query
-at position ``t`` iff ``j + 1 <= t`` (no future token leaks); inference-grid key ``i``
-pools fine keys ``j in [i*s, i*s + k - 2]`` (those inside its window) and is visible iff
-``i*s + k - 1 <= t``, exactly as the student sees it.
-"""
+"""The strictly causal fine-grained teacher of Forecast training (design §5, Teacher)."""
 
 from __future__ import annotations
 
@@ -22,12 +11,8 @@ FINE_KERNEL, FINE_STRIDE = 2, 1
 
 
 def pool_fine_to_grid(fine: torch.Tensor, num_ck: int, cfg: SelectionConfig) -> torch.Tensor:
-    """Max-pool fine scores ``[..., T-1]`` (fine key ``j`` covers tokens ``j, j+1``) onto the
-    inference grid: compressed key ``i`` takes the max over fine keys ``i*s .. i*s + k - 2``.
-
-    Returns ``[..., num_ck]`` in ``fine``'s dtype (0 where a window holds no fine key).
-    design §5 (Teacher: fine kernel 2, stride 1, max-pooled onto the k 32, s 16 grid).
-    """
+    """Max-pool fine scores ``[..., T-1]`` onto the inference grid: ``[..., num_ck]`` in ``fine``'s
+    dtype; key ``i`` takes fine keys ``i*s .. i*s + k - 2`` (design §5)."""
     width = cfg.kernel_size - FINE_KERNEL + 1
     need = (num_ck - 1) * cfg.kernel_stride + width if num_ck else 0
     if num_ck == 0:
@@ -37,25 +22,16 @@ def pool_fine_to_grid(fine: torch.Tensor, num_ck: int, cfg: SelectionConfig) -> 
 
 
 def fine_keys(k: torch.Tensor) -> torch.Tensor:
-    """The teacher's fine compressed keys: ``k [B, H, T, d]`` -> ``[B, H, T-1, d]`` (kernel 2,
-    stride 1: key ``j`` is the mean of tokens ``j, j+1``), in ``k``'s dtype (design §5)."""
+    """Fine compressed keys (window 2, stride 1, design §5): ``k [B, H, T, d]`` -> ``[B, H, T-1, d]``."""
     return ref.compress_keys(k, FINE_KERNEL, FINE_STRIDE)
 
 
 @torch.no_grad()
 def teacher_distribution(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
                          cfg: SelectionConfig, fine_keys: torch.Tensor | None = None) -> torch.Tensor:
-    """Teacher distribution over inference-grid compressed keys (design §5).
-
-    Args:
-        q: ``[B, H, G, Tq, d]`` layer queries (post-RoPE). k: ``[B, H, T, d]`` post-RoPE keys.
-        q_pos: ``[B, Tq]`` int64 query positions (``< T``).
-        fine_keys: ``fine_keys(k)`` when the caller scores several query chunks of one
-            layer (computed here otherwise).
-    Returns:
-        ``[B, H, Tq, C]`` fp32, ``C = num_compressed(T, k, s)``; each row sums to 1 over the
-        visible compressed keys (0 elsewhere); rows with no visible key are all 0.
-    """
+    """Teacher distribution over the grid's compressed keys (design §5): ``q [B, H, G, Tq, d]``,
+    ``k [B, H, T, d]`` post-RoPE, ``q_pos [B, Tq]`` int64 ``< T`` (``fine_keys``: of ``k`` if
+    known) -> ``[B, H, Tq, C]`` fp32, rows summing to 1 over visible keys (0 if none)."""
     fine_keys = fine_keys if fine_keys is not None else ref.compress_keys(k, FINE_KERNEL, FINE_STRIDE)
     fine = ref.query_group_scores(q, fine_keys, q_pos, FINE_KERNEL, FINE_STRIDE)  # [B,H,Tq,T-1]
     num_ck = ref.num_compressed(k.shape[-2], cfg.kernel_size, cfg.kernel_stride)

@@ -1,15 +1,4 @@
-"""Train the Forecast with the base model frozen (design §5): ``sparda train-forecast``.
-
-Each step draws ``batch_size`` packed sequences of ``seq_len`` tokens and, one sequence at
-a time, runs the frozen model layer by layer (:mod:`sparda.training.step`) with dense or
-teacher-selected block-sparse attention (:mod:`sparda.training.frozen`), backpropagating
-each layer's restricted KL between the fine-grained teacher of layer ``l`` and the student
-``F_{l-1}`` (``W^C_0`` for layer 0) at once: memory stays flat in the number of layers and
-in the batch (gradients accumulate over sequences). Then one clipped AdamW step. A
-progress bar shows the loss, the recall of ``sparse``'s free top-k, tokens/s and the ETA;
-checkpoints (:mod:`sparda.training.checkpoint`) are written every ``save_every`` steps, at
-the end and on SIGINT, and ``resume`` continues bit for bit.
-"""
+"""``sparda train-forecast``: the Forecast trained against the frozen model (design §5)."""
 
 from __future__ import annotations
 
@@ -36,14 +25,9 @@ class ForecastTrainer:
     """The optimisation of one Forecast against one frozen model (design §5).
 
     Args:
-        net: the frozen :class:`~sparda.model.llama.CausalLM` (any device and dtype).
-        forecast: the :class:`~sparda.attention.forecast.Forecast` (fp32, on ``net``'s device).
-        cfg: the selection budget. seed, queries: loss query tokens per sequence
-            (:func:`sparda.training.step.query_positions`). frozen: ``dense`` or ``sparse``.
-        lr, betas, eps, weight_decay, clip: AdamW (constant lr) and the grad-norm clip.
-        chunk: query tokens per loss chunk (default: sized to the sequence).
-        reduce: for data parallelism, ``reduce(forecast, totals) -> totals`` sums gradients and
-            totals over ranks (:mod:`sparda.training.distributed`); ``None`` on one process.
+        net: the frozen :class:`~sparda.model.llama.CausalLM`. forecast: fp32, on its device.
+        lr, betas, eps, weight_decay, clip: AdamW (constant lr) and grad-norm clip.
+        chunk: query tokens per loss chunk. reduce: ``(forecast, totals) -> totals`` over ranks, or ``None``.
     """
 
     def __init__(self, net, forecast: Forecast, cfg: SelectionConfig, *, seed: int = 0, queries: int = 256,
@@ -56,12 +40,8 @@ class ForecastTrainer:
                                            weight_decay=weight_decay)
 
     def step(self, step: int, sequences: list[torch.Tensor], positions: list[int], global_batch: int) -> StepTotals:
-        """One optimiser step over this rank's ``sequences`` (each ``[T]`` int64 on the device).
-
-        ``positions[i]`` is sequence ``i``'s index within the global batch of ``global_batch``
-        sequences (it seeds its query tokens); each sequence's loss enters the gradient with
-        weight ``1 / global_batch``. Returns the step's :class:`StepTotals` (summed over ranks).
-        """
+        """One optimiser step over this rank's ``sequences`` (each ``[T]`` int64); ``positions`` index
+        the global batch. Returns the :class:`StepTotals` summed over ranks."""
         self.optimizer.zero_grad(set_to_none=True)
         totals = StepTotals()
         for ids, position in zip(sequences, positions):
@@ -77,7 +57,7 @@ class ForecastTrainer:
 
 def check_arguments(seq_len: int, steps: int, batch_size: int, queries: int, save_every: int, lr: float,
                     init: str, frozen: str, cfg: SelectionConfig) -> None:
-    """Refuse bad training arguments with one line naming the option (before any work)."""
+    """Refuse a bad training argument (SpardaError naming the option)."""
     low = first_query_position(cfg)
     if seq_len <= low:
         raise SpardaError(f"--seq-len {seq_len} must exceed {low} tokens (the preset's dense_len "
@@ -95,12 +75,8 @@ def check_arguments(seq_len: int, steps: int, batch_size: int, queries: int, sav
 def preflight(model, data, *, seq_len: int, steps: int, batch_size: int, queries: int, save_every: int,
               lr: float, init: str, frozen_attention: str, preset: str, selection: SelectionConfig | None,
               out, resume: bool, text_column: str, ranks: int = 1):
-    """Every check :func:`train_forecast` makes before it loads the model, in that order:
-    arguments, ``out`` and its checkpoint state, the model's config, the data.
-
-    Returns ``(cfg, out, state_file, texts, description)``. Raises SpardaError (one line).
-    ``sparda train-forecast --nproc N`` runs it once before starting the ranks.
-    """
+    """:func:`train_forecast`'s checks before loading the model (SpardaError): ``(cfg, out,
+    state_file, texts, description)``."""
     cfg = selection or SelectionConfig.from_preset(preset)
     check_arguments(seq_len, steps, batch_size, queries, save_every, lr, init, frozen_attention, cfg)
     if batch_size % ranks:
@@ -117,8 +93,7 @@ def preflight(model, data, *, seq_len: int, steps: int, batch_size: int, queries
 
 
 def _check_model(model, seq_len: int, frozen: str) -> None:
-    """Refuse, from the model's config alone, a ``seq_len`` over its context and sparse
-    frozen attention on sliding-window layers (SpardaError)."""
+    """Refuse (SpardaError) ``seq_len`` over the context, or sparse frozen attention with sliding windows."""
     from sparda.model.llama import ModelShape
     from sparda.model.loader import load_config, resolve_model_dir
 
@@ -144,31 +119,21 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
                    weight_decay: float = 0.01, clip: float = 0.5, progress: bool = True,
                    selection: SelectionConfig | None = None, frozen_attention: str = "dense",
                    text_column: str = "text", chunk: int | None = None, dist=None) -> dict:
-    """Train Forecast weights for ``model`` and save them to ``out`` (design §5).
+    """Train Forecast weights for ``model`` and save them to ``out`` (design §5, docs/forecast.md).
 
     Args:
-        model: model directory / .gguf / ``None`` (bundled). data: paths (text, jsonl, parquet,
-            directories, ``datasets`` directories: :mod:`sparda.training.sources`) or ``None``
-            (the bundled split). text_column: the text field of jsonl/parquet/datasets inputs.
-        seq_len: tokens per training sequence; must exceed ``max(dense_len, budget tokens)``.
-        steps: total optimiser steps (a resumed run continues up to it). batch_size: sequences
-            per step (gradients accumulated over them). queries: loss query tokens per sequence.
-        lr, betas, eps, weight_decay, clip: AdamW (constant lr) + grad-norm clip.
-        out: safetensors path; ``OUT.state.pt`` holds the checkpoint state for ``resume``.
-        save_every: checkpoint period in steps. init: ``q`` (:func:`q_init`) or ``random``.
-        frozen_attention: ``dense``, or ``sparse`` (teacher-selected block-sparse attention,
-            :mod:`sparda.training.frozen`).
-        device: ``cpu`` (fp32) or ``cuda`` (frozen model in bf16, Forecast and loss in fp32).
-        selection: a :class:`SelectionConfig` replacing ``preset`` (tests use tiny budgets).
-        chunk: loss query tokens per chunk (default: sized to the sequence length).
-        dist: a :class:`sparda.training.distributed.Distributed` for data-parallel training
-            (each rank its slice of every global batch; rank 0 writes), ``None`` on one process.
-    Returns: ``{"step", "first_loss", "loss", "recall", "seconds", "tokens_per_s"}``
-        (``first_loss``: this run's first step; ``loss``, ``recall``: means of the last 20 steps).
-    Raises: SpardaError for bad arguments, an ``out`` that cannot be written (all checked
-        before the model loads), data shorter than ``seq_len``, unreadable files, a checkpoint
-        from other settings; :class:`~sparda.training.checkpoint.Interrupted` (exit 130) after
-        a SIGINT, once the checkpoint is written. Files are written atomically.
+        model: directory, .gguf or ``None`` (bundled). data: paths (:mod:`~sparda.training.sources`)
+            or ``None`` (bundled split). init: ``q`` or ``random``. frozen_attention: ``dense``/``sparse``.
+        seq_len: tokens, above ``max(dense_len, budget tokens)``. steps: total optimiser steps.
+        batch_size: sequences per step. queries: loss query tokens per sequence.
+        out: safetensors path; ``OUT.state.pt`` is the checkpoint. save_every: steps.
+        device: ``cpu`` (fp32) or ``cuda`` (frozen model bf16, Forecast and loss fp32).
+        dist: a :class:`~sparda.training.distributed.Distributed`, or ``None``.
+    Returns:
+        ``{"step", "first_loss", "loss", "recall", "seconds", "tokens_per_s"}`` (last-20-step means).
+    Raises:
+        SpardaError: bad arguments, data or checkpoint; :class:`~sparda.training.checkpoint.Interrupted`
+            after SIGINT, once the checkpoint is written.
     """
     from tqdm import tqdm
 

@@ -1,8 +1,5 @@
-"""Long-context evaluation tasks (design §8): name -> seeded generator of :class:`TaskSample`.
-
-Every generator has the signature ``make(tokenizer, haystack, context_tokens, depth, seed)``;
-``haystack`` is the real text (held-out novel or ``--text`` file), and tasks that want
-synthetic filler ignore it. Tasks without a needle ignore ``depth``.
+"""Long-context evaluation tasks (design §8): name -> seeded generator
+``make(tokenizer, haystack, context_tokens, depth, seed)`` of :class:`TaskSample`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Pieces every long-context task shares: the sample record, haystacks, needle insertion,
-word lists (design §8).
-
-All generators are deterministic in their ``seed`` and download nothing: real-text
-haystacks come from the bundled held-out novel (or a user file), synthetic filler is
-the RULER-style repeated noise below, and words come from the ``wonderwords`` package.
+"""What the tasks share: the sample record, haystacks, needle insertion, word lists (design §8).
+Deterministic in ``seed``; no downloads (words from ``wonderwords``).
 """
 
 from __future__ import annotations
@@ -21,19 +17,9 @@ NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. The
 
 @dataclass(frozen=True)
 class TaskSample:
-    """One evaluation prompt.
-
-    Attributes:
-        task: task name (e.g. ``niah-multikey``).
-        prompt: plain text, before any chat template.
-        answers: expected strings; scoring counts how many the completion contains.
-        metric: ``contains`` (all-or-nothing on ``answers[0]``) or ``fraction`` (share of
-            ``answers`` found), see :func:`sparda.eval.metrics.score`.
-        depth: depth of the queried needle, 0 (start) to 1 (end); ``None`` for tasks with
-            no single needle (variable tracking, word extraction).
-        context_tokens: the requested prompt length in tokens.
-        max_new_tokens: generation budget that fits the expected answer.
-    """
+    """One evaluation prompt: ``task``, ``prompt`` (before any chat template), ``answers``,
+    ``metric`` (``contains`` or ``fraction``, :func:`sparda.eval.metrics.score`), ``depth`` of
+    the queried needle 0-1 (``None`` without one), ``context_tokens`` and ``max_new_tokens``."""
 
     task: str
     prompt: str
@@ -57,13 +43,8 @@ def count_tokens(tokenizer, text: str) -> int:
 
 
 def haystack_window(tokenizer, haystack: str, num_tokens: int, rng: random.Random) -> str:
-    """A window of ``num_tokens`` tokens of ``haystack`` starting at a seeded random offset.
-
-    A haystack shorter than the window is repeated (so synthetic filler of any length works).
-
-    Raises:
-        SpardaError: if ``num_tokens < 1`` or the haystack is empty.
-    """
+    """``num_tokens`` tokens of ``haystack`` (repeated if shorter) from a seeded offset. Raises
+    SpardaError if ``num_tokens < 1`` or the haystack is empty."""
     if num_tokens < 1:
         raise SpardaError(f"context too short for this task's needles and question ({num_tokens} tokens left); "
                           "raise --lengths")
@@ -78,20 +59,13 @@ def haystack_window(tokenizer, haystack: str, num_tokens: int, rng: random.Rando
 
 @lru_cache(maxsize=4)
 def _haystack_ids(tokenizer, haystack: str) -> tuple[int, ...]:
-    """The token ids of ``haystack`` (no special tokens), kept for the next sample: the
-    haystack is one long text (~0.25 s to encode), and every sample of a run draws its
-    window from the same one."""
+    """Token ids of ``haystack``, cached for the next sample."""
     return tuple(tokenizer.encode(haystack, add_special_tokens=False))
 
 
 def insert_at_depths(text: str, needles: list[tuple[float, str]]) -> str:
-    """Insert each ``(depth, sentence)`` into ``text`` at the line or sentence break nearest
-    before ``depth`` (0-1, by characters). Depths are taken in the original text, so
-    needles never split each other.
-
-    Raises:
-        SpardaError: a depth outside ``[0, 1]``.
-    """
+    """Insert each ``(depth, sentence)`` at the line or sentence break before ``depth`` (0-1, by
+    characters of the original text). Raises SpardaError for a depth outside [0, 1]."""
     cuts = []
     for index, (depth, needle) in enumerate(needles):
         check_depth(depth)
@@ -105,8 +79,8 @@ def insert_at_depths(text: str, needles: list[tuple[float, str]]) -> str:
 
 def fill_prompt(tokenizer, haystack: str, context_tokens: int, needles: list[tuple[float, str]],
                 question: str, rng: random.Random) -> str:
-    """Haystack window + needles + question, sized so the whole prompt is about
-    ``context_tokens`` tokens. Raises SpardaError if the length leaves no room."""
+    """Haystack window + needles + question of about ``context_tokens`` tokens. Raises SpardaError
+    if the length leaves no room."""
     fixed = count_tokens(tokenizer, " ".join(n for _, n in needles) + "\n\n" + question) + 2 * len(needles) + 4
     text = haystack_window(tokenizer, haystack, context_tokens - fixed, rng)
     return insert_at_depths(text, needles) + "\n\n" + question
@@ -122,12 +96,8 @@ def spread_depths(rng: random.Random, count: int, fixed: float | None = None) ->
 
 @lru_cache(maxsize=4)
 def word_list(kind: str = "noun") -> tuple[str, ...]:
-    """Lower-case single words from the ``wonderwords`` package (``noun``, ``adjective`` or
-    ``verb``), profanities removed, sorted (a stable order for seeded sampling).
-
-    Raises:
-        SpardaError: an unknown ``kind``.
-    """
+    """Sorted lower-case single words of ``wonderwords`` (``noun``, ``adjective``, ``verb``),
+    profanities removed. Raises SpardaError for an unknown ``kind``."""
     import wonderwords
 
     files = {"noun": wonderwords.Defaults.NOUNS, "adjective": wonderwords.Defaults.ADJECTIVES,

@@ -1,9 +1,4 @@
-"""RULER-style needle-in-a-haystack: single, multi-key, multi-value, multi-query (design §8).
-
-A needle is ``One of the special magic numbers for <key> is: <7-digit number>.``; keys are
-``adjective-noun`` pairs from ``wonderwords``. The queried needle sits at the requested
-depth; distractor needles at seeded random depths.
-"""
+"""RULER-style needle-in-a-haystack: single, multi-key, multi-value, multi-query (design §8)."""
 
 from __future__ import annotations
 
@@ -32,19 +27,12 @@ def _values(rng: random.Random, count: int) -> list[str]:
 
 def make_niah(tokenizer, haystack: str, context_tokens: int, depth: float, seed: int,
               kind: str = "single", num_needles: int = 4, num_queries: int = 2) -> TaskSample:
-    """One NIAH prompt of about ``context_tokens`` tokens.
+    """One NIAH prompt of about ``context_tokens`` tokens, seeded by ``seed``.
 
-    Args:
-        tokenizer: a Hugging Face tokenizer (token counts, haystack cutting).
-        haystack: filler text (real prose or :data:`~sparda.eval.tasks.common.NOISE`).
-        depth: depth of the (first) queried needle, 0-1.
-        seed: everything random (offset, keys, values, distractor depths) follows it.
-        kind: ``single`` (one needle), ``multikey`` (``num_needles`` keys, one asked),
-            ``multivalue`` (one key with ``num_needles`` values, all asked) or
-            ``multiquery`` (``num_needles`` keys, ``num_queries`` asked).
-    Returns:
-        A :class:`TaskSample`; ``contains`` scoring for single/multikey, ``fraction``
-        otherwise.
+    ``kind``: ``single``, ``multikey`` (``num_needles`` keys, one asked), ``multivalue`` (one
+    key, ``num_needles`` values) or ``multiquery`` (``num_queries`` keys asked); ``contains``
+    scoring for the first two, ``fraction`` otherwise.
+
     Raises:
         SpardaError: bad depth, or a length too short for the needles.
     """

@@ -13,8 +13,7 @@ QUESTION = "What is the pass key mentioned in the text above? Answer with the nu
 
 @dataclass(frozen=True)
 class PasskeySample:
-    """One passkey prompt: ``prompt`` (plain text, before any chat template), the
-    ``answer`` string, and where the needle sits (``depth`` 0-1, ``context_tokens``)."""
+    """One passkey prompt: ``prompt``, ``answer``, ``depth`` (0-1) and ``context_tokens``."""
 
     prompt: str
     answer: str
@@ -29,14 +28,8 @@ def needle_sentence(key: str) -> str:
 
 def make_passkey(tokenizer, haystack: str, context_tokens: int, depth: float, seed: int,
                  key: str | None = None) -> PasskeySample:
-    """Hide a 5-digit pass key at ``depth`` of ``context_tokens`` tokens of ``haystack``.
-
-    The haystack window starts at a seeded random offset and is cut at token level; the
-    needle goes at the nearest line break before the depth. Deterministic in ``seed``.
-
-    Raises:
-        SpardaError: if ``depth`` is outside [0, 1] or the haystack is too short.
-    """
+    """Hide a 5-digit pass key at ``depth`` of ``context_tokens`` tokens of ``haystack`` (seeded).
+    Raises SpardaError for a depth outside [0, 1] or a haystack too short."""
     if not 0.0 <= depth <= 1.0:
         raise SpardaError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(seed)

@@ -1,6 +1,4 @@
-"""RULER-style variable tracking (design §8): a chain ``VAR A = 12345``, ``VAR B = VAR A``, ...
-scattered through filler; the model must list every variable that ends up holding the value.
-"""
+"""RULER-style variable tracking (design §8): list every variable a chain assigns the value to."""
 
 from __future__ import annotations
 
@@ -21,17 +19,9 @@ def _names(rng: random.Random, count: int) -> list[str]:
 
 def make_variable_tracking(tokenizer, haystack: str, context_tokens: int, seed: int,
                            num_chains: int = 1, num_hops: int = 4) -> TaskSample:
-    """One variable-tracking prompt of about ``context_tokens`` tokens.
-
-    ``num_chains`` chains of ``num_hops + 1`` assignments each (one value per chain, the
-    other chains are distractors) are spread in order through the haystack (default: the
-    RULER noise filler). The answer is the first chain's variable names.
-
-    Returns:
-        A :class:`TaskSample` with ``fraction`` scoring and ``depth=None``.
-    Raises:
-        SpardaError: a length too short for the chain.
-    """
+    """One prompt of about ``context_tokens`` tokens: ``num_chains`` chains of ``num_hops + 1``
+    assignments, the first one asked; ``fraction`` scoring, ``depth=None``. Raises SpardaError
+    if the length is too short for the chains."""
     rng = random.Random(f"vt-{seed}")
     haystack = haystack or NOISE
     names = _names(rng, num_chains * (num_hops + 1))

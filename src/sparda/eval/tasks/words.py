@@ -10,8 +10,7 @@ from sparda.eval.tasks.common import TaskSample, count_tokens, word_list
 
 
 def _fit(build, tokenizer, context_tokens: int, start: int) -> tuple[str, object]:
-    """Grow or shrink ``n`` until ``build(n)`` (-> ``(text, extra)``) is the longest under
-    ``context_tokens`` tokens; a few proportional steps then a final trim."""
+    """The largest ``n`` whose ``build(n) -> (text, extra)`` stays under ``context_tokens`` tokens."""
     n = max(start, 1)
     for _ in range(4):
         text, extra = build(n)
@@ -28,15 +27,9 @@ def _fit(build, tokenizer, context_tokens: int, start: int) -> tuple[str, object
 
 def make_common_words(tokenizer, context_tokens: int, seed: int, num_common: int = 10,
                       freq_common: int | None = None, freq_rare: int | None = None) -> TaskSample:
-    """A numbered word list in which ``num_common`` words appear ``freq_common`` times and
-    the others ``freq_rare`` times; the model names the ``num_common`` most common words.
-    By default ``freq_common`` is 30 (RULER) or less for short contexts, so the common
-    words fill at most about half of the list, and ``freq_rare`` is 3 (1 when
-    ``freq_common < 12``).
-
-    Returns a ``fraction``-scored :class:`TaskSample` (``depth=None``).
-    Raises SpardaError if the word list cannot fill ``context_tokens``.
-    """
+    """Numbered word list, ``num_common`` words ``freq_common`` times (RULER: 30, less for short
+    contexts), the rest ``freq_rare`` times; ``fraction`` scoring, ``depth=None``. Raises
+    SpardaError if the list cannot fill ``context_tokens``."""
     if freq_common is None:
         freq_common = min(30, max(4, context_tokens // (12 * num_common)))
     if freq_rare is None:
@@ -65,13 +58,9 @@ def make_common_words(tokenizer, context_tokens: int, seed: int, num_common: int
 
 def make_frequent_words(tokenizer, context_tokens: int, seed: int, num_answers: int = 3,
                         alpha: float = 2.0, vocab_size: int = 400) -> TaskSample:
-    """A text of words drawn with Zipf frequencies (rank ``r`` count ∝ ``r**-alpha``); the
-    model names the ``num_answers`` most frequent words (their counts are distinct).
-
-    Returns a ``fraction``-scored :class:`TaskSample` (``depth=None``) of at most about
-    ``context_tokens`` tokens.
-    Raises ValueError if ``vocab_size`` exceeds the noun list (``random.sample``).
-    """
+    """Words drawn with Zipf frequencies (count ∝ ``rank**-alpha``); the ``num_answers`` most
+    frequent are asked; ``fraction`` scoring, ``depth=None``. Raises ValueError if
+    ``vocab_size`` exceeds the noun list."""
     rng = random.Random(f"fwe-{seed}")
     vocab = rng.sample(word_list("noun"), vocab_size)
     weights = [(r + 1) ** -alpha for r in range(vocab_size)]
