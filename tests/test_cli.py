@@ -98,3 +98,15 @@ def test_generate_streams_text_in_prompt_order_equal_to_json(make_tiny):
     texts = [json.loads(line)["text"].replace("\r\n", "\n").replace("\r", "\n") for line in as_json.stdout.splitlines()]
     parts = re.split(r"\n\[prompt [^\n]*\]\n", streamed.stdout)  # text, stats line, text, stats line
     assert parts == [*texts, ""]
+
+
+def test_stats_line_says_when_an_offloaded_run_fetched_nothing():
+    from sparda.cli import stats_line
+
+    base = {"prompt_tokens": 31, "new_tokens": 2, "prefill_ms": 3.0, "decode_tok_s": 4.9, "kv_cache_bytes": 2**20,
+            "kv_read_fraction": 1.0}
+    none = stats_line({**base, "offload": {"hits": 0, "misses": 0, "hit_rate": 0.0, "bytes_per_token": 0.0}})
+    assert "no block fetched" in none and "hit rate" not in none
+    some = stats_line({**base, "offload": {"hits": 3, "misses": 1, "hit_rate": 0.75, "bytes_per_token": 2**20}})
+    assert "offload hit rate 75.0%, 1.00 MiB copied/token" in some
+    assert "offload" not in stats_line(base)

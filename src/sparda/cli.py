@@ -182,9 +182,18 @@ def stats_line(stats: dict) -> str:
             + f" | decode {stats['decode_tok_s']:.1f} tok/s | "
             f"KV cache {stats['kv_cache_bytes'] / 2**20:.1f} MiB | "
             f"KV blocks read/step {stats['kv_read_fraction']:.1%}"
-            + (f" | offload hit rate {stats['offload']['hit_rate']:.1%}, "
-               f"{stats['offload']['bytes_per_token'] / 2**20:.2f} MiB copied/token" if stats.get("offload") else "")
-            + "]")
+            + _offload_part(stats.get("offload")) + "]")
+
+
+def _offload_part(offload: dict | None) -> str:
+    """The offload summary: the hit rate only where blocks were fetched (a dense-fallback or
+    one-token request fetches none, and 0 % would read as all misses)."""
+    if not offload:
+        return ""
+    if not offload.get("hits", 0) + offload.get("misses", 0):
+        return " | offload: no block fetched (dense fallback or too few decode steps)"
+    return (f" | offload hit rate {offload['hit_rate']:.1%}, "
+            f"{offload['bytes_per_token'] / 2**20:.2f} MiB copied/token")
 
 
 def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list[str]:
