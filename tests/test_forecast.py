@@ -158,7 +158,7 @@ def test_predict_next_brute_force(make_tiny):
 
 
 def test_dense_prefill_option_and_infinigen(make_tiny):
-    from sparda.attention.infinigen import InfiniGenAttention
+    from sparda.attention.baselines.infinigen import InfiniGenAttention
 
     llm = _llm(make_tiny)
     ids = torch.randint(0, 1000, (150,)).tolist()

@@ -146,7 +146,8 @@ def test_bundled_digest_is_the_installed_files():
 
 def _shipped_assets(model_dir) -> dict:
     """Which shipped assets each lookup finds for ``model_dir``, and its display name."""
-    from sparda.attention import dense_heads, forecast, shallow
+    from sparda.attention import dense_heads, forecast
+    from sparda.attention.baselines import shallow
 
     def shipped(paths):
         return [p.name for p in paths if "assets" in p.parts]

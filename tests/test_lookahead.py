@@ -23,7 +23,7 @@ import torch
 from sparda.kernels import twins
 
 from sparda.attention.forecast import Forecast, ForecastAttention
-from sparda.attention.infinigen import InfiniGenAttention
+from sparda.attention.baselines.infinigen import InfiniGenAttention
 from sparda.attention.offload import OffloadedForecastAttention, SpardaNoPrefetchAttention
 from sparda.config import SelectionConfig, SpardaConfig
 from sparda.errors import SpardaError

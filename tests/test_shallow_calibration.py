@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from sparda.attention.shallow import CALIBRATION_FILE, calibrated_layers
+from sparda.attention.baselines.shallow import CALIBRATION_FILE, calibrated_layers
 from sparda.config import SelectionConfig
 from sparda.engine.llm import LLM
 from sparda.errors import SpardaError

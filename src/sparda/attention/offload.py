@@ -30,7 +30,7 @@ import torch
 from sparda import kernels
 from sparda.attention.blocksparse import SparseAttention
 from sparda.attention.forecast import ForecastAttention
-from sparda.attention.shallow import ShallowAttention
+from sparda.attention.baselines.shallow import ShallowAttention
 
 
 class OffloadDecodeMixin:

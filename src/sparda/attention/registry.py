@@ -6,12 +6,12 @@ from sparda.attention.base import AttentionMethod
 from sparda.attention.blocksparse import OracleAttention, SparseAttention
 from sparda.attention.dense import DenseAttention
 from sparda.attention.forecast import ForecastAttention, RandomForecastAttention
-from sparda.attention.infinigen import InfiniGenAttention
-from sparda.attention.h2o import H2OAttention
-from sparda.attention.quest import QuestAttention
-from sparda.attention.shallow import ShallowAttention
-from sparda.attention.snapkv import SnapKVAttention
-from sparda.attention.streaming import StreamingAttention
+from sparda.attention.baselines.infinigen import InfiniGenAttention
+from sparda.attention.baselines.h2o import H2OAttention
+from sparda.attention.baselines.quest import QuestAttention
+from sparda.attention.baselines.shallow import ShallowAttention
+from sparda.attention.baselines.snapkv import SnapKVAttention
+from sparda.attention.baselines.streaming import StreamingAttention
 from sparda.attention.offload import OFFLOADED, SparseOffloadAttention, SpardaNoPrefetchAttention
 from sparda.config import ALWAYS_OFFLOADED, FORECAST_METHODS, SpardaConfig  # noqa: F401 - re-exported
 from sparda.errors import SpardaError

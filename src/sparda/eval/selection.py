@@ -31,7 +31,7 @@ H2O_QUERIES = 256
 
 def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
     """Build ``name -> callable(layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos) -> block scores``."""
-    from sparda.attention.infinigen import InfiniGenAttention
+    from sparda.attention.baselines.infinigen import InfiniGenAttention
 
     out = {}
     dev = next(model.parameters()).device
@@ -190,9 +190,9 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
 def _baseline_mask(name, layer, q, k, q_idx, q_pos, mass, state, llm, cfg) -> torch.Tensor:
     """``[1, H, Q, N]`` bool mask of one of :data:`BASELINES` at the report's queries; ``q [1, H,
     G, T, d]``, ``k [1, H, T, d]`` of ``layer``, ``mass`` the oracle's."""
-    from sparda.attention.quest import page_bounds, page_scores, pages_to_blocks
-    from sparda.attention.shallow import ShallowAttention
-    from sparda.attention.snapkv import window_votes
+    from sparda.attention.baselines.quest import page_bounds, page_scores, pages_to_blocks
+    from sparda.attention.baselines.shallow import ShallowAttention
+    from sparda.attention.baselines.snapkv import window_votes
 
     length, num_blocks = k.shape[-2], mass.shape[-1]
     blocks = torch.arange(num_blocks, device=k.device)

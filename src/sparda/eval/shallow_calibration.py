@@ -42,7 +42,7 @@ def calibrate_shallow(model=None, text: str | None = None, *, length: int = 4096
         SpardaError: bad arguments, text too short or unreadable, unwritable output.
     """
     from sparda.engine.llm import LLM
-    from sparda.attention.shallow import CALIBRATION_FILE
+    from sparda.attention.baselines.shallow import CALIBRATION_FILE
 
     if queries < 1:
         raise SpardaError(f"--queries must be >= 1, got {queries}")
