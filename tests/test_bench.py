@@ -447,8 +447,7 @@ def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
     slots in the model dtype, the int4 staging of S blocks, and on the host the hot pool."""
     model = build_model("tiny", "cpu", torch.float32)
     sel = selection_config("tiny")
-    llm = pt.make_llm(model, "sparse-offload", sel, None, kv_dtype=kv_dtype)
-    llm.slot_factor = slot_factor  # as run_sweep sets it
+    llm = pt.make_llm(model, "sparse-offload", sel, None, kv_dtype=kv_dtype, slot_factor=slot_factor)
     batch, cap = 2, 40 * sel.block_size + 5
     cache = llm.new_cache(batch, cap)
     assert cache.resident == {0} and (cache.slots > cache.select_width or slot_factor == 1.0)

@@ -62,12 +62,12 @@ def test_scheduler_reserves_whole_rows_and_refuses_what_can_never_fit():
     sched.add(seqs[1])
     with pytest.raises(QueueFull, match="2 requests waiting"):
         sched.add(seqs[2])
-    first, second = sched.admit(), sched.admit()
+    first, second = sched.admit()
     assert (first.row, second.row) == (0, 1) and first.status is Status.RUNNING
     sched.add(seqs[2])
-    assert sched.admit() is None  # every row in use: it waits
+    assert sched.admit() == []  # every row in use: it waits
     sched.free(first)
-    third = sched.admit()
+    third, = sched.admit()
     assert third is seqs[2] and third.row == 0 and sched.rows_in_use == 2
     third.cancelled = True
     assert sched.drop_cancelled() == [third] and sched.rows_in_use == 1 and third.row is None

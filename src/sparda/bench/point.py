@@ -114,8 +114,7 @@ def kv_need_bytes(method: str, shape, selection, kv_dtype: str, dtype: torch.dty
 def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` of a point's KV cache (:func:`kv_need_bytes`)."""
     return kv_need_bytes(llm.config.method, llm.shape, llm.config.selection, llm.config.cache.kv_dtype, llm.dtype, batch,
-                         capacity, getattr(llm, "slot_factor", DEFAULT_SLOT_FACTOR),
-                         hot_blocks=(getattr(llm, "kv_hot", None) or {}).get("hot_blocks"))
+                         capacity, llm.config.cache.slot_factor, hot_blocks=llm.config.cache.hot.get("hot_blocks"))
 
 
 def largest_batch(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, capacity: int,

@@ -8,7 +8,8 @@ run it. Each :meth:`Engine.step`:
 1. drops cancelled requests (their rows are freed at once);
 2. admits waiting requests into free rows (at most ``max_prefill_tokens`` prompt tokens
    per step, always at least one), zeroes their rows' counters and prefills them, several
-   prompts per forward where the method allows it (design §3.8), sampling each first token;
+   prompts per forward where the method allows it (design §3.8; offline runs only: with
+   ``static_live_len`` one prompt per forward), sampling each first token;
 3. runs one decode step of every cache row (:meth:`ModelRunner.decode`, one captured CUDA
    graph on CUDA): running rows at their own positions, free rows as padding (token 0 at
    position 0, output discarded);
@@ -271,7 +272,11 @@ class Engine:
             self._reset_row(seq.row)
             seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
             seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
-        for group in self.runner.prefill_groups(self.cache, [seq.prompt_ids for seq in seqs]):
+        # static (the server): one prompt per forward, so that a request's K/V and logits do
+        # not depend on which prompts arrived with it (a padded batch rounds differently)
+        groups = ([[i] for i in range(len(seqs))] if self.static_live_len
+                  else self.runner.prefill_groups(self.cache, [seq.prompt_ids for seq in seqs]))
+        for group in groups:
             events += self._prefill_group([seqs[i] for i in group])
         return events
 
