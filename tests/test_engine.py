@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 from sparda import LLM, RequestOutput, SamplingParams, SpardaError
 from sparda.engine.engine import Engine
 from sparda.engine.scheduler import QueueFull
+from sparda.engine.sequence import Status
 
 SMALL_BLOCKS = dict(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
                     topk_blocks=2, dense_len=0)
@@ -230,3 +231,41 @@ def test_per_row_state_survives_another_cache_between_engine_steps(make_tiny, fr
     assert got.token_ids == solo.token_ids, f"seed {fresh_seed}"
     assert [e["logprob"] for e in got.logprobs] == pytest.approx([e["logprob"] for e in solo.logprobs], abs=1e-5)
     assert got.stats["kv_read_fraction"] == solo.stats["kv_read_fraction"] < 1, f"seed {fresh_seed}"
+
+
+@pytest.mark.parametrize("method", ["dense", "sparse", "sparda-random", "sparse-offload", "infinigen", "h2o", "quest"])
+def test_chunked_prefill_across_steps_keeps_each_request_as_alone(make_tiny, fresh_seed, method):
+    """Chunked prefill (design §3.8): long prompts spread over steps of a token budget while
+    others decode; every request's tokens equal generate() alone (same chunks), running
+    streams get a token every step a long prompt is prefilled, and the methods with per-row
+    state (h2o, quest) are prefilled whole in one step."""
+    llm = LLM(make_tiny("llama"), method=method, device="cpu", prefill_chunk_tokens=32, **SMALL_BLOCKS)
+    long, long_tokens = _draw(2, 130, 190, 6, 12)
+    short, short_tokens = _draw(2, 5, 30, 20, 30)
+    engine = Engine(llm, max_batch=3, max_model_len=220, max_prefill_tokens=40)
+    assert engine.chunked_prefill
+    first = engine.add_request(short[0], SamplingParams(max_tokens=short_tokens[0], ignore_eos=True))
+    engine.step()
+    engine.step()
+    seqs = [first] + [engine.add_request(ids, SamplingParams(max_tokens=m, ignore_eos=True))
+                      for ids, m in zip([long[0], short[1], long[1]], [long_tokens[0], short_tokens[1], long_tokens[1]])]
+    outputs, chunk_steps, stalls = {}, 0, 0
+    while engine.has_work():
+        before = len(first.output_ids)
+        half = [s for s in engine.scheduler.running.values() if 0 < s.num_computed < s.num_prompt]
+        for delta in engine.step():
+            if delta.output is not None:
+                outputs[delta.request_id] = delta.output
+        if half:
+            chunk_steps += 1
+            stalls += first.status is not Status.FINISHED and len(first.output_ids) == before
+    if llm.model_runner.prefill_across_steps:
+        assert chunk_steps >= 3, (fresh_seed, chunk_steps)  # 130+ tokens in chunks of 32 under a budget of 40
+        assert stalls == 0, fresh_seed
+    else:
+        assert chunk_steps == 0, fresh_seed
+    prompts, max_tokens = [short[0], long[0], short[1], long[1]], [short_tokens[0], long_tokens[0], short_tokens[1], long_tokens[1]]
+    for seq, ids, m in zip(seqs, prompts, max_tokens):
+        alone = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=m, ignore_eos=True)[0]
+        assert outputs[seq.request_id].token_ids == alone.token_ids, f"seed {fresh_seed}, {method}, prompt {len(ids)}"
+    assert engine.scheduler.rows_in_use == 0

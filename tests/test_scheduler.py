@@ -63,3 +63,55 @@ def test_admission_matches_a_brute_force_simulation(trial, fresh_seed):
             running = {r: s for r, s in running.items() if not s.cancelled}
         assert list(sched.waiting) == waiting and sched.running == running
         assert sched.rows_in_use == len(running) <= rows
+
+
+def _reference_plan(order: list, free: set, budget: int, chunk: int):
+    """One chunked-prefill step from scratch: ``order`` = half-prefilled requests in admission
+    order then the waiting queue (``seq, done`` pairs); chunks of ``chunk`` tokens taken first
+    come first served while they fit ``budget`` (the step's first always); a waiting request
+    needs a free row (the lowest). Returns ``[(seq, start, end)], {seq: row}``."""
+    plan, rows, left, free = [], {}, budget, sorted(free)
+    for seq, done, waiting in order:
+        spans = [(s, min(seq.num_prompt, s + chunk)) for s in range(0, seq.num_prompt, chunk) if s >= done]
+        if waiting:
+            if not free or (plan and spans[0][1] - spans[0][0] > left):
+                return plan, rows
+            rows[seq] = free.pop(0)
+        for start, end in spans:
+            if plan and end - start > left:
+                return plan, rows
+            plan.append((seq, start, end))
+            left -= end - start
+    return plan, rows
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_chunked_prefill_plan_matches_a_brute_force_simulation(trial, fresh_seed):
+    rng = random.Random(fresh_seed * 100 + trial)
+    rows, length, chunk = rng.randint(1, 5), 400, rng.choice([16, 50, 128])
+    sched = Scheduler(max_batch=rows, max_model_len=length, max_waiting=16)
+    chunks = lambda seq: [(s, min(seq.num_prompt, s + chunk)) for s in range(0, seq.num_prompt, chunk)  # noqa: E731
+                          if s >= seq.num_computed]
+    admitted, ids = [], 0
+    for _ in range(120):
+        op = rng.random()
+        if op < 0.4 and len(sched.waiting) < 16:
+            prompt = rng.randint(1, 300)
+            sched.add(Sequence(str(ids), [1] * prompt, SamplingParams(max_tokens=1), 1, None))
+            ids += 1
+        elif op < 0.8:  # a step: plan, then run the chunks
+            budget = rng.randint(-3, 300)
+            half = [s for s in admitted if s.row is not None and not s.prefilled]
+            order = [(s, s.num_computed, False) for s in half] + [(s, 0, True) for s in sched.waiting]
+            want, want_rows = _reference_plan(order, set(range(rows)) - set(sched.running), budget, chunk)
+            got = sched.plan(budget, chunks)
+            assert got == want, (fresh_seed, trial)
+            assert {s: s.row for s in want_rows} == want_rows, (fresh_seed, trial)
+            admitted += list(want_rows)
+            for seq, start, end in got:
+                assert start == seq.num_computed, (fresh_seed, trial)
+                seq.num_computed = end
+        elif sched.running:  # a request finishes or is cancelled
+            seq = rng.choice(list(sched.running.values()))
+            sched.free(seq)
+        assert sched.rows_in_use <= rows

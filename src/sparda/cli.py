@@ -303,8 +303,8 @@ def served_name(model: str | None, model_dir) -> str:
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
               help="Requests that may queue for a row before 429.")
 @click.option("--max-num-batched-tokens", default=None, type=click.IntRange(1),
-              help="Prompt tokens admitted (and prefilled) per engine step, at least one request "
-                   "[default: --prefill-batch's budget, 16384].")
+              help="Tokens per engine step: one per decoding request, the rest prefill chunks of "
+                   "--prefill-chunk tokens, at least one chunk (design §3.9) [default: --prefill-chunk, 8192].")
 @click.option("--served-model-name", default=None,
               help="Name clients pass as 'model' [default: ORG/NAME as given, else the model's name].")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
@@ -333,7 +333,7 @@ def serve(host, port, max_batch, max_model_len, max_waiting, max_num_batched_tok
         click.echo(warning, err=True)
     llm = build_llm(**opts)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
-                    max_prefill_tokens=max_num_batched_tokens or max(llm.config.runtime.prefill_batch_tokens, 1))
+                    max_prefill_tokens=max_num_batched_tokens or llm.config.runtime.prefill_chunk_tokens or 8192)
     name = served_model_name or served_name(opts["model"], llm.model_dir)
     bound_host, bound_port = sock.getsockname()[:2]
     pool = engine.cache.nbytes / 2**30

@@ -45,6 +45,10 @@ class AttentionMethod:
     #: (:func:`prefill_rows`), says so; ``sparda.LLM`` prefills the prompts of any other
     #: method one at a time
     batched_prefill = False
+    #: a prompt may be prefilled in chunks spread over engine steps, with decode steps of
+    #: other rows between them (design §3.8): no per-row state that a padding decode of the
+    #: half-prefilled row would change (the selectors with :class:`RowState` keep it whole)
+    prefill_across_steps = True
 
     def __init__(self, config: SpardaConfig, shape, model=None, model_dir=None) -> None:
         #: the :class:`~sparda.model.llama.CausalLM` (lookahead methods read its weights)

@@ -6,13 +6,16 @@
 run it. Each :meth:`Engine.step`:
 
 1. drops cancelled requests (their rows are freed at once);
-2. admits waiting requests into free rows (at most ``max_prefill_tokens`` prompt tokens
-   per step, always at least one), zeroes their rows' counters and prefills them, several
-   prompts per forward where the method allows it (design §3.8; offline runs only: with
-   ``static_live_len`` one prompt per forward), sampling each first token;
+2. prefills: offline, it admits waiting requests into free rows (at most
+   ``max_prefill_tokens`` prompt tokens per step, always at least one) and prefills their
+   whole prompts, several per forward where the method allows it (design §3.8); with
+   ``chunked_prefill`` (the server) it runs prefill chunks within the step's token budget,
+   admitting waiting requests as their first chunk is taken (design §3.9), one prompt per
+   forward; a prompt's last chunk samples its first token;
 3. runs one decode step of every cache row (:meth:`ModelRunner.decode`, one captured CUDA
-   graph on CUDA): running rows at their own positions, free rows as padding (token 0 at
-   position 0, output discarded);
+   graph on CUDA): decoding rows at their own positions, free rows as padding (token 0 at
+   position 0, output discarded), half-prefilled rows at the position their next chunk
+   starts (design §3.9);
 4. samples each running row with its own parameters and generator
    (:func:`sparda.engine.sampler.sample_requests`), appends the token, streams the text it
    completes and frees the rows of requests that finished.
@@ -75,12 +78,17 @@ class Engine:
             ``None``: every waiting request that finds a row.
         static_live_len: decode every step as if the longest row were ``max_model_len``
             (the server: outputs independent of the neighbours, module docstring).
+        chunked_prefill: spread long prompts over steps (module docstring, design §3.8):
+            each step runs at most ``max_prefill_tokens`` tokens, decode tokens included
+            (at least one prefill chunk); ``None``: on with ``static_live_len`` and a
+            ``max_prefill_tokens`` budget.
     Raises:
         SpardaError: bad sizes, or a cache pool that does not fit in memory (bytes named).
     """
 
     def __init__(self, llm, max_batch: int = 8, max_model_len: int | None = None, max_waiting: int = 256, *,
-                 max_prefill_tokens: int | None = None, static_live_len: bool = True) -> None:
+                 max_prefill_tokens: int | None = None, static_live_len: bool = True,
+                 chunked_prefill: bool | None = None) -> None:
         limit = llm.shape.max_positions
         _positive_int("max_batch", max_batch)
         max_model_len = limit if max_model_len is None else _positive_int("max_model_len", max_model_len)
@@ -96,6 +104,11 @@ class Engine:
         self.tokenizer = llm.tokenizer
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.max_prefill_tokens, self.static_live_len = max_prefill_tokens, static_live_len
+        if chunked_prefill is None:
+            chunked_prefill = static_live_len and max_prefill_tokens is not None
+        if chunked_prefill and max_prefill_tokens is None:
+            raise SpardaError("chunked prefill needs a token budget per step (max_prefill_tokens)")
+        self.chunked_prefill = bool(chunked_prefill)
         self.vocab_size = llm.model.lm_head.out_features
         start = time.perf_counter()
         self.cache = runner.new_cache(max_batch, max_model_len)
@@ -200,11 +213,15 @@ class Engine:
         with self._lock:
             for seq in self.scheduler.drop_cancelled():
                 events.append((seq, self._finish(seq, "abort")))
-            admitted = self.scheduler.admit(self.max_prefill_tokens)
-        if admitted:
-            events.extend(self._prefill(admitted))
+            if self.chunked_prefill:
+                decoding = sum(seq.prefilled for seq in self.scheduler.running.values())
+                plan = self.scheduler.plan(self.max_prefill_tokens - decoding, self._remaining_chunks)
+            else:
+                plan = [(seq, 0, seq.num_prompt) for seq in self.scheduler.admit(self.max_prefill_tokens)]
+        if plan:
+            events.extend(self._prefill(plan))
         with self._lock:
-            running = sorted(self.scheduler.running.items())
+            running = sorted((row, seq) for row, seq in self.scheduler.running.items() if seq.prefilled)
         if running:
             try:
                 events.extend(self._decode(running))
@@ -263,22 +280,62 @@ class Engine:
             for counter in self._row_counters():
                 counter[row] = 0
 
-    def _prefill(self, seqs: list[Sequence]) -> list[tuple[Sequence, Delta]]:
-        """Prefill the admitted requests (several per forward where allowed, design §3.8) and
-        sample each first token; a request whose work fails fails alone."""
+    def _remaining_chunks(self, seq: Sequence) -> list[tuple[int, int]]:
+        """``seq``'s prefill chunks not yet run: :meth:`ModelRunner.chunks` from
+        ``num_computed`` on, or the whole prompt where a method or cache cannot spread it
+        over steps (``ModelRunner.prefill_across_steps``)."""
+        if not self.runner.prefill_across_steps:
+            return [(0, seq.num_prompt)]
+        return [(start, end) for start, end in self.runner.chunks(seq.num_prompt) if start >= seq.num_computed]
+
+    def _prefill(self, plan: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, Delta]]:
+        """Run this step's prefill chunks (``(seq, start, end)``, in order) and sample the
+        first token of every prompt they complete; a request whose work fails fails alone.
+        Whole prompts of an offline run share forwards where allowed (design §3.8); the
+        server runs one prompt per forward, so that a request's K/V and logits do not
+        depend on which prompts arrived with it (a padded batch rounds differently)."""
+        for seq, start, _ in plan:
+            if start == 0:  # admitted this step
+                seq.admitted = time.perf_counter()
+                self._reset_row(seq.row)
+                seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
+                seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
+        whole = [seq for seq, start, end in plan if (start, end) == (0, seq.num_prompt)]
+        groups = ([[i] for i in range(len(whole))] if self.static_live_len
+                  else self.runner.prefill_groups(self.cache, [seq.prompt_ids for seq in whole]))
         events = []
-        for seq in seqs:
-            seq.admitted = time.perf_counter()
-            self._reset_row(seq.row)
-            seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
-            seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
-        # static (the server): one prompt per forward, so that a request's K/V and logits do
-        # not depend on which prompts arrived with it (a padded batch rounds differently)
-        groups = ([[i] for i in range(len(seqs))] if self.static_live_len
-                  else self.runner.prefill_groups(self.cache, [seq.prompt_ids for seq in seqs]))
         for group in groups:
-            events += self._prefill_group([seqs[i] for i in group])
+            events += self._prefill_group([whole[i] for i in group])
+        failed: set[str] = set()
+        for seq, start, end in plan:
+            if (start, end) == (0, seq.num_prompt) or seq.request_id in failed:
+                continue
+            begin = time.perf_counter()
+            try:
+                logits = self.runner.prefill_chunk(self.cache, seq.row, seq.prompt_ids, start, end)
+            except Exception as exc:  # noqa: BLE001 - this request's own work
+                failed.add(seq.request_id)
+                events.append((seq, self.failed(seq, exc)))
+                continue
+            seq.prefill_ms += (time.perf_counter() - begin) * 1e3
+            seq.num_computed = end
+            if end < seq.num_prompt:  # a padding row until its last chunk (design §3.8)
+                self._tokens[seq.row], self._positions[seq.row] = 0, end
+                continue
+            events.append(self._first_token(seq, logits))
         return events
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, Delta]:
+        """Sample ``seq``'s first token from its prompt's last logits ``[1, V]``; zero its
+        row's counters first (padding decodes of a half-prefilled row counted into them)."""
+        try:
+            self._reset_row(seq.row)
+            (token, logprob), = sample_requests(logits, [seq.params], [seq.generator])
+            with self._lock:
+                self.prompt_tokens += seq.num_prompt
+            return seq, self._advance(seq, token, logprob)
+        except Exception as exc:  # noqa: BLE001 - this request alone fails
+            return seq, self.failed(seq, exc)
 
     def _prefill_group(self, batch: list[Sequence]) -> list[tuple[Sequence, Delta]]:
         """One prefill forward of ``batch``; if it fails, each request again alone, so that
@@ -294,13 +351,8 @@ class Engine:
         events = []
         for i, seq in enumerate(batch):
             seq.prefill_ms, seq.prefill_batch = elapsed_ms, len(batch)
-            try:
-                (token, logprob), = sample_requests(logits[i:i + 1], [seq.params], [seq.generator])
-                with self._lock:
-                    self.prompt_tokens += seq.num_prompt
-                events.append((seq, self._advance(seq, token, logprob)))
-            except Exception as exc:  # noqa: BLE001 - this request alone fails
-                events.append((seq, self.failed(seq, exc)))
+            seq.num_computed = seq.num_prompt
+            events.append(self._first_token(seq, logits[i:i + 1]))
         return events
 
     def _decode(self, running: list[tuple[int, Sequence]]) -> list[tuple[Sequence, Delta]]:
@@ -310,7 +362,7 @@ class Engine:
         rows = [row for row, _ in running]
         seqs = [seq for _, seq in running]
         # static: max_position at the row's end, the same branch (and graph) whoever else runs
-        longest = self.max_model_len - 1 if self.static_live_len else max(self._positions[row] for row in rows)
+        longest = self.max_model_len - 1 if self.static_live_len else max(self._positions)  # padding rows too
         logits = self.runner.decode(self.cache, tokens, positions, longest)
         try:
             picked = sample_requests(logits[rows], [seq.params for seq in seqs], [seq.generator for seq in seqs])

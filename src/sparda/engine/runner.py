@@ -106,19 +106,45 @@ class ModelRunner:
         unchunked prefill's; offloaded caches write each chunk to host memory (on CUDA on a
         side stream)."""
         self.method.bind(cache)
-        rows = torch.tensor([row], device=self.device)
-        chunk = self.config.runtime.prefill_chunk_tokens or len(ids)
         outs = []
         with self._session(cache):
-            for start in range(0, len(ids), chunk):
-                end = min(len(ids), start + chunk)
-                x = torch.tensor([ids[start:end]], device=self.device)
-                q_pos = torch.arange(start, end, device=self.device).unsqueeze(0)
-                step = self._step("prefill", rows, q_pos, end, row=row)
-                outs.append(self.model(x, step, cache, self.method, all_logits=all_logits)[0])
+            for start, end in self.chunks(len(ids)):
+                outs.append(self._chunk_forward(cache, row, ids, start, end, all_logits))
                 if not all_logits:
                     outs = outs[-1:]
         return torch.cat(outs) if all_logits else outs[-1]
+
+    def chunks(self, num_tokens: int) -> list[tuple[int, int]]:
+        """The prefill chunks ``[(start, end), ...]`` of a prompt of ``num_tokens`` tokens:
+        ``prefill_chunk_tokens`` each (the last one shorter), one if that is 0 (design §3.8)."""
+        chunk = self.config.runtime.prefill_chunk_tokens or num_tokens
+        return [(start, min(num_tokens, start + chunk)) for start in range(0, num_tokens, chunk)]
+
+    @property
+    def prefill_across_steps(self) -> bool:
+        """Whether the engine may spread a prompt's :meth:`chunks` over its steps
+        (:meth:`prefill_chunk`, decode steps of other rows between them): the method keeps no
+        per-row state (``AttentionMethod.prefill_across_steps``) and the cache is not
+        ``mixed`` (its hot pool is prefilled whole, design §6.1)."""
+        return bool(self.method.prefill_across_steps and self.config.cache.kv_dtype != "mixed")
+
+    def _chunk_forward(self, cache, row: int, ids: list[int], start: int, end: int,
+                       all_logits: bool = False) -> torch.Tensor:
+        x = torch.tensor([ids[start:end]], device=self.device)
+        q_pos = torch.arange(start, end, device=self.device).unsqueeze(0)
+        step = self._step("prefill", torch.tensor([row], device=self.device), q_pos, end, row=row)
+        return self.model(x, step, cache, self.method, all_logits=all_logits)[0]
+
+    @torch.inference_mode()
+    def prefill_chunk(self, cache, row: int, ids: list[int], start: int, end: int) -> torch.Tensor:
+        """One of :meth:`chunks` of prompt ``ids`` into row ``row``, whose tokens ``< start``
+        are already in the cache: appends tokens ``start .. end - 1`` and returns the last
+        one's logits ``[1, V]`` fp32, equal to :meth:`prefill`'s when ``end = len(ids)``
+        (the same chunks, the same order; an offloaded cache writes this chunk to host memory
+        and reads the earlier ones back, :mod:`sparda.cache.chunked_prefill`)."""
+        self.method.bind(cache)
+        with self._session(cache):
+            return self._chunk_forward(cache, row, ids, start, end)[-1:]
 
     def prefill_groups(self, cache, prompts: list[list[int]]) -> list[list[int]]:
         """Indices of ``prompts`` grouped for :meth:`prefill_batch`, in order: consecutive

@@ -10,9 +10,10 @@ tokens:
 * otherwise it waits, first come first served, until a row is free;
 * a queue already holding ``max_waiting`` requests refuses more (:class:`QueueFull`).
 
-Prefill is whole-prompt (chunked inside, design §3.8) and interleaved with decoding: each
-engine step admits waiting requests up to a prompt-token budget (at least one), then runs
-one decode step of every running row. A
+Offline, prefill is whole-prompt (chunked inside, design §3.8): each engine step admits
+waiting requests up to a prompt-token budget (at least one, :meth:`Scheduler.admit`). The
+server spreads prompts over steps in chunks (:meth:`Scheduler.plan`, design §3.9). Then
+each step runs one decode step of every running row. A
 row is freed as soon as its request finishes (EOS, a stop token or string, ``max_tokens``)
 or is cancelled.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 
 from sparda.engine.sequence import Sequence, Status
 from sparda.errors import SpardaError
@@ -48,6 +50,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}  # row -> sequence
         self._free = list(range(max_batch))      # a heap: the lowest free row first
+        self._order = itertools.count()          # admission order (Sequence.admit_order)
 
     def check(self, num_prompt: int, max_tokens: int) -> None:
         """Refuse a request that can never fit a row.
@@ -103,12 +106,53 @@ class Scheduler:
             if admitted and max_tokens is not None and total + size > max_tokens:
                 break
             seq = self.waiting.popleft()
-            seq.row = heapq.heappop(self._free)
-            seq.status = Status.RUNNING
-            self.running[seq.row] = seq
+            self._place(seq)
             admitted.append(seq)
             total += size
         return admitted
+
+    def plan(self, budget: int, chunks) -> list[tuple[Sequence, int, int]]:
+        """The prefill chunks of one engine step with chunked prefill (design §3.8).
+
+        ``budget`` prompt tokens (``max_num_batched_tokens`` less this step's decode
+        tokens) go, first come first served, to the half-prefilled requests in admission
+        order, then to waiting requests, each admitted into the lowest free row once its
+        first chunk is taken; a request's next chunk (``chunks(seq)`` lists its remaining
+        ``(start, end)`` spans) is taken if it fits what is left, or if no chunk was taken
+        yet this step (so a prefill always moves); the first chunk that does not fit ends
+        the step's plan (no request overtakes an earlier one). Returns ``(seq, start, end)``
+        in run order.
+        """
+        plan: list[tuple[Sequence, int, int]] = []
+        left = budget
+
+        def take(seq: Sequence) -> bool:  # True: every chunk of seq fitted
+            nonlocal left
+            for start, end in chunks(seq):
+                if plan and end - start > left:
+                    return False
+                plan.append((seq, start, end))
+                left -= end - start
+            return True
+
+        for seq in sorted((s for s in self.running.values() if not s.prefilled), key=lambda s: s.admit_order):
+            if not take(seq):
+                return plan
+        while self.waiting and self._free:
+            seq = self.waiting[0]
+            first = chunks(seq)[0]
+            if plan and first[1] - first[0] > left:
+                break
+            self._place(self.waiting.popleft())
+            if not take(seq):
+                break
+        return plan
+
+    def _place(self, seq: Sequence) -> None:
+        seq.row = heapq.heappop(self._free)
+        seq.status = Status.RUNNING
+        seq.admit_order = next(self._order)
+        self.running[seq.row] = seq
 
     def free(self, seq: Sequence) -> None:
         """Give ``seq``'s row back (finished or cancelled); no-op if it holds none."""

@@ -121,6 +121,9 @@ class Sequence:
         self.first_token: float | None = None
         self.finished_at: float | None = None
         self.prefill_ms = 0.0
+        #: prompt tokens already in the cache (chunked prefill across steps; design §3.8)
+        self.num_computed = 0
+        self.admit_order = 0  # set by the scheduler at admission
         self.prefill_batch = 1  # requests that shared its prefill forward
         self.stats: dict = {}
 
@@ -128,6 +131,11 @@ class Sequence:
     def num_prompt(self) -> int:
         """Prompt tokens."""
         return len(self.prompt_ids)
+
+    @property
+    def prefilled(self) -> bool:
+        """True once every prompt token is in the cache (the request decodes)."""
+        return self.num_computed >= self.num_prompt
 
     @property
     def position(self) -> int:

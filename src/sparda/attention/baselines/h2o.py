@@ -63,6 +63,7 @@ class H2OAttention(BlockSparseMethod):
 
     name = "h2o"
     batched_prefill = True  # the mass of each row's own queries (design §3.8)
+    prefill_across_steps = False  # RowState: prefilled whole in one engine step
     #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
     supports_dense_heads = False
 

@@ -69,6 +69,7 @@ class QuestAttention(BlockSparseMethod):
 
     name = "quest"
     batched_prefill = True  # each row's own page bounds (design §3.8)
+    prefill_across_steps = False  # RowState: prefilled whole in one engine step
 
     def __init__(self, config, shape, model=None, model_dir=None) -> None:
         super().__init__(config, shape, model=model, model_dir=model_dir)

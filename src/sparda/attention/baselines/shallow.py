@@ -76,6 +76,7 @@ class ShallowAttention(BlockSparseMethod):
 
     name = "shallow"
     batched_prefill = True  # each row's mask from its own last query (design §3.8)
+    prefill_across_steps = False  # RowState: prefilled whole in one engine step
     #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
     supports_dense_heads = False
 

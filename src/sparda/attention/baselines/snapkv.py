@@ -54,6 +54,7 @@ class SnapKVAttention(BlockSparseMethod):
 
     name = "snapkv"
     batched_prefill = True  # each row's own observation window (design §3.8)
+    prefill_across_steps = False  # RowState: prefilled whole in one engine step
     #: decode does not go through BlockSparseMethod.attend's mask: no dense heads (design §3.7)
     supports_dense_heads = False
 
