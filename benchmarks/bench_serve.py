@@ -13,6 +13,9 @@ request generates exactly ``--max-tokens``) through the ``openai`` client with a
 * ``one-at-a-time``: ``--max-batch 1`` and concurrency 1 (no batching at all);
 * ``continuous``: ``--max-batch`` = concurrency, for each ``--concurrency`` value.
 
+``python3 benchmarks/bench_serve.py stall OUT [--prompt-tokens 65536]`` (CUDA) measures instead
+how long running streams wait while long prompts are admitted (:func:`stall`).
+
 Per point: requests completed and lost, wall time, requests/s, generated tokens/s,
 p50/p99 latency and time to first token (ms). The last line is the tokens/s ratio of the
 largest concurrency to one-at-a-time. Prints a Markdown table and a JSON line (each
@@ -125,7 +128,113 @@ def run_point(args, prompts, max_batch: int, concurrency: int, label: str) -> di
             "ttft_p99_ms": round(percentile(ttft, 0.99), 1) if ok else None}
 
 
+def stall(argv: list[str]) -> None:
+    """Chunked prefill across steps (design §3.9) against whole-prompt admission, in the
+    server's engine (in process, no HTTP): a random-weight 8B shape, offloaded ``sparda``
+    (paper preset, random Forecast); ``--streams`` requests of 8K tokens decode, then
+    ``--long`` prompts of ``--prompt-tokens`` arrive at once. Per configuration: the
+    running streams' step time (TPOT) before the arrival (p50) and while the long prompts
+    are prefilled (p50, p99, max, steps), the long prompts' TTFT, and whether their
+    greedy tokens equal those of the first configuration with the same chunks. Writes
+    ``OUT/serve_stall.json``; prints a Markdown table last. The first configuration runs
+    twice; its first run (kernel compilation, page-locking) is not recorded."""
+    import datetime
+
+    import torch
+
+    from sparda import LLM
+    from sparda.bench.harness import NoText
+    from sparda.bench.models import build_model, random_forecast
+    from sparda.engine.engine import Engine
+    from sparda.engine.sampling_params import SamplingParams
+
+    parser = argparse.ArgumentParser(prog="bench_serve.py stall", description=stall.__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="minicpm-8b", help="bench model shape [minicpm-8b]")
+    parser.add_argument("--prompt-tokens", type=int, default=65536, help="long prompt length [65536]")
+    parser.add_argument("--long", type=int, default=2, help="long prompts arriving [2]")
+    parser.add_argument("--streams", type=int, default=4, help="running 8K streams [4]")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run [cuda]")
+    parser.add_argument("--method", default="sparda", help="sparda (offloaded) or another method [sparda]")
+    parser.add_argument("--stream-tokens", type=int, default=8192, help="running streams' prompt length [8192]")
+    parser.add_argument("--configs", default="whole:8192:16384,chunk:8192:8192,chunk:2048:2048",
+                        help="mode:prefill_chunk:max_num_batched_tokens,... [%(default)s]")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cuda = args.device == "cuda"
+    model = build_model(args.model, args.device, torch.bfloat16 if cuda else torch.float32, max_positions=131072)
+    extra = {"forecast": random_forecast(model), "offload": cuda} if args.method == "sparda" else {}
+    base = LLM.from_model(model, NoText(), method=args.method, preset="paper", **extra)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rng = random.Random(0)
+    short = [[rng.randrange(10, min(60000, model.config.vocab_size)) for _ in range(args.stream_tokens)] for _ in range(args.streams)]
+    long = [[rng.randrange(10, min(60000, model.config.vocab_size)) for _ in range(args.prompt_tokens)] for _ in range(args.long)]
+    records, first_tokens = [], {}
+    specs = args.configs.split(",")
+    for n, spec in enumerate([specs[0], *specs]):  # the first one twice: a warm-up (compiles, pins), dropped
+        mode, chunk, budget = spec.split(":")
+        llm = base.derive(prefill_chunk_tokens=int(chunk))
+        engine = Engine(llm, max_batch=args.streams + args.long, max_model_len=args.prompt_tokens + 1024,
+                        max_prefill_tokens=int(budget), chunked_prefill=mode == "chunk")
+        streams = [engine.add_request(ids, SamplingParams(max_tokens=1000, ignore_eos=True)) for ids in short]
+        while not all(s.output_ids for s in streams):
+            engine.step()
+        def timed_step():
+            sync()
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
+            return (time.perf_counter() - t0) * 1e3
+        calm = [timed_step() for _ in range(30)]
+        arrive = time.perf_counter()
+        longs = [engine.add_request(ids, SamplingParams(max_tokens=16, ignore_eos=True)) for ids in long]
+        busy, ttft = [], {}
+        while not all(s.output_ids for s in longs):
+            busy.append(timed_step())
+            for i, s in enumerate(longs):
+                if s.output_ids and i not in ttft:
+                    ttft[i] = (time.perf_counter() - arrive) * 1e3
+        while engine.has_work() and not all(s.status.value == "finished" for s in longs):
+            engine.step()
+        tokens = [list(s.output_ids) for s in longs]
+        same = first_tokens.setdefault(chunk, tokens) == tokens
+        for s in streams:
+            engine.abort(s.request_id)
+        while engine.has_work():
+            engine.step()
+        q = lambda v, p: round(percentile(v, p / 100), 2)  # noqa: E731
+        rec = {"mode": mode, "prefill_chunk": int(chunk), "max_num_batched_tokens": int(budget),
+               "tpot_calm_p50_ms": q(calm, 50), "tpot_prefill_p50_ms": q(busy, 50), "tpot_prefill_p99_ms": q(busy, 99),
+               "tpot_prefill_max_ms": round(max(busy), 2), "prefill_steps": len(busy),
+               "ttft_long_ms": [round(ttft[i], 1) for i in sorted(ttft)], "tokens_equal_first_same_chunk": same}
+        if n == 0:
+            first_tokens.clear()
+        else:
+            records.append(rec)
+        print(json.dumps(rec), file=sys.stderr, flush=True)
+        del engine, llm
+        if cuda:
+            torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": datetime.date.today().isoformat(),
+            "model": args.model, "method": args.method + (" (offloaded, random Forecast)" if extra.get("offload") else "") + ", paper preset",
+            "streams": args.streams, "stream_prompt_tokens": args.stream_tokens, "long": args.long,
+            "long_prompt_tokens": args.prompt_tokens,
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+    (args.out / "serve_stall.json").write_text(json.dumps({**meta, "records": records}, indent=1))
+    print(f"{meta['device']}, {args.model}, {meta['method']}, {args.streams} streams of {args.stream_tokens} decoding, {args.long} prompts of "
+          f"{args.prompt_tokens} arrive\n")
+    print("| mode | chunk | budget | TPOT calm p50 | TPOT during prefill p50 / p99 / max | steps | TTFT long ms | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['mode']} | {r['prefill_chunk']} | {r['max_num_batched_tokens']} | {r['tpot_calm_p50_ms']} | "
+              f"{r['tpot_prefill_p50_ms']} / {r['tpot_prefill_p99_ms']} / {r['tpot_prefill_max_ms']} | "
+              f"{r['prefill_steps']} | {r['ttft_long_ms']} | {r['tokens_equal_first_same_chunk']} |")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["stall"]:
+        stall(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(prog="bench_serve.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64, help="Completions sent per point [64].")
