@@ -253,6 +253,7 @@ def test_chunked_prefill_across_steps_keeps_each_request_as_alone(make_tiny, fre
     while engine.has_work():
         before = len(first.output_ids)
         half = [s for s in engine.scheduler.running.values() if 0 < s.num_computed < s.num_prompt]
+        assert engine.metrics()["requests_prefilling"] == len(half), fresh_seed
         for delta in engine.step():
             if delta.output is not None:
                 outputs[delta.request_id] = delta.output

@@ -285,6 +285,7 @@ def test_full_queue_is_429_and_draining_is_503_with_retry_after(tiny_dir):
         assert "queue is full" in response.json()["error"]["message"]
         metrics = running.metrics()
         assert metrics["sparda_requests_waiting"] == 1 and metrics["sparda_kv_rows_in_use"] == 1
+        assert metrics["sparda_kv_tokens_in_use"] >= 2  # the first request's prompt at least
         running.engine.stop_accepting()
         response = httpx.post(running.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
@@ -535,6 +536,8 @@ def test_prometheus_metrics_from_prometheus_client(server):
     after = scrape()
     assert after["sparda_kv_rows_total"] == 8 and after["sparda_kv_rows_free"] == 8 - after["sparda_kv_rows_in_use"]
     assert after["sparda_requests_running"] == 0 and after["sparda_requests_waiting"] == 0
+    assert after["sparda_requests_prefilling"] == 0 and after["sparda_kv_tokens_in_use"] == 0
+    assert after["sparda_kv_tokens_total"] == 8 * 192
     assert after["sparda_preemptions_total"] == 0 and after["sparda_max_model_len_tokens"] == 192
     assert after["sparda_prompt_tokens_total"] - before["sparda_prompt_tokens_total"] == 6
     assert after["sparda_generation_tokens_total"] - before["sparda_generation_tokens_total"] == 12

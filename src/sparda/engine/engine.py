@@ -533,7 +533,9 @@ class Engine:
 
     # ---------------------------------------------------------------- metrics
     def metrics(self) -> dict:
-        """A snapshot: ``requests_running``, ``requests_waiting``, ``kv_rows_in_use``,
+        """A snapshot: ``requests_running`` (holding a row), ``requests_prefilling`` (of those,
+        half-prefilled, design §3.9), ``requests_waiting``, ``kv_tokens_in_use`` (tokens in
+        the cache), ``kv_tokens_total`` (rows x ``max_model_len``), ``kv_rows_in_use``,
         ``kv_rows_total``, ``max_model_len``, ``generation_tokens_total``,
         ``prompt_tokens_total``, ``generation_tokens_per_s`` (over the last
         ``RATE_WINDOW_S`` seconds), ``requests_finished`` (by finish reason) and, on an
@@ -544,9 +546,13 @@ class Engine:
             while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
                 self._rate.popleft()
             span = min(RATE_WINDOW_S, max(time.time() - self.started, 1e-3))
+            held = list(self.scheduler.running.values())
             out = {
-                "requests_running": len(self.scheduler.running),
+                "requests_running": len(held),
+                "requests_prefilling": sum(not seq.prefilled for seq in held),
                 "requests_waiting": len(self.scheduler.waiting),
+                "kv_tokens_in_use": sum(seq.num_computed + max(len(seq.output_ids) - 1, 0) for seq in held),
+                "kv_tokens_total": self.max_batch * self.max_model_len,
                 "kv_rows_in_use": self.scheduler.rows_in_use,
                 "kv_rows_total": self.max_batch,
                 "max_model_len": self.max_model_len,

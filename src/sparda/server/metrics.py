@@ -3,7 +3,8 @@
 Everything is labelled with the served model (``model="..."``) and prefixed ``sparda_``.
 
 * From :meth:`Engine.metrics` at each scrape (a custom collector): ``requests_running``,
-  ``requests_waiting``, ``kv_rows_in_use``, ``kv_rows_free``, ``kv_rows_total``,
+  ``requests_prefilling``, ``requests_waiting``, ``kv_tokens_in_use``, ``kv_tokens_total``,
+  ``kv_rows_in_use``, ``kv_rows_free``, ``kv_rows_total``,
   ``max_model_len_tokens``, ``prompt_tokens_total``, ``generation_tokens_total``,
   ``generation_tokens_per_second`` (last 10 s), ``requests_finished_total{reason}``,
   ``preemptions_total`` (always 0: a request reserves its whole row when admitted, so
@@ -54,7 +55,12 @@ class EngineCollector:
             return family
 
         yield gauge("requests_running", "Requests holding a KV-cache row.", m["requests_running"])
+        yield gauge("requests_prefilling", "Running requests whose prompt is not yet all prefilled.",
+                    m["requests_prefilling"])
         yield gauge("requests_waiting", "Requests queued for a row.", m["requests_waiting"])
+        yield gauge("kv_tokens_in_use", "Tokens held in the KV cache.", m["kv_tokens_in_use"])
+        yield gauge("kv_tokens_total", "Tokens the KV cache holds at most (rows x --max-model-len).",
+                    m["kv_tokens_total"])
         yield gauge("kv_rows_in_use", "KV-cache rows in use.", m["kv_rows_in_use"])
         yield gauge("kv_rows_free", "KV-cache rows free.", m["kv_rows_total"] - m["kv_rows_in_use"])
         yield gauge("kv_rows_total", "KV-cache rows (--max-batch).", m["kv_rows_total"])
