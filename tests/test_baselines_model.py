@@ -28,11 +28,13 @@ def _options(method):
 
 @pytest.mark.parametrize("method", NEW)
 def test_covering_budget_gives_dense_tokens(tiny, method):
-    """topk_blocks over the context: the same greedy tokens as dense, every block read."""
+    """A top-k of every block of the request (prompt + new tokens), under the model's whole
+    context: the same greedy tokens as dense, every block read."""
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (150, 77)]
+    covering = -(-(max(map(len, prompts)) + 12) // SMALL["block_size"])  # 11 blocks of 16 of the 4096-token context
     dense = LLM(str(tiny), method="dense", device="cpu", **SMALL)
     want = dense.generate(None, prompt_token_ids=prompts, max_new_tokens=12, ignore_eos=True)
-    llm = LLM(str(tiny), method=method, device="cpu", **{**SMALL, "topk_blocks": 10_000}, **_options(method))
+    llm = LLM(str(tiny), method=method, device="cpu", **{**SMALL, "topk_blocks": covering}, **_options(method))
     got = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=12, ignore_eos=True)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.stats["kv_read_fraction"] == 1.0 for o in got)

@@ -60,7 +60,9 @@ def test_llm_and_cli_prefill_defaults(make_tiny, monkeypatch):
     from sparda import LLM
     from sparda.cli import main
 
-    path = str(make_tiny("llama"))
+    # the paper budget (96 blocks of 64) would cover the tiny model's 4096-token context, which
+    # is refused (check_budget): a context of 8192 tokens that it does not cover
+    path = str(make_tiny("llama", max_position_embeddings=8192))
     assert LLM(path, method="sparse", device="cpu").config.sparse_prefill is False
     assert LLM(path, method="sparse", device="cpu", preset="paper").config.sparse_prefill is True
     assert LLM(path, method="sparse", device="cpu", sparse_prefill=True).config.sparse_prefill is True

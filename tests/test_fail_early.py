@@ -264,10 +264,12 @@ def test_unchecked_os_errors_print_no_errno():
 # --------------------------------------------------------------------------------- U11
 
 
-@pytest.mark.parametrize("override, cause", [({"topk_blocks": 10**9, "dense_len": 0}, "covers all"),
+@pytest.mark.parametrize("override, cause", [({"topk_blocks": -(-(300 + 2) // 64), "dense_len": 0}, "covers all"),
                                              ({"topk_blocks": 0}, "fewer than dense_len 2048")])
 def test_dense_fallback_is_said_once(make_tiny, caplog, override, cause):
-    """U11: a budget of 0 blocks (on a short request) or one covering every block silently ran dense."""
+    """U11: a budget of 0 blocks (on a short request) or one covering every block silently ran dense.
+    The covering top-k is the blocks of 64 of the longest request (< 300 prompt + 2 new tokens),
+    well under the model's 4096-token context, which a budget may not cover (check_budget)."""
     from sparda import LLM
 
     llm = LLM(str(make_tiny("llama")), method="sparse", device="cpu", **override)

@@ -193,7 +193,7 @@ def test_mixed_refused_on_device_and_checked():
         check_hot(1, None, cfg)
     with pytest.raises(SpardaError, match="kv_hot_steps must be an integer >= 1"):
         check_hot(None, 0, cfg)
-    with pytest.raises(SpardaError, match="apply to --kv-dtype mixed only"):
+    with pytest.raises(SpardaError, match=r"^kv_hot_blocks / kv_hot_steps apply to kv_dtype=mixed only"):
         LLM("/nonexistent/model", method="sparse-offload", kv_hot_blocks=8, device="cpu")
     assert check_hot(None, None, cfg) == (cfg.budget_blocks, 4)
 
@@ -213,7 +213,8 @@ def test_cli_mixed_on_device_exits_2_with_one_line():
                                        "--kv-dtype", "mixed", "--local-blocks", "4", "--kv-hot-blocks", "3"])
     assert result.exit_code == 2, result.output  # P < local_blocks: refused before the loading line
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: kv_hot_blocks must be"), result.output
+    assert len(lines) == 1 and lines[0].startswith("error: --kv-hot-blocks must be"), result.output
+    assert "kv_hot_blocks" not in lines[0] and "local_blocks" not in lines[0], result.output  # the CLI's spelling
     for args in (["--kv-hot-blocks", "4"], ["--kv-hot-steps", "2", "--kv-dtype", "int4"]):  # mixed-only options
         result = CliRunner().invoke(main, ["generate", "-p", "hi", "--device", "cpu", "--method", "sparse-offload",
                                            *args])

@@ -145,7 +145,7 @@ def test_window_as_long_as_the_context_changes_nothing(make_tiny):
 def test_block_sparse_methods_refuse_a_sliding_window(method, make_tiny):
     path = make_tiny("qwen2", **WINDOWED["qwen2"])
     with pytest.raises(SpardaError, match=r"does not implement sliding-window attention \(config "
-                                          r"sliding_window=24 on 2 of 3 layers.*use --method dense"):
+                                          r"sliding_window=24 on 2 of 3 layers.*use method=dense$"):
         LLM(path, method=method, device="cpu")
 
 
