@@ -292,3 +292,25 @@ def test_selection_is_not_reported_as_dense(make_tiny, caplog):
         out = llm.generate([None], prompt_token_ids=[ids], max_new_tokens=2, ignore_eos=True)[0]
     assert not [r for r in caplog.records if "falls back to dense" in r.getMessage()]
     assert out.stats["kv_read_fraction"] < 1.0
+
+
+def test_dense_fallback_note_names_the_option_as_the_caller_spells_it(make_tiny, caplog):
+    """The note names keywords through the API (topk_blocks) and flags through the CLI (--dense-len)."""
+    from click.testing import CliRunner
+
+    from sparda import LLM
+    from sparda.cli import main
+
+    model = str(make_tiny("llama"))
+    llm = LLM(model, method="sparse", device="cpu", topk_blocks=0)
+    with caplog.at_level("WARNING", logger="sparda"):
+        llm.generate([None], prompt_token_ids=[[5] * 40], max_new_tokens=2)
+    api = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    assert len(api) == 1 and "lower dense_len" in api[0] and "--" not in api[0], api
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sparda"):
+        result = CliRunner().invoke(main, ["generate", "--model", model, "--method", "sparse", "--device", "cpu",
+                                           "--topk-blocks", "0", "--no-chat", "-p", "hello there", "--max-new-tokens", "2"])
+    cli = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    assert result.exit_code == 0, result.output
+    assert len(cli) == 1 and "lower --dense-len" in cli[0], cli

@@ -7,6 +7,7 @@ becomes ``error: <message>`` on stderr and exit code 2, with no traceback.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import click
@@ -52,6 +53,7 @@ class _Group(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx):
+        logging.getLogger("sparda").addFilter(_cli_spelling)  # notes name flags, as errors do
         try:
             return super().invoke(ctx)
         except SpardaError as exc:  # options named as flags (--kv-dtype), design: sparda.config.spell
@@ -67,6 +69,15 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)
+        finally:
+            logging.getLogger("sparda").removeFilter(_cli_spelling)
+
+
+def _cli_spelling(record: logging.LogRecord) -> bool:
+    """A logging filter: the ``sparda`` logger's notes with options spelt as flags."""
+    record.msg = spell(record.getMessage(), "cli")
+    record.args = ()
+    return True
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -10,6 +10,7 @@ from sparda.engine.engine import Engine
 from sparda.engine.sampling_params import SamplingParams
 from sparda.engine.sequence import Delta
 from sparda.engine.validate import check_prompts, check_token_ids
+from sparda.config import spell
 from sparda.errors import SpardaError
 
 
@@ -51,9 +52,9 @@ def note_dense_fallback(llm, num_prompt: int, max_new: int) -> None:
     noted = llm.model_runner.dense_noted
     if reason and cause not in noted:
         noted.add(cause)
-        logging.getLogger("sparda").warning(
+        logging.getLogger("sparda").warning(spell(  # keywords; the CLI's log filter spells flags
             f"note: {config.method} falls back to dense attention (design §3.6) for a prompt of {num_prompt} tokens "
-            f"with up to {max_new} new: {reason}")
+            f"with up to {max_new} new: {reason}", "api"))
 
 
 def request_inputs(llm, prompts, sampling_params, chat: bool = True,
