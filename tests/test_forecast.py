@@ -26,6 +26,12 @@ def _sparda(llm, forecast, in_prefill=True):
     return ForecastAttention(config, llm.shape, model=llm.model, forecast=forecast)
 
 
+def _install(llm, method):
+    """Run ``llm`` with ``method``: ``llm.prefill`` / ``decode`` / ``logits`` go through its
+    :class:`~sparda.engine.runner.ModelRunner`, which holds the method too."""
+    llm.method = llm.model_runner.method = method
+
+
 def test_parameter_count_and_projection_matches_float64():
     fc = Forecast(num_layers=30, hidden_size=576, num_kv_heads=3, head_dim=64)
     assert sum(p.numel() for p in fc.parameters()) == 29 * 576 * 192 + 576 * 192  # design §4
@@ -56,7 +62,7 @@ def test_decode_selection_matches_prefill_and_uses_previous_layer(make_tiny):
     llm = _llm(make_tiny)
     forecast = Forecast.for_shape(llm.shape)
     method = _sparda(llm, forecast)
-    llm.method = method
+    _install(llm, method)
     n = 208 + int(torch.randint(1, 16, ()).item())  # n % 16 != 0: no window completes at the last token
     ids = torch.randint(0, 1000, (n,)).tolist()
     full = llm.logits(ids)[-1]
@@ -120,11 +126,11 @@ def llm_dense_logits(llm, ids):
     from sparda.attention.dense import DenseAttention
 
     keep = llm.method
-    llm.method = DenseAttention(llm.config, llm.shape)
+    _install(llm, DenseAttention(llm.config, llm.shape))
     try:
         return llm.logits(ids)[-1]
     finally:
-        llm.method = keep
+        _install(llm, keep)
 
 
 def test_predict_next_brute_force(make_tiny):
@@ -135,7 +141,7 @@ def test_predict_next_brute_force(make_tiny):
     n = 190
     ids = torch.randint(0, 1000, (n,)).tolist()
     cache = llm.new_cache(1, n + 1)
-    llm.method = method
+    _install(llm, method)
     llm.prefill(cache, 0, ids)
     h = torch.randn(1, 1, llm.shape.hidden_size)
     step = llm.model_runner._step("decode", torch.tensor([0]), torch.tensor([[n]]))
@@ -163,7 +169,7 @@ def test_dense_prefill_option_and_infinigen(make_tiny):
     llm = _llm(make_tiny)
     ids = torch.randint(0, 1000, (150,)).tolist()
     dense = llm_dense_logits(llm, ids)
-    llm.method = _sparda(llm, Forecast.for_shape(llm.shape), in_prefill=False)
+    _install(llm, _sparda(llm, Forecast.for_shape(llm.shape), in_prefill=False))
     assert torch.allclose(llm.logits(ids)[-1], dense, atol=1e-4)
     # infinigen with every column kept reproduces the scored layer's own queries
     ig = InfiniGenAttention(llm.config, llm.shape, model=llm.model, partial_ratio=1.0)
@@ -173,7 +179,7 @@ def test_dense_prefill_option_and_infinigen(make_tiny):
     cos, sin = llm.model.rotary(pos, torch.float32)
     q, _, _ = layer.self_attn.project(h, cos, sin)
     assert torch.allclose(ig.partial_query(1, h, cos, sin), q, atol=1e-5)
-    llm.method = InfiniGenAttention(llm.config, llm.shape, model=llm.model)
+    _install(llm, InfiniGenAttention(llm.config, llm.shape, model=llm.model))
     out = llm.generate(["hello " * 60], max_new_tokens=3, chat=False)[0]
     assert len(out.token_ids) >= 1
 

@@ -26,6 +26,7 @@ from sparda.attention.forecast import Forecast, ForecastAttention
 from sparda.attention.baselines.infinigen import InfiniGenAttention
 from sparda.attention.offload import OffloadedForecastAttention, SpardaNoPrefetchAttention
 from sparda.config import SelectionConfig, SpardaConfig
+from sparda.engine.runner import ModelRunner
 from sparda.errors import SpardaError
 from sparda.kernels import reference as ref
 
@@ -97,11 +98,15 @@ def tiny(make_tiny):
 
 
 def _use(llm, name: str, cfg: SelectionConfig, forecast: Forecast):
-    """Install method ``name`` with budget ``cfg`` (block-sparse prefill) on ``llm``."""
+    """Install method ``name`` with budget ``cfg`` (block-sparse prefill) on ``llm``: the
+    method's class decides whether the KV cache is offloaded (``cache.offload`` off), and the
+    :class:`ModelRunner` that ``llm.prefill`` / ``decode`` / ``logits`` run through gets both."""
     llm.config = dataclasses.replace(llm.config, method="infinigen" if name == "infinigen" else "sparda",
-                                     selection=cfg, sparse_prefill=True, offload=None)
+                                     selection=cfg, sparse_prefill=True,
+                                     cache=dataclasses.replace(llm.config.cache, offload=False))
     extra = {} if name == "infinigen" else {"forecast": forecast}
     llm.method = METHODS[name](llm.config, llm.shape, model=llm.model, **extra)
+    llm.model_runner = ModelRunner(llm.model, llm.method, llm.config)
     return llm.method
 
 
@@ -318,7 +323,7 @@ def test_infinigen_and_prefill_forecast_ignore_the_completed_window(tiny):
         assert (a[..., :j] > 0).all()
     forecast = Forecast.for_shape(s)
     method = _use(tiny, "sparda", cfg, forecast)
-    step = tiny._step("prefill", torch.tensor([0]), pos, t + 1)
+    step = tiny.model_runner._step("prefill", torch.tensor([0]), pos, t + 1)
     k = torch.zeros(1, s.num_kv_heads, t + 1, s.head_dim)
     for layer in range(s.num_layers):
         f = forecast.project(layer, h, cos, sin)  # [1, H, 1, d]
