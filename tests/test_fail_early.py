@@ -221,8 +221,8 @@ def test_cli_seed_reaches_sampling(tiny_llm, make_tiny):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["generate", "-p", "hi", "--temperature", "nan"], "temperature (--temperature) must be a finite number"),
-    (["generate", "-p", "hi", "--max-new-tokens", "0"], "--max-new-tokens) must be a whole number >= 1, got 0"),
+    (["generate", "-p", "hi", "--temperature", "nan"], "--temperature must be a finite number"),
+    (["generate", "-p", "hi", "--max-new-tokens", "0"], "error: --max-new-tokens must be a whole number >= 1, got 0"),
     (["generate", "-p", "   "], "empty prompt"),
     (["generate", "-p", "hi", "--method", "infinigen", "--offload"], "--offload is not supported for method "
                                                                       "'infinigen'"),
@@ -314,3 +314,14 @@ def test_dense_fallback_note_names_the_option_as_the_caller_spells_it(make_tiny,
     cli = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
     assert result.exit_code == 0, result.output
     assert len(cli) == 1 and "lower --dense-len" in cli[0], cli
+
+
+@pytest.mark.parametrize("kwargs, start", [({"max_new_tokens": 0}, "max_new_tokens must be a whole number"),
+                                           ({"top_p": 2.0}, "top_p must be a number in (0, 1]")])
+def test_api_errors_name_the_keyword_once(make_tiny, kwargs, start):
+    from sparda import LLM
+
+    llm = LLM(str(make_tiny("llama")), method="dense", device="cpu")
+    with pytest.raises(SpardaError) as info:
+        llm.generate(["hi"], **kwargs)
+    assert str(info.value).startswith(start) and "--" not in str(info.value), str(info.value)

@@ -33,14 +33,14 @@ def check_sampling(max_new_tokens, temperature, top_p, seed=0) -> None:
         SpardaError: the first bad argument, by name, with its value and the accepted range.
     """
     if not _whole(max_new_tokens) or max_new_tokens < 1:
-        raise SpardaError(f"max_new_tokens (--max-new-tokens) must be a whole number >= 1, got {max_new_tokens!r}")
+        raise SpardaError(f"--max-new-tokens must be a whole number >= 1, got {max_new_tokens!r}")
     if not _real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise SpardaError(f"temperature (--temperature) must be a finite number >= 0 (0 is greedy), "
+        raise SpardaError(f"--temperature must be a finite number >= 0 (0 is greedy), "
                           f"got {temperature!r}")
     if not _real(top_p) or not 0 < top_p <= 1:  # NaN fails both comparisons
-        raise SpardaError(f"top_p (--top-p) must be a number in (0, 1] (1 keeps every token), got {top_p!r}")
+        raise SpardaError(f"--top-p must be a number in (0, 1] (1 keeps every token), got {top_p!r}")
     if not _whole(seed):
-        raise SpardaError(f"seed (--seed) must be a whole number, got {seed!r}")
+        raise SpardaError(f"--seed must be a whole number, got {seed!r}")
 
 
 def check_prompts(prompts) -> list[str]:
