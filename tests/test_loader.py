@@ -65,6 +65,34 @@ def test_cli_by_name_with_hf_home_offline(tmp_path, make_tiny):
                                                            "Hugging Face cache")
 
 
+def test_cli_sparda_without_forecast_names_the_hub_model_not_its_commit(tmp_path, make_tiny):
+    """`generate --model ORG/NAME --method sparda` with no Forecast weights for it: one line
+    naming ORG/NAME (not the snapshot's commit hash) and how to train and pass the weights."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    _hub_cache(tmp_path / "hf" / "hub", "tiny-org/tiny-llama", make_tiny("llama"), revision)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env.pop("HF_HUB_CACHE", None)
+    cmd = [sys.executable, "-m", "sparda", "generate", "--model", "tiny-org/tiny-llama", "--method", "sparda",
+           "--device", "cpu", "--no-chat", "-p", "hello", "--max-new-tokens", "3"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0] == done.stderr.strip().splitlines()[-1], done.stderr
+    assert errors[0].startswith("error: no Forecast weights for tiny-org/tiny-llama;"), errors
+    assert revision[:8] not in done.stderr
+    assert re.search(r"`sparda train-forecast --model tiny-org/tiny-llama .*--out (\S+)` .*--forecast \1",
+                     errors[0]), errors[0]
+
+
+def test_hub_repo_id_of_a_snapshot_directory(tmp_path):
+    snap = tmp_path / "models--org--name.v2" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    assert loader.hub_repo_id(snap) == "org/name.v2"
+    assert loader.hub_repo_id(tmp_path / "models--org--name.v2") is None
+    assert loader.hub_repo_id(tmp_path) is None and loader.hub_repo_id(None) is None
+
+
 def test_pytorch_bin_weights_load_like_safetensors(tmp_path, make_tiny):
     from safetensors.torch import load_file
 

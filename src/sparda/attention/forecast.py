@@ -36,7 +36,7 @@ from sparda.errors import SpardaError
 from sparda.io import atomic_output
 from sparda import kernels
 from sparda.kernels import reference as ref
-from sparda.model.loader import conversion_source, shipped_name
+from sparda.model.loader import conversion_source, hub_repo_id, shipped_name
 
 FORMAT = "sparda-forecast-v1"
 #: Shipped weights (files in sparda/assets/forecast), keyed by the name the model is
@@ -276,12 +276,13 @@ class ForecastAttention(BlockSparseMethod):
         super().__init__(config, shape, model=model, model_dir=model_dir)
         self.meta: dict[str, str] = {}
         if forecast is None:
-            display = model_name(model_dir)
+            # a Hugging Face snapshot by its ORG/NAME, not by its directory (the commit hash)
+            display = hub_repo_id(model_dir) or model_name(model_dir)
             path = config.forecast_path or shipped_path(shipped_name(model_dir))
             if path is None:
                 raise SpardaError(f"no Forecast weights for {display or 'this model'}; train them with "
-                                  "`sparda train-forecast --model ... --out F.safetensors` and pass --forecast F.safetensors, "
-                                  "or use --method sparse")
+                                  f"`sparda train-forecast --model {hub_repo_id(model_dir) or '...'} --out F.safetensors` "
+                                  "and pass --forecast F.safetensors, or use --method sparse")
             if model is None:
                 raise SpardaError("method sparda needs the model to check its Forecast weights")
             forecast, self.meta = load_forecast(path, model.config, shape, display)

@@ -264,6 +264,19 @@ def hub_snapshot(repo_id: str) -> Path:
             "or pass a model directory") from exc
 
 
+def hub_repo_id(model_dir) -> str | None:
+    """``ORG/NAME`` of a snapshot directory of the Hugging Face cache
+    (``.../models--ORG--NAME/snapshots/<commit>``), else None (also for None)."""
+    if model_dir is None:
+        return None
+    path = Path(model_dir)
+    repo = path.parent.parent.name
+    if path.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    repo_id = repo[len("models--"):].replace("--", "/", 1)
+    return repo_id if is_repo_id(repo_id) else None
+
+
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """Turn ``--model`` into a Hugging Face model directory.
 
