@@ -174,3 +174,53 @@ def test_shutdown_ends_every_stream_with_a_final_chunk_and_done_and_exits_0(make
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_prompt_of_megabytes_is_refused_at_once_and_health_stays_under_100_ms(make_tiny):
+    """A ~9 MB prompt that cannot fit --max-model-len is a 400 from its byte length alone
+    (at least ceil(bytes / longest token) tokens), not after ~10 s of tokenising 1.8M
+    tokens; /health, polled while the request is in flight, answers within 100 ms."""
+    import concurrent.futures
+    import json
+    import math
+    import random
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    model = make_tiny("llama")
+    longest = max(map(len, AutoTokenizer.from_pretrained(model).get_vocab()))  # byte-level: a character is a byte
+    words = ["the", "model", "reads", "a", "very", "long", "prompt", "and", "refuses", "it", "quickly", "\n"]
+    prompt = " ".join(random.choices(words, k=1_800_000))
+    assert 8e6 < len(prompt.encode()) < 12e6
+    tokens = math.ceil(len(prompt.encode()) / longest)
+    # serialised here, not on the posting thread while /health is timed
+    bodies = {"/v1/completions": json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2}).encode(),
+              "/v1/chat/completions": json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()}
+    proc, url, log = start_serve("--model", str(model), "--method", "dense", "--device", "cpu", "--max-batch", "1",
+                                 "--max-model-len", "192", "--served-model-name", "tiny")
+    try:
+        with httpx.Client() as health, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            assert health.get(url + "/health").status_code == 200  # the connection, outside the timing
+            for path, body in bodies.items():
+                waits = []
+                begun = time.perf_counter()
+                pending = pool.submit(httpx.post, url + path, content=body, timeout=120,
+                                      headers={"content-type": "application/json"})
+                while not pending.done():
+                    start = time.perf_counter()
+                    assert health.get(url + "/health").status_code == 200
+                    waits.append(time.perf_counter() - start)
+                took = time.perf_counter() - begun
+                response = pending.result()
+                error = response.json()["error"]
+                assert response.status_code == 400 and error["param"] == "prompt", error
+                assert error["message"] == (f"prompt of at least {tokens} tokens does not fit --max-model-len 192 "
+                                            "(it needs room for at least one new token); shorten the prompt")
+                assert took < 5, f"{path}: the refusal took {took:.1f} s"
+                assert waits and max(waits) < 0.1, f"/health waited {sorted(waits)[-5:]} s beside {path}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices  # short prompts still run
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)

@@ -450,6 +450,50 @@ def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
     assert waits[2] < 0.1 and waits[-1] < 1.0, f"/health waited {waits} s behind a tokenisation"  # median, worst
 
 
+def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):
+    """ceil(kept bytes / bytes_per_token) never exceeds the real count, on adversarial text:
+    the longest tokens repeated, special tokens back to back, whitespace runs, bytes the
+    vocabulary drops, random Unicode; tokenizers with no sound bound get None."""
+    import random
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sparda.server.protocol import TokenFloor, token_floor
+
+    floor = token_floor(bundled_tokenizer)
+    vocab = bundled_tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    specials = bundled_tokenizer.all_special_tokens
+    assert floor.bytes_per_token == max(len(longest), *(len(t.encode()) for t in specials))
+    assert b"\x04" in floor.unkept and bundled_tokenizer.encode("\x04" * 50) == []  # dropped: counts 0 bytes
+    pieces = [bundled_tokenizer.convert_tokens_to_string([longest]), "\n" + " " * 200, "\x04\x06\x13",
+              *specials, "\u00e9", "\U0001d400", "\ud55c\uae00", "ab", " the"]
+    for _ in range(300):
+        text = "".join(random.choice(pieces) if random.random() < 0.7 else chr(random.randint(32, 0x2FFFF))
+                       for _ in range(random.randint(1, 40)))
+        text = text.encode("utf-8", "ignore").decode("utf-8")  # no lone surrogates
+        real = len(bundled_tokenizer.encode(text))
+        assert floor.tokens(text) <= real, (text, floor.tokens(text), real)
+    # a SentencePiece-like byte-fallback BPE: spaces become "\u2581" (1 byte to 3)
+    words = ["\u2581", "t", "h", "e", "a", "b", "\u2581t", "\u2581th", "\u2581the", "ab"]
+    pieces = {f"<0x{b:02X}>": b for b in range(256)} | {w: 256 + i for i, w in enumerate(words)}
+    spm = Tokenizer(models.BPE(pieces, [("\u2581", "t"), ("\u2581t", "h"), ("\u2581th", "e"), ("a", "b")],
+                               byte_fallback=True))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    spm_floor = token_floor(PreTrainedTokenizerFast(tokenizer_object=spm))
+    assert spm_floor == TokenFloor(len("\u2581the".encode()), b"")
+    for _ in range(100):
+        text = "".join(random.choice([" the", "ab", " ", "\u00e9", "x"]) for _ in range(random.randint(1, 60)))
+        assert spm_floor.tokens(text) <= len(spm.encode(text).ids), text
+    word_split = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    word_split.pre_tokenizer = pre_tokenizers.Whitespace()
+    stripped = Tokenizer(models.BPE({"a": 0, "<0x00>": 1}, [], byte_fallback=True))
+    stripped.normalizer = normalizers.Strip()
+    for backend in (word_split, stripped):
+        assert token_floor(PreTrainedTokenizerFast(tokenizer_object=backend)) is None
+
+
 @pytest.mark.parametrize("protect", [False, True])
 def test_api_key_guards_the_api_with_the_openai_client(tiny_dir, protect):
     from sparda.server.app import exposure_warning

@@ -57,9 +57,9 @@ from sparda.engine.scheduler import QueueFull
 from sparda.errors import SpardaError
 from sparda.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from sparda.server.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, BadRequest, Limits, chat_logprobs,
-                                    chat_messages, chat_response, check_fields, check_prompt_length, check_text,
-                                    completion_logprobs, completion_prompts, completion_response, error_body, new_id,
-                                    sampling_params, usage)
+                                    chat_messages, chat_response, check_fields, check_prompt_bytes, check_prompt_length,
+                                    check_text, completion_logprobs, completion_prompts, completion_response,
+                                    error_body, new_id, sampling_params, token_floor, usage)
 
 log = logging.getLogger("sparda.server")
 
@@ -323,7 +323,9 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
                        open_paths=frozenset() if protect_health_metrics else OPEN_PATHS)
     app.state.engine = engine
     tokenizer = engine.tokenizer
-    limits = Limits(engine.vocab_size, engine.max_model_len, engine.scheduler.max_waiting)
+    # token_floor: a prompt that cannot fit is refused by its byte length, before tokenising
+    limits = Limits(engine.vocab_size, engine.max_model_len, engine.scheduler.max_waiting,
+                    token_floor(tokenizer))
 
     # ------------------------------------------------------------- errors
     @app.exception_handler(SpardaError)
@@ -528,6 +530,9 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         if "messages" not in body or body["messages"] is None:
             raise BadRequest("missing required field 'messages'", "messages")
         messages = chat_messages(body["messages"])
+        # the template holds each message's text, maybe trimmed: at least the longest one
+        longest = max((m["content"].strip() for m in messages), key=len)
+        check_prompt_bytes(longest, check_text(longest, "messages"), limits)
         want_logprobs = bool(body.get("logprobs"))
         if body.get("top_logprobs") is not None and not want_logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")

@@ -52,6 +52,9 @@ class Limits:
     vocab_size: int
     max_model_len: int
     max_waiting: int
+    #: how few tokens a text can be (:func:`token_floor`), to refuse a prompt that cannot
+    #: fit before tokenising it; None: no such refusal
+    token_floor: TokenFloor | None = None
 
 
 # ------------------------------------------------------------------ field rules
@@ -281,11 +284,14 @@ def _check_message_keys(messages: list) -> list[str]:
     return ignored
 
 
-def check_text(text: str, param: str) -> None:
+def check_text(text: str, param: str) -> int:
     """Refuse text the tokenizer cannot encode: an unpaired UTF-16 surrogate (JSON allows
-    ``"\\ud800"``; no UTF-8 text holds one). Raises BadRequest naming the position."""
+    ``"\\ud800"``; no UTF-8 text holds one). Raises BadRequest naming the position.
+    Returns the text's length in UTF-8 bytes."""
+    if text.isascii():  # O(1) in CPython, and no surrogate
+        return len(text)
     try:
-        text.encode("utf-8")
+        return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise BadRequest(f"{param} holds text that cannot be encoded: an unpaired surrogate "
                          f"{text[exc.start]!r} at character {exc.start}; send valid Unicode", param) from None
@@ -314,7 +320,7 @@ def completion_prompts(prompt, limits: Limits) -> list[str | list[int]]:
         if isinstance(p, str):
             if not p:
                 raise BadRequest("prompt is empty; pass some text", "prompt")
-            check_text(p, "prompt")
+            check_prompt_bytes(p, check_text(p, "prompt"), limits)
             out.append(p)
         elif isinstance(p, list) and p and all(_int(t) for t in p):
             check_prompt_length(len(p), limits)
@@ -330,15 +336,136 @@ def completion_prompts(prompt, limits: Limits) -> list[str | list[int]]:
     return out
 
 
-def check_prompt_length(num_prompt: int, limits: Limits, max_tokens: int | None = None) -> None:
-    """Refuse a prompt that can never fit a row (as the scheduler would, before any work)."""
+def check_prompt_length(num_prompt: int, limits: Limits, max_tokens: int | None = None, *,
+                        at_least: bool = False) -> None:
+    """Refuse a prompt that can never fit a row (as the scheduler would, before any work);
+    ``at_least``: ``num_prompt`` is a lower bound (:func:`check_prompt_bytes`)."""
     if num_prompt >= limits.max_model_len:
-        raise BadRequest(f"prompt of {num_prompt} tokens does not fit --max-model-len {limits.max_model_len} "
+        raise BadRequest(f"prompt of {'at least ' if at_least else ''}{num_prompt} tokens does not fit "
+                         f"--max-model-len {limits.max_model_len} "
                          "(it needs room for at least one new token); shorten the prompt", "prompt")
     if max_tokens is not None and num_prompt + max_tokens > limits.max_model_len:
         raise BadRequest(f"prompt of {num_prompt} tokens plus max_tokens {max_tokens} exceeds --max-model-len "
                          f"{limits.max_model_len}; lower max_tokens to at most {limits.max_model_len - num_prompt}",
                          "max_tokens")
+
+
+def check_prompt_bytes(text: str, num_bytes: int, limits: Limits) -> None:
+    """Refuse, before tokenising it, a prompt ``text`` of ``num_bytes`` UTF-8 bytes that
+    cannot fit --max-model-len by :attr:`Limits.token_floor` (a prompt of megabytes is
+    refused at once, not after seconds of tokenising)."""
+    floor = limits.token_floor
+    if floor is None or -(-num_bytes // floor.bytes_per_token) < limits.max_model_len:
+        return  # it may fit (the cheap bound, from the length alone)
+    check_prompt_length(floor.tokens(text), limits, at_least=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFloor:
+    """A lower bound on how many tokens a text is, from its UTF-8 bytes alone
+    (:func:`token_floor`): one token stands for at most ``bytes_per_token`` bytes, and
+    the byte values in ``unkept`` may get no token at all (a byte-level vocabulary without
+    them drops them)."""
+
+    bytes_per_token: int
+    unkept: bytes = b""
+
+    def tokens(self, text: str) -> int:
+        """At least how many tokens ``text`` is."""
+        data = text.encode("utf-8")
+        kept = len(data.translate(None, self.unkept)) if self.unkept else len(data)
+        return -(-kept // self.bytes_per_token)
+
+
+#: most a Unicode normalisation (NFC, NFKC, NFD, NFKD) or lowercasing shrinks UTF-8 text:
+#: 4 bytes to 1 (NFKC of U+1D400 MATHEMATICAL BOLD CAPITAL A is "A"; Hangul jamo compose
+#: 9 bytes to 3; KELVIN SIGN lowercases 3 bytes to 1)
+_NORMALISER_SHRINK = 4
+#: pre-tokenizers that keep every character of the text (split it, or replace spaces);
+#: Split and Punctuation only unless their behaviour is "removed"
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"}
+
+
+def _shrink(normalizer) -> int | None:
+    """At most how many times fewer UTF-8 bytes ``normalizer`` (tokenizer.json) leaves
+    of a text; None if unbounded or unknown (strip, regex replace, charsmaps, ...)."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        total = 1
+        for part in normalizer.get("normalizers", []):
+            factor = _shrink(part)
+            if factor is None:
+                return None
+            total *= factor
+        return total
+    if kind in ("NFC", "NFD", "NFKC", "NFKD", "Lowercase"):
+        return _NORMALISER_SHRINK
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern, content = normalizer.get("pattern") or {}, normalizer.get("content") or ""
+        if set(pattern) != {"String"} or not content or not pattern["String"]:
+            return None
+        return max(1, -(-len(pattern["String"].encode()) // len(content.encode())))
+    return None
+
+
+def _pre_tokenizers(pre_tokenizer) -> list[dict]:
+    if pre_tokenizer is None:
+        return []
+    if pre_tokenizer.get("type") == "Sequence":
+        return [p for part in pre_tokenizer.get("pretokenizers", []) for p in _pre_tokenizers(part)]
+    return [pre_tokenizer]
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character standing for each byte value."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def token_floor(tokenizer) -> TokenFloor | None:
+    """How few tokens a text can be for ``tokenizer`` (:class:`TokenFloor`), or None where
+    no bound is known: not a fast tokenizer; a model that can turn any run of unknown text
+    into one token (WordPiece, BPE or Unigram without byte fallback, unless byte-level); a
+    normaliser or pre-tokenizer that can drop text (strip, regex replace, whitespace split).
+
+    Read once from the tokenizer.json structure. Byte-level BPE: each character of a token
+    string is one byte of text, and byte values missing from the vocabulary may be dropped
+    (``unkept``). Byte fallback: a token string's UTF-8 length bounds the normalised text it
+    covers. Either is multiplied by how much the normaliser can shrink text (:func:`_shrink`).
+    Added (special) tokens match the raw text: their content's UTF-8 length.
+    """
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # an unserialisable custom component
+        return None
+    model, pres = spec.get("model") or {}, _pre_tokenizers(spec.get("pre_tokenizer"))
+    shrink = _shrink(spec.get("normalizer"))
+    if (shrink is None or model.get("type") not in ("BPE", "Unigram")
+            or any(p.get("type") not in _KEEPING_PRE_TOKENIZERS or str(p.get("behavior", "")).lower() == "removed"
+                   for p in pres)):
+        return None
+    vocab = model.get("vocab") or {}
+    pieces = set(vocab) if isinstance(vocab, dict) else {entry[0] for entry in vocab}
+    unkept = b""
+    if model["type"] == "BPE" and any(p["type"] == "ByteLevel" for p in pres):
+        unkept = bytes(b for b, char in _byte_chars().items() if char not in pieces)
+        longest = max(map(len, pieces))
+    elif model.get("byte_fallback") and {f"<0x{b:02X}>" for b in range(256)} <= pieces:
+        longest = max(len(p.encode("utf-8")) for p in pieces)
+    else:
+        return None
+    added = [len(t["content"].encode("utf-8")) for t in spec.get("added_tokens") or ()]
+    return TokenFloor(max([longest * shrink, *added]), unkept)
 
 
 def chat_messages(messages) -> list[dict[str, str]]:
