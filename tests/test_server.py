@@ -415,6 +415,9 @@ def test_every_error_is_an_openai_error_object(server, monkeypatch):
 
     check(httpx.post(server.url + "/v1/completions", content=chunked()), 413, "exceeds --max-request-bytes")
     check(httpx.post(server.url + "/v1/completions", content=b""), 400, "the request body is not valid JSON")
+    # a schema violation: an OpenAI 400 naming the field, never FastAPI's 422 {"detail": ...}
+    check(httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": "many"}),
+          400, "max_tokens")
 
     def broken():
         raise RuntimeError("injected bug")
