@@ -123,7 +123,8 @@ def test_batched_prefill_gives_each_prompt_its_own_prefill(tiny, forecast_file, 
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in lengths]
     capacity = max(lengths) + 8
     # a quantised cache rounds keys that differ by float summation order (1e-7) to codes a
-    # level apart now and then: a looser bound on logits, and few such codes in the state
+    # level apart now and then, and a code a level apart in one layer moves every later
+    # layer's K/V a little: a looser relative bound (1e-3) on logits and on the state
     quantised = "kv_dtype" in options
     tol = 1e-3 if quantised else 2e-5
     assert llm.prefill_groups(llm.new_cache(4, capacity), prompts) == [[0, 1, 2, 3]]
@@ -143,8 +144,9 @@ def test_batched_prefill_gives_each_prompt_its_own_prefill(tiny, forecast_file, 
         assert got.keys() == want.keys()
         for key in want:
             if quantised:
-                off = ((got[key].double() - want[key].double()).abs() > 1e-5 + 1e-5 * want[key].double().abs())
-                assert got[key].shape == want[key].shape and off.float().mean() < 2e-3, (i, key, off.sum())
+                assert got[key].shape == want[key].shape, (i, key)
+                if not torch.equal(got[key], want[key]):
+                    assert _rel(got[key], want[key]) < tol, (i, key, _rel(got[key], want[key]))
             else:
                 torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=f"row {i} {key}")
     if llm.config.sparse_prefill and method not in ("dense", "h2o", "snapkv", "shallow"):  # these prefill densely
