@@ -219,7 +219,8 @@ def stall(argv: list[str]) -> None:
             "model": args.model, "method": args.method + (" (offloaded, random Forecast)" if extra.get("offload") else "") + ", paper preset",
             "streams": args.streams, "stream_prompt_tokens": args.stream_tokens, "long": args.long,
             "long_prompt_tokens": args.prompt_tokens,
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+            "commit": os.environ.get("SPARDA_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
     (args.out / "serve_stall.json").write_text(json.dumps({**meta, "records": records}, indent=1))
     print(f"{meta['device']}, {args.model}, {meta['method']}, {args.streams} streams of {args.stream_tokens} decoding, {args.long} prompts of "
           f"{args.prompt_tokens} arrive\n")
