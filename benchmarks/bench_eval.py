@@ -267,14 +267,11 @@ def kvquant_plans(args) -> list[tuple[str, EvalPlan]]:
     """Issue #14's accuracy per KV-cache dtype: for each of ``--kv-dtypes`` the directory
     ``OUT/kv-<dtype>`` (the dtype is part of a plan's fingerprint) holds two plans, ``passkey``
     at ``--kv-lengths`` (``--samples``) and ``ppl-decode`` at ``--kv-ppl-lengths``
-    (``--ppl-windows`` windows, ``--decode-tokens`` decoded), for ``--kv-methods``. Raises
-    SpardaError for an unknown dtype."""
-    from sparda.kernels.quant import check_kv_dtype
-
+    (``--ppl-windows`` windows, ``--decode-tokens`` decoded), for ``--kv-methods``."""
     out = Path(args.out)
     plans = []
     for kv in args.kv_dtypes:
-        common = dict(methods=args.kv_methods, samples=args.samples, out=str(out / f"kv-{check_kv_dtype(kv)}"),
+        common = dict(methods=args.kv_methods, samples=args.samples, out=str(out / f"kv-{kv}"),
                       model=args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                       ppl_windows=args.ppl_windows, kv_dtype=kv, decode_tokens=args.decode_tokens)
         plans += [(f"kvquant-{kv}", EvalPlan(tasks=("passkey",), lengths=args.kv_lengths, **common)),

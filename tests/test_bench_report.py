@@ -184,7 +184,7 @@ def test_offloaded_records_at_another_slot_factor_do_not_count(key):
     """A failing offloaded point at slot factor 1 (an ablation, or a record from before spare slots:
     no field) is a point of its own and leaves every verdict as it was; with ``slot_factor=None`` it counts."""
     from sparda.bench.records import DEFAULT_SLOT_FACTOR, dedup, point_label
-    from sparda.cache.offload import DEFAULT_SLOT_FACTOR as ENGINE_DEFAULT
+    from sparda.config import DEFAULT_SLOT_FACTOR as ENGINE_DEFAULT
 
     assert DEFAULT_SLOT_FACTOR == ENGINE_DEFAULT
     recs = copy.deepcopy(_passing())

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sparda.cache.hot import HotBlocks, check_hot
+from sparda.cache.hot import HotBlocks
 from sparda.cache.offload import OffloadKVCache
 from sparda.cache.transfer import SyncEngine
 from sparda.config import SelectionConfig
@@ -180,22 +180,24 @@ def test_mixed_prefill_pool_and_partial_slot_are_exact():
 
 
 def test_mixed_refused_on_device_and_checked():
-    from sparda.cache.device import DeviceKVCache
+    """The config, the one place these options are checked, refuses them before the model
+    loads (no such model is looked for) and fills the defaults (P = budget, R = 4)."""
+    from sparda.config import DEFAULT_HOT_STEPS, build_config
     from sparda.engine.llm import LLM
 
-    cfg = SelectionConfig(**SMALL)
-    with pytest.raises(SpardaError, match="--kv-dtype mixed .* on the device; add --offload"):
-        DeviceKVCache(1, 1, 1, 16, 64, cfg, torch.float32, "cpu", kv_dtype="mixed")
-    for method in ("dense", "sparse", "quest"):  # before the model loads: no such model is looked for
+    for method in ("dense", "sparse", "quest"):
         with pytest.raises(SpardaError, match=f"method {method}.* keeps its KV cache on the device"):
             LLM("/nonexistent/model", method=method, kv_dtype="mixed", device="cpu")
-    with pytest.raises(SpardaError, match="kv_hot_blocks must be an integer >= local_blocks 2"):
-        check_hot(1, None, cfg)
-    with pytest.raises(SpardaError, match="kv_hot_steps must be an integer >= 1"):
-        check_hot(None, 0, cfg)
+    with pytest.raises(SpardaError, match="kv_hot_blocks must be an integer of at least local_blocks"):
+        LLM("/nonexistent/model", method="sparse-offload", kv_dtype="mixed", kv_hot_blocks=1, local_blocks=2,
+            device="cpu")
+    with pytest.raises(SpardaError, match="kv_hot_steps .*decode steps"):
+        LLM("/nonexistent/model", method="sparse-offload", kv_dtype="mixed", kv_hot_steps=0, device="cpu")
     with pytest.raises(SpardaError, match=r"^kv_hot_blocks / kv_hot_steps apply to kv_dtype=mixed only"):
         LLM("/nonexistent/model", method="sparse-offload", kv_hot_blocks=8, device="cpu")
-    assert check_hot(None, None, cfg) == (cfg.budget_blocks, 4)
+    cfg = build_config(method="sparse-offload", kv_dtype="mixed", device="cpu")
+    assert (cfg.cache.hot_blocks, cfg.cache.hot_steps) == (cfg.selection.budget_blocks, DEFAULT_HOT_STEPS) == \
+        (cfg.selection.budget_blocks, 4)
 
 
 def test_cli_mixed_on_device_exits_2_with_one_line():

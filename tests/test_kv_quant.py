@@ -9,6 +9,7 @@ import torch
 from sparda.cache.device import DeviceKVCache
 from sparda.cache.offload import OffloadKVCache
 from sparda.config import SelectionConfig
+from sparda.engine.llm import LLM
 from sparda.errors import SpardaError
 from sparda.kernels import quant
 from sparda.kernels import reference as ref
@@ -54,8 +55,8 @@ def test_int4_packs_two_values_per_byte():
     assert torch.equal(quant.dequantize(data, scale, "int4"), x)
     with pytest.raises(SpardaError, match="even head dim"):
         quant.quantize(torch.randn(2, 5), "int4")
-    with pytest.raises(SpardaError, match="unknown kv_dtype"):
-        quant.check_kv_dtype("fp8")
+    with pytest.raises(SpardaError, match="unknown kv_dtype 'fp8'; choose one of bf16, int8, int4, mixed"):
+        LLM("/nonexistent/model", method="sparse", kv_dtype="fp8", device="cpu")
 
 
 def _step(phase, rows, q_pos, max_kv_len):

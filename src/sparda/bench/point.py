@@ -17,7 +17,8 @@ from sparda.bench.timing import ComponentTimer
 from sparda.bench.traces import Replayer, replay_masks, synthetic_masks, trace_for
 from sparda.cache import pinned
 from sparda.cache.host import available_host_bytes
-from sparda.cache.offload import DEFAULT_SLOT_FACTOR, spare_slot_count
+from sparda.cache.offload import spare_slot_count
+from sparda.config import DEFAULT_SLOT_FACTOR
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.llm import LLM
 from sparda.errors import SpardaError

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sparda.errors import SpardaError
 
-#: the offloaded cache's default slot factor (:data:`sparda.cache.offload.DEFAULT_SLOT_FACTOR`;
+#: the offloaded cache's default slot factor (:data:`sparda.config.DEFAULT_SLOT_FACTOR`;
 #: a copy, so that reading records needs no torch; a test keeps them equal)
 DEFAULT_SLOT_FACTOR = 1.5
 

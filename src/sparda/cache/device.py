@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from sparda import kernels
-from sparda.config import MIXED_ON_DEVICE, SelectionConfig
+from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
 from sparda.kernels import quant
 from sparda.kernels import reference as ref
@@ -58,8 +58,7 @@ class DeviceKVCache:
             :meth:`view`; the compressed keys are computed from the unquantised keys (a ring
             ``[B, H, kernel, d]`` of the last ``kernel`` keys per row, in ``dtype``).
     Raises:
-        SpardaError: if the cache does not fit in memory (bytes needed are named), or
-            ``kv_dtype`` ``mixed`` (offloaded caches only).
+        SpardaError: if the cache does not fit in memory (bytes needed are named).
     """
 
     #: :meth:`append` takes a batched prefill (``StepInfo.row_lengths``, design §3.8)
@@ -69,9 +68,7 @@ class DeviceKVCache:
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, kv_dtype: str = "bf16") -> None:
         self.selection = selection
-        self.kv_dtype = kv_dtype = quant.check_kv_dtype(kv_dtype)
-        if kv_dtype == "mixed":
-            raise SpardaError(MIXED_ON_DEVICE.format(what="an on-device KV cache"))
+        self.kv_dtype = kv_dtype  # checked by the config (``mixed``: offloaded caches only)
         self.dtype = dtype
         self.capacity = capacity
         self.num_ck_capacity = ref.num_compressed(capacity, selection.kernel_size, selection.kernel_stride)

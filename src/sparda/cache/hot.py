@@ -27,11 +27,8 @@ from __future__ import annotations
 import torch
 
 from sparda.config import SelectionConfig
-from sparda.errors import SpardaError
 from sparda.kernels.twins import ids_to_block_mask
 
-#: default ``hot_steps`` ``R``: decode steps a block stays hot without being selected
-DEFAULT_HOT_STEPS = 4
 #: ``last`` of a block never selected
 NEVER = -(2**40)
 
@@ -39,19 +36,6 @@ NEVER = -(2**40)
 def default_hot_blocks(selection: SelectionConfig) -> int:
     """Default pool size ``P``: the budget, ``init + local + topk`` blocks."""
     return selection.budget_blocks
-
-
-def check_hot(hot_blocks, hot_steps, selection: SelectionConfig) -> tuple[int, int]:
-    """``(P, R)`` validated (``None``: the defaults). Raises SpardaError naming the fix."""
-    p = default_hot_blocks(selection) if hot_blocks is None else hot_blocks
-    r = DEFAULT_HOT_STEPS if hot_steps is None else hot_steps
-    if isinstance(p, bool) or not isinstance(p, int) or p < selection.local_blocks:
-        raise SpardaError(f"kv_hot_blocks must be an integer >= local_blocks {selection.local_blocks} (the local "
-                          f"window stays hot), got {hot_blocks!r}; e.g. --kv-hot-blocks {default_hot_blocks(selection)}")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise SpardaError(f"kv_hot_steps must be an integer >= 1 (decode steps), got {hot_steps!r}; "
-                          f"e.g. --kv-hot-steps {DEFAULT_HOT_STEPS}")
-    return p, r
 
 
 class HotBlocks:

@@ -29,10 +29,10 @@ import torch
 
 from sparda.cache.device import fill_ring, window_keys
 from sparda.cache.host import DEFAULT_CHUNK_BYTES, HostKVStore
-from sparda.cache.hot import HotBlocks, check_hot
+from sparda.cache.hot import HotBlocks, default_hot_blocks
 from sparda.cache.prefetch import Prefetcher
 from sparda.cache.transfer import make_engine
-from sparda.config import SelectionConfig
+from sparda.config import DEFAULT_HOT_STEPS, DEFAULT_SLOT_FACTOR, SelectionConfig
 from sparda.errors import SpardaError
 from sparda import kernels
 from sparda.kernels import quant
@@ -46,27 +46,13 @@ def num_slots(capacity: int, cfg: SelectionConfig) -> int:
     return max(1, min(blocks, max(cfg.budget_blocks, -(-cfg.dense_len // cfg.block_size))))
 
 
-#: default :class:`OffloadKVCache` ``slot_factor`` (design §6).
-DEFAULT_SLOT_FACTOR = 1.5
-
-
-def check_slot_factor(value) -> float:
-    """``value`` as a float ``slot_factor`` (>= 1, finite). Raises SpardaError naming the fix."""
-    try:
-        factor = float(value)
-    except (TypeError, ValueError):
-        factor = float("nan")
-    if not (1.0 <= factor < float("inf")):
-        raise SpardaError(f"slot_factor must be a number >= 1 (GPU slots per selected block), got {value!r}")
-    return factor
-
 
 def spare_slot_count(capacity: int, cfg: SelectionConfig, slot_factor: float) -> int:
     """``S``: GPU slots per offloaded layer and KV head, ``ceil(slot_factor * W)`` for the
     selection width ``W`` of :func:`num_slots`, at most the blocks of ``capacity`` tokens."""
     width = num_slots(capacity, cfg)
     blocks = -(-capacity // cfg.block_size)
-    return max(width, min(blocks, math.ceil(check_slot_factor(slot_factor) * width - 1e-9)))
+    return max(width, min(blocks, math.ceil(slot_factor * width - 1e-9)))
 
 
 class OffloadKVCache:
@@ -94,8 +80,8 @@ class OffloadKVCache:
             fetch reads a hot block's ``dtype`` copy and a cold block's int4 bytes (then
             dequantised into its slot).
         hot_blocks, hot_steps: ``mixed`` only: the pool's ``P`` blocks per (row, KV head) and
-            the ``R`` decode steps a block stays hot unselected (``None``: the defaults of
-            :func:`~sparda.cache.hot.check_hot`, ``P = budget_blocks``, ``R = 4``).
+            the ``R`` decode steps a block stays hot unselected (``None``: the defaults,
+            ``P = budget_blocks``, ``R = 4``; checked by the config).
         early_attention: in :meth:`attend`, a layer whose prefetch is pending attends to
             its resident blocks first, waits for the copy, then attends to the copied ones
             and combines (CUDA; same result; design §6).
@@ -120,11 +106,12 @@ class OffloadKVCache:
                  hot_steps: int | None = None) -> None:
         self.device = torch.device(device)
         self.early_attention = bool(early_attention)
-        self.kv_dtype = kv_dtype = quant.check_kv_dtype(kv_dtype)
+        self.kv_dtype = kv_dtype  # the options are checked by the config, once
         #: ``kv_dtype`` ``mixed``: int4 host store + bf16 hot pool (design §6.1)
         self.mixed = kv_dtype == "mixed"
         if self.mixed:
-            hot_blocks, hot_steps = check_hot(hot_blocks, hot_steps, selection)
+            hot_blocks = default_hot_blocks(selection) if hot_blocks is None else hot_blocks
+            hot_steps = DEFAULT_HOT_STEPS if hot_steps is None else hot_steps
         buf_dtype = quant.slot_dtype(kv_dtype)  # slots and resident layers
         self.dtype = dtype
         self.selection = cfg = selection
@@ -138,7 +125,7 @@ class OffloadKVCache:
         self.offloaded = tuple(l for l in range(num_layers) if l not in self.resident)
         #: ``W``: blocks of the widest selection (the ids :meth:`fetch` takes).
         self.select_width = num_slots(capacity, cfg)
-        self.slot_factor = check_slot_factor(slot_factor)
+        self.slot_factor = float(slot_factor)
         #: ``S``: slots per offloaded layer and KV head (slot ``S`` is the partial block).
         self.slots = spare_slot_count(capacity, cfg, self.slot_factor)
         self.engine = make_engine(engine, self.device, batch=batch, **(engine_options or {}))

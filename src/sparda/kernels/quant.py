@@ -13,7 +13,7 @@ import torch
 from sparda.config import KV_DTYPES
 from sparda.errors import SpardaError
 
-__all__ = ["KV_DTYPES", "QuantizedKV", "check_kv_dtype", "dequantize", "quantize", "token_bytes"]
+__all__ = ["KV_DTYPES", "QuantizedKV", "dequantize", "quantize", "token_bytes"]
 #: bits per value of each quantised type
 BITS = {"int8": 8, "int4": 4}
 #: fp32 numbers stored per token and head beside the data: ``(step, lo)``
@@ -22,19 +22,6 @@ SCALE_DIM = 2
 SCALE_DTYPE = torch.float32
 #: the host store's type under ``kv_dtype`` ``mixed`` (every block; hot ones also in bf16)
 MIXED_STORE = "int4"
-
-
-def check_kv_dtype(kv_dtype: str | None) -> str:
-    """``kv_dtype`` validated (``None`` -> ``bf16``).
-
-    Raises:
-        SpardaError: not one of :data:`KV_DTYPES`.
-    """
-    name = "bf16" if kv_dtype is None else kv_dtype
-    if name not in KV_DTYPES:
-        raise SpardaError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)} "
-                          "(--kv-dtype)")
-    return name
 
 
 def is_quantized(kv_dtype: str) -> bool:
