@@ -43,7 +43,7 @@ def _lengths(gen) -> list[int]:
 
 
 def drive(name, group, cfg, options=None, sparse_prefill=False, seed=0):
-    """Run a method on random inputs; returns ``(inputs, lengths, prefill outputs, decode outputs, method)``.
+    """Run a method on random inputs; returns ``(inputs, lengths, prefill outputs, decode outputs, cache)``.
 
     ``inputs[l] = (q [B, H, G, T, d], k, v [B, H, T, d])`` fp32; decode output
     ``outs[s][l]`` is ``[B, H, G, d]``; prefill ``pre[r][l]`` is ``[H, G, T_r, d]``.
@@ -82,7 +82,7 @@ def drive(name, group, cfg, options=None, sparse_prefill=False, seed=0):
                 qs = q[rows, :, :, pos].unsqueeze(3)  # [B, H, G, 1, d]
                 outs.append(method.attend(layer, qs, torch.zeros(batch, 1, 16), cache, step)[:, :, :, 0])
             dec.append(outs)
-    return inputs, lengths, pre, dec, method
+    return inputs, lengths, pre, dec, cache
 
 
 # ----------------------------------------------------------------- float64 reference
@@ -232,7 +232,7 @@ class Reference:
 def check(name, group, budget, options=None, sparse_prefill=False, seed=0):
     cfg = SelectionConfig(**{**BASE, **BUDGETS[budget]})
     options = options or {}
-    inputs, lengths, pre, dec, method = drive(name, group, cfg, options, sparse_prefill, seed)
+    inputs, lengths, pre, dec, cache = drive(name, group, cfg, options, sparse_prefill, seed)
     ref = Reference(name, cfg, inputs, lengths, options)
     read = valid = 0
     for r, t in enumerate(lengths):  # prefill: dense, or per-token selection with sparse_prefill
@@ -261,7 +261,7 @@ def check(name, group, budget, options=None, sparse_prefill=False, seed=0):
                         name, "decode step", s, "layer", layer, "row", r, "head", h, sorted(blocks))
                     read += len(blocks)
                     valid += t // cfg.block_size + 1
-    assert method.read_fraction() == pytest.approx(read / valid, abs=1e-12)
+    assert cache.read_fraction() == pytest.approx(read / valid, abs=1e-12)
     if budget != "select":
         assert read == valid  # the dense fallback, or a budget over the context, drops nothing
     return read / valid

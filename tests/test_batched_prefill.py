@@ -79,7 +79,7 @@ def _row_state(cache, row: int, num_tokens: int) -> dict[str, torch.Tensor]:
     num_ck = cache.num_compressed(num_tokens)
     state = {"length": cache.lengths[row].clone(),
              "ck": torch.stack([ck[row, :, :num_ck] for ck in cache.ck])}
-    if hasattr(cache, "k"):  # DeviceKVCache
+    if not cache.offload:  # DeviceKVCache
         for layer in range(len(cache.k)):
             k, v, _ = cache.view(layer, torch.tensor([row]), num_tokens)
             state[f"kv{layer}"] = torch.stack([k[0], v[0]])

@@ -60,10 +60,10 @@ def test_fused_step_equals_unfused_step(tiny, forecast_file, method, extra, fres
         b = plain.decode(caches[1], tokens, positions)
         assert _rel(a, b) <= 1e-5, (method, int(positions.max()), f"seed={fresh_seed}")
         tokens, positions = b.argmax(-1), positions + 1
-    assert fused.method.read_fraction() == pytest.approx(plain.method.read_fraction(), abs=1e-12)
+    assert caches[0].read_fraction() == pytest.approx(caches[1].read_fraction(), abs=1e-12)
     for row in range(3):
-        assert fused.method.read_fraction(row) == pytest.approx(plain.method.read_fraction(row), abs=1e-12)
-    if hasattr(caches[0], "prefetcher"):
+        assert caches[0].read_fraction(row) == pytest.approx(caches[1].read_fraction(row), abs=1e-12)
+    if caches[0].prefetcher is not None:
         sa, sb = caches[0].offload_stats(steps * 3), caches[1].offload_stats(steps * 3)
         assert (sa["hits"], sa["misses"]) == (sb["hits"], sb["misses"]) and sa["misses"] > 0
 

@@ -124,13 +124,13 @@ def _run(llm, method, ids: list[int], split: int):
         layer_of["now"] = layer
         return attend(layer, q, h, cache, step)
 
-    def spy_count(step, read_mask):
+    def spy_count(cache, step, read_mask):
         if step.phase == "decode":
             assert read_mask is not None, "the test budget must select in every decode step"
             masks[(int(step.q_pos[0, -1]), layer_of["now"])] = read_mask[0].clone()
-        return count(step, read_mask)
+        return count(cache, step, read_mask)
 
-    offloaded = hasattr(method, "_attend_decode")
+    offloaded = method.offloaded
     if offloaded:  # offloaded decode counts in the slot diff: read what attention reads instead
         attend_decode = method._attend_decode
 

@@ -97,7 +97,7 @@ def test_sparse_offload_matches_device_sparse(tiny):
     prompt = torch.randint(100, 20000, (150,)).tolist()
     worst, same, cache = _run_lockstep(ref, off, [prompt], 256)
     assert worst <= 1e-5 and same
-    assert off.method.read_fraction() < 0.5  # selection really dropped blocks
+    assert cache.read_fraction() < 0.5  # selection really dropped blocks
     stats = cache.offload_stats(256)
     assert stats["misses"] > 0 and stats["hits"] > stats["misses"]
 
@@ -130,7 +130,7 @@ def test_offloaded_shallow_matches_device_shallow(tiny, shallow_layers):
     assert cache.offloaded == tuple(range(shallow_layers, off.shape.num_layers))
     stats = cache.offload_stats(96)
     assert stats["misses"] > 0 and stats["hits"] > 0
-    assert off.method.read_fraction() < 0.9  # the deep layers read a subset
+    assert cache.read_fraction() < 0.9  # the deep layers read a subset
     with pytest.raises(SpardaError, match="shallow_select_once=True does not run offloaded"):
         _llm(tiny, "shallow", offload=True, shallow_select_once=True)
 
@@ -582,7 +582,7 @@ def test_spare_slots_keep_offloaded_logits_equal(tiny, slot_factor, prompt_len, 
     if prompt_len < 100:  # the short case: S capped by the cache's blocks
         assert s == cache.num_blocks < math.ceil(slot_factor * width), where
     else:
-        assert off.method.read_fraction() < 0.6, where  # selection really dropped blocks
+        assert cache.read_fraction() < 0.6, where  # selection really dropped blocks
     stats = cache.offload_stats(steps)
     assert stats["misses"] > 0, where
     if s > width:

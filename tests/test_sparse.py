@@ -35,7 +35,7 @@ def test_small_budget_really_drops_blocks_and_prefill_equals_decode(make_tiny, m
     llm.prefill(cache, 0, ids[:-12])
     steps = [llm.decode(cache, torch.tensor([ids[i]]), torch.tensor([i]))[0] for i in range(len(ids) - 12, len(ids))]
     torch.testing.assert_close(torch.stack(steps), full[-12:], rtol=1e-4, atol=1e-4)
-    assert 0 < llm.method.read_fraction() < 1
+    assert 0 < cache.read_fraction() < 1
 
 
 def test_sparse_batch_of_different_lengths_matches_single_runs(make_tiny):

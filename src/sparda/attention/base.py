@@ -9,20 +9,13 @@ allocate cache memory.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
 from sparda.attention.dense_heads import dense_head_mask, widen_to_dense
-from sparda.attention.row_state import PerCache
 from sparda.config import SpardaConfig
 from sparda import kernels
 from sparda.kernels import reference as ref
-
-
-def _fresh_counters() -> dict[str, object]:
-    """Decode counters before the first decode step (host zeros; device ``[B]`` after it)."""
-    return {"blocks_read": 0.0, "blocks_valid": 0.0}
 
 
 class AttentionMethod:
@@ -31,11 +24,9 @@ class AttentionMethod:
     Attributes:
         config: the :class:`SpardaConfig`.
         shape: the model's :class:`~sparda.model.llama.ModelShape`.
-        stats: counters summed over decode steps (``blocks_read``, ``blocks_valid``), of
-            the KV cache last given to :meth:`bind` (one set per live cache: an engine's
-            counters and those of a ``generate`` call between its steps stay apart, and a
-            CUDA graph captured on a cache counts into that cache's tensors), or of no
-            cache (methods driven directly, ``sparda.hf``).
+
+    A method keeps no per-cache state of its own: decode counters and per-row selector
+    state live in the cache it is handed (:class:`~sparda.cache.base.KVCache`).
     """
 
     name = "base"
@@ -49,6 +40,8 @@ class AttentionMethod:
     #: other rows between them (design §3.8): no per-row state that a padding decode of the
     #: half-prefilled row would change (the selectors with :class:`RowState` keep it whole)
     prefill_across_steps = True
+    #: the method reads an offloaded KV cache (``sparda.attention.offload``)
+    offloaded = False
 
     def __init__(self, config: SpardaConfig, shape, model=None, model_dir=None) -> None:
         #: the :class:`~sparda.model.llama.CausalLM` (lookahead methods read its weights)
@@ -58,40 +51,19 @@ class AttentionMethod:
         self.config = config
         self.selection = config.selection
         self.shape = shape
-        self._unbound_stats: dict[str, object] = _fresh_counters()
-        self._bound: weakref.ref | None = None
-        self._last_stats: dict[str, object] | None = None
-        self._cache_stats = PerCache(lambda cache: _fresh_counters())
-
-    def bind(self, cache) -> None:
-        """Count into ``cache``'s counters from now on (:attr:`stats`); ``None``: unbound.
-        ``sparda.LLM`` binds its cache at each prefill, decode step and graph replay."""
-        self._bound = None if cache is None else weakref.ref(cache)
-
-    @property
-    def stats(self) -> dict[str, object]:
-        """The decode counters of the bound cache (made at its first use); once that cache
-        is freed (a finished ``generate``), still its last counters until another is bound."""
-        cache = self._bound() if self._bound is not None else None
-        if cache is None:
-            return self._unbound_stats if self._bound is None or self._last_stats is None else self._last_stats
-        self._last_stats = self._cache_stats.of(cache)
-        return self._last_stats
-
-    @stats.setter
-    def stats(self, value: dict[str, object]) -> None:
-        self._unbound_stats = value
 
     def reset(self) -> None:
-        """Clear per-request state and counters (called before each prefill); device
-        counters are zeroed in place, so a captured CUDA graph keeps counting into them."""
+        """Forget what the method keeps between calls (called before each prefill); the
+        counters and per-row state of a cache are the cache's (:meth:`KVCache.reset_counters`)."""
         self.__dict__.pop("_decode_ids", None)
-        for key, value in self.stats.items():
-            if torch.is_tensor(value):
-                with torch.inference_mode():  # counters are made in inference mode
-                    value.zero_()
-            else:
-                self.stats[key] = 0.0
+
+    def cache_resident_layers(self) -> tuple[int, ...]:
+        """The layers an offloaded KV cache keeps whole on the device (none by default)."""
+        return ()
+
+    def state_from_cache(self, cache, context: int) -> None:
+        """Benchmarks: per-row selector state for a cache filled with ``context`` tokens
+        without a prefill (the stateful selectors; nothing for the others)."""
 
     def attend(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step) -> torch.Tensor:
         """Attention output ``[B, H_kv, G, Tq, d]`` for queries ``q [B, H_kv, G, Tq, d]``.
@@ -107,63 +79,39 @@ class AttentionMethod:
         (:mod:`sparda.engine.graph_runner`). ``None``: no branch (dense)."""
         return None
 
-    def read_fraction(self, row: int | None = None) -> float:
-        """Fraction of causally valid KV blocks read per decode step (1.0 = dense), summed
-        over KV heads, layers and steps: of sequence ``row``, or of the whole batch."""
-        read, valid = self.stats["blocks_read"], self.stats["blocks_valid"]
-        if row is not None and torch.is_tensor(valid):
-            read, valid = read[row], valid[row]
-        read, valid = float(torch.as_tensor(read).sum()), float(torch.as_tensor(valid).sum())
-        return read / valid if valid else 1.0
-
-    def _count(self, step, read_mask: torch.Tensor | None) -> None:
-        """Add one decode step's per-sequence block counts (device tensors: no host sync).
-
-        ``read_mask``: ``[B, ...]`` bool, the blocks this layer reads; ``None`` = all valid."""
+    def _count(self, cache, step, read_mask: torch.Tensor | None) -> None:
+        """Add one decode step's per-row block counts to ``cache.counters`` (device tensors:
+        no host sync). ``read_mask``: ``[B, ...]`` bool, the blocks this layer reads; ``None`` = all valid."""
         if step.phase != "decode":
             return
         valid = (step.q_pos[:, -1] // self.selection.block_size + 1) * self.shape.num_kv_heads  # [B]
         read = valid if read_mask is None else read_mask.reshape(read_mask.shape[0], -1).sum(-1)
-        self._accumulate("blocks_read", read)
-        self._accumulate("blocks_valid", valid)
+        self._accumulate(cache, "blocks_read", read)
+        self._accumulate(cache, "blocks_valid", valid)
 
-    def _counter(self, key: str, rows: int, device) -> torch.Tensor:
-        """The ``[rows]`` int64 counter of ``key`` on ``device`` in :attr:`stats`, made
-        (zeroed, plus any host count of earlier steps) when the current one has another
-        shape: a batch of another size than the last one counted starts afresh. A bound
-        cache keeps its size, so the tensors a captured graph adds into are never replaced."""
-        stats = self.stats
-        cur = stats[key]
-        if torch.is_tensor(cur) and cur.shape == (rows,) and cur.device == torch.device(device):
-            return cur
-        tensor = torch.zeros(rows, dtype=torch.long, device=device)
-        if not torch.is_tensor(cur):  # host counts of earlier steps carry over
-            tensor.add_(int(cur))
-        stats[key] = tensor
-        return tensor
+    @staticmethod
+    def _accumulate(cache, key: str, value: torch.Tensor) -> None:
+        """``cache.counters[key] += value`` in place (``[B]`` int64 on the device), so that a
+        captured CUDA graph keeps counting on replay (:meth:`KVCache.counter`)."""
+        cache.counter(key, value.shape[0], value.device).add_(value)
 
-    def _accumulate(self, key: str, value: torch.Tensor) -> None:
-        """``stats[key] += value`` in place (``[B]`` int64 on the device), so that a captured
-        CUDA graph keeps counting on replay; the first decode step allocates the counter
-        (:meth:`_counter`)."""
-        self._counter(key, value.shape[0], value.device).add_(value)
-
-    def _counters(self, step) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _counters(cache, step) -> tuple[torch.Tensor, torch.Tensor]:
         """``(blocks_read, blocks_valid)``: ``[B]`` int64 device counters of this decode step's
-        rows, allocated on first use, for kernels that count in place (the slot diff)."""
+        rows in ``cache``, allocated on first use, for kernels that count in place (the slot diff)."""
         b, dev = step.q_pos.shape[0], step.q_pos.device
-        return self._counter("blocks_read", b, dev), self._counter("blocks_valid", b, dev)
+        return cache.counter("blocks_read", b, dev), cache.counter("blocks_valid", b, dev)
 
-    def _count_ids(self, step, ids: torch.Tensor) -> None:
+    def _count_ids(self, cache, step, ids: torch.Tensor) -> None:
         """:meth:`_count` from selected block ids ``[B, H, W]`` (``-1`` padded) instead of a mask."""
         if step.phase != "decode":
             return
         valid = (step.q_pos[:, -1] // self.selection.block_size + 1) * self.shape.num_kv_heads
-        self._accumulate("blocks_read", (ids >= 0).sum((-1, -2)))
-        self._accumulate("blocks_valid", valid)
+        self._accumulate(cache, "blocks_read", (ids >= 0).sum((-1, -2)))
+        self._accumulate(cache, "blocks_valid", valid)
 
-    def _count_dense(self, step) -> None:
-        self._count(step, None)
+    def _count_dense(self, cache, step) -> None:
+        self._count(cache, step, None)
 
 
 def prefill_rows(step, *tensors: torch.Tensor):
@@ -409,7 +357,7 @@ class BlockSparseMethod(AttentionMethod):
         num_tokens = step.max_kv_len
         k, v, _ = cache.view(layer, step.rows, num_tokens)
         if not self.needs_selection(step) or (step.phase == "prefill" and not self.config.sparse_prefill):
-            self._count_dense(step)
+            self._count_dense(cache, step)
             return dense_attention(q, k, v, step)
         first = self.dense_prefix(step)
         mask = self.select(layer, q, h, cache, step, first)
@@ -418,7 +366,7 @@ class BlockSparseMethod(AttentionMethod):
         if dense is not None:  # design §3.7: these heads read every visible block
             mask = widen_to_dense(mask, dense, step.q_pos[:, first:], self.selection.block_size)
             ids = ref.block_mask_to_indices(mask[..., -1, :], mask.shape[-1]) if q.is_cuda else None
-        self._count(step, mask[..., -1, :])
+        self._count(cache, step, mask[..., -1, :])
         out = sparse_attention(q[..., first:, :], k, v, mask, step, first, self.selection, ids)
         if first == 0:
             return out

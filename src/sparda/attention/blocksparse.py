@@ -20,20 +20,6 @@ def fused_prefill_selection(t) -> bool:
     return t.is_cuda
 
 
-def prefill_compressed_keys(cache, layer: int, step):
-    """Compressed keys ``[b, H_kv, C, d]`` of ``step.rows`` for prefill selection, ``C =
-    cache.num_compressed(step.max_kv_len)``, without the K/V that ``cache.view`` also returns:
-    on a cache with a whole compressed-key buffer (``compressed``, the offloaded cache) the
-    rows are gathered from it directly, so a resident layer's K/V (``k_full``/``v_full``,
-    gathered by its ``view``: ``4 * H_kv * T * d`` bytes of bf16 read and written at ``T``
-    tokens) are not copied for a selection that never reads them; otherwise
-    ``cache.view``'s (a view on the device cache when ``rows`` covers the batch)."""
-    whole = getattr(cache, "compressed", None)
-    if whole is None:
-        return cache.view(layer, step.rows, step.max_kv_len)[2]
-    return whole(layer)[step.rows, :, :cache.num_compressed(step.max_kv_len)]
-
-
 class SparseAttention(BlockSparseMethod):
     """Query-based block-sparse attention (design §3.2–3.5)."""
 
@@ -50,7 +36,7 @@ class SparseAttention(BlockSparseMethod):
         Raises SpardaError (Triton path) on an unsupported dtype or head dim.
         """
         if step.phase == "prefill" and fused_prefill_selection(q):
-            ck = prefill_compressed_keys(cache, layer, step)
+            ck = cache.compressed_keys(layer, step.rows, step.max_kv_len)
             num_blocks = -(-step.max_kv_len // self.selection.block_size)
             return kernels.select_prefill_blocks(q[..., first:, :], ck, step.q_pos[:, first:], num_blocks,
                                                  self.selection)

@@ -29,7 +29,7 @@ class DenseAttention(AttentionMethod):
         num_tokens = step.max_kv_len
         k, v, _ = cache.view(layer, step.rows, num_tokens)
         if layer == 0:
-            self._count_dense(step)
+            self._count_dense(cache, step)
         window = self.shape.window(layer)
         if (step.phase == "decode" and q.is_cuda and q.shape[3] == 1 and supported_head_dim(q.shape[-1])
                 and (window is None or window >= k.shape[-2])):

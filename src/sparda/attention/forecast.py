@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from sparda.attention.base import BlockSparseMethod, dense_attention
-from sparda.attention.blocksparse import fused_prefill_selection, prefill_compressed_keys
+from sparda.attention.blocksparse import fused_prefill_selection
 from sparda.errors import SpardaError
 from sparda.io import atomic_output
 from sparda import kernels
@@ -295,7 +295,7 @@ class ForecastAttention(BlockSparseMethod):
         self._next_ids: dict[int, torch.Tensor] = {}  # decode, CUDA: target layer -> [B, H, W] ids
 
     def reset(self) -> None:
-        """Clear counters and the stored Forecast queries and masks (before each prefill)."""
+        """Clear the stored Forecast queries and masks (before each prefill)."""
         super().reset()
         self._queries.clear()
         self._masks.clear()
@@ -401,7 +401,7 @@ class ForecastAttention(BlockSparseMethod):
             return self._masks.pop(layer)
         if step.phase == "prefill" and fused_prefill_selection(q):
             f = self._queries.pop(layer)[..., first:, :]
-            ck = prefill_compressed_keys(cache, layer, step)
+            ck = cache.compressed_keys(layer, step.rows, step.max_kv_len)
             num_blocks = -(-step.max_kv_len // self.selection.block_size)
             return kernels.select_prefill_blocks(f, ck, step.q_pos[:, first:], num_blocks, self.selection,
                                                  lookahead=layer > 0)

@@ -67,10 +67,10 @@ class OffloadDecodeMixin:
         count them for a resident layer; returns the ids :meth:`_attend_decode` reads
         (``ids``, widened for a resident layer's dense heads by :meth:`_resident_ids`)."""
         if cache.is_offloaded(layer):
-            cache.fetch(layer, ids, step.q_pos[:, 0], prefetch=prefetch, counters=self._counters(step))
+            cache.fetch(layer, ids, step.q_pos[:, 0], prefetch=prefetch, counters=self._counters(cache, step))
             return ids
         ids = self._resident_ids(layer, ids, cache, step)
-        self._count_ids(step, ids)
+        self._count_ids(cache, step, ids)
         return ids
 
     def _resident_ids(self, layer: int, ids: torch.Tensor, cache, step) -> torch.Tensor:
@@ -139,7 +139,7 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
         super().__init__(*args, **kwargs)
 
     def reset(self) -> None:
-        """Clear counters, stored Forecast queries/masks and pending next-layer masks."""
+        """Clear stored Forecast queries/masks and pending next-layer masks."""
         super().reset()
         self._next = {}
 
@@ -166,7 +166,7 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
             # layer l+1's compressed keys before this step's token: the windows in [0, pos)
             query, ck_len = self.forecast_query(layer + 1, h, step), self._ck_len_before(step)
             if self.prefetch and cache.is_offloaded(layer + 1):
-                self._counters(step)  # allocated (first step) on the compute stream
+                self._counters(cache, step)  # allocated (first step) on the compute stream
                 with cache.prefetcher.ahead(layer + 1, query, ck_len, pos):  # off the compute stream
                     nxt = self._select(query, cache.compressed(layer + 1), pos, cache, ck_len=ck_len)
                     nxt = self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
@@ -232,7 +232,7 @@ class OffloadedShallowAttention(OffloadDecodeMixin, ShallowAttention):
         """Make this step's shared mask resident in every deep layer's slots (design §7)."""
         mask, pos = self._mask[:, :, -1, :], step.q_pos[:, 0]  # [B, H, N] bool, [B]
         ids = cache.selection_ids(mask)  # once for every deep layer
-        counters = self._counters(step)  # allocated on the compute stream
+        counters = self._counters(cache, step)  # allocated on the compute stream
         for deep in range(self.num_shallow, self.shape.num_layers):
             with cache.prefetcher.ahead(deep, ids, pos):
                 cache.fetch(deep, ids, pos, prefetch=True, counters=counters)

@@ -10,45 +10,16 @@ a row overwrites that row's state; decode reads and updates rows ``step.rows`` i
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
 
 
-class PerCache:
-    """One value per live KV cache, made by ``make(cache)`` at the cache's first use and
-    dropped with it (a weak reference): an engine's cache and the cache of a ``generate``
-    or ``logits`` call on the same model between two engine steps never share or replace
-    each other's value, and a CUDA graph captured on one cache keeps pointing at live
-    tensors. Used for the stateful selectors' :class:`RowState` and the methods' decode
-    counters (:attr:`sparda.attention.base.AttentionMethod.stats`).
-    """
-
-    def __init__(self, make: Callable[[object], object]) -> None:
-        self._make = make
-        self._values: dict[int, tuple[weakref.ref, object]] = {}
-
-    def of(self, cache):
-        """``cache``'s value, made at its first use."""
-        key = id(cache)
-        entry = self._values.get(key)
-        if entry is not None and entry[0]() is cache:
-            return entry[1]
-        value = self._make(cache)
-        values = self._values
-
-        def forget(ref, key=key):  # the cache is gone: drop its value (unless the id was reused)
-            if key in values and values[key][0] is ref:
-                del values[key]
-
-        values[key] = (weakref.ref(cache, forget), value)
-        return value
-
-
-class RowState(PerCache):
-    """Named device tensors sized by a KV cache, made by ``make(rows, capacity, device)``,
-    one set per live cache (:class:`PerCache`).
+class RowState:
+    """Named device tensors of a selector, one set per KV cache, kept by that cache
+    (:meth:`sparda.cache.base.KVCache.owned`): an engine's cache and that of a ``generate``
+    between its steps never share or replace each other's state, and a CUDA graph
+    captured on one cache keeps pointing at live tensors.
 
     Args:
         make: returns ``name -> tensor`` whose first dim is the cache's ``rows`` (``B_cap``),
@@ -56,10 +27,11 @@ class RowState(PerCache):
     """
 
     def __init__(self, make: Callable[[int, int, torch.device], dict[str, object]]) -> None:
-        def made(cache):  # a DeviceKVCache: lengths [B_cap], capacity
-            with torch.inference_mode():
-                return make(cache.lengths.shape[0], cache.capacity, cache.lengths.device)
-        super().__init__(made)
+        self._make = make
+
+    def of(self, cache) -> dict[str, object]:
+        """``cache``'s state, made at its first use."""
+        return cache.owned(self, lambda: self._make(cache.lengths.shape[0], cache.capacity, cache.lengths.device))
 
 
 def block_ids(num_blocks: int, device) -> torch.Tensor:

@@ -175,15 +175,13 @@ def fill_cache(cache, shape, batch: int, context: int, device, dtype, seed: int 
             cache.append(layer, k, v, step)
         del k, v
     cache.lengths.fill_(context)
-    if hasattr(cache, "_stash"):
-        cache._stash = None
+    cache.end_prefill()
 
 
 def prime_method(method, cache, context: int) -> None:
     """Give a stateful selector its per-row state for a :func:`fill_cache` cache (``state_from_cache``)."""
-    if hasattr(method, "state_from_cache"):
-        with torch.inference_mode():  # the state tensors are inference tensors
-            method.state_from_cache(cache, context)
+    with torch.inference_mode():  # the state tensors are inference tensors
+        method.state_from_cache(cache, context)
 
 
 def host_rss_bytes() -> int:
@@ -242,14 +240,14 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     cache = llm.new_cache(batch, capacity)
     fill_cache(cache, s, batch, context, dev, llm.dtype)
     prime_method(llm.method, cache, context)
-    offloaded = hasattr(cache, "fetch")
+    offloaded = cache.offload
     source = "native (random K/V)"
     replayer = None
     hit_rates = list(hit_rates) if offloaded else []
     if offloaded and hit_rate is None and hit_rates and not traces:
         hit_rate, hit_rates = hit_rates[0], hit_rates[1:]  # graphs must be captured with a replayer
 
-    num_blocks = getattr(cache, "num_blocks", 0)
+    num_blocks = cache.num_blocks if offloaded else 0
 
     def synthetic(rate):
         return synthetic_masks(s.num_layers, s.num_kv_heads, cfg, [context] * batch, total_steps,
@@ -290,6 +288,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         reference = torch.stack([step(eager) for _ in range(opts.parity_steps)])
         state["i"] = 0
         llm.method.reset()
+        cache.reset_counters()
         fill_cache(cache, s, batch, context, dev, llm.dtype)
         prime_method(llm.method, cache, context)
         if offloaded:
@@ -394,7 +393,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "kv": "host" if offloaded else "device", "kv_dtype": llm.config.cache.kv_dtype,
         "selection_source": source if offloaded else "native",
         "target_hit_rate": hit_rate if offloaded else None,
-        "read_fraction": round(llm.method.read_fraction(), 4),
+        "read_fraction": round(cache.read_fraction(), 4),
     }
     if points:
         rec["hit_rate_points"] = points
@@ -420,8 +419,8 @@ def profile_kernels(step, steps: int) -> dict:
 def restart(state: dict, cache, index: int = 0) -> None:
     """Start the replayed steps over at step ``index`` from the filled context (offloaded: empty slots)."""
     state["i"] = index
-    for layer in getattr(cache, "offloaded", ()):
-        cache.slot_map[layer].fill_(-1)
+    for slot_map in cache.slot_map.values():
+        slot_map.fill_(-1)
 
 
 def replay_to(step, state: dict, cache, start: int, minimum: int = 0) -> None:
@@ -439,7 +438,7 @@ def timed_run(step, state: dict, cache, opts, dev) -> list[float]:
     for _ in range(opts.warmup_steps):
         step()
     sync(dev)
-    if hasattr(cache, "prefetcher"):
+    if cache.prefetcher is not None:
         cache.prefetcher.reset()
     return _timed_repeats(step, opts, dev)
 

@@ -8,7 +8,6 @@ after every point, ``report.md`` and plots at the end.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import time
 from dataclasses import dataclass, field

@@ -79,7 +79,7 @@ class ComponentTimer:
         if hasattr(method, "forecast"):
             self.wrap(method.forecast, "project", "selection")
         self.wrap(cache, "append", "append")
-        if hasattr(cache, "fetch"):
+        if cache.offload:
             self.wrap(cache, "fetch", "transfer")
             self.wrap(cache.prefetcher, "wait", "transfer")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from sparda import kernels
+from sparda.cache.base import KVCache
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
 from sparda.kernels import quant
@@ -42,7 +43,7 @@ def fill_ring(ring: torch.Tensor, keys: torch.Tensor, start: int, end: int, kern
     ring[:, pos % kernel] = keys[:, pos - start].to(ring.dtype)
 
 
-class DeviceKVCache:
+class DeviceKVCache(KVCache):
     """Per-layer K/V ``[B, H_kv, capacity, d]`` and compressed keys ``[B, H_kv, C_cap, d]``.
 
     Compressed key ``j`` of a row is ``mean(K[j*s : j*s + k])`` over post-RoPE keys, kept
@@ -61,16 +62,13 @@ class DeviceKVCache:
         SpardaError: if the cache does not fit in memory (bytes needed are named).
     """
 
-    #: :meth:`append` takes a batched prefill (``StepInfo.row_lengths``, design §3.8)
-    batched_prefill = True
-
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, kv_dtype: str = "bf16") -> None:
+        super().__init__(batch, capacity, device)
         self.selection = selection
         self.kv_dtype = kv_dtype  # checked by the config (``mixed``: offloaded caches only)
         self.dtype = dtype
-        self.capacity = capacity
         self.num_ck_capacity = ref.num_compressed(capacity, selection.kernel_size, selection.kernel_stride)
         shape = (batch, num_kv_heads, capacity, head_dim)
         ck_shape = (batch, num_kv_heads, max(self.num_ck_capacity, 1), head_dim)
@@ -87,8 +85,6 @@ class DeviceKVCache:
             raise SpardaError(
                 f"KV cache of {need / 2**30:.2f} GiB does not fit on {device}; use a smaller batch or context"
             ) from exc
-        #: ``[B]`` int64 tokens stored per row.
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
 
     @property
     def nbytes(self) -> int:

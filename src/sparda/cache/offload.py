@@ -29,6 +29,7 @@ import torch
 
 from sparda.cache.device import fill_ring, window_keys
 from sparda.cache.host import DEFAULT_CHUNK_BYTES, HostKVStore
+from sparda.cache.base import KVCache
 from sparda.cache.hot import HotBlocks, default_hot_blocks
 from sparda.cache.prefetch import Prefetcher
 from sparda.cache.transfer import make_engine
@@ -55,7 +56,7 @@ def spare_slot_count(capacity: int, cfg: SelectionConfig, slot_factor: float) ->
     return max(width, min(blocks, math.ceil(slot_factor * width - 1e-9)))
 
 
-class OffloadKVCache:
+class OffloadKVCache(KVCache):
     """KV cache with host-resident K/V and a per-layer GPU block cache.
 
     Same ``append``/``view`` interface as :class:`~sparda.cache.device.DeviceKVCache`,
@@ -94,8 +95,7 @@ class OffloadKVCache:
         SpardaError: host or device memory does not suffice (bytes named), bad engine.
     """
 
-    #: :meth:`append` takes a batched prefill (``StepInfo.row_lengths``, design §3.8)
-    batched_prefill = True
+    offload = True
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
@@ -105,6 +105,7 @@ class OffloadKVCache:
                  slot_factor: float = DEFAULT_SLOT_FACTOR, hot_blocks: int | None = None,
                  hot_steps: int | None = None) -> None:
         self.device = torch.device(device)
+        super().__init__(batch, capacity, self.device)
         self.early_attention = bool(early_attention)
         self.kv_dtype = kv_dtype  # the options are checked by the config, once
         #: ``kv_dtype`` ``mixed``: int4 host store + bf16 hot pool (design §6.1)
@@ -115,7 +116,6 @@ class OffloadKVCache:
         buf_dtype = quant.slot_dtype(kv_dtype)  # slots and resident layers
         self.dtype = dtype
         self.selection = cfg = selection
-        self.capacity = capacity
         self.num_layers = num_layers
         self.batch = batch
         self.block_size = cfg.block_size
@@ -180,8 +180,6 @@ class OffloadKVCache:
         #: ``mixed``: the hot-block state (:mod:`sparda.cache.hot`)
         self.hot = (HotBlocks(self.offloaded, batch, num_kv_heads, self.num_blocks, cfg, self.hot_blocks,
                               self.hot_steps, self.device) if self.mixed else None)
-        #: ``[B]`` int64 tokens stored per row.
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._stash: tuple | None = None  # prefill: (layer, k, v) of the prompt being run
         self._slot_ids = torch.arange(self.slots + 1, device=self.device).view(1, 1, -1)
         self._scratch_count = torch.zeros(batch, dtype=torch.long, device=self.device)  # uncounted fetches
@@ -414,10 +412,19 @@ class OffloadKVCache:
             self._staging.finish()
             self._staging = None
 
+    def end_prefill(self) -> None:
+        self._stash = None
+
     # ----------------------------------------------------------------- view
     def compressed(self, layer: int) -> torch.Tensor:
         """The whole compressed-key buffer ``[B, H, C_cap, d]`` of ``layer`` (device)."""
         return self.ck[layer]
+
+    def compressed_keys(self, layer: int, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Gathered from the whole buffer: a resident layer's K/V (``k_full``/``v_full``,
+        ``4 * H_kv * T * d`` bytes of bf16 read and written at ``T`` tokens by :meth:`view`)
+        are not copied for a selection that never reads them."""
+        return self.ck[layer][rows, :, :self.num_compressed(num_tokens)]
 
     def view(self, layer: int, rows: torch.Tensor, num_tokens: int):
         """K, V ``[b, H, num_tokens, d]`` and compressed keys ``[b, H, C, d]`` of ``rows``.

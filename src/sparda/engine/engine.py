@@ -114,8 +114,7 @@ class Engine:
         self.cache = runner.new_cache(max_batch, max_model_len)
         runner.sync()
         self.cache_alloc_ms = (time.perf_counter() - start) * 1e3
-        llm.method.bind(self.cache)
-        llm.method.reset()  # once: from here on, per-row counters are zeroed at admission
+        llm.method.reset()  # nothing kept from a generate() before (the cache's counters start at 0)
         self.scheduler = Scheduler(max_batch, max_model_len, max_waiting)
         self.eos_ids = llm.eos_ids()
         self._kv_bytes_per_token = runner.kv_bytes_per_token()
@@ -144,7 +143,7 @@ class Engine:
     @property
     def offloaded(self) -> bool:
         """True if the KV cache lives in host memory (an OffloadKVCache)."""
-        return hasattr(self.cache, "offload_stats")
+        return self.cache.offload
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
@@ -266,10 +265,9 @@ class Engine:
     def _row_counters(self) -> list[torch.Tensor]:
         """Per-row ``[B]`` counters: the method's block counts (of this engine's cache), the
         offload hits/misses."""
-        self.llm.method.bind(self.cache)
-        counters = [v for v in getattr(self.llm.method, "stats", {}).values()
+        counters = [v for v in self.cache.counters.values()
                     if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == self.max_batch]
-        prefetcher = getattr(self.cache, "prefetcher", None)
+        prefetcher = self.cache.prefetcher
         if prefetcher is not None and prefetcher.hits is not None:
             counters += [prefetcher.hits, prefetcher.misses]
         return counters
@@ -401,7 +399,6 @@ class Engine:
         now = time.perf_counter()
         first = seq.first_token if seq.first_token is not None else now
         decoded = max(len(seq.output_ids) - 1, 0)
-        self.llm.method.bind(self.cache)  # its counters, not those of a generate() between steps
         stats = {
             "prompt_tokens": seq.num_prompt,
             "new_tokens": len(seq.output_ids),
@@ -412,7 +409,7 @@ class Engine:
             "latency_ms": round((now - seq.arrival) * 1e3, 3),
             "decode_tok_s": round(decoded / (now - first), 3) if decoded and now > first else 0.0,
             "kv_cache_bytes": int(self._kv_bytes_per_token * max(seq.num_prompt + len(seq.output_ids) - 1, 0)),
-            "kv_read_fraction": round(self.llm.method.read_fraction(seq.row), 4) if seq.row is not None else 1.0,
+            "kv_read_fraction": round(self.cache.read_fraction(seq.row), 4) if seq.row is not None else 1.0,
             "cache_alloc_ms": round(self.cache_alloc_ms, 3),
             "graph_capture_ms": round(self.runner.runner(self.cache).capture_s * 1e3, 3),
             "cuda_graph": self.runner.runner(self.cache).replays > 0,
@@ -439,7 +436,7 @@ class Engine:
         self._positions[row] = 0
         with torch.inference_mode():
             self.cache.lengths[row] = 0
-            for slot_map in getattr(self.cache, "slot_map", {}).values():
+            for slot_map in self.cache.slot_map.values():
                 slot_map[row] = -1
 
     def _refresh_offload(self) -> None:

@@ -53,9 +53,8 @@ class DecodeRunner:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.rows = torch.arange(batch, device=device)
-        engine = getattr(cache, "engine", None)
         self.use_graphs = bool(cuda_graphs and device.type == "cuda"
-                               and not getattr(engine, "syncs_host", False))
+                               and not (cache.engine is not None and cache.engine.syncs_host))
         self.graphs: dict = {}
         self.outputs: dict = {}
         self._warm: set = set()
@@ -89,7 +88,6 @@ class DecodeRunner:
         Returns logits ``[B, V]`` fp32. With graphs this is the graph's static output
         tensor: read (or copy) it before the next step overwrites it.
         """
-        self.model_runner.method.bind(self.cache)  # a replay counts into this cache's counters: read them
         if not self.use_graphs:
             return self.eager(live_len)
         key = self.model_runner.method.graph_key(live_len)

@@ -9,8 +9,6 @@ cache (docs/cuda_graphs.md). It never samples and never schedules: that is
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from sparda.cache.device import DeviceKVCache
@@ -45,15 +43,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ caches
     def cache_resident_layers(self) -> tuple:
         """The layers an offloaded cache keeps whole on the device (the method's choice)."""
-        method = self.method
-        if hasattr(method, "cache_resident_layers"):
-            return tuple(method.cache_resident_layers())
-        return tuple(getattr(method, "resident_layers", ()))
+        return tuple(self.method.cache_resident_layers())
 
     @property
     def offloaded(self) -> bool:
         """Whether this runner's caches live in host memory."""
-        return bool(self.config.offload or getattr(self.method, "offloaded", False))
+        return bool(self.config.offload or self.method.offloaded)
 
     def new_cache(self, batch: int, capacity: int):
         """An empty KV cache of ``batch`` rows x ``capacity`` tokens (``config.cache`` storage)."""
@@ -92,11 +87,6 @@ class ModelRunner:
         return StepInfo(phase=phase, rows=rows, q_pos=q_pos, kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin,
                         max_kv_len=max_kv_len, live_len=live_len, row=row)
 
-    @staticmethod
-    def _session(cache):
-        session = getattr(cache, "chunked_prefill", None)
-        return session() if session is not None else contextlib.nullcontext()
-
     @torch.inference_mode()
     def prefill(self, cache, row: int, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Run one prompt into cache row ``row``; logits ``[T or 1, V]`` fp32.
@@ -105,9 +95,8 @@ class ModelRunner:
         appends its K/V and attends to every key ``< end``, so the logits equal an
         unchunked prefill's; offloaded caches write each chunk to host memory (on CUDA on a
         side stream)."""
-        self.method.bind(cache)
         outs = []
-        with self._session(cache):
+        with cache.chunked_prefill():
             for start, end in self.chunks(len(ids)):
                 outs.append(self._chunk_forward(cache, row, ids, start, end, all_logits))
                 if not all_logits:
@@ -142,8 +131,7 @@ class ModelRunner:
         one's logits ``[1, V]`` fp32, equal to :meth:`prefill`'s when ``end = len(ids)``
         (the same chunks, the same order; an offloaded cache writes this chunk to host memory
         and reads the earlier ones back, :mod:`sparda.cache.chunked_prefill`)."""
-        self.method.bind(cache)
-        with self._session(cache):
+        with cache.chunked_prefill():
             return self._chunk_forward(cache, row, ids, start, end)[-1:]
 
     def prefill_groups(self, cache, prompts: list[list[int]]) -> list[list[int]]:
@@ -152,7 +140,7 @@ class ModelRunner:
         (design §3.8). A prompt longer than one chunk, a method or cache without batched
         prefill, or ``prefill_batch_tokens = 0`` gives groups of one."""
         budget, chunk = self.config.runtime.prefill_batch_tokens, self.config.runtime.prefill_chunk_tokens
-        batched = budget and self.method.batched_prefill and getattr(cache, "batched_prefill", False)
+        batched = budget and self.method.batched_prefill and cache.batched_prefill
         groups: list[list[int]] = []
         longest = 0  # of the last group, 0 if it cannot take more prompts
         for index, ids in enumerate(prompts):
@@ -182,7 +170,7 @@ class ModelRunner:
             raise SpardaError("empty prompt; pass some text")
         if len(prompts) == 1:
             return self.prefill(cache, rows[0], prompts[0])[-1:]
-        if not (self.method.batched_prefill and getattr(cache, "batched_prefill", False)):
+        if not (self.method.batched_prefill and cache.batched_prefill):
             raise SpardaError(f"method {self.config.method} has no batched prefill; prefill its prompts one at a time")
         longest = max(len(ids) for ids in prompts)
         chunk = self.config.runtime.prefill_chunk_tokens
@@ -190,14 +178,13 @@ class ModelRunner:
             raise SpardaError(f"a prompt of {longest} tokens exceeds one prefill chunk ({chunk}); prefill it alone")
         order = sorted(range(len(rows)), key=rows.__getitem__)  # ascending rows: a cache's whole-batch view
         rows, prompts = [rows[i] for i in order], [prompts[i] for i in order]
-        self.method.bind(cache)
         x = torch.tensor([ids + [0] * (longest - len(ids)) for ids in prompts], device=self.device)
         q_pos = torch.arange(longest, device=self.device).expand(len(prompts), longest)
         cos, sin = self.model.rotary(q_pos, self.dtype)
         step = StepInfo(phase="prefill", rows=torch.tensor(rows, device=self.device), q_pos=q_pos,
                         kv_len=q_pos[:, -1] + 1, cos=cos, sin=sin, max_kv_len=longest,
                         row_lengths=tuple(zip(rows, (len(ids) for ids in prompts))))
-        with self._session(cache):
+        with cache.chunked_prefill():
             logits = self.model(x, step, cache, self.method)[:, 0]
         return logits[torch.tensor(order, device=logits.device).argsort()]  # the callers' order
 
@@ -205,7 +192,6 @@ class ModelRunner:
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Next-token logits ``[T, V]`` fp32 at every position of ``ids`` (perplexity, agreement)."""
         cache = self.new_cache(1, len(ids))
-        self.method.bind(cache)
         self.method.reset()
         return self.prefill(cache, 0, ids, all_logits=True)
 
@@ -215,7 +201,6 @@ class ModelRunner:
         """The static-shape decode step (docs/cuda_graphs.md): ``tokens, positions, rows [B]``
         int64 -> logits ``[B, V]`` fp32; views span the cache's capacity, per-row lengths
         mask the rest; ``live_len`` (host int, tokens) steers host-side branches only."""
-        self.method.bind(cache)
         step = self._step("decode", rows, positions.view(-1, 1), cache.capacity, live_len)
         fused = self.fused_decoder()
         if fused is not None:
@@ -238,7 +223,7 @@ class ModelRunner:
 
     def runner(self, cache) -> DecodeRunner:
         """The :class:`~sparda.engine.graph_runner.DecodeRunner` of ``cache`` (one per cache)."""
-        run = getattr(cache, "decode_runner", None)
+        run = cache.decode_runner
         if run is None:
             run = cache.decode_runner = DecodeRunner(self, cache, self.config.runtime.cuda_graphs)
         return run

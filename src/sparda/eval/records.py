@@ -138,7 +138,6 @@ def teacher_forced_terms(llm, windows: list[list[int]], prefix: int, reference: 
     length = prefix + steps
     feed = torch.tensor([ids[prefix:length] for ids in windows], device=llm.device)  # [B, D]
     cache = llm.new_cache(batch, length)
-    llm.method.bind(cache)
     llm.method.reset()
     for row, ids in enumerate(windows):
         llm.prefill(cache, row, ids[:prefix])

@@ -71,6 +71,7 @@ class Session:
                 new.v[layer][:, :, :old.capacity] = old.v[layer]
                 new.ck[layer][:, :, :old.ck[layer].shape[2]] = old.ck[layer]
             new.lengths.copy_(old.lengths)
+            new.counters = old.counters  # the sequence's decode counters go on
         self.kv = new
 
     def begin_step(self, tokens: int, batch: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -378,12 +379,22 @@ def disable(model):
     return model
 
 
-def method_of(model):
-    """The sparda attention method an enabled model runs (its ``stats``, ``read_fraction``)."""
+def _session(model) -> Session:
     session = getattr(model, "_sparda", None)
     if session is None:
         raise SpardaError("the model is not enabled; call sparda.hf.enable(model, ...) first")
-    return session.method
+    return session
 
 
-__all__ = ["enable", "disable", "method_of", "ATTN_IMPLEMENTATION", "RUNNER_OPTIONS"]
+def method_of(model):
+    """The sparda attention method an enabled model runs."""
+    return _session(model).method
+
+
+def cache_of(model):
+    """The KV cache of the enabled model's current sequence (its ``counters`` and
+    ``read_fraction()``, :class:`~sparda.cache.base.KVCache`), ``None`` before the first forward."""
+    return _session(model).kv
+
+
+__all__ = ["enable", "disable", "method_of", "cache_of", "ATTN_IMPLEMENTATION", "RUNNER_OPTIONS"]

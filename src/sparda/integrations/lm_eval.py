@@ -137,7 +137,6 @@ class SpardaLM(TemplateLM):
         through batched decode steps. Returns ``(sum log p, all greedy)`` per pair (fp32)."""
         llm = self.llm
         cache = llm.new_cache(len(pairs), max(len(p) for p, _ in pairs) + max(len(c) for _, c in pairs))
-        llm.method.bind(cache)
         llm.method.reset()
         logp = [0.0] * len(pairs)
         greedy = [True] * len(pairs)

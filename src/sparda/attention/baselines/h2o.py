@@ -106,7 +106,7 @@ class H2OAttention(BlockSparseMethod):
                 st["acc"][layer][row, :, :mass.shape[-1]] += mass  # a later chunk adds its queries' mass
             return dense_attention(q, k, v, step)
         mask = self.decode_mask(layer, cache, step)
-        self._count(step, mask[..., -1, :])
+        self._count(cache, step, mask[..., -1, :])
         out = sparse_attention(q, k, v, mask, step, 0, self.selection)
         cfg = self.selection
         width = min(mask.shape[-1], max(cfg.budget_blocks, -(-cfg.dense_len // cfg.block_size)))

@@ -83,7 +83,7 @@ class InfiniGenAttention(BlockSparseMethod):
         self._queries: dict[int, torch.Tensor] = {}
 
     def reset(self) -> None:
-        """Clear counters and the stored partial queries (before each prefill)."""
+        """Clear the stored partial queries (before each prefill)."""
         super().reset()
         self._queries.clear()
 

@@ -97,7 +97,7 @@ class ShallowAttention(BlockSparseMethod):
         self.state = RowState(make)
 
     def reset(self) -> None:
-        """Clear counters and this step's partial sums (before each prefill)."""
+        """Clear this step's partial sums (before each prefill)."""
         super().reset()
         self._sum = self._mask = None
 
@@ -162,11 +162,11 @@ class ShallowAttention(BlockSparseMethod):
         k, v, _ = cache.view(layer, step.rows, step.max_kv_len)
         if layer < self.num_shallow:
             self._shallow(layer, q, k, cache, step)
-            self._count_dense(step)
+            self._count_dense(cache, step)
             return dense_attention(q, k, v, step)
         if step.phase == "prefill" or (not self.select_once and not self.needs_selection(step)):
-            self._count_dense(step)
+            self._count_dense(cache, step)
             return dense_attention(q, k, v, step)
         mask = self._mask
-        self._count(step, mask[..., -1, :])
+        self._count(cache, step, mask[..., -1, :])
         return decode_attention_any(q, k, v, mask, step, self.selection.block_size)

@@ -96,7 +96,7 @@ class SnapKVAttention(BlockSparseMethod):
         st["start"][row] = start
 
     def reset(self) -> None:
-        """Clear counters and the stashed window queries of earlier prefills."""
+        """Clear the stashed window queries of earlier prefills."""
         super().reset()
         self._window_q.clear()
 
@@ -119,5 +119,5 @@ class SnapKVAttention(BlockSparseMethod):
         fixed = st["fixed"][layer][step.rows]
         mask = fixed_set_mask(fixed[..., :-(-k.shape[-2] // self.selection.block_size)],
                               st["start"][step.rows], step.q_pos, self.selection.block_size)
-        self._count(step, mask[..., -1, :])
+        self._count(cache, step, mask[..., -1, :])
         return decode_attention_any(q, k, v, mask, step, self.selection.block_size)
