@@ -91,14 +91,9 @@ gets the time left as its sweep's ``--time-budget-s``); each writes JSON into ``
   every method, under the current defaults.
 * ``baselines``: the seeds' selectors beside ``sparse`` and offloaded ``sparda``, MiniCPM-8B
   shape, 128K, B4 and B16, parity 16; ``quest``: that method alone at the same points.
-* ``early``: offloaded ``sparda`` attending to its resident blocks before the prefetch
-  wait (``early_attention``, design §6): the overlapped slot attention in bf16 against the
-  fp32 twin; greedy tokens with it on vs off vs ``sparda-no-prefetch`` and graph vs eager
-  (random 4-layer model, bf16 + fp32); then TPOT and overlap off vs on, MiniCPM-8B shape,
-  128K at B4 / B16 and 32K at B24 (the balanced points), parity 32.
 * ``tune``: inside the replayed step of offloaded ``sparda`` (MiniCPM-8B shape, trace; 128K
-  B16 and 32K B24), TPOT for each UVA gather grid (CTAs x warps), side-stream priority
-  (high / normal) and early attention off / on; every configuration replays the same
+  B16 and 32K B24), TPOT for each UVA gather grid (CTAs x warps) and side-stream priority
+  (high / normal); every configuration replays the same
   steps from empty slots (``bench.point.restart``), the first one again at the end to show
   the drift.
 * ``kvquant``: quantised KV caches (issue #14, docs/kv_quant.md). First the fused RoPE +
@@ -117,7 +112,7 @@ gets the time left as its sweep's ``--time-budget-s``); each writes JSON into ``
 * ``kvmixed``: ``--kv-dtype mixed`` (int4 host store + bf16 hot pool): first the cold-slot
   dequantisation kernel against its twin and both timed (``cold_slots_check``), then offloaded
   ``sparda`` at 128K, mixed at bf16's largest batch and at its own, int4 at mixed's largest.
-* ``tune-synth``: as ``tune`` (early attention off) where the copy slows down inside the step:
+* ``tune-synth``: as ``tune`` where the copy slows down inside the step:
   synthetic selections of hit rate 0.9 at 128K B16 and 0.7 at 128K B4, grids 64 / 32 / 128 x 8,
   64 / 128 x 4, 16 x 8, priority high and normal, 48 timed steps each.
 * ``recheck``: ``hitrate`` under the current defaults, then offloaded ``sparda`` at 64K and 32K
@@ -749,90 +744,24 @@ def grid_long(out: Path, budget: float) -> list[dict]:
     return recs
 
 
-def early(out: Path, budget: float) -> list[dict]:
-    from sparda.bench.models import random_forecast
-    from sparda.engine.llm import LLM
-    from sparda.kernels import slot_diff, twins
-    from sparda.kernels.decode_attention import decode_attention_slots_triton
-
-    rows = []
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    bsz, heads, groups, d, slots, bs = (4, 2, 16, 128, 96, 64) if DEV == "cuda" else (2, 2, 4, 16, 12, 16)
-    slot_map = torch.full((bsz, heads, slots), -1, dtype=torch.long, device=DEV)
-    load, attn = torch.full_like(slot_map, -1), torch.full((bsz, heads, slots + 1), -1, dtype=torch.int32, device=DEV)
-    pos = torch.full((bsz,), 2047 * bs + 5, dtype=torch.long, device=DEV)
-    keep = slots * 5 // 6
-    for step in range(2):  # two selections: the second keeps ~5/6 of the first (hits) and adds misses
-        ids = torch.stack([torch.randperm(2047, generator=gen, device=DEV)[:slots - 1]
-                           for _ in range(bsz * heads)]).view(bsz, heads, -1)
-        if step:
-            ids[..., :keep] = prev[..., :keep]
-        prev = ids
-        ids = torch.cat([ids.sort(-1).values, torch.full((bsz, heads, 1), 2047, device=DEV)], -1)
-        slot_diff(ids, slot_map, pos, bs, 2048, load, attn)
-    q = torch.randn(bsz, heads, groups, d, device=DEV, generator=gen).bfloat16()
-    k = torch.randn(bsz, heads, slots + 1, bs, d, device=DEV, generator=gen).bfloat16()
-    v = torch.randn_like(k)
-    sid = torch.arange(slots + 1, device=DEV).view(1, 1, -1)
-    ref = twins.slots_attention_reference(q.float(), k.float(), v.float(), attn, sid, pos + 1)
-    for label, late in (("plain", None), ("overlapped", load)) if DEV == "cuda" else ():  # CPU: interpreter tests
-        o = decode_attention_slots_triton(q, k, v, attn, sid, pos + 1, late=late).float()
-        rows.append({"check": f"slot attention bf16 vs fp32 twin ({label})", "late_slots": int((load >= 0).sum()),
-                     "rel_err": float((o - ref).norm() / ref.norm())})
-        log(rows[-1])
-    prompts = [torch.randint(0, 2048, (n,)).tolist() for n in (1500, 2300, 700)]
-    sel = dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=512)
-    for dtype in (torch.bfloat16, torch.float32) if DEV == "cuda" else (torch.float32,):
-        model = _random_model(dtype)
-        forecast = random_forecast(model)
-        toks = {}
-        for name, method, graphs, early_on in (("on", "sparda", True, True), ("on-eager", "sparda", False, True),
-                                               ("off", "sparda", True, False),
-                                               ("no-prefetch", "sparda-no-prefetch", True, False)):
-            llm = LLM.from_model(model, method=method, preset="small", forecast=forecast, offload=True,
-                                 cuda_graphs=graphs, early_attention=early_on, **sel)
-            llm.tokenizer = NoText()
-            toks[name] = [o.token_ids for o in llm.generate(None, prompt_token_ids=prompts, max_new_tokens=64,
-                                                             ignore_eos=True)]
-        flat = lambda a: [t for x in toks[a] for t in x]  # noqa: E731
-        rows.append({"check": f"early attention tokens ({str(dtype).replace('torch.', '')})",
-                     "graph_equal_eager": toks["on"] == toks["on-eager"],
-                     "agreement_vs_off": round(sum(a == b for a, b in zip(flat("on"), flat("off"))) / len(flat("on")), 4),
-                     "agreement_vs_no_prefetch": round(sum(a == b for a, b in zip(flat("on"), flat("no-prefetch")))
-                                                       / len(flat("on")), 4)})
-        log(rows[-1])
-        del model, forecast
-    (out / "early-check.json").write_text(json.dumps(rows, indent=1))
-    recs = []
-    for name, kw in (("early-off-128k", dict(batches=[4, 16])), ("early-on-128k", dict(batches=[4, 16], early_attention=True)),
-                     ("early-off-32k", dict(batches=[24], contexts=[32768])),
-                     ("early-on-32k", dict(batches=[24], contexts=[32768], early_attention=True))):
-        left = budget - (time.perf_counter() - T0)
-        if left < 60:
-            break
-        recs += _sweep(out / name, left, methods=["sparda"], parity_steps=32, **kw)
-    return rows + recs
-
-
 def tune(out: Path, budget: float) -> list[dict]:
-    """The gather grid, side-stream priority and early attention on trace points (128K B16, 32K B24)."""
-    configs = [(ctas, warps, prio, early) for ctas, warps in ((32, 8), (16, 8), (64, 8), (32, 4))
-               for prio in (-1, 0) for early in (False, True)]
+    """The gather grid and side-stream priority on trace points (128K B16, 32K B24)."""
+    configs = [(ctas, warps, prio) for ctas, warps in ((32, 8), (16, 8), (64, 8), (32, 4)) for prio in (-1, 0)]
     return _tune(out / "tune.json", budget, [(131072, 16, None), (32768, 24, None)], configs, warm=3, timed=12)
 
 
 def tune_synth(out: Path, budget: float) -> list[dict]:
     """The gather grid (CTAs x warps) and side-stream priority where the copy slows down inside the
-    step (the 02b page): synthetic selections of hit rate 0.9 at 128K B16 and 0.7 at 128K B4, early
-    attention off, 48 timed steps."""
-    configs = [(ctas, warps, prio, False) for ctas, warps in ((64, 8), (32, 8), (128, 8), (64, 4), (128, 4), (16, 8))
+    step (the 02b page): synthetic selections of hit rate 0.9 at 128K B16 and 0.7 at 128K B4, 48
+    timed steps."""
+    configs = [(ctas, warps, prio) for ctas, warps in ((64, 8), (32, 8), (128, 8), (64, 4), (128, 4), (16, 8))
                for prio in (-1, 0)]
     return _tune(out / "tune-synth.json", budget, [(131072, 16, 0.9), (131072, 4, 0.7)], configs, warm=6, timed=48)
 
 
 def _tune(path: Path, budget: float, points, configs, warm: int, timed: int) -> list[dict]:
     """TPOT of offloaded ``sparda`` (MiniCPM-8B shape) for each configuration ``(ctas, warps,
-    priority, early)`` at each point ``(context, batch, hit_rate)`` (``None``: the shipped trace),
+    priority)`` at each point ``(context, batch, hit_rate)`` (``None``: the shipped trace),
     every configuration replaying the same steps from empty slots, the first one again at the
     end (the drift); rows to ``path``."""
     from sparda.bench import point as pt
@@ -863,11 +792,10 @@ def _tune(path: Path, budget: float, points, configs, warm: int, timed: int) -> 
         replayer = Replayer(masks.to(llm.device))
         replayer.install(cache)
         state = {"i": 0}
-        for ctas, warps, prio, early_on in configs + configs[:1]:
+        for ctas, warps, prio in configs + configs[:1]:
             if time.perf_counter() - start > budget - 30:
                 break
             cache.engine.num_ctas, cache.engine.num_warps = ctas, warps
-            cache.early_attention = early_on
             if DEV == "cuda":
                 cache.prefetcher.stream = torch.cuda.Stream(device=llm.device, priority=prio)
                 cache.prefetcher.select_stream = torch.cuda.Stream(device=llm.device, priority=prio)
@@ -891,7 +819,7 @@ def _tune(path: Path, budget: float, points, configs, warm: int, timed: int) -> 
             pt.sync(llm.device)
             rows.append({"part": path.stem, "model": name, "context": context, "batch": batch,
                          "target_hit_rate": hit_rate, "num_ctas": ctas,
-                         "num_warps": warps, "stream_priority": prio, "early_attention": early_on,
+                         "num_warps": warps, "stream_priority": prio,
                          "tpot_ms": round((time.perf_counter() - t) / timed * 1e3, 3)})
             log(rows[-1])
             del runner
@@ -1212,7 +1140,7 @@ def recheck(out: Path, budget: float) -> list[dict]:
                          parity_steps=16)
 
 
-PARTS = {"check": check, "recheck": recheck, "early": early, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
+PARTS = {"check": check, "recheck": recheck, "tune": tune, "quick": lambda out, budget: check(out, budget, quick=True),
          "hitrate": hitrate, "baselines": baselines, "quest": lambda out, budget: baselines(out, budget, ["quest"], "quest"), "b128": b128, "b128sparda": b128sparda, "cap80": cap80, "grid": grid, "grid-long": grid_long,
          "kvquant": kvquant, "kvmixed": kvmixed, "spare": spare, "tune-synth": tune_synth}
 

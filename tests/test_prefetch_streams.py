@@ -2,8 +2,8 @@
 the CPU: ``torch.cuda``'s streams, events and the device clock are replaced by recorders, so
 each stamp, copy, wait and accounting is logged with the stream it was issued on. Checked:
 the stamps sit where the module docs say (so that ``END - max(WAIT, READY)`` is the stall
-after the copy's inputs were ready), and early attention waits for the slot diff's outputs
-before it reads them (OffloadKVCache.attend)."""
+after the copy's inputs were ready), and the slot attention waits for the slot diff's
+outputs before it reads them (OffloadKVCache.attend)."""
 
 from __future__ import annotations
 
@@ -144,25 +144,20 @@ def test_synchronous_fetch_counts_all_of_its_stall_as_transfer(fake_cuda):
     assert len(streams.log) == 6
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_attention_reads_the_slot_diff_after_the_selection_stream(fake_cuda, monkeypatch, early):
-    """OffloadKVCache.attend: the slot attention (with early attention, its first part) is
-    issued only after the compute stream waited for the selection chain that wrote the ids it
-    reads; with early attention the copy's wait (WAIT stamp) comes between its two parts."""
+def test_attention_reads_the_slot_diff_after_the_selection_stream(fake_cuda, monkeypatch):
+    """OffloadKVCache.attend: the slot attention is issued only after the compute stream
+    waited for the selection chain that wrote the ids it reads and for the layer's copy."""
     import sparda.cache.offload as offload_mod
 
     streams, convert = fake_cuda
     cfg = SelectionConfig(block_size=16, kernel_size=8, kernel_stride=4, dense_len=0, init_blocks=1,
                           local_blocks=2, topk_blocks=3)
     cache = OffloadKVCache(2, 1, 2, 16, 96, cfg, torch.float32, "cpu", engine="sync", resident_layers=(0,),
-                           early_attention=early, timing=True)
+                           timing=True)
     convert(cache.prefetcher)
 
-    def attention(q, *args, between=None, **kwargs):
+    def attention(q, *args, **kwargs):
         streams.note("attention")
-        if between is not None:
-            between()
-            streams.note("attention late")
         return q
 
     monkeypatch.setattr(offload_mod.kernels, "decode_attention_slots", attention)
@@ -174,8 +169,4 @@ def test_attention_reads_the_slot_diff_after_the_selection_stream(fake_cuda, mon
     cache.attend(1, torch.zeros(1, 2, 1, 16), pos + 1, pos)
     main = streams.on("main")
     assert main.index(f"wait_event {selected}") < main.index("attention")
-    if early:
-        assert main[main.index("attention"):] == ["attention", "WAIT 1", f"wait_event {done}", "account 1",
-                                                  "attention late"]
-    else:
-        assert main[-5:] == ["WAIT 1", f"wait_event {selected}", f"wait_event {done}", "account 1", "attention"]
+    assert main[-5:] == ["WAIT 1", f"wait_event {selected}", f"wait_event {done}", "account 1", "attention"]

@@ -25,8 +25,8 @@ DEFAULT_SLOT_FACTOR = 1.5
 POINT_FIELDS = ("model", "method", "context", "batch", "selection_source", "target_hit_rate", "gpu_mem_cap_gb",
                 "cuda_graph", "kv", "dtype", "device", "kv_dtype", "slot_factor", "early_attention")
 #: the value of a field that older records do not carry, or a function of the record giving it
-#: (``kv_dtype``: they all ran bf16 caches; ``early_attention``: opt-in, off in every run before
-#: the field, ``LLM(early_attention=)``; ``slot_factor``: an offloaded record (``kv == "host"``)
+#: (``kv_dtype``: they all ran bf16 caches; ``early_attention``: an experiment of earlier
+#: records, measured slower and removed (design §6), off where absent; ``slot_factor``: an offloaded record (``kv == "host"``)
 #: written before spare slots had exactly the widest selection's slots, 1.0, design §6; on-device
 #: records have none)
 FIELD_DEFAULTS = {"kv_dtype": "bf16", "early_attention": False,

@@ -46,7 +46,7 @@ class SweepConfig:
             overlap_steps: steps of the profiler, copy-timing, graph-parity and overlap runs
             (``None``: ``decode_steps * repeats``; 0: off).
         hit_rates: synthetic step-to-step reuses also run by offloaded methods (``target_hit_rate``).
-        early_attention, slot_factor: of offloaded methods (design §6).
+        slot_factor: of offloaded methods (design §6).
         kv_dtype: ``bf16``, ``int8``/``int4`` (docs/kv_quant.md) or ``mixed`` (design §6.1,
             offloaded methods only; others ``skipped``).
     """
@@ -74,7 +74,6 @@ class SweepConfig:
     parity_steps: int = 0
     hit_rates: list = field(default_factory=list)
     overlap_steps: int | None = None
-    early_attention: bool = False
     kv_dtype: str = "bf16"
     slot_factor: float = DEFAULT_SLOT_FACTOR
 
@@ -212,7 +211,6 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                             "device": env["device"], "dtype": str(dtype).replace("torch.", ""),
                             "decode_steps": cfg.decode_steps, "repeats": cfg.repeats,
                             "hbm_gbps": env["hbm_gbps"], "pcie_gbps": env["pcie_gbps"],
-                            "early_attention": cfg.early_attention and method in pt.HOST_KV,
                             "slot_factor": cfg.slot_factor if method in pt.HOST_KV else None}
                     if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
                         base.update(status="skipped", error="time budget")

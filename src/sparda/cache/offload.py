@@ -83,9 +83,6 @@ class OffloadKVCache(KVCache):
         hot_blocks, hot_steps: ``mixed`` only: the pool's ``P`` blocks per (row, KV head) and
             the ``R`` decode steps a block stays hot unselected (``None``: the defaults,
             ``P = budget_blocks``, ``R = 4``; checked by the config).
-        early_attention: in :meth:`attend`, a layer whose prefetch is pending attends to
-            its resident blocks first, waits for the copy, then attends to the copied ones
-            and combines (CUDA; same result; design §6).
         slot_factor: GPU slots per offloaded layer and KV head as a multiple of the
             selection width (>= 1; :func:`spare_slot_count`). Spare slots hold blocks that
             left the selection until a miss needs the slot (the slot diff's rule: empty
@@ -101,12 +98,11 @@ class OffloadKVCache(KVCache):
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
-                 timing: bool = False, kv_dtype: str = "bf16", early_attention: bool = False,
+                 timing: bool = False, kv_dtype: str = "bf16",
                  slot_factor: float = DEFAULT_SLOT_FACTOR, hot_blocks: int | None = None,
                  hot_steps: int | None = None) -> None:
         self.device = torch.device(device)
         super().__init__(batch, capacity, self.device)
-        self.early_attention = bool(early_attention)
         self.kv_dtype = kv_dtype  # the options are checked by the config, once
         #: ``kv_dtype`` ``mixed``: int4 host store + bf16 hot pool (design §6.1)
         self.mixed = kv_dtype == "mixed"
@@ -550,13 +546,6 @@ class OffloadKVCache(KVCache):
             SpardaError: shape/dtype mismatch (Triton path of
                 :func:`sparda.kernels.decode_attention_slots`).
         """
-        if self.early_attention and self.prefetcher.pending.get(layer) is not None:
-            # resident blocks first, then wait for the copy, then the missed blocks (design §6);
-            # the first part reads the slot diff's ids and copy list, made on the selection stream
-            self.prefetcher.wait_selection(layer)
-            return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer],
-                                                  self.attn_ids[layer], self._slot_ids, kv_len,
-                                                  late=self.load[layer], between=lambda: self.wait(layer))
         self.wait(layer)
         return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer], self.attn_blocks[layer],
                                               self.attn_slots[layer], kv_len)

@@ -185,15 +185,6 @@ class Prefetcher:
             done.record(self.select_stream)
         self._selected[layer] = done
 
-    def wait_selection(self, layer: int) -> None:
-        """Make the compute stream wait for ``layer``'s selection chain only (its slot diff's
-        outputs: the ids attention reads, the copy list), leaving its copy pending for
-        :meth:`wait` (early attention, design §6; no host sync). A stall here is not stamped:
-        with timing, that layer's exposed wait is the stall for the copy after it."""
-        selected = self._selected.pop(layer, None)
-        if self.cuda and selected is not None:
-            torch.cuda.current_stream(self.device).wait_event(selected)
-
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s prefetch and selection chain (no host sync)."""
         item = self.pending.pop(layer, None)

@@ -83,8 +83,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
 
 
 def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                           block_ids: torch.Tensor, slot_ids: torch.Tensor, kv_len: torch.Tensor, *,
-                           late: torch.Tensor | None = None, between=None) -> torch.Tensor:
+                           block_ids: torch.Tensor, slot_ids: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
     """:func:`decode_attention` over the offload slot buffer (design §6): logical block
     ``block_ids[b, h, w]`` is held in slot ``slot_ids[b, h, w]``.
 
@@ -95,9 +94,6 @@ def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torc
             A slot map ``[B, H, S]`` works as ``block_ids`` with ``slot_ids = torch.arange(S)``.
         slot_ids: ``[B, H, W]`` (or broadcastable) slot of each entry.
         kv_len: ``[B]`` valid keys.
-        late, between: ``late [B, H, S]`` int64, block copied into slot ``s`` this step (``-1``
-            none; entry ``s < S`` of ``block_ids`` is slot ``s``); ``between()`` is the wait
-            for the copy, run before the ``late`` slots are read (design §6, early attention).
     Returns:
         ``[B, H, G, d]`` in ``q``'s dtype.
     Raises:
@@ -108,9 +104,7 @@ def decode_attention_slots(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torc
     if _on_triton(q, *data, block_ids, slot_ids, kv_len) and supported_head_dim(q.shape[-1]):
         fn = (_decode.decode_attention_slots_quantized_triton if quantized
               else _decode.decode_attention_slots_triton)
-        return fn(q, k_slots, v_slots, block_ids, slot_ids, kv_len, late=late, between=between)
-    if between is not None:
-        between()
+        return fn(q, k_slots, v_slots, block_ids, slot_ids, kv_len)
     if quantized:
         k_slots, v_slots = k_slots.dequantize(), v_slots.dequantize()
     return twins.slots_attention_reference(q, k_slots, v_slots, block_ids, slot_ids, kv_len)

@@ -91,18 +91,18 @@ def _accumulate_block(q, m_i, l_i, acc, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, tok_ok
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, LOGICAL, PHYS, KV_LEN, O, LSE, KS, VS, SKIP,
+    Q, K, V, LOGICAL, PHYS, KV_LEN, O, LSE, KS, VS,
     stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_kblk, stride_kt,
     stride_vb, stride_vh, stride_vblk, stride_vt,
     stride_ksb, stride_ksh, stride_ksblk, stride_kst,
     stride_vsb, stride_vsh, stride_vsblk, stride_vst,
-    stride_ib, stride_ih, stride_pb, stride_ph, stride_skb, stride_skh,
+    stride_ib, stride_ih, stride_pb, stride_ph,
     stride_ob, stride_oh, stride_os, stride_og,
-    H, W, token_limit, blocks_per_split, qk_scale, skip_width,
+    H, W, token_limit, blocks_per_split, qk_scale,
     G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BS_P: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    QBITS: tl.constexpr = 0, HAS_SKIP: tl.constexpr = False,
+    QBITS: tl.constexpr = 0,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -116,7 +116,6 @@ def _decode_split_kernel(
         G, G_P, D, BS_P, QBITS)
     ids_base = LOGICAL + b * stride_ib + h * stride_ih
     phys_base = PHYS + b * stride_pb + h * stride_ph
-    skip_base = SKIP + b * stride_skb + h * stride_skh
 
     m_i = tl.full([G_P], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P], tl.float32)
@@ -126,9 +125,6 @@ def _decode_split_kernel(
         i = start + j
         blk = tl.load(ids_base + i, mask=i < W, other=-1).to(tl.int64)
         phys = tl.load(phys_base + i, mask=i < W, other=0).to(tl.int64)
-        if HAS_SKIP:  # phase 1 of the overlapped path: slots that receive a miss come later
-            late = tl.load(skip_base + i, mask=i < skip_width, other=-1)
-            blk = tl.where(late >= 0, -1, blk)
         pos = blk * BS + offs_t
         tok_ok = (offs_t < BS) & (pos < kv_len) & (blk >= 0)
         m_i, l_i, acc = _accumulate_block(
@@ -173,66 +169,6 @@ def _decode_combine_kernel(
              out.to(O.dtype.element_ty))
 
 
-@triton.jit
-def _decode_late_combine_kernel(
-    Q, K, V, LOAD, KV_LEN, PART, LSE, O, KS, VS,
-    stride_qb, stride_qh, stride_qg,
-    stride_kb, stride_kh, stride_kblk, stride_kt,
-    stride_vb, stride_vh, stride_vblk, stride_vt,
-    stride_ksb, stride_ksh, stride_ksblk, stride_kst,
-    stride_vsb, stride_vsh, stride_vsblk, stride_vst,
-    stride_lb, stride_lh, stride_pbh, stride_ps, stride_pg,
-    stride_ob, stride_oh, stride_og,
-    H, S, num_splits, qk_scale,
-    G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BS_P: tl.constexpr, IEEE: tl.constexpr, QBITS: tl.constexpr = 0,
-    S_P: tl.constexpr = 16,
-):
-    """Early attention, phase 2 (design §6): per (row, KV head), attend to the slots copied this
-    step (``LOAD[s] >= 0``) and merge with the phase-1 splits through their log-sum-exps."""
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    kv_len = tl.load(KV_LEN + b).to(tl.int64)
-    offs_g, offs_d, offs_t, g_ok, q, k_base, v_base, ks_base, vs_base = _row_setup(
-        Q, K, V, KS, VS, b, h, stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_kt,
-        stride_vb, stride_vh, stride_vt, stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
-        G, G_P, D, BS_P, QBITS)
-    load_base = LOAD + b * stride_lb + h * stride_lh
-
-    m_i = tl.full([G_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_P], tl.float32)
-    acc = tl.zeros([G_P, D], tl.float32)
-    offs_s = tl.arange(0, S_P)
-    loads = tl.load(load_base + offs_s, mask=offs_s < S, other=-1).to(tl.int64)
-    is_late = (loads >= 0).to(tl.int32)
-    rank = tl.cumsum(is_late, 0)  # 1-based rank of each late slot among the late slots
-    num_late = tl.sum(is_late, 0)
-    for j in range(0, num_late):
-        pick = (is_late > 0) & (rank == j + 1)
-        i = tl.sum(tl.where(pick, offs_s, 0), 0).to(tl.int64)
-        blk = tl.sum(tl.where(pick, loads, 0), 0)
-        tok_ok = (offs_t < BS) & (blk * BS + offs_t < kv_len)
-        m_i, l_i, acc = _accumulate_block(
-            q, m_i, l_i, acc, k_base + i * stride_kblk, v_base + i * stride_vblk,
-            ks_base + i * stride_ksblk, vs_base + i * stride_vsblk, tok_ok, offs_d, qk_scale,
-            QBITS, IEEE)
-    for sp in range(0, num_splits):  # merge phase 1: (o_s, lse_s) counts 2^lse_s, o_s * 2^lse_s
-        lse_s = tl.load(LSE + (pid_bh * num_splits + sp) * G_P + offs_g)
-        o_s = tl.load(PART + pid_bh.to(tl.int64) * stride_pbh + sp * stride_ps + offs_g[:, None] * stride_pg
-                      + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_i, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        beta = tl.exp2(lse_s - m_safe)
-        l_i = l_i * alpha + beta
-        acc = acc * alpha[:, None] + o_s * beta[:, None]
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=g_ok[:, None])
-
-
 def choose_num_splits(batch_heads: int, width: int, device: torch.device) -> int:
     """Splits per (sequence, KV head) so that the grid fills the GPU about four times."""
     target = 4 * num_sms(device)
@@ -261,10 +197,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ids: torch.T
 
 
 def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, num_splits,
-            num_warps, num_stages, ks_view=None, vs_view=None, qbits=0, late=None, between=None):
+            num_warps, num_stages, ks_view=None, vs_view=None, qbits=0):
     """Strides of ``k_view``/``v_view`` (b, h, block, token-in-block), last dim contiguous;
-    ``ks_view``/``vs_view`` of the ``[..., 2]`` fp32 scales (``None`` unquantised); ``late`` as
-    :func:`decode_attention_slots_triton`."""
+    ``ks_view``/``vs_view`` of the ``[..., 2]`` fp32 scales (``None`` unquantised)."""
     bsz, heads, groups, d = q.shape
     width = logical.shape[-1]
     out = torch.empty_like(q)
@@ -274,8 +209,6 @@ def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, n
     phys = phys.contiguous()
     kv_len = kv_len.contiguous()
     if width == 0:
-        if between is not None:
-            between()
         return out.zero_()
     if num_splits is None:
         num_splits = choose_num_splits(bsz * heads, width, q.device)
@@ -293,41 +226,24 @@ def _launch(q, k_view, v_view, logical, phys, kv_len, block_size, token_limit, n
     common = dict(G=groups, G_P=g_p, D=d, BS=block_size, BS_P=bs_p, IEEE=ieee, QBITS=qbits,
                   num_warps=num_warps, num_stages=num_stages)
     grid = (bsz * heads, num_splits)
-    if late is not None:
-        late = late.contiguous()
-        skip = (late, late.stride(0), late.stride(1), late.shape[-1])
-    else:
-        skip = (logical, 0, 0, 0)
-    if num_splits == 1 and late is None:
+    if num_splits == 1:
         _decode_split_kernel[grid](
-            q, ks[0], vs[0], logical, phys, kv_len, out, out, scales[0], scales[1], skip[0],
+            q, ks[0], vs[0], logical, phys, kv_len, out, out, scales[0], scales[1],
             q.stride(0), q.stride(1), q.stride(2),
             *ks[1], *vs[1], *scales[2:],
-            logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1), skip[1], skip[2],
+            logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1),
             out.stride(0), out.stride(1), 0, out.stride(2),
-            heads, width, token_limit, per_split, qk_scale, skip[3], SPLIT=False, **common)
+            heads, width, token_limit, per_split, qk_scale, SPLIT=False, **common)
         return out
     part = torch.empty(bsz * heads, num_splits, groups, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(bsz * heads, num_splits, g_p, device=q.device, dtype=torch.float32)
     _decode_split_kernel[grid](
-        q, ks[0], vs[0], logical, phys, kv_len, part, lse, scales[0], scales[1], skip[0],
+        q, ks[0], vs[0], logical, phys, kv_len, part, lse, scales[0], scales[1],
         q.stride(0), q.stride(1), q.stride(2),
         *ks[1], *vs[1], *scales[2:],
-        logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1), skip[1], skip[2],
+        logical.stride(0), logical.stride(1), phys.stride(0), phys.stride(1),
         heads * part.stride(0), part.stride(0), part.stride(1), part.stride(2),
-        heads, width, token_limit, per_split, qk_scale, skip[3], SPLIT=True, HAS_SKIP=late is not None,
-        **common)
-    if late is not None:
-        if between is not None:
-            between()
-        _decode_late_combine_kernel[(bsz * heads,)](
-            q, ks[0], vs[0], late, kv_len, part, lse, out, scales[0], scales[1],
-            q.stride(0), q.stride(1), q.stride(2),
-            *ks[1], *vs[1], *scales[2:],
-            late.stride(0), late.stride(1), part.stride(0), part.stride(1), part.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            heads, late.shape[-1], num_splits, qk_scale, S_P=max(16, next_pow2(late.shape[-1])), **common)
-        return out
+        heads, width, token_limit, per_split, qk_scale, SPLIT=True, **common)
     _decode_combine_kernel[(bsz * heads, groups)](
         part, lse, out,
         part.stride(0), part.stride(1), part.stride(2),
@@ -366,15 +282,14 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def decode_attention_slots_triton(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                                   block_ids: torch.Tensor, slot_ids: torch.Tensor,
                                   kv_len: torch.Tensor, num_splits: int | None = None, *,
-                                  num_warps: int = 4, num_stages: int = 2, late: torch.Tensor | None = None,
-                                  between=None) -> torch.Tensor:
+                                  num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Triton :func:`sparda.kernels.decode_attention_slots` (design §6).
 
     Args:
         q: ``[B, H_kv, G, d]``. k_slots, v_slots: ``[B, H_kv, S, block_size, d]``.
         block_ids: ``[B, H_kv, W]`` logical ids (``-1`` skip). slot_ids: ``[B, H_kv, W]``
             slots in ``[0, S)``, or ``arange(S)`` with a slot map as ``block_ids``.
-        kv_len: ``[B]``. late, between: as :func:`sparda.kernels.decode_attention_slots`.
+        kv_len: ``[B]``.
     Returns:
         ``[B, H_kv, G, d]`` in ``q``'s dtype.
     Raises:
@@ -391,9 +306,8 @@ def decode_attention_slots_triton(q: torch.Tensor, k_slots: torch.Tensor, v_slot
     block_size = k_slots.shape[3]
     ks = (k_slots, (k_slots.stride(0), k_slots.stride(1), k_slots.stride(2), k_slots.stride(3)))
     vs = (v_slots, (v_slots.stride(0), v_slots.stride(1), v_slots.stride(2), v_slots.stride(3)))
-    _check_late(late, k_slots, block_ids)
     return _launch(q, ks, vs, block_ids, slot_ids, kv_len, block_size, 2**62, num_splits,
-                   num_warps, num_stages, late=late, between=between)
+                   num_warps, num_stages)
 
 
 def _check_quantized(q: torch.Tensor, k, v, block_ids: torch.Tensor, kv_len: torch.Tensor) -> int:
@@ -437,8 +351,7 @@ def decode_attention_quantized_triton(q: torch.Tensor, k, v, block_ids: torch.Te
 def decode_attention_slots_quantized_triton(q: torch.Tensor, k_slots, v_slots, block_ids: torch.Tensor,
                                             slot_ids: torch.Tensor, kv_len: torch.Tensor,
                                             num_splits: int | None = None, *, num_warps: int = 4,
-                                            num_stages: int = 2, late: torch.Tensor | None = None,
-                                            between=None) -> torch.Tensor:
+                                            num_stages: int = 2) -> torch.Tensor:
     """:func:`decode_attention_slots_triton` over :class:`~sparda.kernels.quant.QuantizedKV` slots
     (``data [..., d']`` uint8, ``scale [..., 2]`` fp32).
 
@@ -453,17 +366,5 @@ def decode_attention_slots_quantized_triton(q: torch.Tensor, k_slots, v_slots, b
     k_slots, v_slots = k_slots.contiguous(), v_slots.contiguous()
     views = [(t, (t.stride(0), t.stride(1), t.stride(2), t.stride(3)))
              for t in (k_slots.data, v_slots.data, k_slots.scale, v_slots.scale)]
-    _check_late(late, k_slots, block_ids)
     return _launch(q, views[0], views[1], block_ids, slot_ids, kv_len, k_slots.shape[3], 2**62, num_splits,
-                   num_warps, num_stages, views[2], views[3], qbits, late=late, between=between)
-
-
-def _check_late(late: torch.Tensor | None, k_slots, block_ids: torch.Tensor) -> None:
-    """``late``: integer ``[B, H, S']``, ``S'`` at most the slots and the entries of ``block_ids``."""
-    if late is None:
-        return
-    bsz, heads, slots = k_slots.shape[:3]
-    if (late.dim() != 3 or late.shape[:2] != (bsz, heads) or late.shape[-1] > min(slots, block_ids.shape[-1])
-            or late.dtype not in (torch.int32, torch.int64)):
-        raise SpardaError(f"late must be int32/int64 [B, H_kv, S'] with B, H_kv = {bsz, heads} and S' <= "
-                          f"{min(slots, block_ids.shape[-1])} (slots and entries), got {tuple(late.shape)} {late.dtype}")
+                   num_warps, num_stages, views[2], views[3], qbits)

@@ -113,7 +113,7 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
 def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                               block_ids: torch.Tensor, slot_ids: torch.Tensor,
                               kv_len: torch.Tensor) -> torch.Tensor:
-    """Twin of :func:`sparda.kernels.decode_attention_slots` without ``late`` (fp32 math, no
+    """Twin of :func:`sparda.kernels.decode_attention_slots` (fp32 math, no
     shape checks; ``slot_ids`` clamped to ``[0, S)``)."""
     bsz, heads, groups, d = q.shape
     block_size = k_slots.shape[3]
