@@ -71,3 +71,32 @@ def test_dated_pages_live_under_results():
     dated = [str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*")
              if re.search(r"20\d\d-\d\d-\d\d", p.name) and (ROOT / "docs" / "results") not in p.parents]
     assert not dated, dated
+
+
+def _indexed_modules() -> set[str]:
+    """Module paths named in docs/architecture.md's "Every module" table: ``dir/name.py``, and
+    a bare ``name.py`` after it in the same cell in that directory."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Every module", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for token in re.findall(r"`([^`]+\.py)`", line.split(" | ")[0]):
+            if "/" in token:
+                folder = token.rsplit("/", 1)[0] + "/"
+                named.add(token)
+            else:
+                named.add(folder + token)
+    return named
+
+
+def test_architecture_lists_every_module():
+    """Every module of the package (``__init__`` files aside) has a row, and every row names
+    a module that exists."""
+    package = ROOT / "src" / "sparda"
+    modules = {str(p.relative_to(package)) for p in package.rglob("*.py") if p.name != "__init__.py"}
+    named = _indexed_modules() - {"kernels/__init__.py"}
+    assert not modules - named, f"modules missing from docs/architecture.md: {sorted(modules - named)}"
+    assert not named - modules, f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"
