@@ -376,8 +376,10 @@ def test_largest_batch_at_128k_by_hand():
         assert pt.kv_need_bytes("sparda", shape, sel, kv, torch.bfloat16, got[kv], cap)[1] <= 96 * 2**30
         assert pt.kv_need_bytes("sparda", shape, sel, kv, torch.bfloat16, got[kv] + 1, cap)[1] > 96 * 2**30
     assert got == {"bf16": 24, "int8": 46, "int4": 88}
-    # on-device methods are bounded by device memory only
-    dev_row = 32 * 2 * 2 * 136 * cap
+    # on-device methods are bounded by device memory only: K/V, plus the compressed keys (one
+    # per 16 tokens past the first 32: (cap - 32) // 16 + 1) and the ring of the last 32 keys
+    # of a quantised cache, bf16, in 32 layers x 2 KV heads x 128 dims
+    dev_row = 32 * 2 * 2 * 136 * cap + 32 * 2 * ((cap - 32) // 16 + 1 + 32) * 128 * 2
     assert pt.largest_batch("sparse", shape, sel, "int8", torch.bfloat16, cap, 96 * 2**30, 80 * 2**30) == \
         80 * 2**30 // dev_row
     with pytest.raises(SpardaError, match="no memory limit"):
@@ -442,9 +444,9 @@ def test_compute_alone_engine_implements_every_engine_call():
 @pytest.mark.parametrize("kv_dtype,slot_factor", [("bf16", 1.0), ("bf16", 1.5), ("int8", 2.0), ("mixed", 1.5)])
 def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
     """The device bytes the bench's memory check counts for an offloaded method are those
-    the point's OffloadKVCache allocates for K and V: layer 0 whole plus every other
-    layer's slot buffer of S + 1 blocks (S grows with slot_factor, design §6); mixed: the
-    slots in the model dtype, the int4 staging of S blocks, and on the host the hot pool."""
+    the point's OffloadKVCache allocates: layer 0 whole plus every other layer's slot buffer
+    of S + 1 blocks (S grows with slot_factor, design §6), the compressed keys and the ring;
+    mixed: the slots in the model dtype, the int4 staging of S blocks, and on the host the hot pool."""
     model = build_model("tiny", "cpu", torch.float32)
     sel = selection_config("tiny")
     llm = pt.make_llm(model, "sparse-offload", sel, None, kv_dtype=kv_dtype, slot_factor=slot_factor)
@@ -453,6 +455,7 @@ def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
     assert cache.resident == {0} and (cache.slots > cache.select_width or slot_factor == 1.0)
     allocated = sum(t.nbytes for buffers in (cache.k_slots, cache.v_slots, cache.k_full, cache.v_full,
                                              cache.cold_k, cache.cold_v) for t in buffers.values())
+    allocated += sum(t.nbytes for t in cache.ck + cache.ring)
     dev, host = pt.cache_need_bytes(llm, batch, cap)
     assert (dev, host) == (allocated, cache.host.nbytes), (slot_factor, kv_dtype)
     assert pt.kv_need_bytes("sparse-offload", llm.shape, sel, kv_dtype, torch.float32, batch, cap,

@@ -81,6 +81,28 @@ def test_serve_refuses_a_busy_port_before_loading_the_model(tmp_path):
                                   "pick another --port")
 
 
+def test_serve_sizes_the_kv_pool_by_the_memory_budget(make_tiny):
+    """A budget that holds no row of --max-model-len tokens: one line with the row's bytes and
+    the budget, exit 2 (design §3.11); one that holds a few rows: the pool takes them, and the
+    banner says so."""
+    tiny = str(make_tiny("llama"))
+    base = [sys.executable, "-m", "sparda.cli", "serve", "--port", "0", "--model", tiny, "--method", "dense",
+            "--device", "cpu", "--max-model-len", "4096"]
+    res = subprocess.run([*base, "--host-memory-gib", "0.0001"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(
+        "error: one KV row of 4096 tokens does not fit: it needs host 0.00 GiB of a 0.00 GiB budget "
+        "(--host-memory-gib); lower --max-model-len"), res.stderr
+    from sparda.engine.llm import LLM
+
+    row = sum(LLM(tiny, method="dense", device="cpu").model_runner.kv_bytes(1, 4096))
+    proc, _, log = start_serve("--model", tiny, "--method", "dense", "--device", "cpu", "--max-batch", "8",
+                               "--max-model-len", "4096", "--host-memory-gib", str(3.5 * row / 2**30))
+    proc.kill()
+    proc.wait(timeout=60)
+    assert any("KV pool 3 rows x 4096 tokens: host" in line and "room for 3 rows" in line for line in log), log
+
+
 def test_serve_usage_error_is_one_line_exit_2():
     res = subprocess.run([sys.executable, "-m", "sparda.cli", "serve", "--max-batch", "0"], capture_output=True,
                          text=True, timeout=120, env=ENV)

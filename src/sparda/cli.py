@@ -313,6 +313,12 @@ def served_name(model: str | None, model_dir) -> str:
               help="Tokens per row, prompt + new tokens of one request [default: the model's context].")
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
               help="Requests that may queue for a row before 429.")
+@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Share of the GPU's memory for weights, activations and KV pool: fewer than --max-batch rows "
+                   "when it holds fewer (design §3.11).")
+@click.option("--host-memory-gib", default=None, type=click.FloatRange(0, min_open=True),
+              help="Host memory for the KV pool (the host store of an offloaded cache; on the CPU the whole "
+                   "cache) [default: 90% of what is available at start-up].")
 @click.option("--max-num-batched-tokens", default=None, type=click.IntRange(1),
               help="Tokens per engine step: one per decoding request, the rest prefill chunks of "
                    "--prefill-chunk tokens, at least one chunk (design §3.9) [default: --prefill-chunk, 8192].")
@@ -328,8 +334,9 @@ def served_name(model: str | None, model_dir) -> str:
               help="With --api-key, /health and /metrics need the key too [default: they are open].")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def serve(host, port, max_batch, max_model_len, max_waiting, max_num_batched_tokens, served_model_name, drain_timeout,
-          max_request_bytes, api_key, protect_health_metrics, log_level, **opts):
+def serve(host, port, max_batch, max_model_len, max_waiting, gpu_memory_utilization, host_memory_gib,
+          max_num_batched_tokens, served_model_name, drain_timeout, max_request_bytes, api_key, protect_health_metrics,
+          log_level, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.engine.engine import Engine
     from sparda.server.app import bind_socket, exposure_warning, serve as run_server
@@ -344,14 +351,13 @@ def serve(host, port, max_batch, max_model_len, max_waiting, max_num_batched_tok
         click.echo(warning, err=True)
     llm = build_llm(**opts)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
-                    max_prefill_tokens=max_num_batched_tokens or llm.config.runtime.prefill_chunk_tokens or 8192)
+                    max_prefill_tokens=max_num_batched_tokens or llm.config.runtime.prefill_chunk_tokens or 8192,
+                    gpu_memory_utilization=gpu_memory_utilization, host_memory_gib=host_memory_gib)
     name = served_model_name or served_name(opts["model"], llm.model_dir)
     bound_host, bound_port = sock.getsockname()[:2]
-    pool = engine.cache.nbytes / 2**30
     run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,
                max_request_bytes=max_request_bytes, api_key=api_key, protect_health_metrics=protect_health_metrics,
-               banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({engine.max_batch} rows x "
-                      f"{engine.max_model_len} tokens, KV pool {pool:.2f} GiB)")
+               banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({engine.memory_plan.line()})")
 
 
 #: smallest demo haystack (tokens) that holds the pass key, its filler and the question

@@ -17,8 +17,8 @@ from sparda.bench.timing import ComponentTimer
 from sparda.bench.traces import Replayer, replay_masks, synthetic_masks, trace_for
 from sparda.cache import pinned
 from sparda.cache.host import available_host_bytes
-from sparda.cache.offload import spare_slot_count
 from sparda.config import DEFAULT_SLOT_FACTOR
+from sparda.engine import memory
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.llm import LLM
 from sparda.errors import SpardaError
@@ -85,37 +85,18 @@ def is_oom(exc: BaseException) -> bool:
 def kv_need_bytes(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int,
                   capacity: int, slot_factor: float = DEFAULT_SLOT_FACTOR,
                   hot_blocks: int | None = None) -> tuple[int, int]:
-    """``(device_bytes, host_bytes)`` of a point's K and V, ``capacity`` tokens per row, in
-    ``kv_dtype`` (:func:`sparda.kernels.quant.token_bytes`). Offloaded methods (:data:`HOST_KV`):
-    layer 0 and ``S + 1`` slots per offloaded layer on the device, whole blocks on the host
-    (design §6; ``mixed``, design §6.1, adds the hot pool and the int4 staging)."""
-    from sparda.kernels.quant import slot_dtype, store_dtype
-
-    def per_token(kind: str) -> int:  # K and V of one token in every KV head of every row, one layer
-        return 2 * batch * shape.num_kv_heads * token_bytes(shape.head_dim, kind, dtype)
-
-    if method in HOST_KV:
-        bs = selection.block_size
-        blocks = -(-capacity // bs)
-        slots = spare_slot_count(capacity, selection, slot_factor)
-        host = (shape.num_layers - 1) * per_token(store_dtype(kv_dtype)) * blocks * bs
-        device = per_token(slot_dtype(kv_dtype)) * (capacity + (shape.num_layers - 1) * (slots + 1) * bs)
-        if kv_dtype == "mixed":
-            from sparda.cache.hot import default_hot_blocks
-
-            pool = min(default_hot_blocks(selection) if hot_blocks is None else hot_blocks, blocks)
-            host += (shape.num_layers - 1) * per_token("bf16") * pool * bs
-            device += (shape.num_layers - 1) * per_token(store_dtype(kv_dtype)) * slots * bs
-        return device, host  # layer 0 stays resident
-    if kv_dtype == "mixed":
+    """``(device_bytes, host_bytes)`` of a point's KV cache, ``capacity`` tokens per row
+    (:func:`sparda.engine.memory.kv_need_bytes`; offloaded methods, :data:`HOST_KV`, keep
+    layer 0 resident). Raises SpardaError for ``mixed`` on a method that keeps its cache on the device."""
+    if kv_dtype == "mixed" and method not in HOST_KV:
         raise SpardaError(f"kv_dtype mixed needs an offloaded cache; method {method} keeps it on the device")
-    return shape.num_layers * per_token(kv_dtype) * capacity, 0
+    return memory.kv_need_bytes(shape, selection, kv_dtype, dtype, batch, capacity, offload=method in HOST_KV,
+                                resident_layers=(0,), slot_factor=slot_factor, hot_blocks=hot_blocks)
 
 
 def cache_need_bytes(llm: LLM, batch: int, capacity: int) -> tuple[int, int]:
-    """``(device_bytes, host_bytes)`` of a point's KV cache (:func:`kv_need_bytes`)."""
-    return kv_need_bytes(llm.config.method, llm.shape, llm.config.selection, llm.config.cache.kv_dtype, llm.dtype, batch,
-                         capacity, llm.config.cache.slot_factor, hot_blocks=llm.config.cache.hot.get("hot_blocks"))
+    """``(device_bytes, host_bytes)`` of a point's KV cache (:meth:`ModelRunner.kv_bytes`)."""
+    return llm.model_runner.kv_bytes(batch, capacity)
 
 
 def largest_batch(method: str, shape, selection, kv_dtype: str, dtype: torch.dtype, capacity: int,

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from sparda.engine.memory import plan_rows
 from sparda.engine.sampler import sample_requests
 from sparda.engine.sampling_params import SamplingParams
 from sparda.engine.scheduler import Scheduler
@@ -82,13 +83,17 @@ class Engine:
             each step runs at most ``max_prefill_tokens`` tokens, decode tokens included
             (at least one prefill chunk); ``None``: on with ``static_live_len`` and a
             ``max_prefill_tokens`` budget.
+        gpu_memory_utilization, host_memory_gib: memory budgets of the KV pool (design
+            §3.11, :func:`~sparda.engine.memory.plan_rows`): given either, the pool has
+            ``max_batch`` rows or as many as the budgets hold, if fewer (:attr:`memory_plan`).
     Raises:
         SpardaError: bad sizes, or a cache pool that does not fit in memory (bytes named).
     """
 
     def __init__(self, llm, max_batch: int = 8, max_model_len: int | None = None, max_waiting: int = 256, *,
                  max_prefill_tokens: int | None = None, static_live_len: bool = True,
-                 chunked_prefill: bool | None = None) -> None:
+                 chunked_prefill: bool | None = None, gpu_memory_utilization: float | None = None,
+                 host_memory_gib: float | None = None) -> None:
         limit = llm.shape.max_positions
         _positive_int("max_batch", max_batch)
         max_model_len = limit if max_model_len is None else _positive_int("max_model_len", max_model_len)
@@ -110,6 +115,13 @@ class Engine:
             raise SpardaError("chunked prefill needs a token budget per step (max_prefill_tokens)")
         self.chunked_prefill = bool(chunked_prefill)
         self.vocab_size = llm.model.lm_head.out_features
+        #: the KV pool sized by the memory budgets (design §3.11), ``None`` without budgets
+        self.memory_plan = None
+        if gpu_memory_utilization is not None or host_memory_gib is not None:
+            self.memory_plan = plan_rows(runner, max_model_len, max_batch,
+                                         gpu_memory_utilization=0.9 if gpu_memory_utilization is None
+                                         else gpu_memory_utilization, host_memory_gib=host_memory_gib)
+            self.max_batch = max_batch = self.memory_plan.rows
         start = time.perf_counter()
         self.cache = runner.new_cache(max_batch, max_model_len)
         runner.sync()

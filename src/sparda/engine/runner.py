@@ -73,6 +73,16 @@ class ModelRunner:
         return 2 * s.num_kv_heads * (full * token_bytes(s.head_dim, "bf16", self.dtype)
                                      + (s.num_layers - full) * token_bytes(s.head_dim, "mixed", self.dtype))
 
+    def kv_bytes(self, batch: int, capacity: int) -> tuple[int, int]:
+        """``(device_bytes, host_bytes)`` that :meth:`new_cache` of ``batch`` x ``capacity``
+        allocates (:func:`sparda.engine.memory.kv_need_bytes`)."""
+        from sparda.engine.memory import kv_need_bytes
+
+        c = self.config.cache
+        return kv_need_bytes(self.shape, self.config.selection, c.kv_dtype, self.dtype, batch, capacity,
+                             offload=self.offloaded, resident_layers=self.cache_resident_layers(),
+                             slot_factor=c.slot_factor, hot_blocks=c.hot.get("hot_blocks"))
+
     def cache_capacity(self, tokens: int) -> int:
         """``tokens`` rounded up to a multiple of :data:`CAPACITY_ROUND` (not past the model's
         context unless ``tokens`` is): the decode kernels specialise on the capacity's block

@@ -1,0 +1,142 @@
+"""KV-pool sizing (design §3.11): the bytes a KV cache takes, and how many rows fit a budget.
+
+:func:`kv_need_bytes` counts what a cache of ``batch`` rows x ``capacity`` tokens allocates
+on the device and in host memory (K/V in their storage type, scales included; slots and
+resident layers of an offloaded cache; compressed keys and the quantised caches' key ring).
+:func:`plan_rows` turns ``sparda serve``'s budgets (``--gpu-memory-utilization``,
+``--host-memory-gib``) into the number of KV rows it allocates, or refuses with the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sparda.errors import SpardaError
+from sparda.kernels import quant
+from sparda.kernels import reference as ref
+
+#: GPU memory kept free of the KV pool for activations (prefill chunks, logits, graphs)
+ACTIVATION_RESERVE_BYTES = 2 * 2**30
+#: share of the host memory available at start-up that the host store may take by default
+HOST_SHARE = 0.9
+
+
+def kv_need_bytes(shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int, capacity: int, *,
+                  offload: bool, resident_layers=(), slot_factor: float = 1.5,
+                  hot_blocks: int | None = None) -> tuple[int, int]:
+    """``(device_bytes, host_bytes)`` of a KV cache of ``batch`` rows x ``capacity`` tokens.
+
+    On the device (``offload`` False): K/V of every layer in ``kv_dtype``. Offloaded (design
+    §6): ``resident_layers`` whole and ``S + 1`` slots per other layer on the device, whole
+    blocks of the other layers on the host (``mixed``, design §6.1: the int4 store plus the
+    bf16 hot pool on the host, the int4 staging of the cold slots on the device). Both add the
+    compressed keys (and, quantised or offloaded, the ring of the last ``kernel`` keys).
+    """
+    from sparda.cache.hot import default_hot_blocks
+    from sparda.cache.offload import spare_slot_count
+
+    heads, d, layers = shape.num_kv_heads, shape.head_dim, shape.num_layers
+    elem = torch.empty((), dtype=dtype).element_size()
+
+    def kv(kind: str, tokens: int) -> int:  # K and V of ``tokens`` tokens in every KV head of every row
+        return 2 * batch * heads * tokens * quant.token_bytes(d, kind, dtype)
+
+    num_ck = max(ref.num_compressed(capacity, selection.kernel_size, selection.kernel_stride), 1)
+    keys = layers * batch * heads * num_ck * d * elem
+    if offload or quant.is_quantized(kv_dtype):
+        keys += layers * batch * heads * selection.kernel_size * d * elem
+    if not offload:
+        return layers * kv(kv_dtype, capacity) + keys, 0
+    bs = selection.block_size
+    blocks = -(-capacity // bs)
+    slots = spare_slot_count(capacity, selection, slot_factor)
+    resident = len({layer for layer in resident_layers if 0 <= layer < layers})
+    offloaded = layers - resident
+    device = resident * kv(quant.slot_dtype(kv_dtype), capacity) + offloaded * kv(quant.slot_dtype(kv_dtype),
+                                                                                   (slots + 1) * bs)
+    host = offloaded * kv(quant.store_dtype(kv_dtype), blocks * bs)
+    if kv_dtype == "mixed":
+        pool = min(default_hot_blocks(selection) if hot_blocks is None else hot_blocks, blocks)
+        host += offloaded * 2 * batch * heads * pool * bs * d * elem
+        device += offloaded * kv(quant.MIXED_STORE, slots * bs)
+    return device + keys, host
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The KV pool :func:`plan_rows` chose: ``rows`` of ``capacity`` tokens, the bytes they
+    take and the budgets they were checked against (``None``: no such budget)."""
+
+    rows: int
+    capacity: int
+    device_bytes: int
+    host_bytes: int
+    device_budget: int | None
+    host_budget: int | None
+    fits: int
+
+    def line(self) -> str:
+        """One line for the start-up log."""
+        gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+        parts = []
+        if self.device_budget is not None:
+            parts.append(f"device {gib(self.device_bytes)} of {gib(self.device_budget)} GiB")
+        if self.host_budget is not None:
+            parts.append(f"host {gib(self.host_bytes)} of {gib(self.host_budget)} GiB")
+        return (f"KV pool {self.rows} rows x {self.capacity} tokens" + (": " + ", ".join(parts) if parts else "")
+                + f", room for {self.fits} rows")
+
+
+def budgets(runner, gpu_memory_utilization: float, host_memory_gib: float | None) -> tuple[int | None, int | None]:
+    """``(device, host)`` bytes the KV pool may take: on CUDA, ``gpu_memory_utilization`` of
+    the GPU's memory less what is allocated now (the weights) and
+    :data:`ACTIVATION_RESERVE_BYTES`; on the CPU no device budget (the device is host memory).
+    Host: ``host_memory_gib``, or :data:`HOST_SHARE` of the memory available now (``None`` if
+    the OS does not say)."""
+    from sparda.cache.host import available_host_bytes
+
+    device = None
+    if runner.device.type == "cuda":
+        total = torch.cuda.get_device_properties(runner.device).total_memory
+        used = torch.cuda.memory_allocated(runner.device)
+        device = max(0, int(gpu_memory_utilization * total) - used - ACTIVATION_RESERVE_BYTES)
+    if host_memory_gib is not None:
+        host = int(host_memory_gib * 2**30)
+    else:
+        free = available_host_bytes()
+        host = None if free is None else int(HOST_SHARE * free)
+    return device, host
+
+
+def plan_rows(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: float = 0.9,
+              host_memory_gib: float | None = None) -> MemoryPlan:
+    """The KV rows ``sparda serve`` allocates: ``max_batch``, or fewer if the budgets
+    (:func:`budgets`) hold fewer rows of ``capacity`` tokens (on the CPU the device cache
+    counts against the host budget).
+
+    Raises:
+        SpardaError: not even one row fits; the message names the bytes of one row, the
+            budget and the options that change them.
+    """
+    device_budget, host_budget = budgets(runner, gpu_memory_utilization, host_memory_gib)
+    dev_row, host_row = runner.kv_bytes(1, capacity)
+    if runner.device.type != "cuda":  # one memory: the device cache is host memory too
+        dev_row, host_row = 0, dev_row + host_row
+    bounds = [budget // row for budget, row in ((device_budget, dev_row), (host_budget, host_row))
+              if budget is not None and row > 0]
+    fits = min(bounds) if bounds else max_batch
+    if fits < 1:
+        short = [f"{name} {row / 2**30:.2f} GiB of a {budget / 2**30:.2f} GiB budget ({flag})"
+                 for name, row, budget, flag in (("device", dev_row, device_budget, "--gpu-memory-utilization"),
+                                                 ("host", host_row, host_budget, "--host-memory-gib"))
+                 if budget is not None and row > budget]
+        raise SpardaError(f"one KV row of {capacity} tokens does not fit: it needs {'; '.join(short)}; lower "
+                          "--max-model-len, raise the budget, or use --offload / a smaller --kv-dtype")
+    rows = min(max_batch, fits)
+    dev, host = runner.kv_bytes(rows, capacity)
+    if runner.device.type != "cuda":
+        dev, host = 0, dev + host
+    return MemoryPlan(rows=rows, capacity=capacity, device_bytes=dev, host_bytes=host, device_budget=device_budget,
+                      host_budget=host_budget, fits=fits)
