@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparda.cache.hot import HotBlocks
+from sparda.cache.mixed import MixedOffloadKVCache
 from sparda.cache.offload import OffloadKVCache
 from sparda.cache.transfer import SyncEngine
 from sparda.config import SelectionConfig
@@ -67,8 +68,9 @@ def test_mixed_attention_equals_float64_reference(pool, steps):
     block (codes + scales) per other miss, which are the bytes the gathers read."""
     cfg = SelectionConfig(**SMALL)
     b, h, g, d, cap, prompt, steps_n = 2, 2, 3, 16, 240, 70, 90
-    off = OffloadKVCache(1, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync", kv_dtype="mixed",
-                         hot_blocks=pool, hot_steps=steps)
+    off = MixedOffloadKVCache(1, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync", hot_blocks=pool,
+                              hot_steps=steps)
+    assert isinstance(off, OffloadKVCache)
     off.engine = CountingEngine()
     k_all, v_all = torch.randn(b, h, cap, d) * 3, torch.randn(b, h, cap, d) * 3
     _prefill(off, k_all, v_all, prompt, ((0, 45), (45, prompt)))
@@ -164,7 +166,7 @@ def test_mixed_prefill_pool_and_partial_slot_are_exact():
     int4 bytes of every token, and the partial slot the current block's exact tokens."""
     cfg = SelectionConfig(**SMALL)
     b, h, d, cap, prompt = 1, 2, 16, 160, 75
-    off = OffloadKVCache(1, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync", kv_dtype="mixed", hot_blocks=3)
+    off = MixedOffloadKVCache(1, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync", hot_blocks=3)
     k_all, v_all = torch.randn(b, h, cap, d), torch.randn(b, h, cap, d)
     _prefill(off, k_all, v_all, prompt, ((0, 20), (20, 40), (40, prompt)))
     for head in range(h):

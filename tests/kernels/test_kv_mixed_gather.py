@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from sparda import kernels  # noqa: E402
-from sparda.cache.offload import OffloadKVCache  # noqa: E402
+from sparda.cache.mixed import MixedOffloadKVCache  # noqa: E402
 from sparda.kernels.cold_slots import dequantize_cold_triton  # noqa: E402
 from sparda.cache.transfer import UvaEngine  # noqa: E402
 from sparda.config import SelectionConfig  # noqa: E402
@@ -33,8 +33,8 @@ def test_mixed_uva_gather_equals_sync(monkeypatch):
     caches = []
     for engine in ("sync", "uva"):
         # a small chunk_bytes: the rows span two host chunks (store and pool alike)
-        cache = OffloadKVCache(1, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync", kv_dtype="mixed",
-                               hot_blocks=4, hot_steps=2, chunk_bytes=8000)
+        cache = MixedOffloadKVCache(1, b, h, d, cap, cfg, torch.float32, "cpu", engine="sync", hot_blocks=4,
+                                    hot_steps=2, chunk_bytes=8000)
         if engine == "uva":
             cache.engine = UvaEngine(num_ctas=3, num_warps=2, tile=64)
         caches.append(cache)

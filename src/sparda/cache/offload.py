@@ -30,10 +30,9 @@ import torch
 from sparda.cache.device import fill_ring, window_keys
 from sparda.cache.host import DEFAULT_CHUNK_BYTES, HostKVStore
 from sparda.cache.base import KVCache
-from sparda.cache.hot import HotBlocks, default_hot_blocks
 from sparda.cache.prefetch import Prefetcher
 from sparda.cache.transfer import make_engine
-from sparda.config import DEFAULT_HOT_STEPS, DEFAULT_SLOT_FACTOR, SelectionConfig
+from sparda.config import DEFAULT_SLOT_FACTOR, SelectionConfig
 from sparda.errors import SpardaError
 from sparda import kernels
 from sparda.kernels import quant
@@ -75,14 +74,9 @@ class OffloadKVCache(KVCache):
         timing: measure copy and exposed-wait time (:class:`~sparda.cache.prefetch.Prefetcher`).
         kv_dtype: ``bf16`` or ``int8``/``int4``: the host store, the slot buffers and the
             resident layers hold quantised K/V plus scales (docs/kv_quant.md); the gather
-            moves those bytes; compressed keys and the ring stay in ``dtype``. ``mixed``
-            (design §6.1, :mod:`sparda.cache.hot`): the host store holds every block in int4
-            plus a bf16 pool of the hot ones; slots and resident layers hold ``dtype``; a
-            fetch reads a hot block's ``dtype`` copy and a cold block's int4 bytes (then
-            dequantised into its slot).
-        hot_blocks, hot_steps: ``mixed`` only: the pool's ``P`` blocks per (row, KV head) and
-            the ``R`` decode steps a block stays hot unselected (``None``: the defaults,
-            ``P = budget_blocks``, ``R = 4``; checked by the config).
+            moves those bytes; compressed keys and the ring stay in ``dtype``. ``mixed`` is
+            :class:`~sparda.cache.mixed.MixedOffloadKVCache`'s (design §6.1;
+            :func:`~sparda.cache.mixed.new_offload_cache` picks the class).
         slot_factor: GPU slots per offloaded layer and KV head as a multiple of the
             selection width (>= 1; :func:`spare_slot_count`). Spare slots hold blocks that
             left the selection until a miss needs the slot (the slot diff's rule: empty
@@ -93,27 +87,26 @@ class OffloadKVCache(KVCache):
     """
 
     offload = True
+    #: ``P``, ``R`` of a hot pool (design §6.1): none here
+    hot_blocks = hot_steps = 0
+    #: the hot-block state (:class:`~sparda.cache.hot.HotBlocks`): none here
+    hot = None
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, selection: SelectionConfig, dtype: torch.dtype,
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
                  timing: bool = False, kv_dtype: str = "bf16",
-                 slot_factor: float = DEFAULT_SLOT_FACTOR, hot_blocks: int | None = None,
-                 hot_steps: int | None = None) -> None:
+                 slot_factor: float = DEFAULT_SLOT_FACTOR) -> None:
         self.device = torch.device(device)
         super().__init__(batch, capacity, self.device)
         self.kv_dtype = kv_dtype  # the options are checked by the config, once
-        #: ``kv_dtype`` ``mixed``: int4 host store + bf16 hot pool (design §6.1)
-        self.mixed = kv_dtype == "mixed"
-        if self.mixed:
-            hot_blocks = default_hot_blocks(selection) if hot_blocks is None else hot_blocks
-            hot_steps = DEFAULT_HOT_STEPS if hot_steps is None else hot_steps
         buf_dtype = quant.slot_dtype(kv_dtype)  # slots and resident layers
         self.dtype = dtype
         self.selection = cfg = selection
         self.num_layers = num_layers
         self.batch = batch
+        self.num_kv_heads = num_kv_heads
         self.block_size = cfg.block_size
         self.num_blocks = -(-capacity // cfg.block_size)
         self.num_ck_capacity = ref.num_compressed(capacity, cfg.kernel_size, cfg.kernel_stride)
@@ -125,9 +118,7 @@ class OffloadKVCache(KVCache):
         #: ``S``: slots per offloaded layer and KV head (slot ``S`` is the partial block).
         self.slots = spare_slot_count(capacity, cfg, self.slot_factor)
         self.engine = make_engine(engine, self.device, batch=batch, **(engine_options or {}))
-        #: ``mixed``: ``P`` (at most the blocks of ``capacity``) and ``R``; 0 otherwise
-        self.hot_blocks = min(hot_blocks, self.num_blocks) if self.mixed else 0
-        self.hot_steps = hot_steps if self.mixed else 0
+        self.hot_blocks = self._pool_blocks()
         self.host = HostKVStore(self.offloaded, batch, num_kv_heads, head_dim, self.num_blocks,
                                 cfg.block_size, dtype, pin=self.device.type == "cuda",
                                 chunk_bytes=chunk_bytes, kv_dtype=kv_dtype, hot_blocks=self.hot_blocks,
@@ -143,16 +134,13 @@ class OffloadKVCache(KVCache):
             # per layer: the slot diff's outputs (static buffers); attn_blocks/attn_slots: the
             # selected slots as a compact [B, H, W + 1] list, what attention reads
             self.load, self.attn_ids, self.attn_blocks, self.attn_slots = {}, {}, {}, {}
-            #: ``mixed``: per layer, the int4 bytes of the cold blocks a fetch copies (``[B, H, S]``
-            #: slots), dequantised from here into the slots
+            #: per layer, device staging of the blocks a fetch copies before they reach their
+            #: slots (:meth:`_alloc_fetch_staging`; empty here)
             self.cold_k, self.cold_v = {}, {}
             for layer in self.offloaded:
                 self.k_slots[layer] = quant.kv_zeros(shape, buf_dtype, dtype, self.device)
                 self.v_slots[layer] = quant.kv_zeros(shape, buf_dtype, dtype, self.device)
-                if self.mixed:
-                    cold = (batch, num_kv_heads, self.slots, cfg.block_size, head_dim)
-                    self.cold_k[layer] = quant.QuantizedKV.zeros(cold, quant.MIXED_STORE, self.device)
-                    self.cold_v[layer] = quant.QuantizedKV.zeros(cold, quant.MIXED_STORE, self.device)
+                self._alloc_fetch_staging(layer)
                 self.slot_map[layer] = torch.full((batch, num_kv_heads, self.slots), -1, dtype=torch.long,
                                                   device=self.device)
                 self.load[layer] = torch.full_like(self.slot_map[layer], -1)
@@ -172,14 +160,61 @@ class OffloadKVCache(KVCache):
                               "use a smaller batch, context or budget, or --no-offload") from exc
         self.prefetcher = Prefetcher(self.engine, self.device, num_layers, self.host.block_bytes,
                                      batch=batch, timing=timing,
-                                     pool_block_bytes=self.host.hot_block_bytes if self.mixed else None)
-        #: ``mixed``: the hot-block state (:mod:`sparda.cache.hot`)
-        self.hot = (HotBlocks(self.offloaded, batch, num_kv_heads, self.num_blocks, cfg, self.hot_blocks,
-                              self.hot_steps, self.device) if self.mixed else None)
+                                     pool_block_bytes=self._pool_block_bytes())
         self._stash: tuple | None = None  # prefill: (layer, k, v) of the prompt being run
         self._slot_ids = torch.arange(self.slots + 1, device=self.device).view(1, 1, -1)
         self._scratch_count = torch.zeros(batch, dtype=torch.long, device=self.device)  # uncounted fetches
         self._staging = None  # chunked prefill: sparda.cache.chunked_prefill.PrefillStaging
+
+    # ----------------------------------------------------- subclass hooks
+    def _pool_blocks(self) -> int:
+        """``P``: blocks per (row, KV head) of the host store's hot pool; 0, none here."""
+        return 0
+
+    def _pool_block_bytes(self) -> int | None:
+        """Bytes of one hot-pool block of one head (the prefetcher's pool counter); ``None``: no pool."""
+        return None
+
+    def _alloc_fetch_staging(self, layer: int) -> None:
+        """Allocate ``layer``'s device staging of fetched blocks (:attr:`cold_k`); none here."""
+
+    def _slot_form(self, x, stored=None):
+        """``x [..., d]`` as the slots and resident layers hold it: as the host store holds
+        it (``stored`` where already made, else :meth:`_quantized`)."""
+        return self._quantized(x) if stored is None else stored
+
+    def _prefill_stored(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int,
+                        end: int) -> None:
+        """Called once an offloaded layer's prefill chunk ``k, v [H_kv, end - start, d]`` (as
+        appended) went to the host store: nothing more here."""
+
+    def _partial_block(self, layer: int, row: int, keys: torch.Tensor, values: torch.Tensor, first: int,
+                       end: int) -> tuple:
+        """K, V ``[H_kv, end - first, d]`` of the partial slot after a prefill to ``end``, whose
+        block starts at token ``first``: from the row's tokens as stored (``keys, values``)."""
+        return keys[:, first:end], values[:, first:end]
+
+    def _fused_host(self, layer: int) -> tuple | None:
+        """The host K, V that :meth:`rope_append`'s kernel writes the token to directly (one
+        chunk, an asynchronous engine), or ``None``: :meth:`_store_tokens` writes it after."""
+        chunks = self.host.chunks[layer]
+        return (chunks[0].k, chunks[0].v) if len(chunks) == 1 and self.engine.name != "sync" else None
+
+    def _invalidate_slots(self, layer: int, ids: torch.Tensor, pos: torch.Tensor) -> None:
+        """Before the slot diff of :meth:`fetch` (``ids [B, H, W]``, ``pos [B]``): empty the
+        block-map entries whose slot copy is no longer valid; none here."""
+
+    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool) -> None:
+        """Copy the slot diff's misses ``load [B, H, S]`` (block per slot, ``-1`` none) from
+        the host store into ``layer``'s slots (:meth:`fetch`'s ``prefetch``)."""
+        planes = self._slot_planes(layer)
+        chunks = self.host.chunks[layer]
+
+        def copy() -> None:  # quantised: the data and the scales (the bytes actually stored)
+            for chunk in chunks:
+                self.engine.gather_planes(chunk, planes, load)
+
+        self.prefetcher.fetch(layer, copy, None, None, keep=(), prefetch=prefetch)
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -243,10 +278,7 @@ class OffloadKVCache(KVCache):
             self.v_full[layer][rows, :, pos] = v[:, :, 0]
         else:  # no prefetch wait: the gather writes slots < S only (wait in attend, design §6)
             off = pos % cfg.block_size
-            if self.mixed:  # exact in the slot and the hot pool, int4 in the store (_store_tokens)
-                k_tok, v_tok = k[:, :, 0].to(self.dtype), v[:, :, 0].to(self.dtype)
-            else:
-                k_tok, v_tok = self._quantized(k[:, :, 0]), self._quantized(v[:, :, 0])  # once, for slot and host
+            k_tok, v_tok = self._slot_form(k[:, :, 0]), self._slot_form(v[:, :, 0])  # once, for slot and host
             self.k_slots[layer][rows, :, self.slots, off] = k_tok
             self.v_slots[layer][rows, :, self.slots, off] = v_tok
             self._store_tokens(layer, k_tok, v_tok, pos)
@@ -287,9 +319,7 @@ class OffloadKVCache(KVCache):
             kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, self.k_full[layer], self.v_full[layer],
                                 self.ck[layer], **common)
             return q, f
-        chunks = self.host.chunks[layer]
-        host = (chunks[0].k, chunks[0].v) if len(chunks) == 1 and self.engine.name != "sync" and not self.mixed \
-            else None  # mixed: the int4 store and the hot pool are written by _store_tokens
+        host = self._fused_host(layer)
         k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
         kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, k_slots, v_slots, self.ck[layer],
                             slot=self.slots, host=host, **common)
@@ -301,21 +331,14 @@ class OffloadKVCache(KVCache):
 
     def _quantized(self, x: torch.Tensor):
         """``x`` as the host store holds it: quantised once (:class:`~sparda.kernels.quant.QuantizedKV`)
-        for a quantised cache (``mixed``: int4), else itself."""
+        for a quantised store, else itself."""
         store = self.host.kv_dtype
         return quant.QuantizedKV.quantize(x, store) if quant.is_quantized(store) else x
 
     def _store_tokens(self, layer: int, k_tok, v_tok, pos: torch.Tensor) -> None:
         """Write one decoded token per row (``[B, H, d]``, as stored) to the host store:
         one engine call per chunk and stored plane (data, then scales if quantised).
-        ``mixed``: ``k_tok, v_tok`` exact; int4 to the store, exact to the hot pool at
-        pool slot ``block mod P`` (:mod:`sparda.cache.hot`)."""
-        if self.mixed:
-            bs, pool = self.block_size, self.hot_blocks
-            ring_pos = (pos // bs) % pool * bs + pos % bs
-            for chunk in self.host.pool[layer]:
-                self.engine.store_tokens(chunk, k_tok, v_tok, ring_pos)
-            k_tok, v_tok = self._quantized(k_tok), self._quantized(v_tok)
+        ``k_tok, v_tok``: as :meth:`_slot_form` made them; ``pos [B]`` int64."""
         planes = [(k_tok, v_tok)] if not isinstance(k_tok, quant.QuantizedKV) else [
             (k_tok.data, v_tok.data), (k_tok.scale, v_tok.scale)]
         for chunk in self.host.chunks[layer]:
@@ -348,17 +371,15 @@ class OffloadKVCache(KVCache):
             staging = self._staging = self._new_staging(asynchronous=False)
         kq, vq = self._quantized(k), self._quantized(v)  # as stored (quantised once)
         if layer in self.resident:
-            self.k_full[layer][row, :, start:end] = k if self.mixed else kq  # mixed: the model dtype
-            self.v_full[layer][row, :, start:end] = v if self.mixed else vq
+            self.k_full[layer][row, :, start:end] = self._slot_form(k, kq)
+            self.v_full[layer][row, :, start:end] = self._slot_form(v, vq)
             keys = self.k_full[layer][row]
         else:
             if staging is None:
                 self.host.write_tokens(layer, row, kq, vq, start)
             else:
                 staging.write(layer, row, kq, vq, start)
-            if self.mixed:  # exact copies in the hot pool; the window at `end` is hot (sparda.cache.hot)
-                self.host.write_pool_tokens(layer, row, k.to(self.dtype), v.to(self.dtype), start)
-                self.hot.prefill(layer, row, end)
+            self._prefill_stored(layer, row, k, v, start, end)
             self.slot_map[layer][row] = -1
             if start == 0:
                 keys, values = kq, vq
@@ -367,13 +388,9 @@ class OffloadKVCache(KVCache):
                 keys[:, start:end] = kq
                 values[:, start:end] = vq
             first = (end - 1) // cfg.block_size * cfg.block_size
-            if self.mixed:  # the current block is hot: its exact tokens from the pool
-                pk, pv = self.host.pool_block(layer, row, slice(None), first // cfg.block_size)
-                self.k_slots[layer][row, :, self.slots, :end - first] = pk[:, :end - first].to(self.device)
-                self.v_slots[layer][row, :, self.slots, :end - first] = pv[:, :end - first].to(self.device)
-            else:
-                self.k_slots[layer][row, :, self.slots, :end - first] = keys[:, first:end]
-                self.v_slots[layer][row, :, self.slots, :end - first] = values[:, first:end]
+            pk, pv = self._partial_block(layer, row, keys, values, first, end)
+            self.k_slots[layer][row, :, self.slots, :end - first] = pk
+            self.v_slots[layer][row, :, self.slots, :end - first] = pv
         if staging is not None and layer + 1 < self.num_layers:
             staging.prefetch(layer + 1, row, start)  # the next layer's earlier chunks, while this one runs
         if isinstance(kq, quant.QuantizedKV):  # compressed keys and ring from the unquantised keys
@@ -487,48 +504,11 @@ class OffloadKVCache(KVCache):
         pref = self.prefetcher
         read, valid = counters if counters is not None else (self._scratch_count, self._scratch_count)
         load = self.load[layer]
-        if self.mixed:  # the hot rule first: a demoted block's bf16 copy leaves its GPU slot too
-            demoted = self.hot.update(layer, ids, pos)
-            held = self.slot_map[layer]
-            held.masked_fill_(torch.gather(demoted, -1, held.clamp(min=0)) & (held >= 0), -1)
+        self._invalidate_slots(layer, ids, pos)
         kernels.slot_diff(ids, self.slot_map[layer], pos, self.block_size, self.num_blocks, load,
                           self.attn_ids[layer], (pref.hits, pref.misses, read, valid),
                           (self.attn_blocks[layer], self.attn_slots[layer]))
-        if self.mixed:
-            self._fetch_mixed(layer, load, prefetch)
-            return
-        planes = self._slot_planes(layer)
-        chunks = self.host.chunks[layer]
-
-        def copy() -> None:  # quantised: the data and the scales (the bytes actually stored)
-            for chunk in chunks:
-                self.engine.gather_planes(chunk, planes, load)
-
-        pref.fetch(layer, copy, None, None, keep=(), prefetch=prefetch)
-
-    def _fetch_mixed(self, layer: int, load: torch.Tensor, prefetch: bool) -> None:
-        """``mixed``: copy the slot diff's misses ``load [B, H, S]``, a hot block's ``dtype``
-        copy from the pool, a cold block's int4 codes and scales into :attr:`cold_k` /
-        :attr:`cold_v`, dequantised from there into its slot
-        (:func:`sparda.kernels.dequantize_cold_slots`: on CUDA only the slots that received
-        a cold block are read and written). Counts the pool
-        misses (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`)."""
-        pref = self.prefetcher
-        from_pool, cold = self.hot.split(layer, load)
-        pref.pool_misses.add_((from_pool >= 0).sum((1, 2)))
-        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
-        ck, cv = self.cold_k[layer], self.cold_v[layer]
-        planes = [(ck.data, cv.data), (ck.scale, cv.scale)]
-        s = self.slots
-
-        def copy() -> None:
-            for chunk in self.host.pool[layer]:
-                self.engine.gather(chunk, k_slots, v_slots, from_pool)
-            for chunk in self.host.chunks[layer]:
-                self.engine.gather_planes(chunk, planes, cold)
-            kernels.dequantize_cold_slots(ck, cv, k_slots[:, :, :s], v_slots[:, :, :s], cold)
-
-        pref.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch)
+        self._copy_misses(layer, load, prefetch)
 
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s pending prefetch (no host sync)."""
@@ -555,7 +535,4 @@ class OffloadKVCache(KVCache):
         tokens (:meth:`~sparda.cache.prefetch.Prefetcher.stats`) plus the memory split."""
         stats = self.prefetcher.stats(tokens, row)
         stats.update(engine=self.engine.name, host_bytes=self.host.nbytes, device_bytes=self.device_bytes)
-        if self.mixed:
-            stats.update(kv_hot_blocks=self.hot_blocks, kv_hot_steps=self.hot_steps,
-                         pool_bytes=self.host.pool_bytes)
         return stats

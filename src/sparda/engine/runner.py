@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from sparda.cache.device import DeviceKVCache
-from sparda.cache.offload import OffloadKVCache
+from sparda.cache.mixed import new_offload_cache
 from sparda.config import SpardaConfig
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.errors import SpardaError
@@ -54,10 +54,10 @@ class ModelRunner:
         """An empty KV cache of ``batch`` rows x ``capacity`` tokens (``config.cache`` storage)."""
         s, c = self.shape, self.config.cache
         if self.offloaded:
-            return OffloadKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
-                                  self.config.selection, self.dtype, self.device, engine=c.transfer,
-                                  resident_layers=self.cache_resident_layers(), timing=c.timing,
-                                  kv_dtype=c.kv_dtype, slot_factor=c.slot_factor, **c.hot)
+            return new_offload_cache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
+                                     self.config.selection, self.dtype, self.device, engine=c.transfer,
+                                     resident_layers=self.cache_resident_layers(), timing=c.timing,
+                                     kv_dtype=c.kv_dtype, slot_factor=c.slot_factor, **c.hot)
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                              self.config.selection, self.dtype, self.device, kv_dtype=c.kv_dtype)
 
