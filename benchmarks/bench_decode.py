@@ -528,7 +528,7 @@ def profile_point(model, forecast, method: str, batch: int, context: int, traces
     phases["fill_s"] = time.perf_counter() - t
     t = time.perf_counter()
     replayer = None
-    if hasattr(cache, "fetch"):
+    if cache.offload:
         trace = trace_for(traces, method)
         masks = replay_masks(trace, model.shape.num_layers, model.shape.num_kv_heads, selection,
                              [context] * batch, steps, cache.num_blocks).to(llm.device)

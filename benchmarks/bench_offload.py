@@ -228,8 +228,7 @@ def fill_random(cache, lengths, shape) -> None:
         for layer in range(shape.num_layers):
             k = torch.randn(1, shape.num_kv_heads, t, shape.head_dim, device=DEV, dtype=torch.bfloat16)
             cache.append(layer, k, torch.randn_like(k), step)
-    if hasattr(cache, "lengths"):
-        cache.lengths[: len(lengths)] = torch.tensor(lengths, device=DEV)
+    cache.lengths[: len(lengths)] = torch.tensor(lengths, device=DEV)
 
 
 def decode_run(llm: LLM, lengths, steps, prompts=None, check_sync=False):
@@ -261,7 +260,7 @@ def decode_run(llm: LLM, lengths, steps, prompts=None, check_sync=False):
         syncs = [str(w.message).splitlines()[0][:60] for w in caught if "synchroniz" in str(w.message)]
         sync_note = "none" if not syncs else f"{len(syncs)}: {syncs[0]}"
         pos = pos + 1
-    if hasattr(cache, "prefetcher"):
+    if cache.prefetcher is not None:
         cache.prefetcher.reset()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -270,7 +269,7 @@ def decode_run(llm: LLM, lengths, steps, prompts=None, check_sync=False):
         pos = pos + 1
     torch.cuda.synchronize()
     sec = time.perf_counter() - start
-    stats = cache.offload_stats(steps * len(lengths)) if hasattr(cache, "offload_stats") else {}
+    stats = cache.offload_stats(steps * len(lengths)) if cache.offload else {}
     del cache
     torch.cuda.empty_cache()
     return len(lengths) * steps / sec, sec / steps * 1e3, stats, sync_note

@@ -144,6 +144,92 @@ def test_cancel_frees_the_row_and_the_batch_goes_on(make_tiny):
     assert outs[c.request_id].token_ids == alone.token_ids  # the reused row kept nothing of a
 
 
+@pytest.mark.parametrize("method", ["sparse", "sparse-offload"])
+def test_an_aborted_row_is_cleared_and_its_counters_reported(make_tiny, fresh_seed, method):
+    """Abort one request between two of its prefill chunks and another mid-decode: both rows
+    become plain padding (position 0, empty block map) in the step that drops them,
+    so a freed row fetches nothing more; the decoding one reports its own KV read fraction
+    (and offload counters), and the engine's offload totals never go down."""
+    llm = LLM(make_tiny("llama"), method=method, device="cpu", prefill_chunk_tokens=32, **SMALL_BLOCKS)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    ids = [torch.randint(0, 49152, (int(torch.randint(120, 180, (), generator=gen)),), generator=gen).tolist()
+           for _ in range(3)]
+    engine = Engine(llm, max_batch=3, max_model_len=260, max_prefill_tokens=64)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    decoding = engine.add_request(ids[0], params)
+    while not decoding.output_ids or len(decoding.output_ids) < 4:
+        engine.step()
+    other = engine.add_request(ids[1], params)
+    half = engine.add_request(ids[2], params)
+    while not half.num_computed:
+        engine.step()
+    assert not half.prefilled, f"seed={fresh_seed}"  # mid-prefill, in its own row
+    rows = (decoding.row, half.row)
+    engine.abort(decoding.request_id)
+    engine.abort(half.request_id)
+    done = {d.request_id: d.output for d in engine.step() if d.finish_reason == "abort"}
+    assert set(done) == {decoding.request_id, half.request_id}
+    stats = done[decoding.request_id].stats
+    assert 0 < stats["kv_read_fraction"] < 1, (stats, f"seed={fresh_seed}")
+    assert ("offload" in stats) == (method == "sparse-offload")
+    for row in rows:  # padding: token 0 decoded at position 0 (length 1), not at the old position
+        assert engine._positions[row] == 0 and int(engine.cache.lengths[row]) <= 1, (row, f"seed={fresh_seed}")
+        assert all((m[row] == -1).all() for m in engine.cache.slot_map.values())
+    totals = []
+    while engine.has_work():
+        engine.step()
+        if engine.offloaded:
+            engine._refresh_offload()
+            totals.append(engine._offload["hits"] + engine._offload["misses"])
+    assert totals == sorted(totals), f"seed={fresh_seed}"
+    if engine.offloaded:
+        prefetcher = engine.cache.prefetcher
+        assert all(int(prefetcher.hits[row] + prefetcher.misses[row]) == 0 for row in rows)
+
+
+def test_a_step_runs_at_most_the_token_budget_decode_included(make_tiny, fresh_seed):
+    """Chunked prefill (design §3.9): prompt tokens plus decode tokens of a step stay within
+    max_prefill_tokens, a request whose prefill ends in the step decoding in it too; only a
+    step's first chunk may go over (so a prefill always moves)."""
+    llm = LLM(make_tiny("llama"), method="dense", device="cpu", prefill_chunk_tokens=32)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    budget = int(torch.randint(20, 90, (), generator=gen))
+    engine = Engine(llm, max_batch=4, max_model_len=200, max_prefill_tokens=budget)
+    seen = {}
+    real_prefill, real_decode = engine._prefill, engine._decode
+
+    def prefill(plan):
+        seen["chunks"], seen["prefill"] = len(plan), sum(end - start for _, start, end in plan)
+        return real_prefill(plan)
+
+    def decode(running):
+        seen["decode"] = len(running)
+        return real_decode(running)
+
+    engine._prefill, engine._decode = prefill, decode
+    for _ in range(16):
+        n = int(torch.randint(1, 100, (), generator=gen))
+        engine.add_request(torch.randint(0, 49152, (n,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=int(torch.randint(1, 6, (), generator=gen)), ignore_eos=True))
+    while engine.has_work():
+        seen.update(chunks=0, prefill=0, decode=0)
+        engine.step()
+        assert seen["prefill"] + seen["decode"] <= budget or seen["chunks"] == 1, (seen, budget, f"seed={fresh_seed}")
+
+
+def test_dense_decode_block_ids_belong_to_each_cache(make_tiny):
+    """The block ids the CUDA dense decode reads (a graph captured on a cache records their
+    address) are kept by that cache: another cache of another shape in between leaves them."""
+    llm = LLM(make_tiny("llama"), method="dense", device="cpu")
+    a, b = llm.new_cache(2, 300), llm.new_cache(3, 70)
+    ids_a = llm.method._all_blocks(a, 2, 2, 300, a.lengths.device)
+    assert ids_a.tolist() == [[list(range(5))] * 2] * 2
+    ids_b = llm.method._all_blocks(b, 3, 2, 70, b.lengths.device)
+    assert ids_b.shape == (3, 2, 2)
+    again = llm.method._all_blocks(a, 2, 2, 300, a.lengths.device)
+    assert again is ids_a and ids_a.tolist() == [[list(range(5))] * 2] * 2
+
+
 def test_generate_with_sampling_params_and_the_keyword_form(make_tiny):
     llm = LLM(make_tiny("llama"), method="dense", device="cpu")
     outs = llm.generate(["Hello there", "Why is the sky blue?"], SamplingParams(max_tokens=5, ignore_eos=True))

@@ -70,4 +70,6 @@ def test_scheduler_reserves_whole_rows_and_refuses_what_can_never_fit():
     third, = sched.admit()
     assert third is seqs[2] and third.row == 0 and sched.rows_in_use == 2
     third.cancelled = True
-    assert sched.drop_cancelled() == [third] and sched.rows_in_use == 1 and third.row is None
+    assert sched.drop_cancelled() == [third] and sched.rows_in_use == 2 and third.row == 0  # its row, until freed
+    sched.free(third)
+    assert sched.rows_in_use == 1 and third.row is None

@@ -59,6 +59,9 @@ def test_admission_matches_a_brute_force_simulation(trial, fresh_seed):
             seq.cancelled = True
             dropped = sched.drop_cancelled()
             assert dropped == [s for s in waiting if s.cancelled] + [s for s in running.values() if s.cancelled]
+            for s in dropped:  # the engine frees a cancelled request's row once it has read it
+                assert s.row is None or sched.running[s.row] is s
+                sched.free(s)
             waiting = [s for s in waiting if not s.cancelled]
             running = {r: s for r, s in running.items() if not s.cancelled}
         assert list(sched.waiting) == waiting and sched.running == running
@@ -68,20 +71,22 @@ def test_admission_matches_a_brute_force_simulation(trial, fresh_seed):
 def _reference_plan(order: list, free: set, budget: int, chunk: int):
     """One chunked-prefill step from scratch: ``order`` = half-prefilled requests in admission
     order then the waiting queue (``seq, done`` pairs); chunks of ``chunk`` tokens taken first
-    come first served while they fit ``budget`` (the step's first always); a waiting request
-    needs a free row (the lowest). Returns ``[(seq, start, end)], {seq: row}``."""
+    come first served while they fit ``budget`` (the step's first always), a prompt's last
+    chunk costing one token more (its first decode token, in the same step); a waiting
+    request needs a free row (the lowest). Returns ``[(seq, start, end)], {seq: row}``."""
     plan, rows, left, free = [], {}, budget, sorted(free)
     for seq, done, waiting in order:
         spans = [(s, min(seq.num_prompt, s + chunk)) for s in range(0, seq.num_prompt, chunk) if s >= done]
+        costs = [end - start + (end == seq.num_prompt) for start, end in spans]
         if waiting:
-            if not free or (plan and spans[0][1] - spans[0][0] > left):
+            if not free or (plan and costs[0] > left):
                 return plan, rows
             rows[seq] = free.pop(0)
-        for start, end in spans:
-            if plan and end - start > left:
+        for (start, end), cost in zip(spans, costs):
+            if plan and cost > left:
                 return plan, rows
             plan.append((seq, start, end))
-            left -= end - start
+            left -= cost
     return plan, rows
 
 

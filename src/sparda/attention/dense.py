@@ -35,17 +35,19 @@ class DenseAttention(AttentionMethod):
                 and (window is None or window >= k.shape[-2])):
             # the split-KV decode kernel over every block: deterministic, so a replayed CUDA graph
             # gives the eager step's tokens (masked SDPA did not, in bf16 on the H200)
-            ids = self._all_blocks(q.shape[0], q.shape[1], k.shape[-2], q.device)
+            ids = self._all_blocks(cache, q.shape[0], q.shape[1], k.shape[-2], q.device)
             out = kernels.decode_attention(q[:, :, :, 0], k, v, ids, step.kv_len, _DECODE_BLOCK)
             return out.unsqueeze(3)
         return dense_attention(q, k, v, step, window=window)
 
-    def _all_blocks(self, batch: int, heads: int, num_tokens: int, device) -> torch.Tensor:
-        """``[B, H, ceil(T / 64)]`` int32 ids of every block (made once per shape: graph-safe)."""
-        key = (batch, heads, num_tokens, str(device))
-        cached = getattr(self, "_ids", None)
-        if cached is None or cached[0] != key:
-            n = -(-num_tokens // _DECODE_BLOCK)
-            ids = torch.arange(n, dtype=torch.int32, device=device).expand(batch, heads, n).contiguous()
-            self._ids = cached = (key, ids)
-        return cached[1]
+    def _all_blocks(self, cache, batch: int, heads: int, num_tokens: int, device) -> torch.Tensor:
+        """``[B, H, ceil(T / 64)]`` int32 ids of every block, made once per shape and kept by
+        ``cache`` (design §3.10): a graph captured on that cache reads a tensor that lives as
+        long as it, whatever other caches this method serves in between."""
+        n = -(-num_tokens // _DECODE_BLOCK)
+        made = cache.owned(self, dict)
+        key = (batch, heads, n, str(device))
+        if key not in made:
+            with torch.inference_mode():
+                made[key] = torch.arange(n, dtype=torch.int32, device=device).expand(batch, heads, n).contiguous()
+        return made[key]

@@ -98,6 +98,8 @@ class OffloadKVCache(KVCache):
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
                  timing: bool = False, kv_dtype: str = "bf16",
                  slot_factor: float = DEFAULT_SLOT_FACTOR) -> None:
+        if kv_dtype == "mixed" and type(self) is OffloadKVCache:  # a caller's mistake, not a user's option
+            raise TypeError("kv_dtype mixed is MixedOffloadKVCache (sparda.cache.mixed.new_offload_cache)")
         self.device = torch.device(device)
         super().__init__(batch, capacity, self.device)
         self.kv_dtype = kv_dtype  # the options are checked by the config, once

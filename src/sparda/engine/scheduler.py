@@ -85,15 +85,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def drop_cancelled(self) -> list[Sequence]:
-        """Take cancelled requests out of the queue and free their rows; returns them."""
+        """Take cancelled requests out of the queue; returns them, the waiting ones then the
+        running ones, whose rows stay theirs until :meth:`free` (the engine reads a row's
+        counters and clears it first)."""
         gone = [s for s in self.waiting if s.cancelled]
         if gone:
             self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
-        for row, seq in list(self.running.items()):
-            if seq.cancelled:
-                self.free(seq)
-                gone.append(seq)
-        return gone
+        return gone + [seq for seq in self.running.values() if seq.cancelled]
 
     def admit(self, max_tokens: int | None = None) -> list[Sequence]:
         """Waiting requests, first come first served, each given the lowest free row, while
@@ -114,25 +112,30 @@ class Scheduler:
     def plan(self, budget: int, chunks) -> list[tuple[Sequence, int, int]]:
         """The prefill chunks of one engine step with chunked prefill (design §3.8).
 
-        ``budget`` prompt tokens (``max_num_batched_tokens`` less this step's decode
-        tokens) go, first come first served, to the half-prefilled requests in admission
-        order, then to waiting requests, each admitted into the lowest free row once its
-        first chunk is taken; a request's next chunk (``chunks(seq)`` lists its remaining
-        ``(start, end)`` spans) is taken if it fits what is left, or if no chunk was taken
-        yet this step (so a prefill always moves); the first chunk that does not fit ends
-        the step's plan (no request overtakes an earlier one). Returns ``(seq, start, end)``
-        in run order.
+        ``budget`` tokens (``max_num_batched_tokens`` less this step's decode tokens) go,
+        first come first served, to the half-prefilled requests in admission order, then to
+        waiting requests, each admitted into the lowest free row once its first chunk is
+        taken; a request's next chunk (``chunks(seq)`` lists its remaining ``(start, end)``
+        spans) costs its tokens, plus one for a prompt's last chunk (that request decodes in
+        this step too), and is taken if it fits what is left, or if no chunk was taken yet
+        this step (so a prefill always moves); the first chunk that does not fit ends the
+        step's plan (no request overtakes an earlier one). Returns ``(seq, start, end)`` in
+        run order.
         """
         plan: list[tuple[Sequence, int, int]] = []
         left = budget
 
+        def cost(spans, i: int) -> int:
+            return spans[i][1] - spans[i][0] + (i == len(spans) - 1)
+
         def take(seq: Sequence) -> bool:  # True: every chunk of seq fitted
             nonlocal left
-            for start, end in chunks(seq):
-                if plan and end - start > left:
+            spans = chunks(seq)
+            for i, (start, end) in enumerate(spans):
+                if plan and cost(spans, i) > left:
                     return False
                 plan.append((seq, start, end))
-                left -= end - start
+                left -= cost(spans, i)
             return True
 
         for seq in sorted((s for s in self.running.values() if not s.prefilled), key=lambda s: s.admit_order):
@@ -140,8 +143,7 @@ class Scheduler:
                 return plan
         while self.waiting and self._free:
             seq = self.waiting[0]
-            first = chunks(seq)[0]
-            if plan and first[1] - first[0] > left:
+            if plan and cost(chunks(seq), 0) > left:
                 break
             self._place(self.waiting.popleft())
             if not take(seq):
