@@ -333,8 +333,26 @@ def test_quick_sweep_with_a_quantised_cache(tmp_path, kv_dtype):
     sel = selection_config("tiny")
     num_ck = (1024 - sel.kernel_size) // sel.kernel_stride + 1
     assert records[0]["kv_read_bytes_per_step"] == 2 * 4 * 2 * (2 * sel.budget_blocks * 64 * token + num_ck * 32 * 4)
+    for rec in records:  # the offloaded cache's slots hold the quantised codes too: the same bytes
+        assert rec["kv_read_bytes_by_kind"] == {"kv": 2 * 4 * 2 * 2 * sel.budget_blocks * 64 * token,
+                                                "compressed_keys": 2 * 4 * 2 * num_ck * 32 * 4}
     report = (tmp_path / "out" / "report.md").read_text()
     assert f"| sparda {kv_dtype} | host | 2 | ok |" in report
+
+
+def test_mixed_roofline_reads_the_slots_in_the_model_dtype(tmp_path):
+    """kv_dtype mixed: the host store is int4, but attention reads GPU slots in the model dtype
+    (design §6.1), so the roofline counts those bytes, not the int4 codes."""
+    cfg = sweep.quick_config(str(tmp_path / "out"), methods=["sparda"], contexts=[1024], batches=[2],
+                             decode_steps=1, repeats=1, warmup_steps=1, breakdown_steps=0, kv_dtype="mixed",
+                             trace="none", prefill_tokens=300)
+    (rec,) = sweep.run_sweep(cfg, log=lambda _: None)
+    assert rec["status"] == "ok" and rec["kv_dtype"] == "mixed"
+    sel = selection_config("tiny")
+    num_ck = (1024 - sel.kernel_size) // sel.kernel_stride + 1
+    assert rec["kv_read_bytes_by_kind"] == {"kv": 2 * 4 * 2 * 2 * sel.budget_blocks * 64 * 32 * 4,  # fp32 slots
+                                            "compressed_keys": 2 * 4 * 2 * num_ck * 32 * 4}
+    assert rec["kv_read_bytes_per_step"] == sum(rec["kv_read_bytes_by_kind"].values())
 
 
 def test_host_limit_counts_quantised_bytes(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from sparda.bench.gpu_profile import kernel_summary
 from sparda.bench.models import method_extra_bytes, weight_bytes
-from sparda.bench.roofline import kv_read_bytes, roofline_ms
+from sparda.bench.roofline import kv_read_breakdown, roofline_ms
 from sparda.bench.timing import ComponentTimer
 from sparda.bench.traces import Replayer, replay_masks, synthetic_masks, trace_for
 from sparda.cache import pinned
@@ -22,7 +22,7 @@ from sparda.engine import memory
 from sparda.engine.graph_runner import DecodeRunner
 from sparda.engine.llm import LLM
 from sparda.errors import SpardaError
-from sparda.kernels.quant import token_bytes
+from sparda.kernels.quant import slot_dtype, token_bytes
 from sparda.model.llama import StepInfo
 
 #: methods whose KV cache lives in host memory (design §6)
@@ -322,8 +322,9 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         overlap = overlap_timing(llm, cache, step, steps_overlap, tpot, state, timed_from)
     elem = torch.empty((), dtype=llm.dtype).element_size()
     w_bytes = weight_bytes(llm.model) + method_extra_bytes(llm)
-    kv_bytes = kv_read_bytes(llm.config.method, s, cfg, batch, context, elem,
-                             token_bytes(s.head_dim, llm.config.cache.kv_dtype, llm.dtype))
+    read_dtype = slot_dtype(llm.config.cache.kv_dtype) if offloaded else llm.config.cache.kv_dtype
+    kv_parts = kv_read_breakdown(llm.config.method, s, cfg, batch, context, elem, token_bytes(s.head_dim, read_dtype, llm.dtype))
+    kv_bytes = sum(kv_parts.values())
 
     def speed(tpot, stats, timing, overlap) -> dict:
         missed = stats.get("bytes_per_token", 0.0) * batch
@@ -364,7 +365,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     rec = {
         **speed(tpot, stats, timing, overlap),
         "tpot_ms_repeats": [round(t, 4) for t in tpots],
-        "weight_bytes": w_bytes, "kv_read_bytes_per_step": kv_bytes, "num_layers": s.num_layers,
+        "weight_bytes": w_bytes, "kv_read_bytes_per_step": kv_bytes, "kv_read_bytes_by_kind": kv_parts, "num_layers": s.num_layers,
         "gpu_mem_cap_gb": getattr(opts, "gpu_mem_gb", None),
         "date": __import__("datetime").datetime.now().isoformat(timespec="seconds"),
         "cuda_graph": runner.use_graphs and runner.replays > 0, **profile, **(parity or {}),

@@ -22,24 +22,32 @@ def roofline_ms(weight_bytes: float, kv_bytes: float, missed_bytes: float,
     return max((weight_bytes + kv_bytes) / (hbm_gbps * 1e6), missed_bytes / (pcie_gbps * 1e6))
 
 
-def kv_read_bytes(method: str, shape, selection, batch: int, context: int, elem_bytes: int,
-                  kv_token_bytes: int | None = None) -> int:
-    """KV bytes one decode step reads from device memory, whole batch and all layers (design §3).
+def kv_read_breakdown(method: str, shape, selection, batch: int, context: int, elem_bytes: int,
+                      kv_token_bytes: int | None = None) -> dict[str, int]:
+    """KV bytes one decode step reads from device memory, whole batch and all layers (design §3),
+    by kind: ``kv`` (K and V as attention reads them), ``compressed_keys``.
 
     ``dense``: all keys and values; block-sparse: ``min(budget, blocks)`` blocks of K and V plus
     the compressed keys per layer and KV head. ``elem_bytes``: model-dtype element;
-    ``kv_token_bytes``: one token of one head in K as stored (default ``head_dim * elem_bytes``).
+    ``kv_token_bytes``: one token of one head in K as attention reads it, codes and scales
+    (default ``head_dim * elem_bytes``; an offloaded cache's GPU slots: ``mixed``'s are in
+    the model dtype, its int4 codes only cross PCIe).
     """
     ck_token = shape.head_dim * elem_bytes
     kv_token = ck_token if kv_token_bytes is None else kv_token_bytes
     lh = batch * shape.num_layers * shape.num_kv_heads
     if method == "dense" or context < selection.dense_len:
-        return 2 * lh * context * kv_token
+        return {"kv": 2 * lh * context * kv_token, "compressed_keys": 0}
     blocks = -(-context // selection.block_size)
     read = min(selection.budget_blocks, blocks) * selection.block_size
     kern, stride = selection.kernel_size, selection.kernel_stride
     num_ck = max(0, (context - kern) // stride + 1)
-    return lh * (2 * read * kv_token + num_ck * ck_token)
+    return {"kv": lh * 2 * read * kv_token, "compressed_keys": lh * num_ck * ck_token}
+
+
+def kv_read_bytes(*args, **kwargs) -> int:
+    """The sum of :func:`kv_read_breakdown` (same arguments)."""
+    return sum(kv_read_breakdown(*args, **kwargs).values())
 
 
 def _time(fn, device: torch.device, reps: int) -> float:
