@@ -135,7 +135,8 @@ def stall(argv: list[str]) -> None:
     ``--long`` prompts of ``--prompt-tokens`` arrive at once. Per configuration: the
     running streams' step time (TPOT) before the arrival (p50) and while the long prompts
     are prefilled (p50, p99, max, steps), the long prompts' TTFT, and whether their
-    greedy tokens equal those of the first configuration with the same chunks. Writes
+    greedy tokens equal those of the first configuration with the same chunks (``None`` for
+    that first one: nothing to compare with). Writes
     ``OUT/serve_stall.json``; prints a Markdown table last. The first configuration runs
     twice; its first run (kernel compilation, page-locking) is not recorded."""
     import datetime
@@ -197,7 +198,8 @@ def stall(argv: list[str]) -> None:
         while engine.has_work() and not all(s.status.value == "finished" for s in longs):
             engine.step()
         tokens = [list(s.output_ids) for s in longs]
-        same = first_tokens.setdefault(chunk, tokens) == tokens
+        same = first_tokens[chunk] == tokens if chunk in first_tokens else None  # None: the first at this chunk
+        first_tokens.setdefault(chunk, tokens)
         for s in streams:
             engine.abort(s.request_id)
         while engine.has_work():
