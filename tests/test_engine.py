@@ -319,13 +319,19 @@ def test_per_row_state_survives_another_cache_between_engine_steps(make_tiny, fr
     assert got.stats["kv_read_fraction"] == solo.stats["kv_read_fraction"] < 1, f"seed {fresh_seed}"
 
 
-@pytest.mark.parametrize("method", ["dense", "sparse", "sparda-random", "sparse-offload", "infinigen", "h2o", "quest"])
-def test_chunked_prefill_across_steps_keeps_each_request_as_alone(make_tiny, fresh_seed, method):
+CHUNKED = [("dense", {}), ("sparse", {}), ("oracle", {}), ("streaming", {}), ("sparda-random", {}),
+           ("sparse-offload", {}), ("infinigen", {}), ("h2o", {}), ("quest", {}), ("snapkv", {}),
+           ("shallow", {"shallow_layers": 1}), ("sparse", {"kv_dtype": "int8"}),
+           ("sparse-offload", {"kv_dtype": "int4"}), ("sparse-offload", {"kv_dtype": "mixed"})]
+
+
+@pytest.mark.parametrize("method,options", CHUNKED, ids=[m + "".join(f"-{v}" for v in o.values()) for m, o in CHUNKED])
+def test_chunked_prefill_across_steps_keeps_each_request_as_alone(make_tiny, fresh_seed, method, options):
     """Chunked prefill (design §3.8): long prompts spread over steps of a token budget while
     others decode; every request's tokens equal generate() alone (same chunks), running
     streams get a token every step a long prompt is prefilled, and the methods with per-row
-    state (h2o, quest) are prefilled whole in one step."""
-    llm = LLM(make_tiny("llama"), method=method, device="cpu", prefill_chunk_tokens=32, **SMALL_BLOCKS)
+    state (h2o, quest, snapkv, shallow) and the mixed cache are prefilled whole in one step."""
+    llm = LLM(make_tiny("llama"), method=method, device="cpu", prefill_chunk_tokens=32, **SMALL_BLOCKS, **options)
     long, long_tokens = _draw(2, 130, 190, 6, 12)
     short, short_tokens = _draw(2, 5, 30, 20, 30)
     engine = Engine(llm, max_batch=3, max_model_len=220, max_prefill_tokens=40)
