@@ -463,8 +463,9 @@ def test_compute_alone_engine_implements_every_engine_call():
 def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
     """The device bytes the bench's memory check counts for an offloaded method are those
     the point's OffloadKVCache allocates: layer 0 whole plus every other layer's slot buffer
-    of S + 1 blocks (S grows with slot_factor, design §6), the compressed keys and the ring;
-    mixed: the slots in the model dtype, the int4 staging of S blocks, and on the host the hot pool."""
+    of S + 1 blocks (S grows with slot_factor, design §6) with its block map and the slot
+    diff's lists, the compressed keys and the ring; mixed: the slots in the model dtype, the
+    int4 staging of S blocks, the hot-block state, and on the host the hot pool."""
     model = build_model("tiny", "cpu", torch.float32)
     sel = selection_config("tiny")
     llm = pt.make_llm(model, "sparse-offload", sel, None, kv_dtype=kv_dtype, slot_factor=slot_factor)
@@ -474,6 +475,10 @@ def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
     allocated = sum(t.nbytes for buffers in (cache.k_slots, cache.v_slots, cache.k_full, cache.v_full,
                                              cache.cold_k, cache.cold_v) for t in buffers.values())
     allocated += sum(t.nbytes for t in cache.ck + cache.ring)
+    allocated += sum(t.nbytes for maps in (cache.slot_map, cache.load, cache.attn_ids, cache.attn_blocks,
+                                           cache.attn_slots) for t in maps.values())
+    if cache.hot is not None:
+        allocated += sum(t.nbytes for state in (cache.hot.hot, cache.hot.last) for t in state.values())
     dev, host = pt.cache_need_bytes(llm, batch, cap)
     assert (dev, host) == (allocated, cache.host.nbytes), (slot_factor, kv_dtype)
     assert pt.kv_need_bytes("sparse-offload", llm.shape, sel, kv_dtype, torch.float32, batch, cap,

@@ -18,7 +18,8 @@ SMALL = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=40, init_b
 CASES = [("dense", {}), ("sparse", {"kv_dtype": "int8"}), ("sparse", {"kv_dtype": "int4"}),
          ("sparse-offload", {}), ("sparse-offload", {"kv_dtype": "int8"}), ("sparse-offload", {"kv_dtype": "mixed"}),
          ("sparse-offload", {"kv_dtype": "mixed", "kv_hot_blocks": 9}), ("sparse-offload", {"slot_factor": 2.5}),
-         ("shallow", {"shallow_layers": 2, "offload": True}), ("sparda-random", {})]
+         ("shallow", {"shallow_layers": 2, "offload": True}), ("sparda-random", {}), ("quest", {}),
+         ("quest", {"kv_dtype": "int8"}), ("h2o", {}), ("snapkv", {}), ("shallow", {"shallow_layers": 1})]
 
 
 def _tensors(value):
@@ -34,13 +35,18 @@ def _tensors(value):
         yield value
 
 
-def _allocated(cache) -> tuple[int, int]:
-    """``(device, host)`` bytes of K/V, slots, compressed keys and rings, tensor by tensor."""
+def _allocated(cache, method) -> tuple[int, int]:
+    """``(device, host)`` bytes of K/V, slots and their maps, compressed keys, rings, the hot
+    blocks' state and the selector's per-row state, tensor by tensor."""
+    state = 0 if method.state is None else sum(t.nbytes for t in _tensors(method.state.of(cache)))
     if not cache.offload:
         names = ("k", "v", "ck", "ring")
-        return sum(t.nbytes for name in names for t in _tensors(getattr(cache, name))), 0
-    names = ("k_slots", "v_slots", "k_full", "v_full", "ck", "ring", "cold_k", "cold_v")
-    device = sum(t.nbytes for name in names for t in _tensors(getattr(cache, name)))
+        return sum(t.nbytes for name in names for t in _tensors(getattr(cache, name))) + state, 0
+    names = ("k_slots", "v_slots", "k_full", "v_full", "ck", "ring", "cold_k", "cold_v", "slot_map", "load",
+             "attn_ids", "attn_blocks", "attn_slots")
+    device = state + sum(t.nbytes for name in names for t in _tensors(getattr(cache, name)))
+    if cache.hot is not None:
+        device += sum(t.nbytes for t in _tensors([cache.hot.hot, cache.hot.last]))
     host = sum(t.nbytes for chunks in (cache.host.chunks, cache.host.pool) for layer in chunks.values()
                for chunk in layer for t in _tensors([chunk.k, chunk.v]))
     return device, host
@@ -56,7 +62,8 @@ def test_predicted_bytes_are_the_allocated_bytes(tiny, method, options, fresh_se
     llm = LLM(str(tiny), method=method, device="cpu", **SMALL, **options)
     batch, capacity = int(torch.randint(1, 5, ())), int(torch.randint(20, 400, ()))
     cache = llm.new_cache(batch, capacity)
-    assert llm.model_runner.kv_bytes(batch, capacity) == _allocated(cache), (batch, capacity, f"seed={fresh_seed}")
+    assert llm.model_runner.kv_bytes(batch, capacity) == _allocated(cache, llm.method), (batch, capacity,
+                                                                                          f"seed={fresh_seed}")
 
 
 def test_plan_rows_is_the_largest_pool_within_the_budget(tiny, fresh_seed):

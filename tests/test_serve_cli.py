@@ -90,9 +90,15 @@ def test_serve_sizes_the_kv_pool_by_the_memory_budget(make_tiny):
             "--device", "cpu", "--max-model-len", "4096"]
     res = subprocess.run([*base, "--host-memory-gib", "0.0001"], capture_output=True, text=True, timeout=120, env=ENV)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
-    assert res.stderr.strip().splitlines()[-1].startswith(
-        "error: one KV row of 4096 tokens does not fit: it needs host 0.00 GiB of a 0.00 GiB budget "
-        "(--host-memory-gib); lower --max-model-len"), res.stderr
+    assert re.fullmatch(r"error: one KV row of 4096 tokens does not fit: it needs host \d+\.\d\d MiB of a 0\.10 MiB "
+                        r"budget \(--host-memory-gib\); lower --max-model-len, raise the budget, or use a smaller "
+                        r"--kv-dtype", res.stderr.strip().splitlines()[-1]), res.stderr
+    for bad in (["--host-memory-gib", "nan"], ["--host-memory-gib", "inf"], ["--gpu-memory-utilization", "nan"],
+                ["--gpu-memory-utilization", "1.5"]):  # refused before the model loads
+        res = subprocess.run([*base, *bad], capture_output=True, text=True, timeout=120, env=ENV)
+        assert res.returncode == 2 and "loading" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert res.stderr.strip().splitlines() == [f"error: {bad[0]} must be " + (
+            "a finite number of GiB > 0" if "host" in bad[0] else "in (0, 1]") + f", got {float(bad[1])!r}"]
     from sparda.engine.llm import LLM
 
     row = sum(LLM(tiny, method="dense", device="cpu").model_runner.kv_bytes(1, 4096))

@@ -313,15 +313,16 @@ def served_name(model: str | None, model_dir) -> str:
               help="Tokens per row, prompt + new tokens of one request [default: the model's context].")
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
               help="Requests that may queue for a row before 429.")
-@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
               help="Share of the GPU's memory for weights, activations and KV pool: fewer than --max-batch rows "
                    "when it holds fewer (design §3.11).")
-@click.option("--host-memory-gib", default=None, type=click.FloatRange(0, min_open=True),
+@click.option("--host-memory-gib", default=None, type=float,
               help="Host memory for the KV pool (the host store of an offloaded cache; on the CPU the whole "
                    "cache) [default: 90% of what is available at start-up].")
 @click.option("--max-num-batched-tokens", default=None, type=click.IntRange(1),
               help="Tokens per engine step: one per decoding request, the rest prefill chunks of "
-                   "--prefill-chunk tokens, at least one chunk (design §3.9) [default: --prefill-chunk, 8192].")
+                   "--prefill-chunk tokens, at least one chunk (design §3.9) [default: --prefill-chunk + "
+                   "--max-batch, a whole chunk beside every decoding request].")
 @click.option("--served-model-name", default=None,
               help="Name clients pass as 'model' [default: ORG/NAME as given, else the model's name].")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
@@ -339,19 +340,22 @@ def serve(host, port, max_batch, max_model_len, max_waiting, gpu_memory_utilizat
           log_level, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.engine.engine import Engine
+    from sparda.engine.memory import check_budgets
     from sparda.server.app import bind_socket, exposure_warning, serve as run_server
 
     if api_key is not None and not api_key.strip():
         raise SpardaError("--api-key is empty; pass a key, or leave it (and SPARDA_API_KEY) unset for none")
     if protect_health_metrics and api_key is None:
         raise SpardaError("--protect-health-metrics needs --api-key (or SPARDA_API_KEY)")
+    check_budgets(gpu_memory_utilization, host_memory_gib)
     sock = bind_socket(host, port)  # a busy port fails before the model loads
     warning = exposure_warning(sock.getsockname()[0], api_key)
     if warning:
         click.echo(warning, err=True)
     llm = build_llm(**opts)
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
-                    max_prefill_tokens=max_num_batched_tokens or llm.config.runtime.prefill_chunk_tokens or 8192,
+                    max_prefill_tokens=max_num_batched_tokens or (llm.config.runtime.prefill_chunk_tokens or 8192)
+                    + max_batch,
                     gpu_memory_utilization=gpu_memory_utilization, host_memory_gib=host_memory_gib)
     name = served_model_name or served_name(opts["model"], llm.model_dir)
     bound_host, bound_port = sock.getsockname()[:2]

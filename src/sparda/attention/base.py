@@ -42,6 +42,8 @@ class AttentionMethod:
     prefill_across_steps = True
     #: the method reads an offloaded KV cache (``sparda.attention.offload``)
     offloaded = False
+    #: per-row selector state kept by each cache (:class:`~sparda.attention.row_state.RowState`), if any
+    state = None
 
     def __init__(self, config: SpardaConfig, shape, model=None, model_dir=None) -> None:
         #: the :class:`~sparda.model.llama.CausalLM` (lookahead methods read its weights)
@@ -56,6 +58,10 @@ class AttentionMethod:
         """Forget what the method keeps between calls (called before each prefill); the
         counters and per-row state of a cache are the cache's (:meth:`KVCache.reset_counters`)."""
         self.__dict__.pop("_decode_ids", None)
+
+    def state_bytes(self, rows: int, capacity: int) -> int:
+        """Device bytes of the per-row :attr:`state` a cache of ``rows`` x ``capacity`` tokens keeps."""
+        return 0 if self.state is None else self.state.nbytes(rows, capacity)
 
     def cache_resident_layers(self) -> tuple[int, ...]:
         """The layers an offloaded KV cache keeps whole on the device (none by default)."""

@@ -33,6 +33,16 @@ class RowState:
         """``cache``'s state, made at its first use."""
         return cache.owned(self, lambda: self._make(cache.lengths.shape[0], cache.capacity, cache.lengths.device))
 
+    def nbytes(self, rows: int, capacity: int) -> int:
+        """Bytes of the state of a cache of ``rows`` x ``capacity`` tokens (made on the meta device)."""
+        def tensors(value):
+            if torch.is_tensor(value):
+                yield value
+            elif isinstance(value, (list, tuple, dict)):
+                for item in value.values() if isinstance(value, dict) else value:
+                    yield from tensors(item)
+        return sum(t.nbytes for t in tensors(self._make(rows, capacity, torch.device("meta"))))
+
 
 def block_ids(num_blocks: int, device) -> torch.Tensor:
     """``[1, 1, 1, N]`` int64 block indices (broadcast against ``[B, H, Tq, N]`` masks)."""

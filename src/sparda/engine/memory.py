@@ -25,17 +25,19 @@ HOST_SHARE = 0.9
 
 def kv_need_bytes(shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int, capacity: int, *,
                   offload: bool, resident_layers=(), slot_factor: float = 1.5,
-                  hot_blocks: int | None = None) -> tuple[int, int]:
+                  hot_blocks: int | None = None, state_bytes: int = 0) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` of a KV cache of ``batch`` rows x ``capacity`` tokens.
 
     On the device (``offload`` False): K/V of every layer in ``kv_dtype``. Offloaded (design
-    §6): ``resident_layers`` whole and ``S + 1`` slots per other layer on the device, whole
-    blocks of the other layers on the host (``mixed``, design §6.1: the int4 store plus the
-    bf16 hot pool on the host, the int4 staging of the cold slots on the device). Both add the
-    compressed keys (and, quantised or offloaded, the ring of the last ``kernel`` keys).
+    §6): ``resident_layers`` whole and ``S + 1`` slots per other layer on the device with
+    their block maps and the slot diff's lists, whole blocks of the other layers on the host
+    (``mixed``, design §6.1: the int4 store plus the bf16 hot pool on the host, the int4
+    staging of the cold slots and the hot-block state on the device). Both add the compressed
+    keys (and, quantised or offloaded, the ring of the last ``kernel`` keys) and
+    ``state_bytes``, the selector's per-row state (``AttentionMethod.state_bytes``).
     """
     from sparda.cache.hot import default_hot_blocks
-    from sparda.cache.offload import spare_slot_count
+    from sparda.cache.offload import num_slots, spare_slot_count
 
     heads, d, layers = shape.num_kv_heads, shape.head_dim, shape.num_layers
     elem = torch.empty((), dtype=dtype).element_size()
@@ -47,6 +49,7 @@ def kv_need_bytes(shape, selection, kv_dtype: str, dtype: torch.dtype, batch: in
     keys = layers * batch * heads * num_ck * d * elem
     if offload or quant.is_quantized(kv_dtype):
         keys += layers * batch * heads * selection.kernel_size * d * elem
+    keys += state_bytes
     if not offload:
         return layers * kv(kv_dtype, capacity) + keys, 0
     bs = selection.block_size
@@ -56,11 +59,16 @@ def kv_need_bytes(shape, selection, kv_dtype: str, dtype: torch.dtype, batch: in
     offloaded = layers - resident
     device = resident * kv(quant.slot_dtype(kv_dtype), capacity) + offloaded * kv(quant.slot_dtype(kv_dtype),
                                                                                    (slots + 1) * bs)
+    width = num_slots(capacity, selection)
+    # per offloaded layer: slot_map and load [B, H, S] int64, attn_ids [B, H, S + 1] and
+    # attn_blocks, attn_slots [B, H, W + 1] int32
+    device += offloaded * batch * heads * (2 * slots * 8 + (slots + 1) * 4 + 2 * (width + 1) * 4)
     host = offloaded * kv(quant.store_dtype(kv_dtype), blocks * bs)
     if kv_dtype == "mixed":
         pool = min(default_hot_blocks(selection) if hot_blocks is None else hot_blocks, blocks)
         host += offloaded * 2 * batch * heads * pool * bs * d * elem
         device += offloaded * kv(quant.MIXED_STORE, slots * bs)
+        device += offloaded * batch * heads * blocks * (1 + 8)  # HotBlocks: hot bool, last int64
     return device + keys, host
 
 
@@ -79,29 +87,57 @@ class MemoryPlan:
 
     def line(self) -> str:
         """One line for the start-up log."""
-        gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
         parts = []
         if self.device_budget is not None:
-            parts.append(f"device {gib(self.device_bytes)} of {gib(self.device_budget)} GiB")
+            parts.append(f"device {_size(self.device_bytes)} of {_size(self.device_budget)}")
         if self.host_budget is not None:
-            parts.append(f"host {gib(self.host_bytes)} of {gib(self.host_budget)} GiB")
+            parts.append(f"host {_size(self.host_bytes)} of {_size(self.host_budget)}")
         return (f"KV pool {self.rows} rows x {self.capacity} tokens" + (": " + ", ".join(parts) if parts else "")
                 + f", room for {self.fits} rows")
 
 
-def budgets(runner, gpu_memory_utilization: float, host_memory_gib: float | None) -> tuple[int | None, int | None]:
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 0.01 * 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def check_budgets(gpu_memory_utilization: float, host_memory_gib: float | None) -> None:
+    """Raise SpardaError unless ``gpu_memory_utilization`` is in ``(0, 1]`` and
+    ``host_memory_gib`` is ``None`` or a finite number > 0 (before any work: ``sparda serve``
+    calls it before the model loads)."""
+    number = (int, float)
+    if isinstance(gpu_memory_utilization, bool) or not (isinstance(gpu_memory_utilization, number)
+                                                        and 0 < gpu_memory_utilization <= 1):
+        raise SpardaError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if host_memory_gib is not None and (isinstance(host_memory_gib, bool) or not (
+            isinstance(host_memory_gib, number) and 0 < host_memory_gib < float("inf"))):
+        raise SpardaError(f"--host-memory-gib must be a finite number of GiB > 0, got {host_memory_gib!r}")
+
+
+def budgets(runner, capacity: int, gpu_memory_utilization: float,
+            host_memory_gib: float | None) -> tuple[int | None, int | None]:
     """``(device, host)`` bytes the KV pool may take: on CUDA, ``gpu_memory_utilization`` of
-    the GPU's memory less what is allocated now (the weights) and
-    :data:`ACTIVATION_RESERVE_BYTES`; on the CPU no device budget (the device is host memory).
+    the GPU's memory less what is allocated now (the weights), at most what is free now (other
+    processes), less :data:`ACTIVATION_RESERVE_BYTES` and an offloaded cache's prefill staging
+    (two layers' K/V of one row); on the CPU no device budget (the device is host memory).
     Host: ``host_memory_gib``, or :data:`HOST_SHARE` of the memory available now (``None`` if
-    the OS does not say)."""
+    the OS does not say).
+
+    Raises:
+        SpardaError: ``gpu_memory_utilization`` outside ``(0, 1]`` or ``host_memory_gib`` not a
+            finite number > 0.
+    """
     from sparda.cache.host import available_host_bytes
 
+    check_budgets(gpu_memory_utilization, host_memory_gib)
     device = None
     if runner.device.type == "cuda":
         total = torch.cuda.get_device_properties(runner.device).total_memory
-        used = torch.cuda.memory_allocated(runner.device)
-        device = max(0, int(gpu_memory_utilization * total) - used - ACTIVATION_RESERVE_BYTES)
+        free, _ = torch.cuda.mem_get_info(runner.device)
+        room = min(int(gpu_memory_utilization * total) - torch.cuda.memory_allocated(runner.device), free)
+        s, kv_dtype = runner.shape, runner.config.cache.kv_dtype
+        staging = 2 * 2 * s.num_kv_heads * capacity * quant.token_bytes(s.head_dim, quant.store_dtype(kv_dtype),
+                                                                       runner.dtype) if runner.offloaded else 0
+        device = max(0, room - ACTIVATION_RESERVE_BYTES - staging)
     if host_memory_gib is not None:
         host = int(host_memory_gib * 2**30)
     else:
@@ -120,7 +156,7 @@ def plan_rows(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: 
         SpardaError: not even one row fits; the message names the bytes of one row, the
             budget and the options that change them.
     """
-    device_budget, host_budget = budgets(runner, gpu_memory_utilization, host_memory_gib)
+    device_budget, host_budget = budgets(runner, capacity, gpu_memory_utilization, host_memory_gib)
     dev_row, host_row = runner.kv_bytes(1, capacity)
     if runner.device.type != "cuda":  # one memory: the device cache is host memory too
         dev_row, host_row = 0, dev_row + host_row
@@ -128,12 +164,13 @@ def plan_rows(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: 
               if budget is not None and row > 0]
     fits = min(bounds) if bounds else max_batch
     if fits < 1:
-        short = [f"{name} {row / 2**30:.2f} GiB of a {budget / 2**30:.2f} GiB budget ({flag})"
+        short = [f"{name} {_size(row)} of a {_size(budget)} budget ({flag})"
                  for name, row, budget, flag in (("device", dev_row, device_budget, "--gpu-memory-utilization"),
                                                  ("host", host_row, host_budget, "--host-memory-gib"))
                  if budget is not None and row > budget]
+        other = "--offload or a smaller --kv-dtype" if runner.device.type == "cuda" else "a smaller --kv-dtype"
         raise SpardaError(f"one KV row of {capacity} tokens does not fit: it needs {'; '.join(short)}; lower "
-                          "--max-model-len, raise the budget, or use --offload / a smaller --kv-dtype")
+                          f"--max-model-len, raise the budget, or use {other}")
     rows = min(max_batch, fits)
     dev, host = runner.kv_bytes(rows, capacity)
     if runner.device.type != "cuda":

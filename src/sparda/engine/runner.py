@@ -81,7 +81,8 @@ class ModelRunner:
         c = self.config.cache
         return kv_need_bytes(self.shape, self.config.selection, c.kv_dtype, self.dtype, batch, capacity,
                              offload=self.offloaded, resident_layers=self.cache_resident_layers(),
-                             slot_factor=c.slot_factor, hot_blocks=c.hot.get("hot_blocks"))
+                             slot_factor=c.slot_factor, hot_blocks=c.hot.get("hot_blocks"),
+                             state_bytes=self.method.state_bytes(batch, capacity))
 
     def cache_capacity(self, tokens: int) -> int:
         """``tokens`` rounded up to a multiple of :data:`CAPACITY_ROUND` (not past the model's
