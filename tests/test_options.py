@@ -17,6 +17,8 @@ from sparda.config import spell
 #: (keywords of LLM(...), the same on the command line, a fragment every message holds)
 BAD = [
     (dict(kv_dtype="fp8"), ["--kv-dtype", "fp8"], "unknown kv_dtype 'fp8'"),
+    (dict(kv_dtype=""), ["--kv-dtype", ""], "unknown kv_dtype ''"),
+    (dict(transfer=""), ["--transfer", ""], "unknown transfer ''"),
     (dict(method="dense", transfer="bogus"), ["--method", "dense", "--transfer", "bogus"], "unknown transfer 'bogus'"),
     (dict(method="dense", transfer="sync"), ["--method", "dense", "--transfer", "sync"], "applies to an offloaded"),
     (dict(method="sparse-offload", transfer="uva", device="cpu"),

@@ -493,7 +493,7 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
     if offload is None:  # design §6: the lookahead prefetch is the point of sparda where CUDA has a side stream
         offload = method == "sparda" and cuda and defaults == "user"
     offloaded = offload or method in ALWAYS_OFFLOADED
-    kv_dtype = get("kv_dtype") or "bf16"
+    kv_dtype = "bf16" if get("kv_dtype") is None else get("kv_dtype")
     if kv_dtype not in KV_DTYPES:
         _fail("kv_dtype", f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
     if kv_dtype == "mixed" and not offloaded:
@@ -512,7 +512,7 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
                                    f"({selection.local_blocks}: the local window stays hot), got {get('kv_hot_blocks')!r}; e.g. "
                                    f"--kv-hot-blocks {selection.budget_blocks}")
         _count("kv_hot_steps", hot_steps, 1, "decode steps")
-    transfer = get("transfer") or "auto"
+    transfer = "auto" if get("transfer") is None else get("transfer")
     if transfer not in TRANSFERS:
         _fail("transfer", f"unknown transfer {transfer!r}; choose one of {', '.join(TRANSFERS)}")
     if transfer != "auto" and not offloaded:
