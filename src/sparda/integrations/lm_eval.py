@@ -19,7 +19,8 @@ follow lm-eval's ``hf`` model, through lm-eval's own helpers):
 * ``loglikelihood_rolling``: each rolling window is one prefill with logits at every
   position (as ``sparda eval``'s perplexity).
 * ``generate_until``: ``sparda.LLM.generate`` on ``batch_size`` prompts at once, the
-  text cut at the first stop string (greedy unless ``do_sample``).
+  text cut at the first stop string (greedy unless ``do_sample``); like lm-eval's ``hf``, a
+  stop string in a special token's text (``<file_sep>`` holds ``e``) ends the generation.
 
 ``device`` ``cuda`` without CUDA falls back to the CPU, as lm-eval's ``hf`` does (lm-eval's
 CLI passes ``cuda:0`` when ``--device`` is not given). Model args: ``pretrained`` (model directory, ``.gguf``, ``ORG/NAME`` in the local
@@ -192,6 +193,15 @@ class SpardaLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
         return results
 
+    def _stop_length(self, ids: list[int], until: list[str]) -> int:
+        """Tokens of ``ids`` up to the first whose text so far, special tokens included, holds a
+        stop string: where lm-eval's own ``hf`` model stops generating (its stop criterion
+        decodes without skipping special tokens; the text it returns skips them)."""
+        for n in range(1, len(ids) + 1):
+            if any(stop in self.tok_decode(ids[:n], skip_special_tokens=False) for stop in until):
+                return n
+        return len(ids)
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, with ``do_sample``) completions cut at the first stop string,
         ``batch_size`` prompts per :meth:`sparda.LLM.generate` call, grouped by gen_kwargs."""
@@ -218,7 +228,8 @@ class SpardaLM(TemplateLM):
                 done = self.llm.generate([None] * len(chunk), prompt_token_ids=prompts, max_new_tokens=max_gen_toks,
                                          temperature=temperature, top_p=top_p)
                 for i, completion in zip(chunk, done):
-                    text = postprocess_generated_text(self.tok_decode(completion.token_ids), until, None)
+                    ids = completion.token_ids[:self._stop_length(completion.token_ids, until)]
+                    text = postprocess_generated_text(self.tok_decode(ids), until, None)
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", args[i], text)
         return out
