@@ -18,6 +18,8 @@ done
 for rep in 1 2; do
   for v in old new; do
     src=$([ $v = old ] && echo "$OLD" || echo src)
+    # one device call runs at most 600 s: a repeat that could not end inside it is skipped
+    if [ $SECONDS -gt ${DEADLINE_S:-400} ]; then echo "bench $v $rep: skipped at ${SECONDS}s"; continue; fi
     PYTHONPATH=$SITE:$src timeout 170 python3 -m sparda.cli bench --models minicpm-8b --contexts 131072 \
       --batches 4,16 --methods sparda --decode-steps 12 --repeats 3 --prefill-tokens 131072 \
       --out "$OUT/bench-$v-$rep" > "$OUT/bench-$v-$rep.log" 2>&1
