@@ -1,0 +1,462 @@
+"""``bench_serve.py load``: ``sparda serve`` under open- and closed-loop load (the serving sweep).
+
+One server per configuration (``method`` or ``method:kv_dtype``), started as a child process
+on a free loopback port over a random-weight model shape (``sparda.bench.models``; decoded
+text through the bundled tokenizer, token ids modulo its vocabulary) or the bundled model
+itself, then, against that one server, each load point in turn:
+
+* ``poisson``: requests arrive for ``--duration`` seconds as a Poisson process of each
+  ``--rates`` value (requests/s); the point ends when every request has finished or
+  ``--drain`` more seconds have passed (what is still open then counts as lost);
+* ``closed``: ``--concurrency`` clients, each sending its next request when the last ends,
+  for ``--duration`` seconds (then drained likewise).
+
+Prompts are random token ids whose lengths are drawn log-uniformly from ``--prompt-tokens``
+(``lo,hi``); outputs are ``--output-tokens`` (``lo,hi``, uniform) tokens, EOS ignored, greedy.
+Per point, one JSON record (``records`` in ``OUT/serve_load.json``): ``method``, ``kv_dtype``,
+``model``, ``mode``, ``rate`` or ``concurrency``, ``output_tok_s`` (generated tokens over the
+point's wall time), ``requests_per_s``, ``ttft_p50_ms`` / ``ttft_p99_ms``, ``tpot_p50_ms`` /
+``tpot_p99_ms`` (per request: decode time over its tokens after the first), ``completed``,
+``refused`` (a 4xx/503 answer, by status), ``lost`` (no answer, an error mid-stream or a
+short output), ``peak_running`` / ``peak_waiting`` (``/metrics``, polled every 0.25 s: a
+shorter burst can be missed), ``peak_in_flight`` (completed requests open at once, from the
+client's clocks: running plus waiting),
+``gpu_mem_peak_gib`` / ``host_rss_peak_gib`` (the server process; ``None`` where it cannot be
+read), ``device``, ``commit``. Also ``OUT/serve_load.md`` (the table, printed last) and
+``OUT/serve_load.png`` (output tok/s and TPOT p99 against offered load, one line per
+configuration) when matplotlib is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import math
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-quantile (0..1) of ``values``, nearest rank; ``None`` for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def log_uniform_lengths(count: int, lo: int, hi: int, rng: random.Random) -> list[int]:
+    """``count`` integers in ``[lo, hi]`` whose logarithm is uniform."""
+    return [min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))) for _ in range(count)]
+
+
+def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
+    """Arrival times (s, in ``[0, duration)``) of a Poisson process of ``rate`` per second."""
+    out, t = [], rng.expovariate(rate)
+    while t < duration:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# --------------------------------------------------------------------------- server child
+
+class ModuloText:
+    """Decodes the ids of a random-weight model through a real tokenizer: id ``i`` reads as
+    the tokenizer's ``i mod vocab`` (the server streams text; its content does not matter)."""
+
+    eos_token_id = None
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.vocab = tokenizer, len(tokenizer)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tokenizer.decode([int(i) % self.vocab for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def serve_child(argv: list[str]) -> None:
+    """The server of one configuration (``bench_serve.py _serve SPEC_JSON``): builds the model
+    and the :class:`~sparda.engine.engine.Engine`, prints the banner, serves until SIGINT."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from sparda import LLM
+    from sparda.bench.models import build_model, random_forecast
+    from sparda.engine.engine import Engine
+    from sparda.model.loader import resolve_model_dir
+    from sparda.server.app import bind_socket, serve
+
+    spec = json.loads(argv[0])
+    cuda = spec["device"] == "cuda"
+    options = {"kv_dtype": spec["kv_dtype"], "prefill_chunk_tokens": spec["prefill_chunk"]}
+    if spec["method"] in ("sparda", "sparse") and cuda:
+        options["offload"] = spec["method"] == "sparda"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    model = build_model(spec["model"], spec["device"], torch.bfloat16 if cuda else torch.float32,
+                        max_positions=spec["max_model_len"])
+    forecast = random_forecast(model) if spec["method"].startswith("sparda") else None
+    llm = LLM.from_model(model, ModuloText(tokenizer), method=spec["method"], preset=spec["preset"],
+                         forecast=forecast, **options)
+    engine = Engine(llm, max_batch=spec["max_batch"], max_model_len=spec["max_model_len"],
+                    max_waiting=spec["max_waiting"], max_prefill_tokens=spec["prefill_chunk"] + spec["max_batch"],
+                    gpu_memory_utilization=spec["gpu_memory_utilization"],
+                    host_memory_gib=spec["host_memory_gib"])
+    sock = bind_socket("127.0.0.1", 0)
+    host, port = sock.getsockname()[:2]
+    serve(engine, spec["name"], sock, drain_timeout_s=5.0,
+          banner=f"serving {spec['name']} on http://{host}:{port}/v1 ({engine.memory_plan.line()})")
+
+
+class Server:
+    """A ``_serve`` child process; :attr:`url` once its banner is printed."""
+
+    def __init__(self, spec: dict, log: Path) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT / "src") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "_serve", json.dumps(spec)]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.log = open(log, "w", encoding="utf-8")
+        self.url = None
+        for line in self.proc.stderr:
+            self.log.write(line)
+            self.log.flush()
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1 \((.*)\)", line)
+            if found:
+                self.url, self.plan = found.group(1), found.group(2)
+                break
+        if self.url is None:
+            self.log.close()
+            raise RuntimeError(f"the server of {spec['name']} exited with {self.proc.wait()} (log: {log})")
+        threading.Thread(target=self._drain_log, daemon=True).start()
+
+    def _drain_log(self) -> None:
+        for line in self.proc.stderr:
+            self.log.write(line)
+            self.log.flush()
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as ``{name: value}`` (unlabelled by model; histograms left out)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if family.type in ("gauge", "counter")}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def process_memory(pid: int) -> tuple[float | None, float | None]:
+    """(GPU GiB used by process ``pid`` as ``nvidia-smi`` reports it, host RSS GiB); ``None``
+    where unknown."""
+    gpu = host = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        used = [float(b) for a, b in (line.split(",") for line in out.strip().splitlines() if "," in line)
+                if int(a) == pid]
+        gpu = used[0] / 1024 if used else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as handle:
+            host = next(int(line.split()[1]) for line in handle if line.startswith("VmRSS")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        pass
+    return gpu, host
+
+
+# --------------------------------------------------------------------------- load generator
+
+def one_request(client, model: str, ids: list[int], max_tokens: int) -> dict:
+    """One streamed completion; its timings and outcome (``ok``, ``refused`` status or ``lost``)."""
+    import openai
+
+    start = time.perf_counter()
+    stamps, tokens, finish = [], 0, None
+    try:
+        for chunk in client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                stamps.append(time.perf_counter())
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+    except openai.APIStatusError as exc:
+        return {"outcome": "refused", "status": exc.status_code}
+    except (openai.APIError, OSError) as exc:
+        return {"outcome": "lost", "error": type(exc).__name__}
+    end = time.perf_counter()
+    if finish != "length" or tokens != max_tokens or not stamps:
+        return {"outcome": "lost", "error": f"finish {finish}, {tokens} of {max_tokens} tokens"}
+    ttft = stamps[0] - start
+    return {"outcome": "completed", "tokens": tokens, "ttft_s": ttft, "span": (start, end),
+            "tpot_s": (end - stamps[0]) / (tokens - 1) if tokens > 1 else None}
+
+
+def peak_overlap(spans: list[tuple[float, float]]) -> int:
+    """The most intervals ``(start, end)`` open at one instant (an end before a start at a tie)."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    best = now = 0
+    for _, step in events:
+        now += step
+        best = max(best, now)
+    return best
+
+
+def run_point(server: Server, args, mode: str, level: float, rng: random.Random) -> dict:
+    """One load point against ``server``: ``mode`` ``poisson`` (``level`` requests/s) or
+    ``closed`` (``level`` clients). Returns the point's figures (no identity fields)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=args.drain + 600)
+    lo, hi = args.prompt_tokens
+    olo, ohi = args.output_tokens
+    vocab = args.vocab
+
+    def draw():
+        n = log_uniform_lengths(1, lo, hi, rng)[0]
+        return [rng.randrange(10, vocab) for _ in range(n)], rng.randint(olo, ohi)
+
+    results, peaks, stop = [], {"running": 0, "waiting": 0, "gpu": None, "host": None}, threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            try:
+                m = server.metrics()
+                peaks["running"] = max(peaks["running"], int(m.get("sparda_requests_running", 0)))
+                peaks["waiting"] = max(peaks["waiting"], int(m.get("sparda_requests_waiting", 0)))
+            except OSError:
+                pass
+            gpu, host = process_memory(server.proc.pid)
+            for key, value in (("gpu", gpu), ("host", host)):
+                if value is not None:
+                    peaks[key] = max(peaks[key] or 0.0, value)
+            stop.wait(0.25)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    start = time.perf_counter()
+    deadline = start + args.duration
+    pool = concurrent.futures.ThreadPoolExecutor(max(int(level), 1) if mode == "closed" else 256)
+    futures = []
+    if mode == "poisson":
+        for at in poisson_arrivals(level, args.duration, rng):
+            time.sleep(max(0.0, start + at - time.perf_counter()))
+            ids, n = draw()
+            futures.append(pool.submit(one_request, client, server.name, ids, n))
+    else:
+        def client_loop():
+            out = []
+            while time.perf_counter() < deadline:
+                ids, n = draw()
+                out.append(one_request(client, server.name, ids, n))
+            return out
+        futures = [pool.submit(client_loop) for _ in range(int(level))]
+    done, open_ = concurrent.futures.wait(futures, timeout=max(0.0, deadline + args.drain - time.perf_counter()))
+    wall = time.perf_counter() - start
+    for future in done:
+        value = future.result()
+        results.extend(value if isinstance(value, list) else [value])
+    lost_open = len(open_)  # still running at the drain limit
+    for future in open_:
+        future.cancel()
+    pool.shutdown(wait=False, cancel_futures=True)
+    stop.set()
+    poller.join()
+    ok = [r for r in results if r["outcome"] == "completed"]
+    refused: dict[str, int] = {}
+    for r in results:
+        if r["outcome"] == "refused":
+            refused[str(r["status"])] = refused.get(str(r["status"]), 0) + 1
+    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+    ttft = [r["ttft_s"] for r in ok]
+    tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+    return {"output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 2),
+            "requests_per_s": round(len(ok) / wall, 4), "wall_s": round(wall, 1),
+            "ttft_p50_ms": ms(statistics.median(ttft)) if ttft else None, "ttft_p99_ms": ms(percentile(ttft, 0.99)),
+            "tpot_p50_ms": ms(statistics.median(tpot)) if tpot else None, "tpot_p99_ms": ms(percentile(tpot, 0.99)),
+            "completed": len(ok), "refused": refused,
+            "lost": sum(r["outcome"] == "lost" for r in results) + lost_open,  # closed: a client still open holds a request
+            "open_at_drain": lost_open, "peak_running": peaks["running"],
+            "peak_in_flight": peak_overlap([r["span"] for r in ok]), "peak_waiting": peaks["waiting"],
+            "gpu_mem_peak_gib": None if peaks["gpu"] is None else round(peaks["gpu"], 2),
+            "host_rss_peak_gib": None if peaks["host"] is None else round(peaks["host"], 2)}
+
+
+def wait_idle(server: Server, timeout: float) -> None:
+    """Until the server holds no request (the previous point's stragglers), at most ``timeout`` s."""
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        m = server.metrics()
+        if not m.get("sparda_requests_running") and not m.get("sparda_requests_waiting"):
+            return
+        time.sleep(0.5)
+
+
+def device_name(device: str) -> str:
+    if device != "cuda":
+        return f"cpu ({os.cpu_count()} CPUs)"
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "cuda"
+
+
+def plot(records: list[dict], path: Path) -> bool:
+    """Output tok/s and TPOT p99 against offered load (Poisson rate; closed-loop concurrency
+    on a second row), one line per configuration. False if matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    modes = [m for m in ("poisson", "closed") if any(r["mode"] == m for r in records)]
+    fig, axes = plt.subplots(len(modes), 2, figsize=(10, 3.6 * len(modes)), squeeze=False)
+    for row, mode in zip(axes, modes):
+        key = "rate" if mode == "poisson" else "concurrency"
+        for config in dict.fromkeys(r["config"] for r in records):
+            pts = sorted((r[key], r["output_tok_s"], r["tpot_p99_ms"]) for r in records
+                         if r["config"] == config and r["mode"] == mode)
+            row[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=config)
+            row[1].plot([p[0] for p in pts if p[2] is not None], [p[2] for p in pts if p[2] is not None],
+                        marker="o", label=config)
+        row[0].set(xlabel="requests/s offered" if mode == "poisson" else "clients", ylabel="output tok/s")
+        row[1].set(xlabel=row[0].get_xlabel(), ylabel="TPOT p99 (ms)")
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def pair(text: str, name: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{name} takes lo,hi (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"{name} needs 1 <= lo <= hi, got {text!r}")
+    return lo, hi
+
+
+def numbers(text: str, kind, name: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()] if text else []
+    except ValueError:
+        raise SystemExit(f"{name} takes a comma list of numbers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise SystemExit(f"{name} values must be > 0, got {text!r}")
+    return values
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench_serve.py load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="minicpm-8b", help="bench model shape, random weights [minicpm-8b]")
+    parser.add_argument("--configs", default="sparda,sparda:int8,sparse-offload,sparse,dense",
+                        help="method[:kv_dtype],... one server each [%(default)s]; on CUDA sparda is offloaded, "
+                             "sparse and dense on the GPU")
+    parser.add_argument("--rates", default="0.05,0.1,0.2,0.4", help="Poisson arrival rates, requests/s [%(default)s]")
+    parser.add_argument("--concurrency", default="4,16", help="closed-loop clients [%(default)s]")
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per point [120]")
+    parser.add_argument("--drain", type=float, default=120.0, help="seconds a point waits for its last requests [120]")
+    parser.add_argument("--prompt-tokens", default="8192,131072", help="lo,hi, log-uniform [%(default)s]")
+    parser.add_argument("--output-tokens", default="256,1024", help="lo,hi, uniform [%(default)s]")
+    parser.add_argument("--max-batch", type=int, default=32, help="server --max-batch [32]")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="server --max-model-len [the prompt hi + the output hi]")
+    parser.add_argument("--max-waiting", type=int, default=256, help="server --max-waiting [256]")
+    parser.add_argument("--prefill-chunk", type=int, default=8192, help="server --prefill-chunk [8192]")
+    parser.add_argument("--preset", default="paper", help="selection preset [paper]")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="[0.9]")
+    parser.add_argument("--host-memory-gib", type=float, default=None, help="[90%% of what is available]")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run [cuda]")
+    parser.add_argument("--seed", type=int, default=0, help="seed of lengths, ids and arrivals [0]")
+    args = parser.parse_args(argv)
+    args.prompt_tokens = pair(args.prompt_tokens, "--prompt-tokens")
+    args.output_tokens = pair(args.output_tokens, "--output-tokens")
+    rates = numbers(args.rates, float, "--rates")
+    clients = numbers(args.concurrency, int, "--concurrency")
+    if not rates and not clients:
+        raise SystemExit("no load point: give --rates and/or --concurrency")
+    max_model_len = args.max_model_len or args.prompt_tokens[1] + args.output_tokens[1]
+    if max_model_len < args.prompt_tokens[1] + args.output_tokens[1]:
+        raise SystemExit(f"--max-model-len {max_model_len} is below the longest prompt + output "
+                         f"({args.prompt_tokens[1] + args.output_tokens[1]})")
+    from sparda.bench.models import model_spec
+
+    args.vocab = min(model_spec(args.model).vocab, 60000)
+    configs = [c.split(":") + ["bf16"] if ":" not in c else c.split(":") for c in args.configs.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = device_name(args.device)
+    commit = os.environ.get("SPARDA_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    meta = {"device": device, "date": datetime.date.today().isoformat(), "commit": commit, "model": args.model,
+            "prompt_tokens": list(args.prompt_tokens), "output_tokens": list(args.output_tokens),
+            "duration_s": args.duration, "drain_s": args.drain, "max_batch": args.max_batch,
+            "max_model_len": max_model_len, "prefill_chunk": args.prefill_chunk, "preset": args.preset}
+    records = []
+    for method, kv_dtype in configs:
+        name = method if kv_dtype == "bf16" else f"{method}:{kv_dtype}"
+        spec = {"name": name, "model": args.model, "method": method, "kv_dtype": kv_dtype, "device": args.device,
+                "preset": args.preset, "max_batch": args.max_batch, "max_model_len": max_model_len,
+                "max_waiting": args.max_waiting, "prefill_chunk": args.prefill_chunk,
+                "gpu_memory_utilization": args.gpu_memory_utilization, "host_memory_gib": args.host_memory_gib}
+        try:
+            server = Server(spec, args.out / f"server-{name.replace(':', '-')}.log")
+        except RuntimeError as exc:
+            print(f"{name}: {exc}", file=sys.stderr, flush=True)
+            continue
+        server.name = name
+        try:
+            for mode, levels in (("poisson", rates), ("closed", clients)):
+                for level in levels:
+                    wait_idle(server, args.drain)
+                    point = run_point(server, args, mode, level, random.Random(f"{args.seed}:{name}:{mode}:{level}"))
+                    rec = {"config": name, "method": method, "kv_dtype": kv_dtype, "model": args.model, "mode": mode,
+                           "rate": level if mode == "poisson" else None,
+                           "concurrency": int(level) if mode == "closed" else None, **point,
+                           "memory_plan": server.plan, "device": device, "commit": commit}
+                    records.append(rec)
+                    print(json.dumps(rec), file=sys.stderr, flush=True)
+                    (args.out / "serve_load.json").write_text(json.dumps({**meta, "records": records}, indent=1))
+        finally:
+            server.stop()
+    (args.out / "serve_load.json").write_text(json.dumps({**meta, "records": records}, indent=1))
+    lines = [f"{device}, {args.model} (random weights), prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} "
+             f"tokens (log-uniform), outputs {args.output_tokens[0]}-{args.output_tokens[1]}, {args.duration:g} s per "
+             f"point, commit {commit}, {meta['date']}", "",
+             "| config | mode | rate / clients | output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+             "completed | refused | lost | peak running | GPU / host GiB |",
+             "|---|---|---:|---:|---:|---|---|---:|---|---:|---:|---|"]
+    for r in records:
+        level = r["rate"] if r["mode"] == "poisson" else r["concurrency"]
+        lines.append(f"| {r['config']} | {r['mode']} | {level} | {r['output_tok_s']} | {r['requests_per_s']} | "
+                     f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['tpot_p50_ms']} / {r['tpot_p99_ms']} | "
+                     f"{r['completed']} | {r['refused'] or 0} | {r['lost']} | {r['peak_running']} | "
+                     f"{r['gpu_mem_peak_gib']} / {r['host_rss_peak_gib']} |")
+    (args.out / "serve_load.md").write_text("\n".join(lines) + "\n")
+    if records:
+        plot(records, args.out / "serve_load.png")
+    print("\n".join(lines))

@@ -1,0 +1,102 @@
+"""The serving sweep (``benchmarks/bench_serve.py load``): its draws against brute force and
+probability bounds, and one small run end to end on the CPU (a server child, HTTP, records)."""
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import serve_load  # noqa: E402
+
+#: what every record holds (the issue's list, plus the refusals)
+RECORD_KEYS = {"method", "kv_dtype", "model", "mode", "rate", "concurrency", "output_tok_s", "requests_per_s",
+               "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "completed", "lost", "refused",
+               "peak_running", "device", "commit"}
+
+
+def test_percentile_is_nearest_rank(fresh_seed):
+    rng = random.Random(fresh_seed)
+    values = [rng.random() for _ in range(rng.randint(1, 200))]
+    for q in (0.0, 0.5, 0.9, 0.99, 1.0):
+        rank = max(1, math.ceil(q * len(values)))  # nearest-rank definition
+        assert serve_load.percentile(values, q) == sorted(values)[rank - 1], fresh_seed
+    assert serve_load.percentile([], 0.5) is None
+
+
+def test_log_uniform_lengths(fresh_seed):
+    rng = random.Random(fresh_seed)
+    lo, hi, n = 8192, 131072, 4000
+    lengths = serve_load.log_uniform_lengths(n, lo, hi, rng)
+    assert all(lo <= v <= hi for v in lengths), fresh_seed
+    # log-uniform: P(v <= lo * (hi/lo)^f) = f; the count below each quantile within 5 sigma
+    for f in (0.25, 0.5, 0.75):
+        below = sum(v <= lo * (hi / lo) ** f for v in lengths)
+        assert abs(below - f * n) < 5 * math.sqrt(n * f * (1 - f)) + 1, (fresh_seed, f, below)
+
+
+def test_poisson_arrivals(fresh_seed):
+    rng = random.Random(fresh_seed)
+    rate, duration = 3.0, 400.0
+    times = serve_load.poisson_arrivals(rate, duration, rng)
+    assert times == sorted(times) and all(0 <= t < duration for t in times), fresh_seed
+    mean = rate * duration  # Poisson count: variance = mean
+    assert abs(len(times) - mean) < 5 * math.sqrt(mean), (fresh_seed, len(times))
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert abs(sum(gaps) / len(gaps) - 1 / rate) < 5 / rate / math.sqrt(len(gaps)), fresh_seed
+
+
+def test_peak_overlap_against_brute_force(fresh_seed):
+    rng = random.Random(fresh_seed)
+    spans = [(a, a + rng.random()) for a in (rng.random() * 3 for _ in range(rng.randint(1, 30)))]
+    instants = sorted({t for span in spans for t in span})
+    brute = max(sum(a <= t < b for a, b in spans) for t in instants)  # half-open: [start, end)
+    assert serve_load.peak_overlap(spans) == brute, fresh_seed
+
+
+def test_modulo_text_reads_ids_through_the_tokenizer():
+    class Vocab:
+        def __len__(self):
+            return 10
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ",".join(map(str, ids))
+
+    assert serve_load.ModuloText(Vocab()).decode([3, 13, 27]) == "3,3,7"
+
+
+def test_load_sweep_end_to_end(tmp_path):
+    out = tmp_path / "load"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "load", str(out), "--model", "tiny",
+           "--device", "cpu", "--configs", "sparse", "--rates", "3", "--concurrency", "2", "--duration", "3",
+           "--drain", "60", "--prompt-tokens", "16,256", "--output-tokens", "3,9", "--max-batch", "4",
+           "--preset", "small"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((out / "serve_load.json").read_text())
+    assert [(r["mode"], r["rate"], r["concurrency"]) for r in result["records"]] == [("poisson", 3.0, None),
+                                                                                     ("closed", None, 2)]
+    for r in result["records"]:
+        assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
+        assert r["completed"] > 0 and r["lost"] == 0 and not r["refused"], r
+        # every completed request generated 3..9 tokens: the throughput lies between those bounds
+        assert 3 * r["completed"] / r["wall_s"] * 0.95 <= r["output_tok_s"] <= 9 * r["completed"] / r["wall_s"] * 1.05, r
+        assert r["peak_running"] <= 4 and 1 <= r["peak_in_flight"] <= (2 if r["mode"] == "closed" else 99) and r["ttft_p50_ms"] <= r["ttft_p99_ms"], r
+        assert r["tpot_p50_ms"] <= r["tpot_p99_ms"], r
+    assert (out / "serve_load.md").read_text().count("| sparse |") == 2
+    assert "| config | mode |" in run.stdout
+
+
+@pytest.mark.parametrize("flag,value,message", [("--prompt-tokens", "9,3", "lo <= hi"),
+                                                ("--rates", "0", "> 0"), ("--output-tokens", "x", "lo,hi")])
+def test_bad_load_options_exit_with_one_line(tmp_path, flag, value, message):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "load", str(tmp_path), "--device", "cpu",
+           flag, value]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
