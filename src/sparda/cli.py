@@ -13,7 +13,7 @@ import sys
 import click
 
 from sparda import __version__
-from sparda.config import KV_DTYPES, METHODS, PRESETS, TRANSFERS, spell
+from sparda.config import GPU_SHARE, KV_DTYPES, METHODS, PRESETS, TRANSFERS, spell
 
 #: ``--kv-dtype`` help of the commands that run one method
 KV_DTYPE_HELP = ("KV-cache storage: bf16 (the model dtype), int8/int4 quantised per token and head, or mixed "
@@ -313,7 +313,7 @@ def served_name(model: str | None, model_dir) -> str:
               help="Tokens per row, prompt + new tokens of one request [default: the model's context].")
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
               help="Requests that may queue for a row before 429.")
-@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
+@click.option("--gpu-memory-utilization", default=GPU_SHARE, show_default=True, type=float,
               help="Share of the GPU's memory for weights, activations and KV pool: fewer than --max-batch rows "
                    "when it holds fewer (design §3.11).")
 @click.option("--host-memory-gib", default=None, type=float,

@@ -206,6 +206,11 @@ TRANSFERS = ("auto", "uva", "copy", "sync")
 METHOD_OPTIONS = ("quest_page_size", "snapkv_window", "shallow_layers", "shallow_select_once")
 
 DEFAULT_SLOT_FACTOR = 1.5
+#: default share of the GPU's memory for weights, activations and the KV pool
+#: (``--gpu-memory-utilization``, design §3.11)
+GPU_SHARE = 0.9
+#: default share of the host memory available at start-up for the KV pool's host side (design §3.11)
+HOST_SHARE = 0.9
 DEFAULT_HOT_STEPS = 4
 #: prompt tokens per prefill chunk by default (design §3.8)
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192

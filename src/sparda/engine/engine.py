@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from sparda.config import GPU_SHARE
 from sparda.engine.memory import plan_rows
 from sparda.engine.sampler import sample_requests
 from sparda.engine.sampling_params import SamplingParams
@@ -119,7 +120,7 @@ class Engine:
         self.memory_plan = None
         if gpu_memory_utilization is not None or host_memory_gib is not None:
             self.memory_plan = plan_rows(runner, max_model_len, max_batch,
-                                         gpu_memory_utilization=0.9 if gpu_memory_utilization is None
+                                         gpu_memory_utilization=GPU_SHARE if gpu_memory_utilization is None
                                          else gpu_memory_utilization, host_memory_gib=host_memory_gib)
             self.max_batch = max_batch = self.memory_plan.rows
         start = time.perf_counter()

@@ -13,14 +13,13 @@ import dataclasses
 
 import torch
 
+from sparda.config import GPU_SHARE, HOST_SHARE
 from sparda.errors import SpardaError
 from sparda.kernels import quant
 from sparda.kernels import reference as ref
 
 #: GPU memory kept free of the KV pool for activations (prefill chunks, logits, graphs)
 ACTIVATION_RESERVE_BYTES = 2 * 2**30
-#: share of the host memory available at start-up that the host store may take by default
-HOST_SHARE = 0.9
 
 
 def kv_need_bytes(shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int, capacity: int, *,
@@ -146,7 +145,7 @@ def budgets(runner, capacity: int, gpu_memory_utilization: float,
     return device, host
 
 
-def plan_rows(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: float = 0.9,
+def plan_rows(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: float = GPU_SHARE,
               host_memory_gib: float | None = None) -> MemoryPlan:
     """The KV rows ``sparda serve`` allocates: ``max_batch``, or fewer if the budgets
     (:func:`budgets`) hold fewer rows of ``capacity`` tokens (on the CPU the device cache
