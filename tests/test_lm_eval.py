@@ -114,3 +114,26 @@ def test_the_documented_aliases_still_work():
     res = subprocess.run([sys.executable, "-m", "sparda.lm_eval_model", "--model", "sparda", "--tasks", "list_groups",
                           "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--model_args" in res.stdout, res.stderr[-2000:]
+
+
+def test_stop_length_against_brute_force(fresh_seed):
+    """Where generate_until cuts: the first prefix whose text, special tokens included, holds a
+    stop string (a brute force over every prefix), on random token pieces with a special token."""
+    from sparda.integrations.lm_eval import SpardaLM
+
+    pieces = ["a", "b", "\n", "<|end|>", "ab", "\n\n", "c"]
+    special = {3}
+
+    class Pieces:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(pieces[i] for i in ids if not (skip_special_tokens and i in special))
+
+    lm = object.__new__(SpardaLM)
+    lm.tokenizer = Pieces()
+    rng = random.Random(fresh_seed)
+    for _ in range(200):
+        ids = [rng.randrange(len(pieces)) for _ in range(rng.randint(0, 12))]
+        until = rng.sample(["\n\n", "<|end|>", "ba", "cc", "zz"], rng.randint(1, 3))
+        brute = next((n for n in range(1, len(ids) + 1)
+                      if any(s in "".join(pieces[i] for i in ids[:n]) for s in until)), len(ids))
+        assert lm._stop_length(ids, until) == brute, (fresh_seed, ids, until)

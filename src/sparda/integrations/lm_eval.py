@@ -196,7 +196,10 @@ class SpardaLM(TemplateLM):
     def _stop_length(self, ids: list[int], until: list[str]) -> int:
         """Tokens of ``ids`` up to the first whose text so far, special tokens included, holds a
         stop string: where lm-eval's own ``hf`` model stops generating (its stop criterion
-        decodes without skipping special tokens; the text it returns skips them)."""
+        decodes without skipping special tokens; the text it returns skips them). One decode
+        when no stop string occurs (the common case); else one per token up to the stop."""
+        if not any(stop in self.tok_decode(ids, skip_special_tokens=False) for stop in until):
+            return len(ids)
         for n in range(1, len(ids) + 1):
             if any(stop in self.tok_decode(ids[:n], skip_special_tokens=False) for stop in until):
                 return n
