@@ -49,6 +49,13 @@ class PrefillStaging:
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.pending: dict[int, tuple[torch.cuda.Event, int, int]] = {}  # layer -> (event, row, start)
 
+    @staticmethod
+    def buffer_bytes(num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, kv_dtype: str,
+                     asynchronous: bool) -> int:
+        """Bytes of the buffers at most (K and V of two, one without a side stream)."""
+        count = 2 if asynchronous else 1
+        return count * 2 * num_kv_heads * capacity * quant.token_bytes(head_dim, quant.store_dtype(kv_dtype), dtype)
+
     def _buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffer of ``layer``: consecutive offloaded layers alternate between two (one
         without a side stream), allocated on first use."""

@@ -125,6 +125,7 @@ def budgets(runner, capacity: int, gpu_memory_utilization: float,
         SpardaError: ``gpu_memory_utilization`` outside ``(0, 1]`` or ``host_memory_gib`` not a
             finite number > 0.
     """
+    from sparda.cache.chunked_prefill import PrefillStaging
     from sparda.cache.host import available_host_bytes
 
     check_budgets(gpu_memory_utilization, host_memory_gib)
@@ -134,8 +135,8 @@ def budgets(runner, capacity: int, gpu_memory_utilization: float,
         free, _ = torch.cuda.mem_get_info(runner.device)
         room = min(int(gpu_memory_utilization * total) - torch.cuda.memory_allocated(runner.device), free)
         s, kv_dtype = runner.shape, runner.config.cache.kv_dtype
-        staging = 2 * 2 * s.num_kv_heads * capacity * quant.token_bytes(s.head_dim, quant.store_dtype(kv_dtype),
-                                                                       runner.dtype) if runner.offloaded else 0
+        staging = PrefillStaging.buffer_bytes(s.num_kv_heads, s.head_dim, capacity, runner.dtype, kv_dtype,
+                                     asynchronous=True) if runner.offloaded else 0
         device = max(0, room - ACTIVATION_RESERVE_BYTES - staging)
     if host_memory_gib is not None:
         host = int(host_memory_gib * 2**30)
