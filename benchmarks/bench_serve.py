@@ -16,7 +16,9 @@ request generates exactly ``--max-tokens``) through the ``openai`` client with a
 ``python3 benchmarks/bench_serve.py stall OUT [--prompt-tokens 65536]`` (CUDA) measures instead
 how long running streams wait while long prompts are admitted (:func:`stall`);
 ``python3 benchmarks/bench_serve.py load OUT`` runs the serving sweep (Poisson and closed-loop
-load over a random-weight 8B shape, one server per method; ``load --help``, serve_load.py).
+load over a random-weight 8B shape, one server per method; ``load --help``, serve_load.py), and
+``python3 benchmarks/bench_serve.py agree OUT`` compares greedy tokens under load with each
+request alone (``agree --help``).
 
 Per point: requests completed and lost, wall time, requests/s, generated tokens/s,
 p50/p99 latency and time to first token (ms). The last line is the tokens/s ratio of the
@@ -240,11 +242,11 @@ def main() -> None:
     if sys.argv[1:2] == ["stall"]:
         stall(sys.argv[2:])
         return
-    if sys.argv[1:2] in (["load"], ["_serve"]):  # the serving sweep and its server child (serve_load.py)
+    if sys.argv[1:2] in (["load"], ["agree"], ["_serve"]):  # serve_load.py: the sweep, its server child, agreement
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import serve_load
 
-        (serve_load.main if sys.argv[1] == "load" else serve_load.serve_child)(sys.argv[2:])
+        {"load": serve_load.main, "agree": serve_load.agree, "_serve": serve_load.serve_child}[sys.argv[1]](sys.argv[2:])
         return
     parser = argparse.ArgumentParser(prog="bench_serve.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -369,6 +369,113 @@ def numbers(text: str, kind, name: str) -> list:
     return values
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agree(argv: list[str]) -> None:
+    """Greedy tokens under load against each request alone (``bench_serve.py agree OUT``), in
+    the server's engine (in process): ``--requests`` prompts (lengths log-uniform in
+    ``--prompt-tokens``) join a running batch one every ``--every`` steps, chunked prefill on;
+    then each runs alone in a fresh engine. Per method: requests whose tokens are identical,
+    and the agreement rate (mean common-prefix length over the generated length: after a first
+    different token the rest differs too). fp32 on the CPU is expected to give 1.0 (the CPU
+    test asserts it); bf16 on the GPU measures how often batching changes a greedy choice.
+    Writes ``OUT/serve_agree.json``; prints a Markdown table last."""
+    import torch
+
+    from sparda import LLM
+    from sparda.bench.harness import NoText
+    from sparda.bench.models import build_model, random_forecast
+    from sparda.engine.engine import Engine
+    from sparda.engine.sampling_params import SamplingParams
+
+    parser = argparse.ArgumentParser(prog="bench_serve.py agree", description=agree.__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="minicpm-8b", help="bench model shape, random weights [minicpm-8b]")
+    parser.add_argument("--methods", default="sparda,sparse-offload,sparse,dense", help="[%(default)s]")
+    parser.add_argument("--requests", type=int, default=8, help="[8]")
+    parser.add_argument("--prompt-tokens", default="2048,32768", help="lo,hi, log-uniform [%(default)s]")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request [64]")
+    parser.add_argument("--every", type=int, default=3, help="decode steps between arrivals [3]")
+    parser.add_argument("--max-batch", type=int, default=4, help="[4]: fewer rows than requests, so some wait")
+    parser.add_argument("--prefill-chunk", type=int, default=2048, help="[2048]")
+    parser.add_argument("--preset", default="paper", help="[paper]")
+    parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (fp32) [cuda]")
+    parser.add_argument("--seed", type=int, default=0, help="[0]")
+    args = parser.parse_args(argv)
+    lo, hi = pair(args.prompt_tokens, "--prompt-tokens")
+    methods = [m for m in args.methods.split(",") if m]
+    cuda = args.device == "cuda"
+    rng = random.Random(args.seed)
+    from sparda.bench.models import model_spec
+
+    vocab = min(model_spec(args.model).vocab, 60000)
+    prompts = [[rng.randrange(10, vocab) for _ in range(n)]
+               for n in log_uniform_lengths(args.requests, lo, hi, rng)]
+    max_len = hi + args.max_tokens
+    model = build_model(args.model, args.device, torch.bfloat16 if cuda else torch.float32, max_positions=max_len)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    records = []
+    for method in methods:
+        extra = {"forecast": random_forecast(model)} if method.startswith("sparda") else {}
+        if cuda and method in ("sparda", "sparse"):
+            extra["offload"] = method == "sparda"
+        llm = LLM.from_model(model, NoText(), method=method, preset=args.preset,
+                             prefill_chunk_tokens=args.prefill_chunk, **extra)
+
+        def engine(rows):
+            return Engine(llm, max_batch=rows, max_model_len=max_len,
+                          max_prefill_tokens=args.prefill_chunk + rows, chunked_prefill=True)
+
+        busy = engine(args.max_batch)
+        seqs, steps = [], 0
+        while len(seqs) < len(prompts) or busy.has_work():
+            if len(seqs) < len(prompts) and steps % args.every == 0:
+                seqs.append(busy.add_request(prompts[len(seqs)], params))
+            busy.step()
+            steps += 1
+        under_load = [list(s.output_ids) for s in seqs]
+        del busy
+        alone = []
+        for ids in prompts:
+            solo = engine(1)
+            seq = solo.add_request(ids, params)
+            while solo.has_work():
+                solo.step()
+            alone.append(list(seq.output_ids))
+            del solo
+        prefix = [common_prefix(a, b) / max(len(b), 1) for a, b in zip(under_load, alone)]
+        rec = {"method": method, "requests": len(prompts), "identical": sum(a == b for a, b in zip(under_load, alone)),
+               "agreement": round(sum(prefix) / len(prefix), 4), "steps": steps,
+               "prompt_tokens": [len(p) for p in prompts]}
+        records.append(rec)
+        print(json.dumps(rec), file=sys.stderr, flush=True)
+        del llm
+        if cuda:
+            torch.cuda.empty_cache()
+    device = device_name(args.device)
+    commit = os.environ.get("SPARDA_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    meta = {"device": device, "date": datetime.date.today().isoformat(), "commit": commit, "model": args.model,
+            "dtype": "bf16" if cuda else "fp32", "max_tokens": args.max_tokens, "every": args.every,
+            "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk, "preset": args.preset}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve_agree.json").write_text(json.dumps({**meta, "records": records}, indent=1))
+    print(f"{device}, {args.model} (random weights, {meta['dtype']}), {args.requests} requests of {lo}-{hi} tokens, "
+          f"{args.max_tokens} greedy tokens, one joins every {args.every} steps, {args.max_batch} rows, commit {commit}\n")
+    print("| method | identical / requests | agreement (common prefix) |")
+    print("|---|---|---|")
+    for r in records:
+        print(f"| {r['method']} | {r['identical']} / {r['requests']} | {r['agreement']} |")
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench_serve.py load", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -100,3 +100,28 @@ def test_bad_load_options_exit_with_one_line(tmp_path, flag, value, message):
            flag, value]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_common_prefix_against_brute_force(fresh_seed):
+    rng = random.Random(fresh_seed)
+    for _ in range(100):
+        a = [rng.randrange(3) for _ in range(rng.randint(0, 8))]
+        b = [rng.randrange(3) for _ in range(rng.randint(0, 8))]
+        brute = max(n for n in range(min(len(a), len(b)) + 1) if a[:n] == b[:n])
+        assert serve_load.common_prefix(a, b) == brute, (fresh_seed, a, b)
+
+
+def test_agree_fp32_gives_each_request_its_tokens_alone(tmp_path):
+    """The GPU agreement script on the CPU: fp32 greedy tokens under load (rows joining a busy
+    batch, chunked prefill, some waiting for a row) equal each request alone, selection engaged."""
+    out = tmp_path / "agree"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "agree", str(out), "--model", "tiny",
+           "--device", "cpu", "--methods", "dense,sparse-offload", "--requests", "4", "--prompt-tokens", "2100,3000",
+           "--max-tokens", "6", "--max-batch", "2", "--prefill-chunk", "512", "--preset", "small",
+           "--seed", str(random.randrange(2**31))]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((out / "serve_agree.json").read_text())
+    for r in result["records"]:
+        assert r["identical"] == r["requests"] == 4 and r["agreement"] == 1.0, (cmd, r)
+    assert "| sparse-offload | 4 / 4 | 1.0 |" in run.stdout
