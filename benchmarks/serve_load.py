@@ -17,10 +17,11 @@ Per point, one JSON record (``records`` in ``OUT/serve_load.json``): ``method``,
 ``model``, ``mode``, ``rate`` or ``concurrency``, ``output_tok_s`` (generated tokens over the
 point's wall time), ``requests_per_s``, ``ttft_p50_ms`` / ``ttft_p99_ms``, ``tpot_p50_ms`` /
 ``tpot_p99_ms`` (per request: decode time over its tokens after the first), ``completed``,
-``refused`` (a 4xx/503 answer, by status), ``lost`` (no answer, an error mid-stream or a
-short output), ``peak_running`` / ``peak_waiting`` (``/metrics``, polled every 0.25 s: a
-shorter burst can be missed), ``peak_in_flight`` (completed requests open at once, from the
-client's clocks: running plus waiting),
+``refused`` (a 4xx or 503 answer, by status), ``lost`` (no answer, another status, an error
+mid-stream, a short output, or still open at the drain limit), ``peak_running`` /
+``peak_waiting`` (``/metrics``, polled every 0.25 s: a shorter burst can be missed),
+``peak_in_flight`` (completed requests open at once by the client's clocks: an upper bound
+of running plus waiting), ``idle_at_start`` (the previous point's requests had all ended),
 ``gpu_mem_peak_gib`` / ``host_rss_peak_gib`` (the server process; ``None`` where it cannot be
 read), ``device``, ``commit``. Also ``OUT/serve_load.md`` (the table, printed last) and
 ``OUT/serve_load.png`` (output tok/s and TPOT p99 against offered load, one line per
@@ -38,7 +39,6 @@ import os
 import random
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -75,15 +75,22 @@ def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[f
 
 class ModuloText:
     """Decodes the ids of a random-weight model through a real tokenizer: id ``i`` reads as
-    the tokenizer's ``i mod vocab`` (the server streams text; its content does not matter)."""
+    ``visible[i mod len(visible)]``, ``visible`` the tokenizer's ids that decode alone to text
+    with a printed character (no special token, no partial UTF-8). So every generated token
+    adds text and the server streams one chunk per token (it skips empty deltas), which the
+    TTFT and TPOT of the load generator count on."""
 
     eos_token_id = None
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.vocab = tokenizer, len(tokenizer)
+        self.tokenizer = tokenizer
+        special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        self.visible = [i for i in range(len(tokenizer)) if i not in special
+                        and (text := tokenizer.decode([i])).strip() and "\ufffd" not in text]
 
     def decode(self, ids, skip_special_tokens=True):
-        return self.tokenizer.decode([int(i) % self.vocab for i in ids], skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode([self.visible[int(i) % len(self.visible)] for i in ids],
+                                     skip_special_tokens=skip_special_tokens)
 
 
 def serve_child(argv: list[str]) -> None:
@@ -113,6 +120,14 @@ def serve_child(argv: list[str]) -> None:
                     max_waiting=spec["max_waiting"], max_prefill_tokens=spec["prefill_chunk"] + spec["max_batch"],
                     gpu_memory_utilization=spec["gpu_memory_utilization"],
                     host_memory_gib=spec["host_memory_gib"])
+    parent = os.getppid()
+
+    def watchdog():  # the load generator died (SIGKILL, say): stop rather than serve on as an orphan
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watchdog, daemon=True).start()
     sock = bind_socket("127.0.0.1", 0)
     host, port = sock.getsockname()[:2]
     serve(engine, spec["name"], sock, drain_timeout_s=5.0,
@@ -122,29 +137,42 @@ def serve_child(argv: list[str]) -> None:
 class Server:
     """A ``_serve`` child process; :attr:`url` once its banner is printed."""
 
-    def __init__(self, spec: dict, log: Path) -> None:
+    def __init__(self, spec: dict, log: Path, start_timeout: float) -> None:
+        import queue
+
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT / "src") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "_serve", json.dumps(spec)]
+        self.name, self.url, self.plan = spec["name"], None, ""
+        self.log = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        self.log = open(log, "w", encoding="utf-8")
-        self.url = None
-        for line in self.proc.stderr:
-            self.log.write(line)
-            self.log.flush()
-            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1 \((.*)\)", line)
-            if found:
-                self.url, self.plan = found.group(1), found.group(2)
-                break
-        if self.url is None:
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read_log, daemon=True).start()
+        try:
+            deadline = time.perf_counter() + start_timeout
+            while self.url is None:
+                try:
+                    line = self.lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+                except queue.Empty:
+                    raise RuntimeError(f"the server of {self.name} printed no banner in {start_timeout:g} s "
+                                       f"(log: {log})") from None
+                if line is None:
+                    raise RuntimeError(f"the server of {self.name} exited with {self.proc.wait()} (log: {log})")
+                found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1 \((.*)\)", line)
+                if found:
+                    self.url, self.plan = found.group(1), found.group(2)
+        except BaseException:
+            self.stop()
             self.log.close()
-            raise RuntimeError(f"the server of {spec['name']} exited with {self.proc.wait()} (log: {log})")
-        threading.Thread(target=self._drain_log, daemon=True).start()
+            raise
 
-    def _drain_log(self) -> None:
+    def _read_log(self) -> None:
         for line in self.proc.stderr:
             self.log.write(line)
             self.log.flush()
+            if self.url is None:
+                self.lines.put(line)
+        self.lines.put(None)  # the child's stderr closed: it exited
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as ``{name: value}`` (unlabelled by model; histograms left out)."""
@@ -155,6 +183,7 @@ class Server:
                 if family.type in ("gauge", "counter")}
 
     def stop(self) -> None:
+        """SIGINT (the server drains for 5 s), then SIGKILL after 60 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -162,7 +191,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
 
 
 def process_memory(pid: int) -> tuple[float | None, float | None]:
@@ -187,11 +215,13 @@ def process_memory(pid: int) -> tuple[float | None, float | None]:
 
 # --------------------------------------------------------------------------- load generator
 
-def one_request(client, model: str, ids: list[int], max_tokens: int) -> dict:
-    """One streamed completion; its timings and outcome (``ok``, ``refused`` status or ``lost``)."""
+def one_request(client, model: str, ids: list[int], max_tokens: int, start: float | None = None) -> dict:
+    """One streamed completion; its timings and outcome (``completed``, ``refused``: a 4xx or
+    503 answer, with ``retry_after`` s; ``lost``: anything else). ``start``
+    (``time.perf_counter()``): when the request arrived, if before now (TTFT counts from it)."""
     import openai
 
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
     stamps, tokens, finish = [], 0, None
     try:
         for chunk in client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
@@ -203,9 +233,15 @@ def one_request(client, model: str, ids: list[int], max_tokens: int) -> dict:
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
     except openai.APIStatusError as exc:
-        return {"outcome": "refused", "status": exc.status_code}
-    except (openai.APIError, OSError) as exc:
-        return {"outcome": "lost", "error": type(exc).__name__}
+        if 400 <= exc.status_code < 500 or exc.status_code == 503:
+            try:
+                retry = float(exc.response.headers.get("retry-after", 1.0))
+            except (TypeError, ValueError):
+                retry = 1.0
+            return {"outcome": "refused", "status": exc.status_code, "retry_after": retry}
+        return {"outcome": "lost", "error": f"HTTP {exc.status_code}"}
+    except Exception as exc:  # noqa: BLE001 - a broken stream of any kind is one lost request, never the sweep
+        return {"outcome": "lost", "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
     end = time.perf_counter()
     if finish != "length" or tokens != max_tokens or not stamps:
         return {"outcome": "lost", "error": f"finish {finish}, {tokens} of {max_tokens} tokens"}
@@ -224,21 +260,23 @@ def peak_overlap(spans: list[tuple[float, float]]) -> int:
     return best
 
 
-def run_point(server: Server, args, mode: str, level: float, rng: random.Random) -> dict:
-    """One load point against ``server``: ``mode`` ``poisson`` (``level`` requests/s) or
-    ``closed`` (``level`` clients). Returns the point's figures (no identity fields)."""
+def run_point(server, args, mode: str, level: float, seed: str) -> dict:
+    """One load point against ``server`` (``url``, ``name``, ``metrics()``, ``proc.pid``):
+    ``mode`` ``poisson`` (``level`` requests/s) or ``closed`` (``level`` clients, each with its
+    own draws from ``seed``; a refused client waits the answer's ``Retry-After``). Returns the
+    point's figures (no identity fields); a request still open at the drain limit is lost."""
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=args.drain + 600)
     lo, hi = args.prompt_tokens
     olo, ohi = args.output_tokens
-    vocab = args.vocab
 
-    def draw():
+    def draw(rng):
         n = log_uniform_lengths(1, lo, hi, rng)[0]
-        return [rng.randrange(10, vocab) for _ in range(n)], rng.randint(olo, ohi)
+        return [rng.randrange(10, args.vocab) for _ in range(n)], rng.randint(olo, ohi)
 
-    results, peaks, stop = [], {"running": 0, "waiting": 0, "gpu": None, "host": None}, threading.Event()
+    results, lock = [], threading.Lock()
+    peaks, stop = {"running": 0, "waiting": 0, "gpu": None, "host": None, "metrics_errors": 0}, threading.Event()
 
     def poll():
         while not stop.is_set():
@@ -246,47 +284,56 @@ def run_point(server: Server, args, mode: str, level: float, rng: random.Random)
                 m = server.metrics()
                 peaks["running"] = max(peaks["running"], int(m.get("sparda_requests_running", 0)))
                 peaks["waiting"] = max(peaks["waiting"], int(m.get("sparda_requests_waiting", 0)))
-            except OSError:
-                pass
+            except Exception:  # noqa: BLE001 - a failed scrape is counted, the poller goes on
+                peaks["metrics_errors"] += 1
             gpu, host = process_memory(server.proc.pid)
             for key, value in (("gpu", gpu), ("host", host)):
                 if value is not None:
                     peaks[key] = max(peaks[key] or 0.0, value)
             stop.wait(0.25)
 
+    def record(result):
+        with lock:
+            results.append(result)
+
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     start = time.perf_counter()
     deadline = start + args.duration
-    pool = concurrent.futures.ThreadPoolExecutor(max(int(level), 1) if mode == "closed" else 256)
-    futures = []
-    if mode == "poisson":
+    if mode == "poisson":  # room for every request the server can hold, and more (refusals need them sent)
+        pool = concurrent.futures.ThreadPoolExecutor(args.max_waiting + args.max_batch + 64)
+        rng = random.Random(seed)
+        futures = []
         for at in poisson_arrivals(level, args.duration, rng):
             time.sleep(max(0.0, start + at - time.perf_counter()))
-            ids, n = draw()
-            futures.append(pool.submit(one_request, client, server.name, ids, n))
+            ids, n = draw(rng)
+            futures.append(pool.submit(lambda *a: record(one_request(*a)), client, server.name, ids, n, start + at))
     else:
-        def client_loop():
-            out = []
+        pool = concurrent.futures.ThreadPoolExecutor(int(level))
+
+        def client_loop(index: int):
+            rng = random.Random(f"{seed}:{index}")
             while time.perf_counter() < deadline:
-                ids, n = draw()
-                out.append(one_request(client, server.name, ids, n))
-            return out
-        futures = [pool.submit(client_loop) for _ in range(int(level))]
-    done, open_ = concurrent.futures.wait(futures, timeout=max(0.0, deadline + args.drain - time.perf_counter()))
-    wall = time.perf_counter() - start
-    for future in done:
-        value = future.result()
-        results.extend(value if isinstance(value, list) else [value])
-    lost_open = len(open_)  # still running at the drain limit
+                ids, n = draw(rng)
+                result = one_request(client, server.name, ids, n)
+                record(result)
+                if result["outcome"] == "refused":
+                    time.sleep(min(result["retry_after"], max(0.0, deadline - time.perf_counter())))
+        futures = [pool.submit(client_loop, i) for i in range(int(level))]
+    _, open_ = concurrent.futures.wait(futures, timeout=max(0.0, deadline + args.drain - time.perf_counter()))
+    wall = max(time.perf_counter() - start, args.duration)
+    with lock:
+        done = list(results)
     for future in open_:
         future.cancel()
     pool.shutdown(wait=False, cancel_futures=True)
     stop.set()
     poller.join()
-    ok = [r for r in results if r["outcome"] == "completed"]
+    # open at the drain limit: a Poisson request not finished, or a client in the middle of one
+    open_at_drain = len(open_)
+    ok = [r for r in done if r["outcome"] == "completed"]
     refused: dict[str, int] = {}
-    for r in results:
+    for r in done:
         if r["outcome"] == "refused":
             refused[str(r["status"])] = refused.get(str(r["status"]), 0) + 1
     ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
@@ -294,24 +341,30 @@ def run_point(server: Server, args, mode: str, level: float, rng: random.Random)
     tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
     return {"output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 2),
             "requests_per_s": round(len(ok) / wall, 4), "wall_s": round(wall, 1),
-            "ttft_p50_ms": ms(statistics.median(ttft)) if ttft else None, "ttft_p99_ms": ms(percentile(ttft, 0.99)),
-            "tpot_p50_ms": ms(statistics.median(tpot)) if tpot else None, "tpot_p99_ms": ms(percentile(tpot, 0.99)),
+            "ttft_p50_ms": ms(percentile(ttft, 0.5)), "ttft_p99_ms": ms(percentile(ttft, 0.99)),
+            "tpot_p50_ms": ms(percentile(tpot, 0.5)), "tpot_p99_ms": ms(percentile(tpot, 0.99)),
             "completed": len(ok), "refused": refused,
-            "lost": sum(r["outcome"] == "lost" for r in results) + lost_open,  # closed: a client still open holds a request
-            "open_at_drain": lost_open, "peak_running": peaks["running"],
+            "lost": sum(r["outcome"] == "lost" for r in done) + open_at_drain,
+            "open_at_drain": open_at_drain, "peak_running": peaks["running"],
             "peak_in_flight": peak_overlap([r["span"] for r in ok]), "peak_waiting": peaks["waiting"],
+            "metrics_errors": peaks["metrics_errors"],
             "gpu_mem_peak_gib": None if peaks["gpu"] is None else round(peaks["gpu"], 2),
             "host_rss_peak_gib": None if peaks["host"] is None else round(peaks["host"], 2)}
 
 
-def wait_idle(server: Server, timeout: float) -> None:
-    """Until the server holds no request (the previous point's stragglers), at most ``timeout`` s."""
+def wait_idle(server, timeout: float) -> bool:
+    """Until the server holds no request (the previous point's stragglers), at most ``timeout``
+    s; False if it still held some then (or ``/metrics`` kept failing)."""
     end = time.perf_counter() + timeout
     while time.perf_counter() < end:
-        m = server.metrics()
-        if not m.get("sparda_requests_running") and not m.get("sparda_requests_waiting"):
-            return
+        try:
+            m = server.metrics()
+            if not m.get("sparda_requests_running") and not m.get("sparda_requests_waiting"):
+                return True
+        except Exception:  # noqa: BLE001 - retried until the timeout
+            pass
         time.sleep(0.5)
+    return False
 
 
 def device_name(device: str) -> str:
@@ -500,7 +553,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--host-memory-gib", type=float, default=None, help="[90%% of what is available]")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run [cuda]")
     parser.add_argument("--seed", type=int, default=0, help="seed of lengths, ids and arrivals [0]")
+    parser.add_argument("--start-timeout", type=float, default=1800.0,
+                        help="seconds a server may take to print its banner [1800]")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop the server child
     args.prompt_tokens = pair(args.prompt_tokens, "--prompt-tokens")
     args.output_tokens = pair(args.output_tokens, "--output-tokens")
     rates = numbers(args.rates, float, "--rates")
@@ -514,7 +570,12 @@ def main(argv: list[str]) -> None:
     from sparda.bench.models import model_spec
 
     args.vocab = min(model_spec(args.model).vocab, 60000)
-    configs = [c.split(":") + ["bf16"] if ":" not in c else c.split(":") for c in args.configs.split(",")]
+    configs = []
+    for item in (c.strip() for c in args.configs.split(",")):
+        parts = item.split(":") if item else []
+        if not 1 <= len(parts) <= 2 or not all(parts):
+            raise SystemExit(f"--configs takes method[:kv_dtype],..., got {args.configs!r}")
+        configs.append((parts[0], parts[1] if len(parts) == 2 else "bf16"))
     args.out.mkdir(parents=True, exist_ok=True)
     device = device_name(args.device)
     commit = os.environ.get("SPARDA_COMMIT") or subprocess.run(
@@ -530,26 +591,26 @@ def main(argv: list[str]) -> None:
                 "preset": args.preset, "max_batch": args.max_batch, "max_model_len": max_model_len,
                 "max_waiting": args.max_waiting, "prefill_chunk": args.prefill_chunk,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "host_memory_gib": args.host_memory_gib}
+        server = None
         try:
-            server = Server(spec, args.out / f"server-{name.replace(':', '-')}.log")
-        except RuntimeError as exc:
-            print(f"{name}: {exc}", file=sys.stderr, flush=True)
-            continue
-        server.name = name
-        try:
+            server = Server(spec, args.out / f"server-{name.replace(':', '-')}.log", args.start_timeout)
             for mode, levels in (("poisson", rates), ("closed", clients)):
                 for level in levels:
-                    wait_idle(server, args.drain)
-                    point = run_point(server, args, mode, level, random.Random(f"{args.seed}:{name}:{mode}:{level}"))
+                    idle = wait_idle(server, args.drain)
+                    point = run_point(server, args, mode, level, f"{args.seed}:{name}:{mode}:{level}")
                     rec = {"config": name, "method": method, "kv_dtype": kv_dtype, "model": args.model, "mode": mode,
                            "rate": level if mode == "poisson" else None,
-                           "concurrency": int(level) if mode == "closed" else None, **point,
+                           "concurrency": int(level) if mode == "closed" else None, **point, "idle_at_start": idle,
                            "memory_plan": server.plan, "device": device, "commit": commit}
                     records.append(rec)
                     print(json.dumps(rec), file=sys.stderr, flush=True)
                     (args.out / "serve_load.json").write_text(json.dumps({**meta, "records": records}, indent=1))
+        except RuntimeError as exc:  # the server did not start: the next configuration
+            print(f"{name}: {exc}", file=sys.stderr, flush=True)
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
+                server.log.close()
     (args.out / "serve_load.json").write_text(json.dumps({**meta, "records": records}, indent=1))
     lines = [f"{device}, {args.model} (random weights), prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} "
              f"tokens (log-uniform), outputs {args.output_tokens[0]}-{args.output_tokens[1]}, {args.duration:g} s per "
