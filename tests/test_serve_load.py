@@ -3,6 +3,7 @@ probability bounds, and one small run end to end on the CPU (a server child, HTT
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -125,3 +126,103 @@ def test_agree_fp32_gives_each_request_its_tokens_alone(tmp_path):
     for r in result["records"]:
         assert r["identical"] == r["requests"] == 4 and r["agreement"] == 1.0, (cmd, r)
     assert "| sparse-offload | 4 / 4 | 1.0 |" in run.stdout
+
+
+class _FakeServer:
+    """An OpenAI-shaped completions server on loopback whose answers a test scripts: each
+    POST takes the next of ``plan`` (``"ok"``: 3 streamed tokens, ``"429"``, ``"hang"``,
+    ``"garbage"``: a broken SSE chunk; the last entry repeats). ``posts`` counts requests."""
+
+    def __init__(self, plan):
+        import http.server
+        import threading
+        import time as _time
+
+        self.plan, self.posts, self.lock = list(plan), 0, threading.Lock()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                body = b'# TYPE sparda_requests_running gauge\nsparda_requests_running{model="m"} 1.0\n'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                with fake.lock:
+                    kind = fake.plan[min(fake.posts, len(fake.plan) - 1)]
+                    fake.posts += 1
+                if kind == "429":
+                    body = json.dumps({"error": {"message": "queue full", "type": "rate_limit_exceeded"}}).encode()
+                    self.send_response(429)
+                    self.send_header("Retry-After", "0")
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                if kind == "hang":
+                    _time.sleep(20)
+                    return
+                if kind == "garbage":
+                    self.wfile.write(b"data: {not json\n\n")
+                    return
+                for i in range(3):
+                    chunk = {"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                             "choices": [{"index": 0, "text": "x", "logprobs": None,
+                                          "finish_reason": "length" if i == 2 else None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    _time.sleep(0.01)
+                usage = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [],
+                         "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+                self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url, self.name = f"http://127.0.0.1:{self.httpd.server_address[1]}", "m"
+        self.proc = type("P", (), {"pid": os.getpid()})()
+
+    def metrics(self):
+        return serve_load.Server.metrics(self)
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def _args(**kw):
+    import argparse
+
+    base = dict(drain=0.5, duration=1.0, prompt_tokens=(4, 8), output_tokens=(3, 3), vocab=100, max_waiting=4,
+                max_batch=2)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_closed_loop_keeps_a_clients_results_when_its_last_request_hangs():
+    fake = _FakeServer(["ok", "ok", "ok", "hang"])
+    try:
+        point = serve_load.run_point(fake, _args(), "closed", 2, "t")
+    finally:
+        fake.close()
+    assert point["completed"] == 3 and point["open_at_drain"] == 2 and point["lost"] == 2, point
+    assert abs(point["output_tok_s"] * point["wall_s"] - 9) < 0.2, point  # 3 requests x 3 tokens
+    assert point["peak_running"] == 1 and point["tpot_p50_ms"] is not None, point
+
+
+def test_refusals_and_broken_streams_are_counted_not_raised():
+    fake = _FakeServer(["429", "garbage", "ok"])
+    try:
+        point = serve_load.run_point(fake, _args(duration=1.5), "poisson", 12, "t")
+    finally:
+        fake.close()
+    assert point["refused"] == {"429": 1} and point["lost"] == 1, point
+    assert point["completed"] == fake.posts - 2 and point["completed"] >= 1, (point, fake.posts)
