@@ -44,12 +44,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-quantile (0..1) of ``values``, nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
+import serve_load  # noqa: E402 - beside this file: the sweep, agreement, and the helpers shared here
+from serve_load import measured_commit, percentile  # noqa: E402
 
 
 def make_prompts(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -225,8 +223,7 @@ def stall(argv: list[str]) -> None:
             "model": args.model, "method": args.method + (" (offloaded, random Forecast)" if extra.get("offload") else "") + ", paper preset",
             "streams": args.streams, "stream_prompt_tokens": args.stream_tokens, "long": args.long,
             "long_prompt_tokens": args.prompt_tokens,
-            "commit": os.environ.get("SPARDA_COMMIT") or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+            "commit": measured_commit()}
     (args.out / "serve_stall.json").write_text(json.dumps({**meta, "records": records}, indent=1))
     print(f"{meta['device']}, {args.model}, {meta['method']}, {args.streams} streams of {args.stream_tokens} decoding, {args.long} prompts of "
           f"{args.prompt_tokens} arrive\n")
@@ -243,9 +240,6 @@ def main() -> None:
         stall(sys.argv[2:])
         return
     if sys.argv[1:2] in (["load"], ["agree"], ["_serve"]):  # serve_load.py: the sweep, its server child, agreement
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import serve_load
-
         {"load": serve_load.main, "agree": serve_load.agree, "_serve": serve_load.serve_child}[sys.argv[1]](sys.argv[2:])
         return
     parser = argparse.ArgumentParser(prog="bench_serve.py", description=__doc__,

@@ -57,6 +57,13 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+def measured_commit() -> str:
+    """The commit a record names: ``$SPARDA_COMMIT`` (a device copy has no ``.git``), else this
+    checkout's short ``HEAD``."""
+    return os.environ.get("SPARDA_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
 def log_uniform_lengths(count: int, lo: int, hi: int, rng: random.Random) -> list[int]:
     """``count`` integers in ``[lo, hi]`` whose logarithm is uniform."""
     return [min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))) for _ in range(count)]
@@ -514,8 +521,7 @@ def agree(argv: list[str]) -> None:
         if cuda:
             torch.cuda.empty_cache()
     device = device_name(args.device)
-    commit = os.environ.get("SPARDA_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = measured_commit()
     meta = {"device": device, "date": datetime.date.today().isoformat(), "commit": commit, "model": args.model,
             "dtype": "bf16" if cuda else "fp32", "max_tokens": args.max_tokens, "every": args.every,
             "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk, "preset": args.preset}
@@ -578,8 +584,7 @@ def main(argv: list[str]) -> None:
         configs.append((parts[0], parts[1] if len(parts) == 2 else "bf16"))
     args.out.mkdir(parents=True, exist_ok=True)
     device = device_name(args.device)
-    commit = os.environ.get("SPARDA_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = measured_commit()
     meta = {"device": device, "date": datetime.date.today().isoformat(), "commit": commit, "model": args.model,
             "prompt_tokens": list(args.prompt_tokens), "output_tokens": list(args.output_tokens),
             "duration_s": args.duration, "drain_s": args.drain, "max_batch": args.max_batch,
