@@ -21,7 +21,10 @@ point's wall time), ``requests_per_s``, ``ttft_p50_ms`` / ``ttft_p99_ms``, ``tpo
 mid-stream, a short output, or still open at the drain limit), ``peak_running`` /
 ``peak_waiting`` (``/metrics``, polled every 0.25 s: a shorter burst can be missed),
 ``peak_in_flight`` (completed requests open at once by the client's clocks: an upper bound
-of running plus waiting), ``idle_at_start`` (the previous point's requests had all ended),
+of running plus waiting), ``gen_tok_s_peak_10s`` (the highest 10-s generation rate
+``/metrics`` reported: the decode rate once every row decodes), ``hit_rate`` and
+``offload_bytes_per_token`` (offloaded: the engine's cumulative figures at the last scrape),
+``idle_at_start`` (the previous point's requests had all ended),
 ``gpu_mem_peak_gib`` / ``host_rss_peak_gib`` (the server process; ``None`` where it cannot be
 read), ``device``, ``commit``. Also ``OUT/serve_load.md`` (the table, printed last) and
 ``OUT/serve_load.png`` (output tok/s and TPOT p99 against offered load, one line per
@@ -117,7 +120,7 @@ def serve_child(argv: list[str]) -> None:
     options = {"kv_dtype": spec["kv_dtype"], "prefill_chunk_tokens": spec["prefill_chunk"]}
     if spec["method"] in ("sparda", "sparse") and cuda:
         options["offload"] = spec["method"] == "sparda"
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tokenizer = AutoTokenizer.from_pretrained(spec.get("tokenizer") or resolve_model_dir(None))
     model = build_model(spec["model"], spec["device"], torch.bfloat16 if cuda else torch.float32,
                         max_positions=spec["max_model_len"])
     forecast = random_forecast(model) if spec["method"].startswith("sparda") else None
@@ -283,7 +286,8 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
         return [rng.randrange(10, args.vocab) for _ in range(n)], rng.randint(olo, ohi)
 
     results, lock = [], threading.Lock()
-    peaks, stop = {"running": 0, "waiting": 0, "gpu": None, "host": None, "metrics_errors": 0}, threading.Event()
+    peaks, stop = {"running": 0, "waiting": 0, "gpu": None, "host": None, "metrics_errors": 0, "gen_rate": 0.0,
+                   "hit_rate": None, "bytes_per_token": None}, threading.Event()
 
     def poll():
         while not stop.is_set():
@@ -291,6 +295,10 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
                 m = server.metrics()
                 peaks["running"] = max(peaks["running"], int(m.get("sparda_requests_running", 0)))
                 peaks["waiting"] = max(peaks["waiting"], int(m.get("sparda_requests_waiting", 0)))
+                peaks["gen_rate"] = max(peaks["gen_rate"], float(m.get("sparda_generation_tokens_per_second", 0.0)))
+                if "sparda_offload_hit_rate" in m:  # engine-wide, cumulative: the last scrape's
+                    peaks["hit_rate"] = round(float(m["sparda_offload_hit_rate"]), 4)
+                    peaks["bytes_per_token"] = float(m.get("sparda_offload_bytes_per_token", 0.0))
             except Exception:  # noqa: BLE001 - a failed scrape is counted, the poller goes on
                 peaks["metrics_errors"] += 1
             gpu, host = process_memory(server.proc.pid)
@@ -354,7 +362,8 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
             "lost": sum(r["outcome"] == "lost" for r in done) + open_at_drain,
             "open_at_drain": open_at_drain, "peak_running": peaks["running"],
             "peak_in_flight": peak_overlap([r["span"] for r in ok]), "peak_waiting": peaks["waiting"],
-            "metrics_errors": peaks["metrics_errors"],
+            "metrics_errors": peaks["metrics_errors"], "gen_tok_s_peak_10s": round(peaks["gen_rate"], 1),
+            "hit_rate": peaks["hit_rate"], "offload_bytes_per_token": peaks["bytes_per_token"],
             "gpu_mem_peak_gib": None if peaks["gpu"] is None else round(peaks["gpu"], 2),
             "host_rss_peak_gib": None if peaks["host"] is None else round(peaks["host"], 2)}
 
@@ -558,6 +567,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="[0.9]")
     parser.add_argument("--host-memory-gib", type=float, default=None, help="[90%% of what is available]")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run [cuda]")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer folder for the decoded text [the bundled model's]")
     parser.add_argument("--seed", type=int, default=0, help="seed of lengths, ids and arrivals [0]")
     parser.add_argument("--start-timeout", type=float, default=1800.0,
                         help="seconds a server may take to print its banner [1800]")
@@ -594,7 +605,7 @@ def main(argv: list[str]) -> None:
         name = method if kv_dtype == "bf16" else f"{method}:{kv_dtype}"
         spec = {"name": name, "model": args.model, "method": method, "kv_dtype": kv_dtype, "device": args.device,
                 "preset": args.preset, "max_batch": args.max_batch, "max_model_len": max_model_len,
-                "max_waiting": args.max_waiting, "prefill_chunk": args.prefill_chunk,
+                "max_waiting": args.max_waiting, "prefill_chunk": args.prefill_chunk, "tokenizer": args.tokenizer,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "host_memory_gib": args.host_memory_gib}
         server = None
         try:

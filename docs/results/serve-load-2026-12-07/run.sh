@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `sparda serve` under load on one GPU (issue "serving at GPU scale", Deliver 6), one part per
+# device call (each call runs at most 600 s). MiniCPM-8B shape, random weights, bundled tokenizer.
+# Usage (repository root on the device): bash docs/results/serve-load-2026-12-07/run.sh PART SITE TOK
+#   PART: sat-sparda | sat-gpu | overhead; SITE: the wheels installed; TOK: the bundled tokenizer folder
+set -uo pipefail
+PART=${1:?part}; SITE=${2:?site}; TOK=${3:?tokenizer folder}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$SITE:src SPARDA_COMMIT=${SPARDA_COMMIT:-unknown}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt"
+free -g > "$OUT/free.txt"
+load() { timeout ${LIMIT:-560} python3 benchmarks/bench_serve.py load "$@" --tokenizer "$TOK" --start-timeout 300; echo "load rc $?"; }
+case $PART in
+  # saturation: closed loop, more clients than rows, the 8K-128K mix
+  sat-sparda) load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 120 --drain 60 ;;
+  sat-gpu) LIMIT=270 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45
+           LIMIT=270 load "$OUT/sat-so" --configs sparse-offload --rates "" --concurrency 32 --duration 100 --drain 45 ;;
+  # engine overhead: 16 requests all at 128K, 16 rows; then the bench at B16 with the server's hit rate
+  overhead) LIMIT=330 load "$OUT/ovh" --configs sparda --rates "" --concurrency 16 --max-batch 16 \
+              --prompt-tokens 131072,131072 --output-tokens 1024,1024 --duration 150 --drain 60
+            hit=$(python3 -c "import json; print(json.load(open('$OUT/ovh/serve_load.json'))['records'][0]['hit_rate'] or '')" 2>/dev/null)
+            echo "server hit rate: ${hit:-?}"
+            timeout 200 python3 -m sparda.cli bench --models minicpm-8b --contexts 131072 --batches 16 \
+              --methods sparda --decode-steps 12 --repeats 3 --prefill-tokens 8192 --trace none \
+              ${hit:+--hit-rate $hit} --out "$OUT/ovh-bench" > "$OUT/ovh-bench.log" 2>&1
+            echo "bench rc $?"; grep -E "tok/s" "$OUT/ovh-bench.log" | tail -4 ;;
+  *) echo "unknown part $PART"; exit 2 ;;
+esac
