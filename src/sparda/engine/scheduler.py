@@ -1,13 +1,18 @@
-"""Continuous batching: the queue, admission into KV-cache rows, and when to prefill.
+"""Continuous batching: the queue, admission into KV-cache rows and blocks, when to prefill.
 
-The KV cache is a fixed pool of ``max_batch`` rows of ``max_model_len`` tokens, allocated
-once when the engine starts, so a running request can never run out of memory. A request
-reserves one whole row at admission, which covers its prompt plus ``max_tokens`` new
-tokens:
+The KV cache is allocated once when the engine starts: ``max_batch`` rows (a row is where a
+request's per-request state lives: its GPU slots, compressed keys, counters) of
+``max_model_len`` tokens, and, where the cache is paged (the offloaded host store, design
+§3.11), a :class:`~sparda.engine.block_pool.BlockPool` of KV blocks that hold the tokens
+themselves. A request reserves at admission what its prompt plus ``max_tokens`` new tokens
+need -- a row and, paged, ``ceil((prompt + max_tokens) / block_size)`` blocks -- so a running
+request never runs out of memory and nothing is ever preempted:
 
-* a request whose prompt plus ``max_tokens`` exceeds ``max_model_len`` can never fit and is
-  refused when it is added (:class:`SpardaError` naming both sizes);
-* otherwise it waits, first come first served, until a row is free;
+* a request whose prompt plus ``max_tokens`` exceeds ``max_model_len``, or needs more blocks
+  than the whole pool holds, can never fit and is refused when it is added
+  (:class:`SpardaError` naming the sizes);
+* otherwise it waits, first come first served, until a row and its blocks are free (a
+  request never overtakes an earlier one, so a long one is not starved by short ones);
 * a queue already holding ``max_waiting`` requests refuses more (:class:`QueueFull`).
 
 Offline, prefill is whole-prompt (chunked inside, design §3.8): each engine step admits
@@ -24,6 +29,7 @@ import collections
 import heapq
 import itertools
 
+from sparda.engine.block_pool import BlockPool, blocks_for
 from sparda.engine.sequence import Sequence, Status
 from sparda.errors import SpardaError
 
@@ -33,7 +39,7 @@ class QueueFull(SpardaError):
 
 
 class Scheduler:
-    """FIFO queue plus a pool of ``max_batch`` KV-cache rows of ``max_model_len`` tokens.
+    """FIFO queue plus ``max_batch`` KV-cache rows of ``max_model_len`` tokens (and blocks).
 
     Not thread-safe on its own: the engine calls it under its lock.
 
@@ -41,12 +47,17 @@ class Scheduler:
         max_batch: cache rows (requests decoding together), >= 1.
         max_model_len: tokens per row (prompt + new tokens of one request), >= 2.
         max_waiting: requests that may wait for a row, >= 0.
+        block_pool: a paged cache's free list (``None``: rows alone bound admission).
+        block_size: tokens per KV block of ``block_pool``.
+        block_bytes: bytes of one block (for the refusal message; 0: not named).
     """
 
-    def __init__(self, max_batch: int, max_model_len: int, max_waiting: int) -> None:
+    def __init__(self, max_batch: int, max_model_len: int, max_waiting: int, *,
+                 block_pool: BlockPool | None = None, block_size: int = 64, block_bytes: int = 0) -> None:
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
+        self.block_pool, self.block_size, self.block_bytes = block_pool, block_size, block_bytes
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}  # row -> sequence
         self._free = list(range(max_batch))      # a heap: the lowest free row first
@@ -67,6 +78,21 @@ class Scheduler:
             raise SpardaError(f"prompt of {num_prompt} tokens plus max_tokens {max_tokens} exceeds --max-model-len "
                               f"{self.max_model_len}; lower max_tokens to at most {self.max_model_len - num_prompt} "
                               "or raise --max-model-len")
+        pool = self.block_pool
+        if pool is not None and blocks_for(num_prompt + max_tokens, self.block_size) > pool.num_blocks:
+            room = pool.num_blocks * self.block_size
+            size = f" ({pool.num_blocks * self.block_bytes / 2**30:.2f} GiB)" if self.block_bytes else ""
+            raise SpardaError(f"prompt of {num_prompt} tokens plus max_tokens {max_tokens} exceeds the KV block pool "
+                              f"of {room} tokens{size}; lower max_tokens to at most {max(room - num_prompt, 0)} "
+                              "or raise --host-memory-gib")
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """KV blocks ``seq`` reserves at admission (0 without a block pool)."""
+        return 0 if self.block_pool is None else blocks_for(seq.num_prompt + seq.max_tokens, self.block_size)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """A row is free and, paged, ``seq``'s blocks are."""
+        return bool(self._free) and (self.block_pool is None or self.blocks_needed(seq) <= self.block_pool.num_free)
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (checked with :meth:`check`). Raises SpardaError, or QueueFull."""
@@ -94,12 +120,13 @@ class Scheduler:
         return gone + [seq for seq in self.running.values() if seq.cancelled]
 
     def admit(self, max_tokens: int | None = None) -> list[Sequence]:
-        """Waiting requests, first come first served, each given the lowest free row, while
-        rows are free and their prompts total at most ``max_tokens`` (``None``: no bound;
+        """Waiting requests, first come first served, each given the lowest free row (and,
+        paged, the lowest free blocks), while the next one's row and blocks are free and
+        their prompts total at most ``max_tokens`` (``None``: no bound;
         the first one is admitted whatever its length)."""
         admitted: list[Sequence] = []
         total = 0
-        while self.waiting and self._free:
+        while self.waiting and self._fits(self.waiting[0]):
             size = self.waiting[0].num_prompt
             if admitted and max_tokens is not None and total + size > max_tokens:
                 break
@@ -114,8 +141,8 @@ class Scheduler:
 
         ``budget`` tokens (``max_num_batched_tokens`` less this step's decode tokens) go,
         first come first served, to the half-prefilled requests in admission order, then to
-        waiting requests, each admitted into the lowest free row once its first chunk is
-        taken; a request's next chunk (``chunks(seq)`` lists its remaining ``(start, end)``
+        waiting requests, each admitted into the lowest free row (and its blocks, while they
+        are free) once its first chunk is taken; a request's next chunk (``chunks(seq)`` lists its remaining ``(start, end)``
         spans) costs its tokens, plus one for a prompt's last chunk (that request decodes in
         this step too), and is taken if it fits what is left, or if no chunk was taken yet
         this step (so a prefill always moves); the first chunk that does not fit ends the
@@ -141,7 +168,7 @@ class Scheduler:
         for seq in sorted((s for s in self.running.values() if not s.prefilled), key=lambda s: s.admit_order):
             if not take(seq):
                 return plan
-        while self.waiting and self._free:
+        while self.waiting and self._fits(self.waiting[0]):
             seq = self.waiting[0]
             if plan and cost(chunks(seq), 0) > left:
                 break
@@ -152,13 +179,17 @@ class Scheduler:
 
     def _place(self, seq: Sequence) -> None:
         seq.row = heapq.heappop(self._free)
+        if self.block_pool is not None:
+            seq.blocks = self.block_pool.allocate(self.blocks_needed(seq))
         seq.status = Status.RUNNING
         seq.admit_order = next(self._order)
         self.running[seq.row] = seq
 
     def free(self, seq: Sequence) -> None:
-        """Give ``seq``'s row back (finished or cancelled); no-op if it holds none."""
+        """Give ``seq``'s row and blocks back (finished or cancelled); no-op if it holds none."""
         if seq.row is not None and self.running.get(seq.row) is seq:
             del self.running[seq.row]
             heapq.heappush(self._free, seq.row)
-        seq.row = None
+            if self.block_pool is not None:
+                self.block_pool.free(seq.blocks)
+        seq.row, seq.blocks = None, []

@@ -107,6 +107,8 @@ class Sequence:
         self.on_delta = on_delta
         self.status = Status.WAITING
         self.row: int | None = None
+        #: the KV blocks a paged cache gave it at admission (:mod:`sparda.engine.block_pool`)
+        self.blocks: list[int] = []
         self.output_ids: list[int] = []
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
