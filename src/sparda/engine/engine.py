@@ -546,7 +546,8 @@ class Engine:
         """A snapshot: ``requests_running`` (holding a row), ``requests_prefilling`` (of those,
         half-prefilled, design §3.9), ``requests_waiting``, ``kv_tokens_in_use`` (tokens in
         the cache), ``kv_tokens_total`` (rows x ``max_model_len``), ``kv_rows_in_use``,
-        ``kv_rows_total``, ``max_model_len``, ``generation_tokens_total``,
+        ``kv_rows_total``, ``max_model_len``, with a paged cache ``kv_blocks_used`` and
+        ``kv_blocks_total`` (host KV blocks, design §3.11), ``generation_tokens_total``,
         ``prompt_tokens_total``, ``generation_tokens_per_s`` (over the last
         ``RATE_WINDOW_S`` seconds), ``requests_finished`` (by finish reason) and, on an
         offloaded cache, ``offload`` (``hit_rate``, ``bytes_per_token`` copied per decoded
@@ -571,6 +572,9 @@ class Engine:
                 "generation_tokens_per_s": round(sum(n for _, n in self._rate) / span, 3),
                 "requests_finished": dict(self.finished),
             }
+            pool = self.scheduler.block_pool
+            if pool is not None:
+                out["kv_blocks_used"], out["kv_blocks_total"] = pool.num_used, pool.num_blocks
             if self.offloaded:
                 out["offload"] = dict(self._offload or {"hit_rate": 0.0, "bytes_per_token": 0.0})
         return out

@@ -5,10 +5,11 @@ Everything is labelled with the served model (``model="..."``) and prefixed ``sp
 * From :meth:`Engine.metrics` at each scrape (a custom collector): ``requests_running``,
   ``requests_prefilling``, ``requests_waiting``, ``kv_tokens_in_use``, ``kv_tokens_total``,
   ``kv_rows_in_use``, ``kv_rows_free``, ``kv_rows_total``,
-  ``max_model_len_tokens``, ``prompt_tokens_total``, ``generation_tokens_total``,
-  ``generation_tokens_per_second`` (last 10 s), ``requests_finished_total{reason}``,
-  ``preemptions_total`` (always 0: a request reserves its whole row when admitted, so
-  nothing is ever preempted) and, on an offloaded cache, ``offload_hit_rate`` and
+  ``max_model_len_tokens``, with a paged cache ``kv_blocks_used``, ``kv_blocks_free`` and
+  ``kv_blocks_total`` (host KV blocks, design §3.11), ``prompt_tokens_total``,
+  ``generation_tokens_total``, ``generation_tokens_per_second`` (last 10 s),
+  ``requests_finished_total{reason}``, ``preemptions_total`` (always 0: a request reserves
+  its row and blocks when admitted, so nothing is ever preempted) and, on an offloaded cache, ``offload_hit_rate`` and
   ``offload_bytes_per_token``.
 * Observed when each HTTP request's engine request finishes (its
   :attr:`RequestOutput.stats`): the histograms ``time_to_first_token_seconds``,
@@ -65,6 +66,10 @@ class EngineCollector:
         yield gauge("kv_rows_free", "KV-cache rows free.", m["kv_rows_total"] - m["kv_rows_in_use"])
         yield gauge("kv_rows_total", "KV-cache rows (--max-batch).", m["kv_rows_total"])
         yield gauge("max_model_len_tokens", "Tokens per row (--max-model-len).", m["max_model_len"])
+        if "kv_blocks_total" in m:  # a paged cache (design §3.11)
+            yield gauge("kv_blocks_used", "Host KV blocks held by requests.", m["kv_blocks_used"])
+            yield gauge("kv_blocks_free", "Host KV blocks free.", m["kv_blocks_total"] - m["kv_blocks_used"])
+            yield gauge("kv_blocks_total", "Host KV blocks in the pool.", m["kv_blocks_total"])
         yield counter("prompt_tokens", "Prompt tokens prefilled.", m["prompt_tokens_total"])
         yield counter("generation_tokens", "Tokens generated.", m["generation_tokens_total"])
         yield gauge("generation_tokens_per_second", "Tokens generated per second over the last 10 s.",
@@ -74,7 +79,7 @@ class EngineCollector:
         for reason, count in sorted(m["requests_finished"].items()):
             finished.add_metric([model, reason], float(count))
         yield finished
-        yield counter("preemptions", "Requests preempted (never: a request reserves its whole row).",
+        yield counter("preemptions", "Requests preempted (never: a request reserves its row and blocks).",
                       m.get("preemptions", 0))
         if "offload" in m:
             yield gauge("offload_hit_rate", "Fraction of selected KV blocks already on the device.",
