@@ -2,7 +2,7 @@
 # `sparda serve` under load on one GPU (issue "serving at GPU scale", Deliver 6), one part per
 # device call (each call runs at most 600 s). MiniCPM-8B shape, random weights, bundled tokenizer.
 # Usage (repository root on the device): bash docs/results/serve-load-2026-12-07/run.sh PART SITE TOK
-#   PART: sat-sparda | sat-gpu | overhead; SITE: the wheels installed; TOK: the bundled tokenizer folder
+#   PART: sat | sat-sparda | sat-gpu | overhead; SITE: the wheels installed; TOK: the bundled tokenizer folder
 set -uo pipefail
 PART=${1:?part}; SITE=${2:?site}; TOK=${3:?tokenizer folder}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$SITE:src SPARDA_COMMIT=${SPARDA_COMMIT:-unknown}
@@ -12,6 +12,8 @@ load() { timeout ${LIMIT:-560} python3 benchmarks/bench_serve.py load "$@" --tok
 case $PART in
   # saturation: closed loop, more clients than rows, the 8K-128K mix
   sat-sparda) load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 120 --drain 60 ;;
+  sat) LIMIT=285 load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 100 --drain 45
+       LIMIT=285 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45 ;;
   sat-gpu) LIMIT=270 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45
            LIMIT=270 load "$OUT/sat-so" --configs sparse-offload --rates "" --concurrency 32 --duration 100 --drain 45 ;;
   # engine overhead: 16 requests all at 128K, 16 rows; then the bench at B16 with the server's hit rate
