@@ -78,3 +78,30 @@ def test_threshold_one_is_fixed_topk_and_small_reads_less(tiny, method):
     floor = _run(tiny, method, prompts, topp_mass=0.05, min_blocks=sum(SMALL[k] for k in
                                                                       ("init_blocks", "local_blocks", "topk_blocks")))
     assert [o.token_ids for o in floor] == [o.token_ids for o in fixed]
+
+
+def test_eval_runs_each_mass_beside_the_fixed_budget(tiny, tmp_path):
+    """``sparda eval --topp-mass``: the adaptive methods also run at each mass (``@pP``); each
+    record's ``kv_bytes_read_per_token`` is its K/V bytes times its read fraction, and the
+    accuracy table shows it."""
+    from sparda.eval.runner import EvalPlan, load_results, run_eval
+
+    text = tmp_path / "haystack.txt"
+    text.write_text("It was a fine morning in Highbury. Emma walked to the village and met Harriet.\n" * 60)
+    plan = EvalPlan(text=str(text), tasks=("passkey",), methods=("dense", "sparse"), lengths=(400,), samples=1,
+                    ppl_windows=1, out=str(tmp_path / "out"), model=str(tiny), device="cpu",
+                    overrides={**SMALL, "dense_len": 0, "topk_blocks": 4}, topp_masses=(0.05, 1.0), batch_size=1)
+    run_eval(plan, progress=False)
+    records = {r["label"]: r for r in load_results(tmp_path / "out" / "results.jsonl")}
+    assert set(records) == {"dense", "sparse", "sparse@p0.05", "sparse@p1"}
+    assert [records[k]["topp_mass"] for k in ("sparse", "sparse@p0.05", "sparse@p1")] == [None, 0.05, 1.0]
+    assert records["sparse@p1"]["completion"] == records["sparse"]["completion"]
+    assert records["sparse@p1"]["kv_bytes_read_per_token"] == records["sparse"]["kv_bytes_read_per_token"]
+    assert records["sparse@p0.05"]["kv_bytes_read_per_token"] < records["sparse"]["kv_bytes_read_per_token"]
+    llm = LLM(str(tiny), method="dense", device="cpu")
+    per_token = llm.model_runner.kv_bytes_per_token()
+    for r in records.values():
+        tokens = r["prompt_tokens"] + r["new_tokens"] - 1
+        assert r["kv_bytes_read_per_token"] == pytest.approx(int(per_token * tokens) * r["kv_read_fraction"])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| mean | n | KV MiB read / token |" in report

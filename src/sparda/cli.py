@@ -427,6 +427,11 @@ def _csv(kind):
 @click.option("--lengths", callback=_csv(int), help="Comma-separated prompt lengths in tokens.")
 @click.option("--samples", type=int, default=None, help="Samples per task and length.")
 @click.option("--budgets", callback=_csv(float), help="KV budgets in % of the context for non-dense methods.")
+@click.option("--topp-mass", "topp_mass", callback=_csv(float),
+              help="Comma-separated top-p masses in (0, 1]: the methods with a mass-adaptive decode budget "
+                   "(sparse, oracle, sparda...) also run at each, labelled METHOD@pP (design §3.12).")
+@click.option("--min-blocks", "min_blocks", type=int, default=None,
+              help="--topp-mass: blocks per KV head at least, forced ones included [default: init + local].")
 @click.option("--depths", callback=_csv(float), help="Needle depths 0-1, cycled over samples.")
 @click.option("--ppl-windows", type=int, default=None, help="Held-out text windows per length for ppl and ppl-decode.")
 @click.option("--decode-tokens", type=int, default=None,
