@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 
 import pytest
@@ -205,3 +206,47 @@ def test_decode_selection_end_to_end(groups):
     fixed = dataclasses.replace(cfg, topp_mass=None, min_blocks=None)
     assert ids.shape == ref_ids.shape == select_decode_blocks_triton(query, ck, q_pos, num_blocks, fixed).shape
     assert torch.all(mask.sum(-1) <= fixed.budget_blocks)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                          reason="compiled Triton on CUDA (TRITON_INTERPRET=0 and a GPU)")
+
+
+@CUDA
+@pytest.mark.parametrize("groups", [None, 4])
+def test_cuda_bf16_selection_and_graph_replay(groups):
+    """On CUDA, bf16 queries and keys (the ``tl.dot`` path for groups): the rule on the kernel's
+    own block scores equals the brute force, and a captured CUDA graph (no host sync) replays
+    the adaptive selection of new inputs exactly as an eager call."""
+    rng = random.Random(torch.initial_seed())
+    dev = torch.device("cuda")
+    for _ in range(10):
+        cfg, scores, q_pos, scale = _case(rng)
+        ids, mask = select_from_scores_triton(scores.to(dev), q_pos.to(dev), cfg, None, True, adaptive=True,
+                                              logit_scale=scale)
+        _check_rows(mask.cpu(), scores, q_pos, cfg, scale, "cuda rule")
+    cfg = SelectionConfig(block_size=64, kernel_size=32, kernel_stride=16, init_blocks=1, local_blocks=4,
+                          topk_blocks=32, dense_len=0, topp_mass=0.5 + 0.4 * rng.random(), min_blocks=8)
+    bsz, heads, d, num_tokens = 4, 8, 128, 32768
+    num_ck = reference.num_compressed(num_tokens, cfg.kernel_size, cfg.kernel_stride)
+    num_blocks = num_tokens // cfg.block_size
+    shape = (bsz, heads, d) if groups is None else (bsz, heads, groups, d)
+    query = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    ck = torch.randn(bsz, heads, num_ck, d, device=dev, dtype=torch.bfloat16)
+    q_pos = torch.tensor([num_tokens - 1, 20000, 9000, 300], device=dev)
+    scale = twins.mass_logit_scale(query)
+    from sparda.kernels.selection import decode_block_scores_triton
+
+    scores = decode_block_scores_triton(query, ck, q_pos, num_blocks, cfg)
+    ids, mask = select_decode_blocks_triton(query, ck, q_pos, num_blocks, cfg, return_mask=True)
+    _check_rows(mask.cpu(), scores.cpu(), q_pos.cpu(), cfg, scale, "cuda end to end")
+    select_decode_blocks_triton(query, ck, q_pos, num_blocks, cfg)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = select_decode_blocks_triton(query, ck, q_pos, num_blocks, cfg)
+    query.copy_(torch.randn_like(query))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, select_decode_blocks_triton(query, ck, q_pos, num_blocks, cfg))
+    assert graphed.shape == ids.shape == (bsz, heads, twins.default_width(num_blocks, cfg))
