@@ -105,3 +105,25 @@ def test_eval_runs_each_mass_beside_the_fixed_budget(tiny, tmp_path):
         assert r["kv_bytes_read_per_token"] == pytest.approx(int(per_token * tokens) * r["kv_read_fraction"])
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| mean | n | KV MiB read / token |" in report
+
+
+def test_hf_enable_takes_the_threshold_and_gives_llms_tokens(tiny):
+    """``sparda.hf.enable(..., topp_mass=...)``: transformers' generate() decodes as ``LLM`` with
+    the same threshold, reading what it reads."""
+    from transformers import AutoModelForCausalLM
+
+    import sparda.integrations.hf as hf
+
+    ids = torch.randint(100, 20000, (260,)).tolist()
+    options = dict(SMALL, topp_mass=0.1, min_blocks=4)
+    expected = LLM(str(tiny), method="sparse", device="cpu", **options).generate(
+        None, prompt_token_ids=[ids], max_new_tokens=8, ignore_eos=True)[0]
+    model = hf.enable(AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval(), method="sparse",
+                      **options)
+    assert hf.method_of(model).config.selection.topp_mass == 0.1
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out[0, len(ids):].tolist() == expected.token_ids
+    assert hf.cache_of(model).read_fraction() == pytest.approx(expected.stats["kv_read_fraction"], abs=1e-4)

@@ -105,7 +105,7 @@ def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.
                             num_blocks: int, cfg: SelectionConfig, *,
                             ck_len: torch.Tensor | None = None, width: int | None = None,
                             return_mask: bool = False):
-    """Twin of :func:`sparda.kernels.select_decode_blocks` (design §3.2-3.4).
+    """Twin of :func:`sparda.kernels.select_decode_blocks` (design §3.2-3.4, §3.12).
 
     Raises:
         SpardaError: via :func:`check_selection_shapes`.
