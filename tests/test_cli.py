@@ -60,6 +60,7 @@ def test_generate_text_output_and_stdin(make_tiny):
     (["eval", "--tasks", "passkey", "--lengths", "99999", "--out", "/tmp/sparda-test-eval-never-created"],
      "leaves no room for an answer in the model's context of 8192 tokens"),
     (["eval", "--samples", "0", "--out", "/tmp/sparda-test-eval-never-created"], "--samples >= 1"),
+    (["generate", "--method", "sparse", "--topp-mass", "1.5", "-p", "x"], "--topp-mass must be a number in (0, 1]"),
     (["eval", "--tasks", "ppl-decode", "--lengths", "512", "--decode-tokens", "512", "--out",
       "/tmp/sparda-test-eval-never-created"], "--decode-tokens must be at least 1 and below the shortest --lengths"),
 ])

@@ -113,6 +113,11 @@ def model_options(func):
         click.option("--init-blocks", type=int, default=None, help="Attention-sink blocks always kept."),
         click.option("--block-size", type=int, default=None, help="Tokens per KV block."),
         click.option("--dense-len", type=int, default=None, help="Contexts shorter than this use dense attention."),
+        click.option("--topp-mass", "topp_mass", type=float, default=None,
+                     help="Decode: take scored blocks in score order until the visible blocks' mass reaches this "
+                          "share, in (0, 1] (design §3.12; --topk-blocks stays the most) [default: fixed top-k]."),
+        click.option("--min-blocks", "min_blocks", type=int, default=None,
+                     help="--topp-mass: blocks per KV head at least, forced ones included [default: init + local]."),
         click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available]."),
         click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bf16 on CUDA, fp32 on CPU]."),
         click.option("--offload/--no-offload", default=None,
@@ -422,6 +427,11 @@ def _csv(kind):
 @click.option("--lengths", callback=_csv(int), help="Comma-separated prompt lengths in tokens.")
 @click.option("--samples", type=int, default=None, help="Samples per task and length.")
 @click.option("--budgets", callback=_csv(float), help="KV budgets in % of the context for non-dense methods.")
+@click.option("--topp-mass", "topp_mass", callback=_csv(float),
+              help="Comma-separated top-p masses in (0, 1]: the methods with a mass-adaptive decode budget "
+                   "(sparse, oracle, sparda...) also run at each, labelled METHOD@pP (design §3.12).")
+@click.option("--min-blocks", "min_blocks", type=int, default=None,
+              help="--topp-mass: blocks per KV head at least, forced ones included [default: init + local].")
 @click.option("--depths", callback=_csv(float), help="Needle depths 0-1, cycled over samples.")
 @click.option("--ppl-windows", type=int, default=None, help="Held-out text windows per length for ppl and ppl-decode.")
 @click.option("--decode-tokens", type=int, default=None,

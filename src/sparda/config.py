@@ -3,7 +3,8 @@
 The selection fields follow design §3 (InfLLM-V2-style block selection):
 ``block_size`` tokens per KV block, compressed keys of ``kernel_size`` tokens every
 ``kernel_stride`` tokens, ``init_blocks`` attention-sink blocks, ``local_blocks``
-most recent blocks (current partial block included) and ``topk_blocks`` scored blocks.
+most recent blocks (current partial block included) and ``topk_blocks`` scored blocks;
+optionally a mass-adaptive decode budget, ``topp_mass`` and ``min_blocks`` (design §3.12).
 """
 
 from __future__ import annotations
@@ -89,11 +90,15 @@ def resolve_sparse_prefill(preset: str, sparse_prefill: bool | None = None,
 class SelectionConfig:
     """Block-selection budget (design §3). All lengths are in tokens, counts in blocks.
 
+    ``topp_mass`` (``None``: fixed top-k) and ``min_blocks`` (``None``: the forced blocks)
+    make the decode budget mass-adaptive (design §3.12); ``budget_blocks`` stays its maximum.
+
     Raises:
         SpardaError: on any invalid field (negative counts, ``local_blocks < 1``,
             a compression stride that does not divide the block size, a local window
             that does not hold the window a decoded token completes: ``local_blocks <
-            min_local_blocks``, design §4, ...).
+            min_local_blocks``, design §4, ``topp_mass`` outside ``(0, 1]``, ``min_blocks``
+            without ``topp_mass`` or outside ``[init + local, budget_blocks]``, ...).
     """
 
     block_size: int = 64
@@ -103,6 +108,8 @@ class SelectionConfig:
     local_blocks: int = 4
     topk_blocks: int = 16
     dense_len: int = 2048
+    topp_mass: float | None = None
+    min_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kernel_size", "kernel_stride"):
@@ -132,6 +139,32 @@ class SelectionConfig:
                 f"{self.block_size} before that token's block and must lie in the local window (design §4); "
                 f"use --local-blocks {need} or more"
             )
+        self._check_adaptive()
+
+    def _check_adaptive(self) -> None:
+        p, low = self.topp_mass, self.min_blocks
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise SpardaError(f"topp_mass must be a number in (0, 1] (the block mass to cover), got {p!r}")
+        if low is None:
+            return
+        if p is None:
+            raise SpardaError(f"min_blocks={low} applies with topp_mass only; add e.g. --topp-mass 0.9 or drop "
+                              "--min-blocks")
+        forced = self.init_blocks + self.local_blocks
+        if isinstance(low, bool) or not isinstance(low, int) or not forced <= low <= self.budget_blocks:
+            raise SpardaError(f"min_blocks must be an integer from {forced} (init_blocks + local_blocks) to "
+                              f"{self.budget_blocks} (the budget), got {low!r}")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether decode takes a mass-adaptive number of scored blocks (design §3.12)."""
+        return self.topp_mass is not None
+
+    @property
+    def min_scored_blocks(self) -> int:
+        """Scored blocks decode takes at least under ``topp_mass``: ``min_blocks - init - local``
+        (0 when ``min_blocks`` is unset), design §3.12."""
+        return 0 if self.min_blocks is None else self.min_blocks - self.init_blocks - self.local_blocks
 
     @property
     def min_local_blocks(self) -> int:
@@ -187,7 +220,7 @@ class SelectionConfig:
             if key not in fields:
                 raise SpardaError(f"unknown selection field {key!r}; known: {', '.join(sorted(fields))}")
             if value is not None:
-                values[key] = int(value)
+                values[key] = value if key == "topp_mass" else int(value)
         return cls(**values)
 
 
@@ -200,6 +233,9 @@ FORECAST_METHODS = ("sparda", "sparda-no-prefetch")
 #: methods that select scored blocks (``topk_blocks`` must be >= 1 for them, design §3)
 SCORED_METHODS = ("sparse", "oracle", "sparda", "sparda-random", "infinigen", "sparse-offload",
                   "sparda-no-prefetch", "h2o", "quest", "snapkv", "shallow")
+#: methods whose decode budget can be mass-adaptive (``topp_mass``, design §3.12): their block
+#: scores are Forecast logits or group-summed softmax mass
+ADAPTIVE_METHODS = ("sparse", "oracle", "sparda", "sparda-random", "sparse-offload", "sparda-no-prefetch")
 #: offload copy engines (design §6); ``auto``: ``uva`` on CUDA with Triton, else ``sync``
 TRANSFERS = ("auto", "uva", "copy", "sync")
 #: :class:`SpardaConfig` fields that tune one method (``LLM(..., shallow_layers=3)``)
@@ -233,7 +269,8 @@ OPTION_FLAGS = {
     "shallow_layers": "--shallow-layers", "shallow_select_once": "--shallow-select-once",
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
     "seed": "--seed", "max_batch": "--max-batch", "max_model_len": "--max-model-len",
-    "max_waiting": "--max-waiting", "cpu_threads": "--cpu-threads",
+    "max_waiting": "--max-waiting", "cpu_threads": "--cpu-threads", "topp_mass": "--topp-mass",
+    "min_blocks": "--min-blocks",
 }
 _FLAG_KEYS = {flag: key for key, flag in OPTION_FLAGS.items()}
 _FLAG_KEYS.update({"--no-offload": "offload", "--eager": "cuda_graphs"})
@@ -470,8 +507,11 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
     cuda = dev.startswith("cuda")
     sel = {f.name: get(f.name) for f in dataclasses.fields(SelectionConfig)}
     for key, value in sel.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if key != "topp_mass" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             _fail(key, f"{key} must be an integer, got {value!r}")
+    if sel["topp_mass"] is not None and method not in ADAPTIVE_METHODS:
+        _fail("topp_mass", f"topp_mass applies to methods {', '.join(ADAPTIVE_METHODS)}, not {method!r} (its block "
+                           "scores are no attention mass); drop --topp-mass")
     selection = SelectionConfig.from_preset(preset, **sel)
     if method in SCORED_METHODS and selection.topk_blocks < 1:  # allowed (the eval's smallest budgets), but said
         _note(f"note: topk_blocks 0 leaves method {method} no scored block: it reads the sinks and the local window "

@@ -270,6 +270,9 @@ class BlockSparseMethod(AttentionMethod):
     scores_hold_every_key = False
     #: decode goes through :meth:`attend`'s mask, so ``config.dense_heads`` applies (design §3.7)
     supports_dense_heads = True
+    #: what :meth:`block_scores` are for the top-p mass (design §3.12): ``None`` probabilities,
+    #: a float the scale of logits
+    mass_logit_scale: float | None = None
 
     def block_scores(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache, step,
                      k: torch.Tensor, ck: torch.Tensor, chunk: slice) -> torch.Tensor:
@@ -323,8 +326,8 @@ class BlockSparseMethod(AttentionMethod):
 
         Scores ``chunk_tokens`` queries at a time with :meth:`block_scores` (``chunk_tokens /
         B`` of each of the ``B`` rows where :attr:`scores_hold_every_key`, so that a batched
-        prefill holds what one prompt's would) and applies the selection rule (design §3.4);
-        ``N = ceil(step.max_kv_len / block_size)``.
+        prefill holds what one prompt's would) and applies the selection rule (design §3.4;
+        in decode the top-p budget of §3.12 where set); ``N = ceil(step.max_kv_len / block_size)``.
         """
         num_tokens = step.max_kv_len
         k, _, ck = cache.view(layer, step.rows, num_tokens)
@@ -334,7 +337,8 @@ class BlockSparseMethod(AttentionMethod):
         for start in range(first, q.shape[-2], tokens):
             chunk = slice(start, start + tokens)
             scores = self.block_scores(layer, q, h, cache, step, k, ck, chunk)
-            masks.append(ref.select_blocks(scores[..., :num_blocks], step.q_pos[:, chunk], self.selection))
+            masks.append(ref.select_blocks(scores[..., :num_blocks], step.q_pos[:, chunk], self.selection,
+                                           adaptive=step.phase == "decode", logit_scale=self.mass_logit_scale))
         return torch.cat(masks, dim=2)
 
     def _dense_heads(self, layer: int, step, device) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from importlib import resources
 from pathlib import Path
@@ -347,7 +348,13 @@ class ForecastAttention(BlockSparseMethod):
             self.forecast.project(layer + 1, h, step.cos, step.sin)
         scores = ref.forecast_scores(f, ck, step.q_pos - 1, cfg.kernel_size, cfg.kernel_stride)
         blocks = ref.pool_to_blocks(scores, num_blocks, cfg)
-        return ref.select_blocks(blocks, step.q_pos, cfg)
+        return ref.select_blocks(blocks, step.q_pos, cfg, adaptive=step.phase == "decode",
+                                 logit_scale=self.mass_logit_scale)
+
+    @property
+    def mass_logit_scale(self) -> float:
+        """Forecast block scores are logits at ``1 / sqrt(d)`` for the top-p mass (design §3.12, §5)."""
+        return 1.0 / math.sqrt(self.shape.head_dim)
 
     def _prefill_dense(self, step) -> bool:
         return step.phase == "prefill" and not self.config.sparse_prefill

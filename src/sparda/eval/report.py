@@ -204,12 +204,17 @@ def markdown(records: list[dict], agg: dict) -> str:
              "is taken as the proportion).", ""]
     if tasks:
         lines += ["### Accuracy per task (mean over lengths and depths)", "",
-                  "| method | " + " | ".join(tasks) + " | mean | n |", "|---" * (len(tasks) + 3) + "|"]
+                  "KV MiB read / token: `kv_bytes_read_per_token`, the K/V bytes a decode step reads "
+                  "(mean over the task samples).", "",
+                  "| method | " + " | ".join(tasks) + " | mean | n | KV MiB read / token |",
+                  "|---" * (len(tasks) + 4) + "|"]
         for label in labels:
             row = agg["accuracy"].get(label, {})
             mean = agg["mean_accuracy"].get(label)
+            read = agg["efficiency"].get(label, {}).get("kv_bytes_read_per_token")
             lines.append(f"| {label} | " + " | ".join(_cell(row.get(t)) for t in tasks) +
-                         f" | {_cell(mean)} | {mean['n'] if mean else 0} |")
+                         f" | {_cell(mean)} | {mean['n'] if mean else 0} | "
+                         f"{'–' if read is None else _fmt(read / 2**20, False)} |")
         lines += ["", "### Accuracy per task and length (tokens); n = samples per cell", "",
                   "| task | length | " + " | ".join(labels) + " | n |", "|---" * (len(labels) + 3) + "|"]
         for t in tasks:

@@ -53,6 +53,9 @@ class EvalPlan:
         batch_size: samples per generate call (``None``: :data:`DEFAULT_BATCH`); not fingerprinted.
         kv_dtype: ``bf16``, ``int8`` or ``int4`` (docs/kv_quant.md), not the reference's.
         dense_heads: design §3.7 (default ``auto``: the calibration file's digest is fingerprinted).
+        topp_masses: mass-adaptive decode budgets (design §3.12): each method of
+            :data:`~sparda.config.ADAPTIVE_METHODS` also runs at each (``METHOD@pP`` labels).
+        min_blocks: their floor (``None``: the forced blocks).
     """
 
     tasks: tuple[str, ...]
@@ -75,6 +78,8 @@ class EvalPlan:
     kv_dtype: str = "bf16"
     dense_heads: str = "auto"
     decode_tokens: int = DECODE_TOKENS
+    topp_masses: tuple[float, ...] = ()
+    min_blocks: int | None = None
 
     def resolved_batch_size(self) -> int:
         """:attr:`batch_size`, or the default of the device (:data:`DEFAULT_BATCH`)."""
@@ -103,6 +108,8 @@ class EvalPlan:
             keys["dense_heads_setting"] = self.dense_heads
         if self.decode_tokens != DECODE_TOKENS:
             keys["decode_tokens"] = self.decode_tokens
+        if self.min_blocks is not None:
+            keys["min_blocks"] = self.min_blocks
         keys.update(self.asset_digests())  # only where the model has them, as older directories
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -126,20 +133,31 @@ class EvalPlan:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One evaluated configuration: a method and an optional budget (% of context)."""
+    """One evaluated configuration: a method, an optional budget (% of context) and an optional
+    top-p mass (design §3.12)."""
 
     method: str
     budget_pct: float | None = None
+    topp_mass: float | None = None
 
     @property
     def label(self) -> str:
-        return self.method if self.budget_pct is None else f"{self.method}@{self.budget_pct:g}%"
+        label = self.method if self.budget_pct is None else f"{self.method}@{self.budget_pct:g}%"
+        return label if self.topp_mass is None else f"{label}@p{self.topp_mass:g}"
+
+    def selection_options(self, plan: "EvalPlan") -> dict:
+        """The top-p options of this spec (none for a fixed top-k)."""
+        if self.topp_mass is None:
+            return {}
+        return {"topp_mass": self.topp_mass, "min_blocks": plan.min_blocks}
 
 
 def method_specs(plan: EvalPlan) -> list[MethodSpec]:
-    """Dense once; every other method once per budget (or at the preset budget). Raises SpardaError
-    for an unknown method."""
+    """Dense once; every other method once per budget (or at the preset budget), the
+    :data:`~sparda.config.ADAPTIVE_METHODS` also at each top-p mass. Raises SpardaError for an
+    unknown method."""
     from sparda.attention.registry import METHOD_CLASSES
+    from sparda.config import ADAPTIVE_METHODS
 
     unknown = [m for m in plan.methods if m not in METHOD_CLASSES]
     if unknown:
@@ -147,7 +165,8 @@ def method_specs(plan: EvalPlan) -> list[MethodSpec]:
     specs = []
     for m in plan.methods:
         budgets = [None] if m == "dense" or not plan.budgets else plan.budgets
-        specs += [MethodSpec(m, b) for b in budgets]
+        masses = [None, *plan.topp_masses] if m in ADAPTIVE_METHODS else [None]
+        specs += [MethodSpec(m, b, p) for b in budgets for p in masses]
     return specs
 
 
@@ -225,6 +244,7 @@ class _Models:
             base_sel = SelectionConfig.from_preset(self.plan.preset, **overrides)
             if spec.budget_pct is not None:
                 overrides["topk_blocks"] = budget_topk(spec.budget_pct, length, base_sel)
+            overrides.update(spec.selection_options(self.plan))
             # as `sparda generate --method M` (offload default, dense heads, design §3.7)
             llm = self.base.derive(method=spec.method, sparse_prefill=sparse_prefill, kv_dtype=self.plan.kv_dtype,
                                    dense_heads=self.plan.dense_heads, offload=None, **overrides)
@@ -288,7 +308,7 @@ def _check_device_and_lengths(plan: EvalPlan) -> None:
 
     for spec in method_specs(plan):  # the one check of every option, per method (mixed: offloaded only)
         build_config(method=spec.method, preset=plan.preset, device=plan.device, dtype=plan.dtype,
-                     kv_dtype=plan.kv_dtype, **plan.overrides)
+                     kv_dtype=plan.kv_dtype, **plan.overrides, **spec.selection_options(plan))
     context = context_length(plan.model)
     if context is not None and max(plan.lengths) + 32 > context:
         raise SpardaError(f"--lengths {max(plan.lengths)} leaves no room for an answer in the model's context of "
@@ -414,6 +434,8 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
     bad = [b for b in plan.budgets if not 0 < b <= 100]
     if bad:
         raise SpardaError(f"--budgets are percentages in (0, 100], got {bad[0]:g}")
+    if plan.min_blocks is not None and not plan.topp_masses:
+        raise SpardaError("--min-blocks applies with --topp-mass only; add e.g. --topp-mass 0.9")
     if plan.batch_size is not None and plan.batch_size < 1:
         raise SpardaError(f"--batch-size must be at least 1, got {plan.batch_size}")
     if time_budget_s is not None and not time_budget_s > 0:
@@ -465,7 +487,8 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
 def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budgets=None, depths=None,
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
                       device="cpu", dtype=None, seed=0, sparse_prefill=None, batch_size=None,
-                      kv_dtype=None, dense_heads=None, decode_tokens=None) -> EvalPlan:
+                      kv_dtype=None, dense_heads=None, decode_tokens=None, topp_mass=None,
+                      min_blocks=None) -> EvalPlan:
     """An :class:`EvalPlan` from CLI options (``--quick`` or full defaults). Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
 
@@ -480,7 +503,8 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     ppl_windows=base["ppl_windows"] if ppl_windows is None else ppl_windows, model=model, preset=preset, device=device,
                     dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill, batch_size=batch_size,
                     kv_dtype=kv_dtype or "bf16", dense_heads=_dense_heads_setting(dense_heads),
-                    decode_tokens=DECODE_TOKENS if decode_tokens is None else decode_tokens)
+                    decode_tokens=DECODE_TOKENS if decode_tokens is None else decode_tokens,
+                    topp_masses=tuple(topp_mass or ()), min_blocks=min_blocks)
 
 
 def _dense_heads_setting(value) -> str:

@@ -246,7 +246,8 @@ def enable(model, method: str | None = None, *, preset: str = "small", forecast=
             ``sparse``.
         preset, **overrides: the selection budget, as for :class:`sparda.LLM`
             (``topk_blocks``, ``local_blocks``, ``init_blocks``, ``block_size``,
-            ``kernel_size``, ``kernel_stride``, ``dense_len``), and LLM's method options
+            ``kernel_size``, ``kernel_stride``, ``dense_len``; ``topp_mass``, ``min_blocks``:
+            design §3.12), and LLM's method options
             (``quest_page_size``, ...). LLM's runner options (:data:`RUNNER_OPTIONS`) are
             accepted and change nothing here; ``offload=False``, ``kv_dtype="bf16"`` and the
             model's own ``device`` / ``dtype`` are accepted, other values refused.

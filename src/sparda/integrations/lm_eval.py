@@ -27,7 +27,7 @@ CLI passes ``cuda:0`` when ``--device`` is not given). Model args: ``pretrained`
 Hugging Face cache, or empty for the bundled model), ``method``, ``preset``,
 ``device``, ``dtype``, ``max_length``, ``add_bos_token``, ``batch_size``, and the
 :class:`sparda.LLM` options (``topk_blocks``, ``local_blocks``, ``init_blocks``,
-``block_size``, ``dense_len``, ``forecast``, ``sparse_prefill`` / ``dense_prefill``, ``offload``).
+``block_size``, ``dense_len``, ``topp_mass``, ``min_blocks``, ``forecast``, ``sparse_prefill`` / ``dense_prefill``, ``offload``).
 """
 
 from __future__ import annotations

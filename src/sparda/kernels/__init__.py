@@ -135,7 +135,9 @@ def select_decode_blocks(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Ten
                          num_blocks: int, cfg: SelectionConfig, *,
                          ck_len: torch.Tensor | None = None, width: int | None = None,
                          return_mask: bool = False):
-    """Decode block selection: score, pool, forced blocks + top-k (design §3.2-3.4, §4).
+    """Decode block selection: score, pool, forced blocks + top-k (design §3.2-3.4, §4), or
+    the mass-adaptive count of ``cfg.topp_mass`` (design §3.12; Forecast scores as logits at
+    ``1 / sqrt(d)``, query scores as mass).
 
     Args:
         query: ``[B, H, G, d]`` queries (softmax scores summed over the group) or ``[B, H, d]``

@@ -155,12 +155,55 @@ def forced_blocks(q_pos: torch.Tensor, num_blocks: int, cfg: SelectionConfig) ->
     return (blocks < cfg.init_blocks) | (blocks > cur - cfg.local_blocks) | (blocks > cur)
 
 
-def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+def block_mass(block_scores: torch.Tensor, valid: torch.Tensor, logit_scale: float | None) -> torch.Tensor:
+    """Each valid block's share of the row's mass, fp32 (design §3.12).
+
+    Args:
+        block_scores: ``[..., N]`` pooled block scores; non-finite ones carry no mass.
+        valid: bool, broadcastable: the causally visible blocks.
+        logit_scale: ``None``: the scores are probabilities (``mass = s / sum s``, negatives
+            0); a float ``c``: logits (``mass = softmax(c * s)`` over the valid blocks).
+    Returns:
+        ``[..., N]`` fp32 summing to 1 over each row (all 0 where the row has no mass).
+    """
+    s = block_scores.float()
+    ok = valid & torch.isfinite(s)
+    if logit_scale is None:
+        w = torch.where(ok, s.clamp(min=0.0), 0.0)
+    else:
+        y = torch.where(ok, s * logit_scale, NEG_INF)
+        top = y.amax(-1, keepdim=True)
+        w = torch.where(ok, torch.exp(y - torch.where(top == NEG_INF, 0.0, top)), 0.0)
+    total = w.sum(-1, keepdim=True)
+    return torch.where(total > 0, w / torch.where(total > 0, total, 1.0), 0.0)
+
+
+def _adaptive_counts(order: torch.Tensor, cand: torch.Tensor, mass: torch.Tensor, base: torch.Tensor,
+                     cfg: SelectionConfig) -> torch.Tensor:
+    """``[..., 1]`` scored blocks taken under ``topp_mass`` (design §3.12): the candidates in
+    rank ``order`` whose preceding mass (forced blocks first) is below ``p``, clamped to
+    ``[min_scored_blocks, topk_blocks]`` and to the candidates there are."""
+    p = float(cfg.topp_mass)
+    m_sorted = torch.gather(torch.where(cand, mass, 0.0), -1, order)
+    forced = torch.where(base, mass, 0.0).sum(-1, keepdim=True)
+    before = forced + torch.cumsum(m_sorted, -1) - m_sorted
+    no_mass = mass.sum(-1, keepdim=True) == 0
+    taken = torch.gather(cand, -1, order) & ((before < p) | (p >= 1.0) | no_mass)
+    n_cand = cand.sum(-1, keepdim=True)
+    count = taken.sum(-1, keepdim=True).clamp(cfg.min_scored_blocks, cfg.topk_blocks)
+    return torch.minimum(count, n_cand)
+
+
+def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig, *,
+                  adaptive: bool = False, logit_scale: float | None = None) -> torch.Tensor:
     """The selection rule, sinks + local window + top-k per KV head (design §3.4, §3.6).
 
     Args:
         block_scores: ``[B, H, Tq, N]``; ``-inf`` and NaN rank below every finite score.
         q_pos: ``[B, Tq]`` int64. cfg: the selection config.
+        adaptive: decode: with ``cfg.topp_mass`` set, take the mass-adaptive number of
+            scored blocks instead of ``topk_blocks`` (design §3.12).
+        logit_scale: what the scores are for the mass (:func:`block_mass`).
     Returns:
         ``[B, H, Tq, N]`` bool block mask.
     Raises:
@@ -178,6 +221,13 @@ def select_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: Selectio
         return base.clone()
     ranked = block_scores.float().nan_to_num(nan=_UNSCORED, neginf=_UNSCORED)
     ranked = ranked.masked_fill(~valid | base, NEG_INF)
+    if adaptive and cfg.adaptive:
+        cand = valid & ~base
+        order = torch.sort(_rank_key(ranked), dim=-1, descending=True).indices
+        mass = block_mass(block_scores, valid, logit_scale)
+        count = _adaptive_counts(order, cand, mass, base, cfg)
+        take = torch.arange(num_blocks, device=order.device) < count  # the first `count` in rank order
+        return base | torch.zeros_like(base).scatter_(-1, order, take)
     order = torch.topk(_rank_key(ranked), k, dim=-1).indices
     chosen = torch.zeros_like(base).scatter_(-1, order, True)
     return base | (chosen & valid & ~base & (ranked > NEG_INF))

@@ -2,7 +2,8 @@
 
 ``_forecast_pool_kernel`` (Forecast dot products + max-pool); ``_query_logits_kernel`` +
 ``_query_pool_kernel`` (softmax needs the row-wide max and sum first); ``_select_kernel``
-(forced blocks + exact top-k, sorted ids ``-1`` padded). Twin: ``twins.select_decode_reference``.
+(forced blocks + exact top-k or the top-p count of design §3.12, sorted ids ``-1`` padded).
+Twin: ``twins.select_decode_reference``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from sparda.config import SelectionConfig
 from sparda.kernels._common import next_pow2, num_sms
+from sparda.kernels import twins
 from sparda.kernels.twins import check_selection_inputs, default_width
 
 _LOG2E = 1.4426950408889634
@@ -145,11 +147,51 @@ def _query_pool_kernel(
 
 
 @triton.jit
+def _adaptive_count(sc, valid, base, cand, key, n_cand, TOPK: tl.constexpr, TOPP: tl.constexpr,
+                    MIN_K: tl.constexpr, LOGITS: tl.constexpr, SCALE: tl.constexpr):
+    """Scored blocks to take under top-p mass (design §3.12; twin ``reference._adaptive_counts``).
+
+    Bisects for the smallest int key ``v`` whose mass above it (forced blocks first) is
+    below ``TOPP``; candidates above ``v`` are taken, those at ``v`` (equal scores, equal
+    mass) in block order while the mass before each stays below ``TOPP``."""
+    fin = valid & (sc == sc) & (sc != float("inf")) & (sc != float("-inf"))
+    if LOGITS:
+        y = tl.where(fin, sc * SCALE, float("-inf"))
+        top = tl.max(y, 0)
+        w = tl.where(fin, tl.exp2((y - tl.where(top == float("-inf"), 0.0, top)) * 1.4426950408889634), 0.0)
+    else:
+        w = tl.where(fin & (sc > 0), sc, 0.0)
+    total = tl.sum(w, 0)
+    mass = tl.where(total > 0, w / tl.where(total > 0, total, 1.0), 0.0)
+    m_forced = tl.sum(tl.where(base, mass, 0.0), 0)
+    mass = tl.where(cand, mass, 0.0)
+    lo = tl.full([], -2147483649, tl.int64)  # mass above lo >= TOPP (or lo below every key)
+    hi = tl.full([], 2147483647, tl.int64)  # mass above hi < TOPP (unless the forced mass is)
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        below = m_forced + tl.sum(tl.where(key > mid, mass, 0.0), 0) < TOPP
+        lo = tl.where(below, lo, mid)
+        hi = tl.where(below, mid, hi)
+    above = m_forced + tl.sum(tl.where(key > hi, mass, 0.0), 0)
+    eq = cand & (key == hi)
+    m_eq = tl.max(tl.where(eq, mass, 0.0), 0)
+    rank = tl.cumsum(eq.to(tl.int32), 0) - 1
+    n_eq = tl.sum((eq & (above + rank.to(tl.float32) * m_eq < TOPP)).to(tl.int32), 0)
+    n_gt = tl.sum((cand & (key > hi)).to(tl.int32), 0)
+    count = tl.where(above < TOPP, n_gt + n_eq, 0)
+    if TOPP >= 1.0:
+        count = n_cand
+    count = tl.where(total > 0, count, n_cand)
+    return tl.minimum(tl.minimum(tl.maximum(count, MIN_K), TOPK), n_cand)
+
+
+@triton.jit
 def _select_kernel(
     SCORES, QPOS, IDS, MASK, H, N, W,
     BS: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, TOPK: tl.constexpr,
     BUDGET: tl.constexpr, DENSE_LEN: tl.constexpr, N_P: tl.constexpr, W_P: tl.constexpr,
-    WRITE_MASK: tl.constexpr,
+    WRITE_MASK: tl.constexpr, ADAPTIVE: tl.constexpr, TOPP: tl.constexpr, MIN_K: tl.constexpr,
+    LOGITS: tl.constexpr, SCALE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
@@ -172,7 +214,10 @@ def _select_kernel(
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
     key = tl.where(cand, key, -2147483648)
     n_cand = tl.sum(cand.to(tl.int32), 0)
-    kk = tl.minimum(n_cand, TOPK)
+    if ADAPTIVE:
+        kk = _adaptive_count(sc, valid, base, cand, key, n_cand, TOPK, TOPP, MIN_K, LOGITS, SCALE)
+    else:
+        kk = tl.minimum(n_cand, TOPK)
     # largest tau with count(key >= tau) >= kk: the kk-th largest key
     lo = tl.full([], -2147483647, tl.int64)
     hi = tl.full([], 2147483648, tl.int64)
@@ -258,9 +303,11 @@ def decode_block_scores_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: tor
 
 
 def select_from_scores_triton(block_scores: torch.Tensor, q_pos: torch.Tensor, cfg: SelectionConfig,
-                              width: int | None = None, return_mask: bool = False):
+                              width: int | None = None, return_mask: bool = False, *,
+                              adaptive: bool = False, logit_scale: float | None = None):
     """``reference.select_blocks`` on ``[B, H, N]`` scores -> ``ids [B, H, width]`` int32 (sorted,
-    -1 padded), or ``(ids, mask [B, H, N] bool)``."""
+    -1 padded), or ``(ids, mask [B, H, N] bool)``; ``adaptive``, ``logit_scale`` as there
+    (design §3.12: the count stays on the device, the width is fixed)."""
     bsz, heads, num_blocks = block_scores.shape
     width = default_width(num_blocks, cfg) if width is None else int(width)
     ids = torch.empty(bsz, heads, width, device=block_scores.device, dtype=torch.int32)
@@ -271,7 +318,10 @@ def select_from_scores_triton(block_scores: torch.Tensor, q_pos: torch.Tensor, c
         block_scores.contiguous(), q_pos.contiguous(), ids, mask, heads, num_blocks, width,
         BS=cfg.block_size, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, TOPK=cfg.topk_blocks,
         BUDGET=cfg.budget_blocks, DENSE_LEN=cfg.dense_len, N_P=n_p, W_P=next_pow2(max(width, 2)),
-        WRITE_MASK=return_mask, num_warps=4 if n_p <= 1024 else 8)
+        WRITE_MASK=return_mask, ADAPTIVE=adaptive and cfg.adaptive,
+        TOPP=float(cfg.topp_mass) if cfg.adaptive else 1.0, MIN_K=cfg.min_scored_blocks,
+        LOGITS=logit_scale is not None, SCALE=1.0 if logit_scale is None else float(logit_scale),
+        num_warps=4 if n_p <= 1024 else 8)
     if return_mask:
         return ids, mask.bool()
     return ids
@@ -287,4 +337,5 @@ def select_decode_blocks_triton(query: torch.Tensor, ck: torch.Tensor, q_pos: to
         SpardaError: via ``twins.check_selection_inputs``.
     """
     scores = decode_block_scores_triton(query, ck, q_pos, num_blocks, cfg, ck_len)
-    return select_from_scores_triton(scores, q_pos, cfg, width, return_mask)
+    return select_from_scores_triton(scores, q_pos, cfg, width, return_mask, adaptive=True,
+                                     logit_scale=twins.mass_logit_scale(query))

@@ -94,17 +94,25 @@ def decode_block_scores_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: 
     return reference.pool_to_blocks(scores, num_blocks, cfg)[:, :, 0]
 
 
+def mass_logit_scale(query: torch.Tensor) -> float | None:
+    """What decode block scores are for the top-p mass (design §3.12): ``1 / sqrt(d)`` logits
+    for Forecast queries ``[B, H, d]`` (the scale the Forecast is trained at, design §5),
+    ``None`` (group-summed probabilities) for queries ``[B, H, G, d]``."""
+    return 1.0 / math.sqrt(query.shape[-1]) if query.dim() == 3 else None
+
+
 def select_decode_reference(query: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
                             num_blocks: int, cfg: SelectionConfig, *,
                             ck_len: torch.Tensor | None = None, width: int | None = None,
                             return_mask: bool = False):
-    """Twin of :func:`sparda.kernels.select_decode_blocks` (design §3.2-3.4).
+    """Twin of :func:`sparda.kernels.select_decode_blocks` (design §3.2-3.4, §3.12).
 
     Raises:
         SpardaError: via :func:`check_selection_shapes`.
     """
     scores = decode_block_scores_reference(query, ck, q_pos, num_blocks, cfg, ck_len)
-    mask = reference.select_blocks(scores[:, :, None], q_pos.view(-1, 1).long(), cfg)[:, :, 0]
+    mask = reference.select_blocks(scores[:, :, None], q_pos.view(-1, 1).long(), cfg, adaptive=True,
+                                   logit_scale=mass_logit_scale(query))[:, :, 0]
     width = default_width(num_blocks, cfg) if width is None else int(width)
     ids = reference.block_mask_to_indices(mask, width).to(torch.int32)
     return (ids, mask) if return_mask else ids
