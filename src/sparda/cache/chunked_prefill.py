@@ -114,7 +114,7 @@ class PrefillStaging:
 
     def write(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Write a chunk's ``k, v [H_kv, T, d]`` to host tokens ``start .. start+T-1`` (through
-        the block table, one copy per head and run of consecutive pages).
+        the block table, :meth:`~sparda.cache.host.HostKVStore.put_tokens`).
 
         Raises:
             SpardaError: a block of those tokens has no page (internal error).
@@ -123,13 +123,10 @@ class PrefillStaging:
             self.host.write_tokens(layer, row, k, v, start)
             return
         srcs = (k.contiguous(), v.contiguous())
-        runs = self.host.token_runs(layer, row, start, start + srcs[0].shape[1])  # checked before any copy
+        self.host.token_runs(layer, row, start, start + srcs[0].shape[1])  # every page checked before any copy
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for a, b, dk, dv in runs:
-                for dst, src in ((dk, srcs[0]), (dv, srcs[1])):
-                    for head in range(src.shape[0]):
-                        dst[head].copy_(src[head, a - start:b - start], non_blocking=True)
+            self.host.put_tokens(layer, row, *srcs, start)
         for src in srcs:
             src.record_stream(self.stream)  # kept alive until the side stream has read it
 

@@ -33,6 +33,15 @@ from sparda.kernels import quant
 DEFAULT_CHUNK_BYTES = 4 << 30
 #: Largest chunk in elements (one plane of K or V).
 MAX_CHUNK_ELEMENTS = 2**31 - 1
+#: a prefill write of more runs of consecutive pages than this goes through one kernel launch
+#: per chunk and plane instead of one DMA per head and run (CUDA)
+MAX_DMA_RUNS = 8
+
+
+def _has_triton() -> bool:
+    from sparda import kernels
+
+    return kernels.HAS_TRITON
 
 
 @dataclass
@@ -223,23 +232,48 @@ class HostKVStore:
             out.append((a, b, k, v))
         return out
 
+    def put_tokens(self, layer: int, row: int, k, v, start: int = 0, kernel: bool | None = None) -> None:
+        """Enqueue the copy of ``k, v [H_kv, T, d]`` (as stored: quantised already for a quantised
+        store) to tokens ``start .. start+T-1`` of ``row`` on the current stream: one copy per
+        head and run of consecutive pages, or, for a CUDA source and more than
+        :data:`MAX_DMA_RUNS` runs, one :func:`~sparda.kernels.host_pages.write_pages` launch per
+        chunk and plane (``kernel`` True/False forces either; True needs Triton).
+
+        Raises:
+            SpardaError: a block of those tokens has no page, or ``row`` is outside the cache
+                (internal errors; nothing is written then).
+        """
+        runs = self.token_runs(layer, row, start, start + k.shape[-2])  # checks every page first
+        if kernel is None:
+            kernel = k.device.type == "cuda" and self.pinned and len(runs) > MAX_DMA_RUNS and _has_triton()
+        if kernel:
+            from sparda.kernels.host_pages import write_pages
+
+            table = self.table.table.to(k.device)
+            srcs = [(k.data, v.data), (k.scale, v.scale)] if isinstance(k, quant.QuantizedKV) else [(k, v)]
+            srcs = [(sk.contiguous(), sv.contiguous()) for sk, sv in srcs]
+            for chunk in self.chunks[layer]:
+                for part, (sk, sv) in zip(chunk.planes(), srcs):
+                    write_pages(part.k, part.v, chunk.page0, table, row, sk, sv, start)
+            return
+        non_blocking = k.device.type == "cuda" and self.pinned
+        for a, b, dk, dv in runs:
+            for dst, src in ((dk, k), (dv, v)):
+                for head in range(dst.shape[0]):  # contiguous per head: one direct DMA each
+                    dst[head].copy_(src[head, a - start:b - start], non_blocking=non_blocking)
+
     def write_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
         """Write ``k, v [H_kv, T, d]`` (any device; quantised here if the store is) as tokens
         ``start .. start+T-1`` of ``row`` (prefill, synchronously; a chunked prefill passes the
-        chunk's ``start``): one copy per head and run of consecutive pages.
+        chunk's ``start``), by :meth:`put_tokens`.
 
         Raises:
             SpardaError: a block of those tokens has no page, or ``row`` is outside the cache
                 (internal errors).
         """
-        t = k.shape[-2]
         if quant.is_quantized(self.kv_dtype) and not isinstance(k, quant.QuantizedKV):  # on the source device
             k, v = quant.QuantizedKV.quantize(k, self.kv_dtype), quant.QuantizedKV.quantize(v, self.kv_dtype)
-        non_blocking = k.device.type == "cuda" and self.pinned
-        for a, b, dk, dv in self.token_runs(layer, row, start, start + t):
-            for dst, src in ((dk, k), (dv, v)):
-                for head in range(dst.shape[0]):  # contiguous per head: one direct DMA each
-                    dst[head].copy_(src[head, a - start:b - start], non_blocking=non_blocking)
+        self.put_tokens(layer, row, k, v, start)
         if k.device.type == "cuda":
             torch.cuda.current_stream(k.device).synchronize()  # the source may be freed next
 
