@@ -54,7 +54,7 @@ def _quantize(x, D: tl.constexpr, QBITS: tl.constexpr):
 
 
 @triton.jit
-def _store_quantized(DATA, SCALE, dst, sdst, q, step, lo, DQ: tl.constexpr, ok=True):
+def _store_quantized(DATA, SCALE, dst, sdst, q, step, lo, ok, DQ: tl.constexpr):
     """Write codes ``q [DQ]`` at ``DATA + dst`` and ``(step, lo)`` at ``SCALE + sdst`` (if ``ok``)."""
     offs = tl.arange(0, DQ)
     tl.store(DATA + dst + offs, q, mask=(offs < DQ) & ok)
@@ -120,15 +120,15 @@ def _rope_append_kernel(
         kq, k_step, k_lo = _quantize(k.to(tl.float32), D, QBITS)
         vq, v_step, v_lo = _quantize(v.to(tl.float32), D, QBITS)
         sdst = b * s_sb + h * s_sh + s_base + tok * s_st
-        _store_quantized(KDST, KSC, dst, sdst, kq, k_step, k_lo, DQ)
-        _store_quantized(VDST, VSC, dst, sdst, vq, v_step, v_lo, DQ)
+        _store_quantized(KDST, KSC, dst, sdst, kq, k_step, k_lo, pos >= 0, DQ)
+        _store_quantized(VDST, VSC, dst, sdst, vq, v_step, v_lo, pos >= 0, DQ)
         if HOST:
             page = tl.load(TABLE + b * t_row + pos // BS).to(tl.int64)
             hok = page >= 0
             hdst = h * h_sh + tl.maximum(page, 0) * h_page + (pos % BS) * h_st
             hsdst = h * hs_sh + tl.maximum(page, 0) * hs_page + (pos % BS) * hs_st
-            _store_quantized(HK, HKS, hdst, hsdst, kq, k_step, k_lo, DQ, hok)
-            _store_quantized(HV, HVS, hdst, hsdst, vq, v_step, v_lo, DQ, hok)
+            _store_quantized(HK, HKS, hdst, hsdst, kq, k_step, k_lo, hok, DQ)
+            _store_quantized(HV, HVS, hdst, hsdst, vq, v_step, v_lo, hok, DQ)
     # compressed key completed by this token (design §3.1): mean of the window's keys
     done = pos + 1 - KER
     j = tl.maximum(done, 0) // STR
