@@ -5,9 +5,14 @@ UVA), against a brute-force walk through the table and against the sync engine.
 A pool larger than needed, split into several chunks, a random permutation of pages with
 blocks left unassigned: a gather of an unassigned block reads zeros, a store to one writes
 nothing, every other page is untouched.
+
+On a CUDA machine ``TRITON_INTERPRET=0 python3 -m pytest tests/kernels/test_paged_transfer.py``
+runs the same checks compiled, on a pinned store read and written through UVA.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -18,14 +23,17 @@ from sparda.kernels import quant
 
 pytest.importorskip("triton")
 
+#: the compiled kernels on CUDA (pinned store, device tables and slots), else the interpreter on CPU
+DEV = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+
 
 def _store(kv_dtype: str, b: int, h: int, n: int, bs: int, d: int, chunks: int) -> HostKVStore:
     """A store of ``2 * b * n`` pages in about ``chunks`` chunks, rows given random pages
     (a random count each, one row none), random contents."""
     pages = 2 * b * n
     page_bytes = h * bs * quant.token_bytes(d, kv_dtype, torch.float32)
-    store = HostKVStore([0], b, h, d, n, bs, torch.float32, pin=False, kv_dtype=kv_dtype, host_blocks=pages,
-                        chunk_bytes=page_bytes * -(-pages // chunks))
+    store = HostKVStore([0], b, h, d, n, bs, torch.float32, pin=DEV == "cuda", kv_dtype=kv_dtype, host_blocks=pages,
+                        chunk_bytes=page_bytes * -(-pages // chunks), device=DEV if DEV == "cuda" else None)
     order = torch.randperm(pages).tolist()
     for row in range(b - 1):
         store.table.assign(row, order[row * n:row * n + int(torch.randint(1, n + 1, ()))])
@@ -58,22 +66,23 @@ def test_uva_gather_follows_the_table(kv_dtype, fresh_seed):
     b, h, n, bs, d, s = 4, 3, 9, 16, 16, 37
     store = _store(kv_dtype, b, h, n, bs, d, chunks=3)
     assert len(store.chunks[0]) >= 3
-    table = store.table.table
+    table = store.table.table.cpu()
     load = torch.where(torch.rand(b, h, s) < 0.3, torch.randint(0, n, (b, h, s)), -1)
     load[-1, 0, 0] = 1  # the row without pages: zeros
     load[0, -1, -1] = int((store.table.host[0] >= 0).sum()) - 1  # row 0's last page
     planes = store.chunks[0][0].planes()
-    slots = [(torch.full((b, h, s + 1, bs, p.k.shape[-1]), 7, dtype=p.k.dtype),
-              torch.full((b, h, s + 1, bs, p.k.shape[-1]), 7, dtype=p.k.dtype)) for p in planes]
+    slots = [(torch.full((b, h, s + 1, bs, p.k.shape[-1]), 7, dtype=p.k.dtype, device=DEV),
+              torch.full((b, h, s + 1, bs, p.k.shape[-1]), 7, dtype=p.k.dtype, device=DEV)) for p in planes]
     got = []
     for engine in (UvaEngine(num_ctas=3, num_warps=2, tile=64), SyncEngine()):
         out = [(k.clone(), v.clone()) for k, v in slots]
         for chunk in store.chunks[0]:
-            engine.gather_planes(chunk, out, load)
-        got.append(out)
+            engine.gather_planes(chunk, out, load.to(DEV))
+        got.append([(k.cpu(), v.cpu()) for k, v in out])
     for i, (init_k, init_v) in enumerate(slots):
         pool_k, pool_v = _pool(store, i)
-        want_k, want_v = _brute_gather(pool_k, table, load, init_k), _brute_gather(pool_v, table, load, init_v)
+        want_k, want_v = (_brute_gather(pool, table, load, init.cpu()) for pool, init in ((pool_k, init_k),
+                                                                                           (pool_v, init_v)))
         for name, (k, v) in zip(("uva", "sync"), (g[i] for g in got)):
             assert torch.equal(k, want_k) and torch.equal(v, want_v), f"{name} plane {i} seed={fresh_seed}"
     assert (got[0][0][0][-1, 0, 0] == 0).all()
@@ -96,7 +105,9 @@ def test_uva_store_follows_the_table(fresh_seed):
             want_v[:, page, pos[row] % bs] = vt[row]
     engine = UvaEngine(num_ctas=2, num_warps=1, tile=64)
     for chunk in store.chunks[0]:
-        engine.store_tokens(chunk, kt, vt, pos)
+        engine.store_tokens(chunk, kt.to(DEV), vt.to(DEV), pos.to(DEV))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     got_k, got_v = _pool(store, 0)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), f"seed={fresh_seed}"
 
@@ -121,8 +132,10 @@ def test_write_pages_kernel_equals_the_per_run_copies(kv_dtype, fresh_seed):
     k, v = torch.randn(h, end - start, d), torch.randn(h, end - start, d)
     if kv_dtype != "bf16":
         k, v = quant.QuantizedKV.quantize(k, kv_dtype), quant.QuantizedKV.quantize(v, kv_dtype)
-    stores[0].put_tokens(0, row, k, v, start, kernel=True)
-    stores[1].put_tokens(0, row, k, v, start, kernel=False)
+    stores[0].put_tokens(0, row, k.to(DEV), v.to(DEV), start, kernel=True)
+    stores[1].put_tokens(0, row, k.to(DEV), v.to(DEV), start, kernel=False)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     for plane in range(len(stores[0].chunks[0][0].planes())):
         got, want = _pool(stores[0], plane), _pool(stores[1], plane)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"plane {plane} seed={fresh_seed}"
