@@ -55,17 +55,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _uva_gather_kernel(SK, SV, DK, DV, SK2, SV2, DK2, DV2, LOAD, TABLE, num_tasks, S, H,
-                           page0, page1, zero_unassigned,
+                           page0, page1,
                            s_head, s_page, d_row, d_head, d_slot,
                            s2_head, s2_page, d2_row, d2_head, d2_slot, l_row, l_head, t_row,
                            ELEMS: tl.constexpr, TILE: tl.constexpr, ELEMS2: tl.constexpr,
-                           TILE2: tl.constexpr, TWO: tl.constexpr, TASKS: tl.constexpr):
+                           TILE2: tl.constexpr, TWO: tl.constexpr, TASKS: tl.constexpr, ZERO: tl.constexpr):
         """Block tasks ``t = (b*H + h)*S + s``, program ``p`` taking ``t = p (mod grid)``:
         ``TASKS`` of them at a time read their load entries and those blocks' pages (the
         block table) as vectors, then only the misses whose page is in this chunk are copied
         (rank by prefix sum), one block of K and V each, and with ``TWO`` the same block of
-        the second plane (a quantised cache's scales) in the same task. With
-        ``zero_unassigned`` a miss whose block has no page gets zeros."""
+        the second plane (a quantised cache's scales) in the same task. With ``ZERO`` (the
+        chunk holding page 0) a miss whose block has no page gets zeros."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs_q = tl.arange(0, TASKS)
@@ -76,7 +76,9 @@ if HAS_TRITON:
             blks = tl.load(LOAD + (bh // H) * l_row + (bh % H) * l_head + t % S, mask=t_ok, other=-1)
             want = blks >= 0
             pages = tl.load(TABLE + (bh // H).to(tl.int64) * t_row + blks, mask=want, other=-1)
-            mine = ((pages >= page0) & (pages < page1)) | ((pages < 0) & (zero_unassigned != 0))
+            mine = (pages >= page0) & (pages < page1)
+            if ZERO:
+                mine = mine | (pages < 0)
             miss = (want & mine).to(tl.int32)
             rank = tl.cumsum(miss, 0)
             for j in range(0, tl.sum(miss, 0)):
@@ -313,10 +315,10 @@ class UvaEngine(TransferEngine):
         (k1, v1, dk1, dv1, ss1, ds1), (k2, v2, dk2, dv2, ss2, ds2) = args
         _uva_gather_kernel[grid](
             k1, v1, dk1, dv1, k2, v2, dk2, dv2, load, table, tasks, slots, heads,
-            chunk.page0, chunk.page1, int(chunk.page0 == 0),
+            chunk.page0, chunk.page1,
             *ss1, *ds1, *ss2, *ds2, load.stride(0), load.stride(1), table.stride(0),
             ELEMS=consts[0][0], TILE=consts[0][1], ELEMS2=consts[1][0], TILE2=consts[1][1],
-            TWO=len(parts) == 2, TASKS=self.TASKS, num_warps=self.num_warps)
+            TWO=len(parts) == 2, TASKS=self.TASKS, ZERO=chunk.page0 == 0, num_warps=self.num_warps)
 
     def store_tokens(self, chunk, k_tok, v_tok, pos):
         """As :meth:`TransferEngine.store_tokens` (``k_tok, v_tok [B, H, d]``, ``pos [B]``
