@@ -141,3 +141,32 @@ def test_write_pages_kernel_equals_the_per_run_copies(kv_dtype, fresh_seed):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"plane {plane} seed={fresh_seed}"
     back = stores[0].read_tokens(0, row, end)
     assert torch.equal(quant.as_float(back[0], torch.float32)[:, start:], quant.as_float(k, torch.float32))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int4"])
+def test_read_pages_kernel_equals_the_per_run_copies(kv_dtype, fresh_seed):
+    """A chunked prefill's read-back of a row's earlier tokens from scattered pages: the
+    kernel fills the buffer exactly as the per-run copies do, and only tokens ``< end``."""
+    b, h, n, bs, d = 3, 2, 10, 16, 32
+    store = _store(kv_dtype, b, h, n, bs, d, chunks=3)
+    have = int((store.table.host[0] >= 0).sum()) * bs
+    end = int(torch.randint(1, have + 1, ()))
+    bufs = []
+    for kernel in (True, False):
+        k, v = (quant.kv_zeros((h, n * bs, d), kv_dtype, torch.float32, DEV) for _ in range(2))
+        for t in (k, v):
+            for part in ([t.data, t.scale] if isinstance(t, quant.QuantizedKV) else [t]):
+                part.fill_(3)
+        store.get_tokens(0, 0, end, k, v, kernel=kernel)
+        bufs.append((k, v))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    for x, y in zip(*bufs):
+        xs = [x.data, x.scale] if isinstance(x, quant.QuantizedKV) else [x]
+        ys = [y.data, y.scale] if isinstance(y, quant.QuantizedKV) else [y]
+        for p, q in zip(xs, ys):
+            assert torch.equal(p.cpu(), q.cpu()), f"seed={fresh_seed}"
+            assert (p[:, end:] == 3).all()
+    want = store.read_tokens(0, 0, end)[0]
+    got = bufs[0][0][:, :end]
+    assert torch.equal(quant.as_float(got, torch.float32).cpu(), quant.as_float(want, torch.float32))

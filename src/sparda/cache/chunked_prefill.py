@@ -71,17 +71,12 @@ class PrefillStaging:
 
     def _read(self, layer: int, row: int, start: int) -> None:
         """Copy host tokens ``< start`` of ``layer``/``row`` into the layer's buffer, through
-        the block table: one copy per head and run of consecutive pages (each head's tokens
-        are contiguous on both sides).
+        the block table (:meth:`~sparda.cache.host.HostKVStore.get_tokens`).
 
         Raises:
             SpardaError: a block of those tokens has no page (internal error).
         """
-        bufs = self._buffer(layer)
-        for a, b, k, v in self.host.token_runs(layer, row, 0, start):
-            for dst, src in zip(bufs, (k, v)):
-                for head in range(src.shape[0]):
-                    dst[head, a:b].copy_(src[head], non_blocking=self.stream is not None)
+        self.host.get_tokens(layer, row, start, *self._buffer(layer), non_blocking=self.stream is not None)
 
     def history(self, layer: int, row: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` device buffers ``[H_kv, capacity, d]`` whose tokens ``< start`` are

@@ -244,23 +244,52 @@ class HostKVStore:
                 (internal errors; nothing is written then).
         """
         runs = self.token_runs(layer, row, start, start + k.shape[-2])  # checks every page first
-        if kernel is None:
-            kernel = k.device.type == "cuda" and self.pinned and len(runs) > MAX_DMA_RUNS and _has_triton()
-        if kernel:
-            from sparda.kernels.host_pages import write_pages
-
-            table = self.table.table.to(k.device)
-            srcs = [(k.data, v.data), (k.scale, v.scale)] if isinstance(k, quant.QuantizedKV) else [(k, v)]
-            srcs = [(sk.contiguous(), sv.contiguous()) for sk, sv in srcs]
-            for chunk in self.chunks[layer]:
-                for part, (sk, sv) in zip(chunk.planes(), srcs):
-                    write_pages(part.k, part.v, chunk.page0, table, row, sk, sv, start)
+        if self._use_kernel(runs, k, kernel):
+            self._launch(layer, row, k, v, start, read=False)
             return
         non_blocking = k.device.type == "cuda" and self.pinned
         for a, b, dk, dv in runs:
             for dst, src in ((dk, k), (dv, v)):
                 for head in range(dst.shape[0]):  # contiguous per head: one direct DMA each
                     dst[head].copy_(src[head, a - start:b - start], non_blocking=non_blocking)
+
+    def get_tokens(self, layer: int, row: int, end: int, k, v, non_blocking: bool = True,
+                   kernel: bool | None = None) -> None:
+        """Copy ``row``'s tokens ``< end`` into ``k, v [H_kv, >= end, d]`` (as stored; a device
+        buffer) on the current stream, as :meth:`put_tokens` writes them (per head and run of
+        consecutive pages, ``non_blocking`` DMAs, or one kernel launch per chunk and plane).
+
+        Raises:
+            SpardaError: a block of those tokens has no page (internal error).
+        """
+        runs = self.token_runs(layer, row, 0, end)
+        if self._use_kernel(runs, k, kernel):
+            self._launch(layer, row, k[:, :end], v[:, :end], 0, read=True)
+            return
+        non_blocking = non_blocking and k.device.type == "cuda" and self.pinned
+        for a, b, sk, sv in runs:
+            for dst, src in ((k, sk), (v, sv)):
+                for head in range(src.shape[0]):
+                    dst[head, a:b].copy_(src[head], non_blocking=non_blocking)
+
+    def _use_kernel(self, runs: list, like, kernel: bool | None) -> bool:
+        """Whether a copy of ``runs`` goes through :mod:`sparda.kernels.host_pages` (``kernel``
+        forces it): a CUDA tensor, a pinned store, more than :data:`MAX_DMA_RUNS` runs."""
+        if kernel is not None:
+            return kernel
+        return like.device.type == "cuda" and self.pinned and len(runs) > MAX_DMA_RUNS and _has_triton()
+
+    def _launch(self, layer: int, row: int, k, v, start: int, read: bool) -> None:
+        """:func:`~sparda.kernels.host_pages.write_pages` for every chunk and plane of ``layer``."""
+        from sparda.kernels.host_pages import write_pages
+
+        table = self.table.table.to(k.device)
+        planes = [(k.data, v.data), (k.scale, v.scale)] if isinstance(k, quant.QuantizedKV) else [(k, v)]
+        if not read:
+            planes = [(pk.contiguous(), pv.contiguous()) for pk, pv in planes]
+        for chunk in self.chunks[layer]:
+            for part, (pk, pv) in zip(chunk.planes(), planes):
+                write_pages(part.k, part.v, chunk.page0, table, row, pk, pv, start, read=read)
 
     def write_tokens(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
         """Write ``k, v [H_kv, T, d]`` (any device; quantised here if the store is) as tokens

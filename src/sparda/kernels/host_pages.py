@@ -1,9 +1,10 @@
-"""Prefill write of one row's tokens into the host store's pages through its block table, one
-Triton launch per chunk and plane (design §6): for pages scattered over the pool, where one
-DMA per head and run of consecutive pages would be thousands of tiny copies. Writes pinned
+"""One row's tokens written into, or read back from, the host store's pages through its block
+table, one Triton launch per chunk and plane (design §6): for pages scattered over the pool,
+where one DMA per head and run of consecutive pages would be thousands of tiny copies (a
+prefill chunk; a chunked prefill's read-back of the earlier chunks). Reads and writes pinned
 host memory through UVA on CUDA. Grid ``(blocks, H_kv)``; a block whose page is not in the
-chunk writes nothing. Twin: the per-run copies of
-:meth:`sparda.cache.host.HostKVStore.put_tokens`.
+chunk is left to the chunk that holds it. Twins: the per-run copies of
+:meth:`sparda.cache.host.HostKVStore.put_tokens` and ``get_tokens``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from sparda.kernels._common import next_pow2
 
 
 @triton.jit
-def _write_pages_kernel(SK, SV, DK, DV, TABLE, row, start, end, first, page0, page1,
-                        s_head, s_tok, d_head, d_page, t_row,
-                        X: tl.constexpr, X_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr):
+def _pages_kernel(SK, SV, PK, PV, TABLE, row, start, end, first, page0, page1,
+                  s_head, s_tok, d_head, d_page, t_row,
+                  X: tl.constexpr, X_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr, READ: tl.constexpr):
+    """Tokens ``start .. end - 1`` of ``row``: ``S [H, T, X]`` (token ``t`` at ``t - start``)
+    into the pages ``P``, or (``READ``) the pages into ``S``."""
     n = (first + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     page = tl.load(TABLE + row * t_row + n).to(tl.int64)
@@ -30,14 +33,19 @@ def _write_pages_kernel(SK, SV, DK, DV, TABLE, row, start, end, first, page0, pa
     m = ((offs_t < BS) & (tok >= start) & (tok < end) & ok)[:, None] & (offs_x < X)[None, :]
     src = h * s_head + (tok - start)[:, None] * s_tok + offs_x[None, :]
     dst = h * d_head + tl.maximum(page - page0, 0) * d_page + offs_t[:, None] * X + offs_x[None, :]
-    tl.store(DK + dst, tl.load(SK + src, mask=m), mask=m)
-    tl.store(DV + dst, tl.load(SV + src, mask=m), mask=m)
+    if READ:
+        tl.store(SK + src, tl.load(PK + dst, mask=m), mask=m)
+        tl.store(SV + src, tl.load(PV + dst, mask=m), mask=m)
+    else:
+        tl.store(PK + dst, tl.load(SK + src, mask=m), mask=m)
+        tl.store(PV + dst, tl.load(SV + src, mask=m), mask=m)
 
 
 def write_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, page0: int, table: torch.Tensor, row: int,
-                src_k: torch.Tensor, src_v: torch.Tensor, start: int) -> None:
+                src_k: torch.Tensor, src_v: torch.Tensor, start: int, read: bool = False) -> None:
     """``dst[h, table[row, n] - page0, t % bs] = src[h, t - start]`` for tokens ``t`` of
-    ``start .. start + T - 1`` whose block ``n = t // bs`` has a page in ``[page0, page0 + P')``.
+    ``start .. start + T - 1`` whose block ``n = t // bs`` has a page in ``[page0, page0 + P')``;
+    ``read``: the other way, ``src[h, t - start] = dst[h, page, t % bs]``.
 
     Args:
         dst_k, dst_v: one chunk's plane ``[H, P', bs, x]`` (pinned host memory on CUDA).
@@ -58,7 +66,7 @@ def write_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, page0: int, table: tor
     if t == 0:
         return
     first, last = start // bs, (start + t - 1) // bs
-    _write_pages_kernel[(last - first + 1, h)](
+    _pages_kernel[(last - first + 1, h)](
         src_k, src_v, dst_k, dst_v, table, row, start, start + t, first, page0, page0 + pages,
         src_k.stride(0), src_k.stride(1), dst_k.stride(0), dst_k.stride(1), table.stride(0),
-        X=x, X_P=next_pow2(max(x, 2)), BS=bs, BS_P=next_pow2(bs), num_warps=4)
+        X=x, X_P=next_pow2(max(x, 2)), BS=bs, BS_P=next_pow2(bs), READ=read, num_warps=4)
