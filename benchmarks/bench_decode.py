@@ -594,7 +594,7 @@ def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
     rows = []
     free0 = available_host_bytes()
     for rep in range((1 if quick else 3) if DEV == "cuda" else 0):  # allocate, use, free: reusing (the pool) and re-registering (after release) must work
-        k = pinned_zeros((2, 2, 512, 64, 128), torch.bfloat16)  # 33.5 MB: [rows, H, blocks, 64, 128]
+        k = pinned_zeros((2, 1024, 64, 128), torch.bfloat16)  # 33.5 MB: [H, pages, 64, 128], 2 rows x 512 blocks
         v = pinned_zeros(k.shape, torch.bfloat16)
         big = pinned_zeros((3, 1 << 28), torch.bfloat16)  # 1.5 GiB, one registration
         k.copy_(torch.randn(k.shape, dtype=torch.bfloat16))
@@ -603,7 +603,8 @@ def check(out: Path, budget: float, quick: bool = False) -> list[dict]:
         host = big[0, : 1 << 20]
         host.copy_(dev, non_blocking=True)
         torch.cuda.synchronize()
-        chunk = HostChunk(0, 2, k, v)
+        table = torch.arange(1024, dtype=torch.int32, device=DEV).view(2, 512).flip(-1)  # not the identity
+        chunk = HostChunk(0, 1024, k, v, table)
         load = torch.randint(-1, 512, (2, 2, 40), device=DEV)
         got_k = torch.zeros(2, 2, 41, 64, 128, device=DEV, dtype=torch.bfloat16)
         got_v, ref_k, ref_v = torch.zeros_like(got_k), torch.zeros_like(got_k), torch.zeros_like(got_k)

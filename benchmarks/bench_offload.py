@@ -149,7 +149,7 @@ def bench_copy() -> None:
     print(f"\n## copy: {2 * heads * slots} random {bs * d * 2 // 1024} KiB blocks ({nbytes / 2**20:.0f} MiB) "
           "pinned host -> GPU")
     print("| engine | CTAs | warps | ms | GB/s |\n|---|---|---|---|---|")
-    ref_k = chunk.k[0, torch.arange(heads).view(-1, 1), load[0].cpu()]
+    ref_k = chunk.k[torch.arange(heads).view(-1, 1), load[0].cpu()]  # one row: page = block
     for ctas in (8, 16, 32, 64, 132):
         for warps in (4, 8):
             eng = UvaEngine(num_ctas=ctas, num_warps=warps)

@@ -89,9 +89,8 @@ def _row_state(cache, row: int, num_tokens: int) -> dict[str, torch.Tensor]:
         state[f"full{layer}"] = torch.stack([quant.as_float(cache.k_full[layer][row, :, :num_tokens], torch.float32),
                                              quant.as_float(cache.v_full[layer][row, :, :num_tokens], torch.float32)])
     for layer in cache.offloaded:
-        chunk = cache.host.chunks[layer][0]
-        state[f"host{layer}"] = torch.stack([quant.as_float(chunk.k[row, :, :num_tokens], torch.float32),
-                                             quant.as_float(chunk.v[row, :, :num_tokens], torch.float32)])
+        hk, hv = cache.host.read_tokens(layer, row, num_tokens)
+        state[f"host{layer}"] = torch.stack([quant.as_float(hk, torch.float32), quant.as_float(hv, torch.float32)])
         first = (num_tokens - 1) // cache.selection.block_size * cache.selection.block_size
         slot = [quant.as_float(s[row, :, cache.slots, :num_tokens - first], torch.float32)
                 for s in (cache.k_slots[layer], cache.v_slots[layer])]

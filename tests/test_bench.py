@@ -444,8 +444,9 @@ def test_compute_alone_engine_implements_every_engine_call():
     assert not missing, missing
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     gen = torch.Generator().manual_seed(seed)
-    host_k, host_v = torch.randn(2, 2, 5, 4, 3, generator=gen), torch.randn(2, 2, 5, 4, 3, generator=gen)
-    chunk = HostChunk(0, 2, host_k, host_v)
+    # pages [H, P, bs, d] with the identity table of 2 rows x 5 blocks
+    host_k, host_v = torch.randn(2, 10, 4, 3, generator=gen), torch.randn(2, 10, 4, 3, generator=gen)
+    chunk = HostChunk(0, 10, host_k, host_v, torch.arange(10, dtype=torch.int32).view(2, 5))
     dst_k, dst_v = torch.zeros(2, 2, 3, 4, 3), torch.zeros(2, 2, 3, 4, 3)
     load = torch.randint(-1, 5, (2, 2, 3), generator=gen)
     load[0, 0, 0] = 2  # at least one block to load
@@ -453,10 +454,10 @@ def test_compute_alone_engine_implements_every_engine_call():
     fake.gather_planes(chunk, [(dst_k, dst_v)], load)
     assert not dst_k.any() and not dst_v.any(), f"seed {seed}"
     SyncEngine().gather_planes(chunk, [(dst_k, dst_v)], load)  # the real one copies (so the check can fail)
-    assert torch.equal(dst_k[0, 0, 0], host_k[0, 0, 2]), f"seed {seed}"
+    assert torch.equal(dst_k[0, 0, 0], host_k[0, 2]), f"seed {seed}"
     tok_k, tok_v = torch.randn(2, 2, 3, generator=gen), torch.randn(2, 2, 3, generator=gen)
     fake.store_tokens(chunk, tok_k, tok_v, torch.tensor([6, 9]))
-    assert torch.equal(host_k[1, :, 2, 1], tok_k[1]) and torch.equal(host_v[0, :, 1, 2], tok_v[0]), f"seed {seed}"
+    assert torch.equal(host_k[:, 5 + 2, 1], tok_k[1]) and torch.equal(host_v[:, 1, 2], tok_v[0]), f"seed {seed}"
 
 
 @pytest.mark.parametrize("kv_dtype,slot_factor", [("bf16", 1.0), ("bf16", 1.5), ("int8", 2.0), ("mixed", 1.5)])
@@ -479,6 +480,8 @@ def test_kv_need_bytes_counts_the_offloaded_slot_buffers(kv_dtype, slot_factor):
                                            cache.attn_slots) for t in maps.values())
     if cache.hot is not None:
         allocated += sum(t.nbytes for state in (cache.hot.hot, cache.hot.last) for t in state.values())
+        allocated += cache.host.pool_table.table.nbytes
+    allocated += cache.block_table.nbytes
     dev, host = pt.cache_need_bytes(llm, batch, cap)
     assert (dev, host) == (allocated, cache.host.nbytes), (slot_factor, kv_dtype)
     assert pt.kv_need_bytes("sparse-offload", llm.shape, sel, kv_dtype, torch.float32, batch, cap,

@@ -37,9 +37,11 @@ class CountingEngine(SyncEngine):
         self.bytes = 0
 
     def gather(self, chunk, dst_k, dst_v, load):
-        part = load[chunk.row0:chunk.row1]
-        block = chunk.k[0, 0, 0]
-        self.bytes += 2 * int((part >= 0).sum()) * block.numel() * block.element_size()
+        r, _, _ = (load >= 0).nonzero(as_tuple=True)
+        page = chunk.table[r, load[load >= 0]]
+        block = chunk.k[0, 0]
+        mine = int(((page >= chunk.page0) & (page < chunk.page1)).sum())  # the blocks this chunk holds
+        self.bytes += 2 * mine * block.numel() * block.element_size()
         super().gather(chunk, dst_k, dst_v, load)
 
 

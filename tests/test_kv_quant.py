@@ -69,9 +69,8 @@ def _stored(cache, layer, rows, n):
     device cache's ``view``, or an offloaded layer's host store read directly."""
     if not isinstance(cache, OffloadKVCache) or not cache.is_offloaded(layer):
         return cache.view(layer, rows, n)
-    nb = -(-n // cache.block_size)
-    k = quant.cat([c.k[:, :, :nb].flatten(2, 3) for c in cache.host.chunks[layer]])[rows, :, :n]
-    v = quant.cat([c.v[:, :, :nb].flatten(2, 3) for c in cache.host.chunks[layer]])[rows, :, :n]
+    kv = [cache.host.read_tokens(layer, int(r), n) for r in rows]  # through the block table
+    k, v = (quant.cat([x[i][None] for x in kv]) for i in (0, 1))
     ck = cache.ck[layer][rows, :, :cache.num_compressed(n)]
     return quant.as_float(k, cache.dtype), quant.as_float(v, cache.dtype), ck
 
@@ -187,8 +186,9 @@ def test_offloaded_attention_equals_on_device(kv_dtype):
     assert worst <= 5e-5
     assert off.prefetcher.stats(steps)["misses"] > 0
     n = prompt + steps
-    for store, full in ((off.host.chunks[0][0].k, dev.k[0]), (off.host.chunks[0][0].v, dev.v[0])):
-        host = store.flatten(2, 3)[:, :, :n]
+    kv = [off.host.read_tokens(0, r, n) for r in range(b)]
+    for i, full in ((0, dev.k[0]), (1, dev.v[0])):
+        host = quant.cat([x[i][None] for x in kv])
         host, full = quant.as_float(host, torch.float32), quant.as_float(full[:, :, :n], torch.float32)
         assert torch.equal(host, full)  # the host store holds the on-device bytes
 

@@ -46,7 +46,8 @@ def _allocated(cache, method) -> tuple[int, int]:
              "attn_ids", "attn_blocks", "attn_slots")
     device = state + sum(t.nbytes for name in names for t in _tensors(getattr(cache, name)))
     if cache.hot is not None:
-        device += sum(t.nbytes for t in _tensors([cache.hot.hot, cache.hot.last]))
+        device += sum(t.nbytes for t in _tensors([cache.hot.hot, cache.hot.last, cache.host.pool_table.table]))
+    device += cache.block_table.nbytes
     host = sum(t.nbytes for chunks in (cache.host.chunks, cache.host.pool) for layer in chunks.values()
                for chunk in layer for t in _tensors([chunk.k, chunk.v]))
     return device, host

@@ -273,7 +273,7 @@ def test_uva_kernels_under_interpreter(tmp_path, fresh_seed):
         torch.manual_seed(SEED)
         b, h, n, bs, d, s = 3, 2, 9, 16, 16, 5
         host = HostKVStore([0], b, h, d, n, bs, torch.float32, pin=False, chunk_bytes=2 * h * n * bs * d * 4)
-        assert len(host.chunks[0]) == 2  # rows split over two chunks
+        assert len(host.chunks[0]) == 2  # pages split over two chunks
         for c in host.chunks[0]:
             c.k.normal_(); c.v.normal_()
         load = torch.randint(-1, n, (b, h, s))
@@ -316,9 +316,9 @@ def test_uva_kernels_under_interpreter(tmp_path, fresh_seed):
             assert (got[1][0][0][:, :, :s2][hit] == 7).all() and (got[1][1][0][:, :, :s2][hit] == -3.0).all()
             for i, j, k_ in [(0, 0, 0), (b2 - 1, h2 - 1, s2 - 1)]:  # spot check against the host store
                 blk = int(qload[i, j, k_])
-                c = next(c for c in qhost.chunks[0] if c.row0 <= i < c.row1)
-                assert torch.equal(got[1][0][0][i, j, k_], c.k.data[i - c.row0, j, blk])
-                assert torch.equal(got[1][1][1][i, j, k_], c.v.scale[i - c.row0, j, blk])
+                hk, hv = qhost.block(0, i, j, blk)
+                assert torch.equal(got[1][0][0][i, j, k_], hk.data)
+                assert torch.equal(got[1][1][1][i, j, k_], hv.scale)
         kt, vt = torch.randn(b, h, d), torch.randn(b, h, d)
         pos = torch.randint(0, n * bs, (b,))
         eng = UvaEngine(num_ctas=2, num_warps=1, tile=64)
@@ -507,29 +507,30 @@ def test_kv_cache_bytes_is_the_sequence_kv_wherever_it_lives(tiny):
 
 
 def test_host_chunks_are_even_and_fewest(fresh_seed):
-    """Host chunk spans: a contiguous cover of the rows, each within chunk_bytes and the
-    32-bit element limit (unless one row alone exceeds it), as few as a brute-force
-    minimum, sizes differing by at most one row."""
+    """Host chunk spans: a contiguous cover of the pages, each within chunk_bytes and the
+    element limit (unless one page alone exceeds it), as few as a brute-force minimum, sizes
+    differing by at most one page."""
     import random
 
-    from sparda.cache.host import MAX_CHUNK_ELEMENTS, chunk_rows
+    from sparda.cache.host import MAX_CHUNK_ELEMENTS, chunk_spans
 
     rnd = random.Random(fresh_seed)
     for _ in range(200):
-        batch, row = rnd.randint(1, 40), rnd.randint(1_000, 70_000_000)
-        chunk = rnd.choice([4 << 30, 1 << 30, 1 << 28, row * rnd.randint(1, 5)])
-        elems = rnd.choice([None, row // 2, row // 4])
-        spans = chunk_rows(batch, row, chunk, elems)
-        assert spans[0][0] == 0 and spans[-1][1] == batch
+        count, unit = rnd.randint(1, 40), rnd.randint(1_000, 70_000_000)
+        chunk = rnd.choice([4 << 30, 1 << 30, 1 << 28, unit * rnd.randint(1, 5)])
+        elems = rnd.choice([None, unit // 2, unit // 4])
+        spans = chunk_spans(count, unit, chunk, elems)
+        assert spans[0][0] == 0 and spans[-1][1] == count
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-        fits = lambda n: n * row <= chunk and (not elems or n * elems <= MAX_CHUNK_ELEMENTS)  # noqa: E731
+        fits = lambda n: n * unit <= chunk and (not elems or n * elems <= MAX_CHUNK_ELEMENTS)  # noqa: E731
         assert all(r1 > r0 and (fits(r1 - r0) or r1 - r0 == 1) for r0, r1 in spans)
-        per = max([n for n in range(1, batch + 1) if fits(n)], default=1)
-        assert len(spans) == -(-batch // per)  # the fewest chunks
+        per = max([n for n in range(1, count + 1) if fits(n)], default=1)
+        assert len(spans) == -(-count // per)  # the fewest chunks
         sizes = [r1 - r0 for r0, r1 in spans]
         assert max(sizes) - min(sizes) <= 1
-    # the 128K MiniCPM-8B layer of the H200 sweep at B24 (1.6 GB of bf16) is one chunk
-    assert chunk_rows(24, 67_207_168, 4 << 30, 67_207_168 // 2) == [(0, 24)]
+    # the 128K MiniCPM-8B layer of the H200 sweep at B24 (1.6 GB of bf16: 49,152 pages of
+    # 2 KV heads x 64 tokens x 128) is one chunk
+    assert chunk_spans(24 * 2048, 2 * 64 * 128 * 2, 4 << 30, 2 * 64 * 128) == [(0, 24 * 2048)]
 
 
 def test_gather_grid_follows_the_measured_batch_rule(monkeypatch):

@@ -30,6 +30,18 @@ def _inputs(gen, b, hk, g, nf, d, cap):
     return qkv, emb.cos().view(b, 1, 1, d), emb.sin().view(b, 1, 1, d), pos
 
 
+def _assign_random_pages(caches, gen) -> None:
+    """The same random pages (a permutation of a pool larger than needed) for every row of
+    every cache of ``caches`` (alike), so the host writes follow a block table that is not
+    the identity."""
+    c = caches[0]
+    order = torch.randperm(c.host_blocks, generator=gen).tolist()
+    n = c.num_blocks
+    for cache in caches:
+        for row in range(c.batch):
+            cache.assign_blocks(row, order[row * n:(row + 1) * n])
+
+
 def _split(qkv, b, hk, g, nf, d, cos, sin):
     parts = qkv.view(b, hk * g + (2 + nf) * hk, 1, d)
     q = ref.apply_rope(parts[:, :hk * g], cos, sin)
@@ -44,7 +56,9 @@ def test_rope_append_offload_slot_matches_cache_append(g, nf, d, fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     b, hk, cap = 3, 2, 90
     qkv, cos, sin, pos = _inputs(gen, b, hk, g, nf, d, cap)
-    cache = OffloadKVCache(2, b, hk, d, cap, CFG, torch.float32, "cpu", engine="sync")
+    cache = OffloadKVCache(2, b, hk, d, cap, CFG, torch.float32, "cpu", engine="sync",
+                           host_blocks=b * -(-cap // CFG.block_size) + 5)
+    _assign_random_pages([cache], gen)
     for layer in range(2):  # random history: prefill every row with random keys
         for row in range(b):
             kk = torch.randn(1, hk, cap, d, generator=gen)
@@ -66,7 +80,7 @@ def test_rope_append_offload_slot_matches_cache_append(g, nf, d, fresh_seed):
         lengths = torch.zeros(b, dtype=torch.long)
         fn(qkv, cos, sin, pos, q_out, f_out, ks, vs, ck, num_kv_heads=hk, group=g, num_f=nf,
            block_size=CFG.block_size, kernel=CFG.kernel_size, stride=CFG.kernel_stride, slot=cache.slots,
-           ring=ring, host=(hk_, hv_), lengths=lengths)
+           ring=ring, host=(hk_, hv_, cache.block_table), lengths=lengths)
         torch.testing.assert_close(q_out, q, rtol=1e-6, atol=1e-6)
         if nf:
             torch.testing.assert_close(f_out, f, rtol=1e-6, atol=1e-6)
@@ -176,8 +190,9 @@ def test_quantized_offload_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed
     b, hk, layers, cap, steps = 3, 2, 2, 64, 12
     lengths = torch.tensor([13, 30, 47])
     make = lambda: OffloadKVCache(layers, b, hk, d, cap, CFG, torch.float32, "cpu", engine="sync",  # noqa: E731
-                                  resident_layers=(0,), kv_dtype=kv_dtype)
+                                  resident_layers=(0,), kv_dtype=kv_dtype, host_blocks=b * cap // CFG.block_size + 3)
     ref_c, tri_c, twin_c, host_c = caches = [make() for _ in range(4)]
+    _assign_random_pages(caches, gen)
     _prefill(caches, layers, gen, b, hk, d, lengths)
     for c in caches[1:]:
         c.lengths.copy_(ref_c.lengths)
@@ -208,7 +223,7 @@ def test_quantized_offload_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed
                 chunk = host_c.host.chunks[layer][0]
                 rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, host_c.k_slots[layer],
                                    host_c.v_slots[layer], host_c.ck[layer], slot=host_c.slots,
-                                   host=(chunk.k, chunk.v), **common)
+                                   host=(chunk.k, chunk.v, chunk.table), **common)
     assert calls == {"rope_append_triton": steps * layers, "rope_append_reference": steps * layers}
     for name, cache in (("triton", tri_c), ("twin", twin_c), ("triton host=", host_c)):
         what = f"{name} {kv_dtype} g={g} d={d} seed={fresh_seed}"
@@ -374,7 +389,7 @@ def test_quantized_append_in_bf16_matches_unfused(kv_dtype, g, d, fresh_seed, mo
                 rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, tri_c.k_slots[layer],
                                    tri_c.v_slots[layer], tri_c.ck[layer], num_kv_heads=hk, group=g, num_f=nf,
                                    block_size=CFG.block_size, kernel=CFG.kernel_size, stride=CFG.kernel_stride,
-                                   slot=tri_c.slots, ring=tri_c.ring[layer], host=(chunk.k, chunk.v),
+                                   slot=tri_c.slots, ring=tri_c.ring[layer], host=(chunk.k, chunk.v, chunk.table),
                                    lengths=tri_c.lengths)
                 assert torch.equal(f_out, f), f"Forecast heads differ, seed={fresh_seed}"
             assert torch.equal(q_out, q), f"rotated queries differ from PyTorch's bf16 RoPE, seed={fresh_seed}"

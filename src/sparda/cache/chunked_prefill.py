@@ -70,11 +70,13 @@ class PrefillStaging:
         return self.buffers[self.offloaded.index(layer) % count]
 
     def _read(self, layer: int, row: int, start: int) -> None:
-        """Copy host tokens ``< start`` of ``layer``/``row`` into the layer's buffer (per
-        head: each head's tokens are contiguous on both sides)."""
-        for dst, src in zip(self._buffer(layer), self.host.token_views(layer, row)):
-            for head in range(dst.shape[0]):
-                dst[head, :start].copy_(src[head, :start], non_blocking=self.stream is not None)
+        """Copy host tokens ``< start`` of ``layer``/``row`` into the layer's buffer, through
+        the block table (:meth:`~sparda.cache.host.HostKVStore.get_tokens`).
+
+        Raises:
+            SpardaError: a block of those tokens has no page (internal error).
+        """
+        self.host.get_tokens(layer, row, start, *self._buffer(layer), non_blocking=self.stream is not None)
 
     def history(self, layer: int, row: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` device buffers ``[H_kv, capacity, d]`` whose tokens ``< start`` are
@@ -106,16 +108,20 @@ class PrefillStaging:
         self.pending[layer] = (event, row, start)
 
     def write(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Write a chunk's ``k, v [H_kv, T, d]`` to host tokens ``start .. start+T-1``."""
+        """Write a chunk's ``k, v [H_kv, T, d]`` to host tokens ``start .. start+T-1`` (through
+        the block table, :meth:`~sparda.cache.host.HostKVStore.put_tokens`).
+
+        Raises:
+            SpardaError: a block of those tokens has no page (internal error).
+        """
         if self.stream is None:
             self.host.write_tokens(layer, row, k, v, start)
             return
         srcs = (k.contiguous(), v.contiguous())
+        self.host.token_runs(layer, row, start, start + srcs[0].shape[1])  # every page checked before any copy
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for dst, src in zip(self.host.token_views(layer, row), srcs):
-                for head in range(src.shape[0]):
-                    dst[head, start:start + src.shape[1]].copy_(src[head], non_blocking=True)
+            self.host.put_tokens(layer, row, *srcs, start)
         for src in srcs:
             src.record_stream(self.stream)  # kept alive until the side stream has read it
 

@@ -3,7 +3,8 @@ bf16 hot pool.
 
 :class:`MixedOffloadKVCache` is an :class:`~sparda.cache.offload.OffloadKVCache` whose host
 store (:class:`~sparda.cache.host.HostKVStore`, ``kv_dtype="mixed"``) holds every block in
-int4 and, per offloaded layer, (row, KV head), ``P`` blocks in ``dtype`` in its pool
+int4 in its pages (through the block table, as ``int4``) and, per offloaded layer and row,
+``P`` blocks in ``dtype`` in its hot pool, a fixed number per row
 (:attr:`~sparda.cache.host.HostKVStore.pool`, block ``n`` in pool slot ``n mod P``); the
 rule of which blocks are hot is :class:`~sparda.cache.hot.HotBlocks`. The slots and resident
 layers hold ``dtype``, so attention reads a hot block exact and a cold one int4-dequantised.
@@ -137,7 +138,8 @@ class MixedOffloadKVCache(OffloadKVCache):
 def new_offload_cache(*args, kv_dtype: str = "bf16", **kwargs) -> OffloadKVCache:
     """An offloaded KV cache of ``kv_dtype``: :class:`MixedOffloadKVCache` for ``mixed`` (whose
     ``kwargs`` may hold ``hot_blocks``, ``hot_steps``), else
-    :class:`~sparda.cache.offload.OffloadKVCache`; ``args``, ``kwargs`` as those take them."""
+    :class:`~sparda.cache.offload.OffloadKVCache`; ``args``, ``kwargs`` as those take them
+    (``host_blocks``: host pages per offloaded layer, ``None`` the identity block table)."""
     if kv_dtype == "mixed":
         return MixedOffloadKVCache(*args, **kwargs)
     return OffloadKVCache(*args, kv_dtype=kv_dtype, **kwargs)

@@ -2,8 +2,11 @@
 
 What lives where:
 
-* host (pinned on CUDA), :class:`~sparda.cache.host.HostKVStore`: the full K and V of
-  every offloaded layer, block-major; decoded tokens are written back as they arrive,
+* host (pinned on CUDA), :class:`~sparda.cache.host.HostKVStore`: per offloaded layer a
+  pool of ``P`` pages (one KV block of every head each) and a block table ``[B, N_cap]``
+  mapping each row's logical block to a page (the identity over ``B * N_cap`` pages unless
+  ``host_blocks`` is given; then the engine's allocator assigns each row's pages with
+  :meth:`OffloadKVCache.assign_blocks`); decoded tokens are written back as they arrive,
   so every block is complete on the host once its last token is decoded;
 * device: the compressed keys of every layer ``[B, H, C_cap, d]``; the last
   ``kernel_size`` keys per row (a ring, to compute new compressed keys); per offloaded
@@ -77,6 +80,9 @@ class OffloadKVCache(KVCache):
             moves those bytes; compressed keys and the ring stay in ``dtype``. ``mixed`` is
             :class:`~sparda.cache.mixed.MixedOffloadKVCache`'s (design §6.1;
             :func:`~sparda.cache.mixed.new_offload_cache` picks the class).
+        host_blocks: ``P``, host pages per offloaded layer (``None``: ``batch * N_cap``
+            with the identity block table, every row a whole capacity; otherwise every row
+            starts without pages: :meth:`assign_blocks` before its prefill).
         slot_factor: GPU slots per offloaded layer and KV head as a multiple of the
             selection width (>= 1; :func:`spare_slot_count`). Spare slots hold blocks that
             left the selection until a miss needs the slot (the slot diff's rule: empty
@@ -97,7 +103,7 @@ class OffloadKVCache(KVCache):
                  device: torch.device | str, engine: str = "auto", resident_layers=(),
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine_options: dict | None = None,
                  timing: bool = False, kv_dtype: str = "bf16",
-                 slot_factor: float = DEFAULT_SLOT_FACTOR) -> None:
+                 slot_factor: float = DEFAULT_SLOT_FACTOR, host_blocks: int | None = None) -> None:
         if kv_dtype == "mixed" and type(self) is OffloadKVCache:  # a caller's mistake, not a user's option
             raise TypeError("kv_dtype mixed is MixedOffloadKVCache (sparda.cache.mixed.new_offload_cache)")
         self.device = torch.device(device)
@@ -124,7 +130,8 @@ class OffloadKVCache(KVCache):
         self.host = HostKVStore(self.offloaded, batch, num_kv_heads, head_dim, self.num_blocks,
                                 cfg.block_size, dtype, pin=self.device.type == "cuda",
                                 chunk_bytes=chunk_bytes, kv_dtype=kv_dtype, hot_blocks=self.hot_blocks,
-                                device=self.device if self.device.type == "cuda" else None)
+                                device=self.device if self.device.type == "cuda" else None,
+                                host_blocks=host_blocks)
         shape = (batch, num_kv_heads, self.slots + 1, cfg.block_size, head_dim)
         ck_shape = (batch, num_kv_heads, max(self.num_ck_capacity, 1), head_dim)
         full = (batch, num_kv_heads, capacity, head_dim)
@@ -168,6 +175,36 @@ class OffloadKVCache(KVCache):
         self._scratch_count = torch.zeros(batch, dtype=torch.long, device=self.device)  # uncounted fetches
         self._staging = None  # chunked prefill: sparda.cache.chunked_prefill.PrefillStaging
 
+    # ------------------------------------------------------- host pages
+    @property
+    def host_blocks(self) -> int:
+        """``P``: host pages per offloaded layer (one KV block of every KV head each)."""
+        return self.host.pages
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """``[B, N_cap]`` int32 on the device: the host page of each row's logical block, ``-1`` none."""
+        return self.host.table.table
+
+    def assign_blocks(self, row: int, pages) -> None:
+        """Row ``row``'s logical blocks ``0 .. len(pages) - 1`` live in host ``pages``, the rest
+        in none (before the row's prefill; again with a longer list to extend the row). The
+        caller keeps pages of different rows apart.
+
+        Raises:
+            SpardaError: ``row`` outside the cache, more pages than ``N_cap``, a page outside
+                ``[0, host_blocks)`` or one given twice.
+        """
+        self.host.table.assign(row, pages)
+
+    def release_blocks(self, row: int) -> None:
+        """Row ``row`` holds no host pages (its decode-padding steps write nothing to the host).
+
+        Raises:
+            SpardaError: ``row`` outside the cache.
+        """
+        self.host.table.release(row)
+
     # ----------------------------------------------------- subclass hooks
     def _pool_blocks(self) -> int:
         """``P``: blocks per (row, KV head) of the host store's hot pool; 0, none here."""
@@ -197,10 +234,13 @@ class OffloadKVCache(KVCache):
         return keys[:, first:end], values[:, first:end]
 
     def _fused_host(self, layer: int) -> tuple | None:
-        """The host K, V that :meth:`rope_append`'s kernel writes the token to directly (one
-        chunk, an asynchronous engine), or ``None``: :meth:`_store_tokens` writes it after."""
+        """The host K, V and block table that :meth:`rope_append`'s kernel writes the token to
+        directly (one chunk, an asynchronous engine), or ``None``: :meth:`_store_tokens` writes
+        it after."""
         chunks = self.host.chunks[layer]
-        return (chunks[0].k, chunks[0].v) if len(chunks) == 1 and self.engine.name != "sync" else None
+        if len(chunks) == 1 and self.engine.name != "sync":
+            return chunks[0].k, chunks[0].v, chunks[0].table
+        return None
 
     def _invalidate_slots(self, layer: int, ids: torch.Tensor, pos: torch.Tensor) -> None:
         """Before the slot diff of :meth:`fetch` (``ids [B, H, W]``, ``pos [B]``): empty the

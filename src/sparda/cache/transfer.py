@@ -1,12 +1,16 @@
 """Host <-> device transfer engines of the offload runtime (design §6), behind one interface.
 
-Two operations, both on one :class:`~sparda.cache.host.HostChunk` (rows
-``[row0, row1)`` of one layer):
+Two operations, both on one :class:`~sparda.cache.host.HostChunk` (pages
+``[page0, page1)`` of one layer's pool, with the block table ``table [B, N]`` mapping a
+row's logical block to its page):
 
-* :meth:`TransferEngine.gather`: ``dst[b, h, s] = host[b, h, load[b, h, s]]`` for every
-  slot with ``load >= 0`` (K and V), i.e. copy the missed blocks into their slots;
+* :meth:`TransferEngine.gather`: ``dst[b, h, s] = host[h, table[b, load[b, h, s]]]`` for
+  every slot with ``load >= 0`` (K and V), i.e. copy the missed blocks into their slots;
 * :meth:`TransferEngine.store_tokens`: write one decoded token per row back to host
   memory at its position (keeps the host copy complete, block by block).
+
+A block without a page (``-1``: a row the allocator has not given pages, decode padding) is
+never written and gathers as zeros, so it cannot touch another row's pages.
 
 Engines:
 
@@ -40,24 +44,28 @@ ENGINES = ("uva", "copy", "sync")
 
 if HAS_TRITON:
     @triton.jit
-    def _copy_block(SK, SV, DK, DV, src, dst, ELEMS: tl.constexpr, TILE: tl.constexpr):
-        """Copy ``ELEMS`` contiguous elements of K and of V from offset ``src`` to ``dst``."""
+    def _copy_block(SK, SV, DK, DV, src, dst, ok, ELEMS: tl.constexpr, TILE: tl.constexpr):
+        """Copy ``ELEMS`` contiguous elements of K and of V from offset ``src`` to ``dst``
+        (zeros where ``ok`` is false: an unassigned page)."""
         offs = tl.arange(0, TILE)
         for i in range(0, ELEMS, TILE):
             m = (i + offs) < ELEMS
-            tl.store(DK + dst + i + offs, tl.load(SK + src + i + offs, mask=m), mask=m)
-            tl.store(DV + dst + i + offs, tl.load(SV + src + i + offs, mask=m), mask=m)
+            tl.store(DK + dst + i + offs, tl.load(SK + src + i + offs, mask=m & ok, other=0), mask=m)
+            tl.store(DV + dst + i + offs, tl.load(SV + src + i + offs, mask=m & ok, other=0), mask=m)
 
     @triton.jit
-    def _uva_gather_kernel(SK, SV, DK, DV, SK2, SV2, DK2, DV2, LOAD, num_tasks, S, H,
-                           s_row, s_head, s_blk, d_row, d_head, d_slot,
-                           s2_row, s2_head, s2_blk, d2_row, d2_head, d2_slot, l_row, l_head,
+    def _uva_gather_kernel(SK, SV, DK, DV, SK2, SV2, DK2, DV2, LOAD, TABLE, num_tasks, S, H,
+                           page0, page1,
+                           s_head, s_page, d_row, d_head, d_slot,
+                           s2_head, s2_page, d2_row, d2_head, d2_slot, l_row, l_head, t_row,
                            ELEMS: tl.constexpr, TILE: tl.constexpr, ELEMS2: tl.constexpr,
-                           TILE2: tl.constexpr, TWO: tl.constexpr, TASKS: tl.constexpr):
+                           TILE2: tl.constexpr, TWO: tl.constexpr, TASKS: tl.constexpr, ZERO: tl.constexpr):
         """Block tasks ``t = (b*H + h)*S + s``, program ``p`` taking ``t = p (mod grid)``:
-        ``TASKS`` of them at a time read their load entries as one vector, then only the
-        misses are copied (rank by prefix sum), one block of K and V each, and with ``TWO``
-        the same block of the second plane (a quantised cache's scales) in the same task."""
+        ``TASKS`` of them at a time read their load entries and those blocks' pages (the
+        block table) as vectors, then only the misses whose page is in this chunk are copied
+        (rank by prefix sum), one block of K and V each, and with ``TWO`` the same block of
+        the second plane (a quantised cache's scales) in the same task. With ``ZERO`` (the
+        chunk holding page 0) a miss whose block has no page gets zeros."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs_q = tl.arange(0, TASKS)
@@ -66,54 +74,69 @@ if HAS_TRITON:
             t_ok = t < num_tasks
             bh = t // S
             blks = tl.load(LOAD + (bh // H) * l_row + (bh % H) * l_head + t % S, mask=t_ok, other=-1)
-            miss = (blks >= 0).to(tl.int32)
+            want = blks >= 0
+            pages = tl.load(TABLE + (bh // H).to(tl.int64) * t_row + blks, mask=want, other=-1)
+            mine = (pages >= page0) & (pages < page1)
+            if ZERO:
+                mine = mine | (pages < 0)
+            miss = (want & mine).to(tl.int32)
             rank = tl.cumsum(miss, 0)
             for j in range(0, tl.sum(miss, 0)):
                 pick = (miss > 0) & (rank == j + 1)
-                tj = tl.sum(tl.where(pick, t, 0), 0)
-                blk = tl.sum(tl.where(pick, blks, 0), 0)
+                tj = tl.sum(tl.where(pick, t, 0), 0).to(tl.int64)
+                pg = tl.sum(tl.where(pick, pages, 0), 0).to(tl.int64)
+                ok = pg >= 0
+                local = tl.maximum(pg - page0, 0)
                 s = tj % S
                 b = tj // S // H
                 h = tj // S % H
-                _copy_block(SK, SV, DK, DV, b * s_row + h * s_head + blk * s_blk,
-                            b * d_row + h * d_head + s * d_slot, ELEMS, TILE)
+                _copy_block(SK, SV, DK, DV, h * s_head + local * s_page,
+                            b * d_row + h * d_head + s * d_slot, ok, ELEMS, TILE)
                 if TWO:
-                    _copy_block(SK2, SV2, DK2, DV2, b * s2_row + h * s2_head + blk * s2_blk,
-                                b * d2_row + h * d2_head + s * d2_slot, ELEMS2, TILE2)
+                    _copy_block(SK2, SV2, DK2, DV2, h * s2_head + local * s2_page,
+                                b * d2_row + h * d2_head + s * d2_slot, ok, ELEMS2, TILE2)
 
     @triton.jit
-    def _uva_store_kernel(SK, SV, DK, DV, POS, H, s_row, s_head, d_row, d_head, d_blk,
+    def _uva_store_kernel(SK, SV, DK, DV, POS, TABLE, H, page0, page1, s_row, s_head, d_head, d_page, t_row,
                           D: tl.constexpr, D_P: tl.constexpr, BS: tl.constexpr):
-        """One program per (row, head): write the token at ``POS[row]`` into host memory."""
+        """One program per (row, head): write the token at ``POS[row]`` into its block's page
+        (the block table), if that page is in this chunk (an unassigned block: no write)."""
         pid = tl.program_id(0)
-        b = pid // H
-        h = pid % H
-        pos = tl.load(POS + b)
-        blk = pos // BS
+        b = (pid // H).to(tl.int64)
+        h = (pid % H).to(tl.int64)
+        pos = tl.load(POS + b).to(tl.int64)
+        page = tl.load(TABLE + b * t_row + pos // BS).to(tl.int64)
+        ok = (page >= page0) & (page < page1)
         o = pos % BS
         offs = tl.arange(0, D_P)
-        m = offs < D
-        dst = b * d_row + h * d_head + blk * d_blk + o * D + offs
+        m = (offs < D) & ok
+        dst = h * d_head + tl.maximum(page - page0, 0) * d_page + o * D + offs
         tl.store(DK + dst, tl.load(SK + b * s_row + h * s_head + offs, mask=m), mask=m)
         tl.store(DV + dst, tl.load(SV + b * s_row + h * s_head + offs, mask=m), mask=m)
 
 
 class TransferEngine:
-    """Interface of the engines. ``name`` is one of :data:`ENGINES`."""
+    """Interface of the engines. ``name`` is one of :data:`ENGINES`.
+
+    Every engine follows the chunk's block table: a block without a page is never written
+    to host memory and gathers as zeros (a row without pages is decode padding).
+    """
 
     name = "base"
     #: whether a call synchronises the host with the device (documentation and stats)
     syncs_host = True
 
     def gather(self, chunk, dst_k: torch.Tensor, dst_v: torch.Tensor, load: torch.Tensor) -> None:
-        """Copy missed blocks into slots.
+        """Copy missed blocks into slots: ``dst[b, h, s] = host[h, table[b, load[b, h, s]]]``.
 
         Args:
-            chunk: :class:`~sparda.cache.host.HostChunk`, ``k, v [R, H, N, bs, d]``.
+            chunk: :class:`~sparda.cache.host.HostChunk`, ``k, v [H, P', bs, d]`` (pages
+                ``page0 .. page1 - 1``) and its ``table [B, N]`` int32.
             dst_k, dst_v: device slot buffers ``[B, H, S', bs, d]`` (``S' >= S``),
                 contiguous, the chunk's dtype.
             load: ``[B, H, S]`` int64 on the device: block id to load into slot ``s``,
-                ``-1`` for none. Only rows ``chunk.row0 .. chunk.row1 - 1`` are read.
+                ``-1`` for none. Only blocks whose page is in the chunk are copied; the
+                chunk holding page 0 writes zeros for a block without a page.
         """
         raise NotImplementedError
 
@@ -126,11 +149,21 @@ class TransferEngine:
             self.gather(part, dst_k, dst_v, load)
 
     def store_tokens(self, chunk, k_tok: torch.Tensor, v_tok: torch.Tensor, pos: torch.Tensor) -> None:
-        """``host[b, h, pos[b] // bs, pos[b] % bs] = k_tok[b, h]`` (and V) for the chunk's rows.
+        """``host[h, table[b, pos[b] // bs], pos[b] % bs] = k_tok[b, h]`` (and V) for the rows
+        whose page is in the chunk.
 
         Args: ``k_tok, v_tok [B, H, d]`` device tensors; ``pos [B]`` int64 token positions.
         """
         raise NotImplementedError
+
+
+def _pages(chunk, load: torch.Tensor):
+    """``(b, h, s, page)`` of the slots of ``load [B, H, S]`` that get a block (on the chunk's
+    device; ``page`` -1 for a block without one)."""
+    part = load.to(chunk.k.device)
+    b, h, s = (part >= 0).nonzero(as_tuple=True)
+    table = chunk.table.to(chunk.k.device)
+    return b, h, s, table[b, part[b, h, s]].long()
 
 
 class SyncEngine(TransferEngine):
@@ -140,35 +173,47 @@ class SyncEngine(TransferEngine):
 
     def gather(self, chunk, dst_k, dst_v, load):
         """As :meth:`TransferEngine.gather` (``load [B, H, S]`` int64, slots
-        ``[B, H, S', bs, d]``) by advanced indexing; reads ``load`` on the host (syncs)."""
-        part = load[chunk.row0:chunk.row1].to(chunk.k.device)
-        r, h, s = (part >= 0).nonzero(as_tuple=True)
-        if r.numel() == 0:
+        ``[B, H, S', bs, d]``) by advanced indexing through the table; reads ``load`` on
+        the host (syncs)."""
+        b, h, s, page = _pages(chunk, load)
+        if b.numel() == 0:
             return
-        blk = part[r, h, s]
         dev = dst_k.device
-        rd, hd, sd = (r + chunk.row0).to(dev), h.to(dev), s.to(dev)
-        dst_k[rd, hd, sd] = chunk.k[r, h, blk].to(dev)
-        dst_v[rd, hd, sd] = chunk.v[r, h, blk].to(dev)
+        mine = (page >= chunk.page0) & (page < chunk.page1)
+        sel = mine.nonzero(as_tuple=True)[0]
+        if sel.numel():
+            bd, hd, sd = b[sel].to(dev), h[sel].to(dev), s[sel].to(dev)
+            local = page[sel] - chunk.page0
+            dst_k[bd, hd, sd] = chunk.k[h[sel], local].to(dev)
+            dst_v[bd, hd, sd] = chunk.v[h[sel], local].to(dev)
+        none = (page < 0).nonzero(as_tuple=True)[0]
+        if chunk.page0 == 0 and none.numel():
+            bd, hd, sd = b[none].to(dev), h[none].to(dev), s[none].to(dev)
+            dst_k[bd, hd, sd] = 0
+            dst_v[bd, hd, sd] = 0
 
     def store_tokens(self, chunk, k_tok, v_tok, pos):
         """As :meth:`TransferEngine.store_tokens` (``k_tok, v_tok [B, H, d]``, ``pos [B]``
-        int64) by advanced indexing; copies to the host (syncs on CUDA)."""
-        p = pos[chunk.row0:chunk.row1].to(chunk.k.device)
-        rows = torch.arange(chunk.row1 - chunk.row0, device=p.device)
-        bs = chunk.k.shape[3]
-        blk, off = p // bs, p % bs
-        # advanced indices separated by a slice: result dims [R, H, d]
-        chunk.k[rows.view(-1, 1), torch.arange(chunk.k.shape[1]).view(1, -1), blk.view(-1, 1), off.view(-1, 1)] = \
-            k_tok[chunk.row0:chunk.row1].to(chunk.k.device)
-        chunk.v[rows.view(-1, 1), torch.arange(chunk.v.shape[1]).view(1, -1), blk.view(-1, 1), off.view(-1, 1)] = \
-            v_tok[chunk.row0:chunk.row1].to(chunk.v.device)
+        int64) by advanced indexing through the table; copies to the host (syncs on CUDA)."""
+        hd = chunk.k.device
+        p = pos.to(hd)
+        bs = chunk.k.shape[2]
+        table = chunk.table.to(hd)
+        rows = torch.arange(p.numel(), device=hd)
+        page = table[rows, (p // bs).clamp(max=table.shape[1] - 1)].long()
+        sel = ((page >= chunk.page0) & (page < chunk.page1)).nonzero(as_tuple=True)[0]
+        if sel.numel() == 0:
+            return
+        local, off = page[sel] - chunk.page0, p[sel] % bs
+        # a slice then two advanced indices: the result dims are [H, R, d]
+        chunk.k[:, local, off] = k_tok[sel.to(k_tok.device)].to(hd).transpose(0, 1)
+        chunk.v[:, local, off] = v_tok[sel.to(v_tok.device)].to(hd).transpose(0, 1)
 
 
 class CopyEngine(SyncEngine):
     """CPU gather into a pinned staging buffer, one async H2D copy, GPU scatter into slots.
 
-    Synchronises once per call (the miss list is read on the host). CUDA only.
+    Synchronises once per call (the miss list and the table are read on the host). CUDA only.
     """
 
     name = "copy"
@@ -188,23 +233,29 @@ class CopyEngine(SyncEngine):
     def gather(self, chunk, dst_k, dst_v, load):
         """As :meth:`TransferEngine.gather` (``load [B, H, S]`` int64, slots
         ``[B, H, S', bs, d]``): one host sync for the miss list, a CPU gather of the
-        missed ``[bs, d]`` blocks into pinned staging, one async H2D copy, a GPU scatter."""
-        part = load[chunk.row0:chunk.row1].cpu()
-        r, h, s = (part >= 0).nonzero(as_tuple=True)
-        n = r.numel()
+        missed ``[bs, d]`` pages into pinned staging, one async H2D copy, a GPU scatter
+        (zeros scattered directly for blocks without a page)."""
+        b, h, s, page = _pages(chunk, load)
+        dev = dst_k.device
+        none = (page < 0).nonzero(as_tuple=True)[0]
+        if chunk.page0 == 0 and none.numel():
+            bd, hd, sd = b[none].to(dev), h[none].to(dev), s[none].to(dev)
+            dst_k[bd, hd, sd] = 0
+            dst_v[bd, hd, sd] = 0
+        sel = ((page >= chunk.page0) & (page < chunk.page1)).nonzero(as_tuple=True)[0]
+        n = sel.numel()
         if n == 0:
             return
-        heads, blocks = chunk.k.shape[1], chunk.k.shape[2]
-        flat = (r * heads + h) * blocks + part[r, h, s]
+        b, h, s = b[sel], h[sel], s[sel]
+        flat = h * chunk.k.shape[1] + page[sel] - chunk.page0
         staging = self._stage(n, chunk.k)
         torch.index_select(chunk.k.view(-1, *chunk.k.shape[-2:]), 0, flat, out=staging[0, :n])
         torch.index_select(chunk.v.view(-1, *chunk.v.shape[-2:]), 0, flat, out=staging[1, :n])
-        dev = dst_k.device
         sent_k = staging[0, :n].to(dev, non_blocking=True)  # contiguous pinned runs: async DMA
         sent_v = staging[1, :n].to(dev, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()
-        rd, hd, sd = (r + chunk.row0).to(dev), h.to(dev), s.to(dev)
+        rd, hd, sd = b.to(dev), h.to(dev), s.to(dev)
         dst_k[rd, hd, sd] = sent_k
         dst_v[rd, hd, sd] = sent_v
 
@@ -233,20 +284,9 @@ class UvaEngine(TransferEngine):
     #: block tasks whose load entries one program reads as one vector before copying its misses
     TASKS = 64
 
-    @staticmethod
-    def _check(*tensors: torch.Tensor) -> None:
-        for t in tensors:
-            if t.numel() >= 2**31:
-                raise SpardaError(f"uva engine: a buffer of {t.numel()} elements exceeds 2^31; "
-                                  "use a smaller chunk (chunk_bytes) or batch")
-
     def gather(self, chunk, dst_k, dst_v, load):
         """As :meth:`TransferEngine.gather` (``load [B, H, S]`` int64, slots
-        ``[B, H, S', bs, d]``), by the grid-stride UVA kernel; no host sync (design §6).
-
-        Raises:
-            SpardaError: the host chunk or the slot buffer has ``>= 2^31`` elements.
-        """
+        ``[B, H, S', bs, d]``), by the grid-stride UVA kernel; no host sync (design §6)."""
         self._launch(chunk, [(dst_k, dst_v)], load)
 
     def gather_planes(self, chunk, planes, load):
@@ -259,41 +299,40 @@ class UvaEngine(TransferEngine):
 
     def _launch(self, chunk, planes, load, parts=None) -> None:
         parts = parts or [chunk]
-        part = load[chunk.row0:chunk.row1]
-        rows, heads, slots = part.shape
-        if part.stride(-1) != 1:
-            part = part.contiguous()
+        rows, heads, slots = load.shape
+        if load.stride(-1) != 1:
+            load = load.contiguous()
+        table = chunk.table
         args, consts = [], []
         for i in range(2):
             c, (dk, dv) = (parts[i], planes[i]) if i < len(parts) else (parts[0], planes[0])
-            dk, dv = dk[chunk.row0:chunk.row1], dv[chunk.row0:chunk.row1]
-            self._check(c.k, dk)
-            elems = c.k.shape[3] * c.k.shape[4]
-            args.append((c.k, c.v, dk, dv, (c.k.stride(0), c.k.stride(1), c.k.stride(2)),
+            elems = c.k.shape[2] * c.k.shape[3]
+            args.append((c.k, c.v, dk, dv, (c.k.stride(0), c.k.stride(1)),
                          (dk.stride(0), dk.stride(1), dk.stride(2))))
             consts.append((elems, min(self.tile, next_pow2(elems))))
         tasks = rows * heads * slots
         grid = (max(1, min(self.num_ctas, tasks)),)
         (k1, v1, dk1, dv1, ss1, ds1), (k2, v2, dk2, dv2, ss2, ds2) = args
         _uva_gather_kernel[grid](
-            k1, v1, dk1, dv1, k2, v2, dk2, dv2, part, tasks, slots, heads,
-            *ss1, *ds1, *ss2, *ds2, part.stride(0), part.stride(1),
+            k1, v1, dk1, dv1, k2, v2, dk2, dv2, load, table, tasks, slots, heads,
+            chunk.page0, chunk.page1,
+            *ss1, *ds1, *ss2, *ds2, load.stride(0), load.stride(1), table.stride(0),
             ELEMS=consts[0][0], TILE=consts[0][1], ELEMS2=consts[1][0], TILE2=consts[1][1],
-            TWO=len(parts) == 2, TASKS=self.TASKS, num_warps=self.num_warps)
+            TWO=len(parts) == 2, TASKS=self.TASKS, ZERO=chunk.page0 == 0, num_warps=self.num_warps)
 
     def store_tokens(self, chunk, k_tok, v_tok, pos):
         """As :meth:`TransferEngine.store_tokens` (``k_tok, v_tok [B, H, d]``, ``pos [B]``
         int64), one Triton program per (row, head) writing host memory via UVA; no sync."""
-        rows = chunk.row1 - chunk.row0
-        heads, d = chunk.k.shape[1], chunk.k.shape[4]
-        sk, sv = k_tok[chunk.row0:chunk.row1], v_tok[chunk.row0:chunk.row1]
+        rows = k_tok.shape[0]
+        heads, d = chunk.k.shape[0], chunk.k.shape[3]
+        sk, sv = k_tok, v_tok
         if sk.stride(-1) != 1 or sv.stride() != sk.stride():
             sk, sv = sk.contiguous(), sv.contiguous()
-        p = pos[chunk.row0:chunk.row1].contiguous()
+        p = pos.contiguous()
         _uva_store_kernel[(rows * heads,)](
-            sk, sv, chunk.k, chunk.v, p, heads, sk.stride(0), sk.stride(1),
-            chunk.k.stride(0), chunk.k.stride(1), chunk.k.stride(2),
-            D=d, D_P=next_pow2(max(d, 16)), BS=chunk.k.shape[3], num_warps=1)
+            sk, sv, chunk.k, chunk.v, p, chunk.table, heads, chunk.page0, chunk.page1,
+            sk.stride(0), sk.stride(1), chunk.k.stride(0), chunk.k.stride(1), chunk.table.stride(0),
+            D=d, D_P=next_pow2(max(d, 16)), BS=chunk.k.shape[2], num_warps=1)
 
 
 #: (smallest batch, CTAs) of the UVA gather grid, largest batch first: measured inside the

@@ -24,14 +24,17 @@ ACTIVATION_RESERVE_BYTES = 2 * 2**30
 
 def kv_need_bytes(shape, selection, kv_dtype: str, dtype: torch.dtype, batch: int, capacity: int, *,
                   offload: bool, resident_layers=(), slot_factor: float = 1.5,
-                  hot_blocks: int | None = None, state_bytes: int = 0) -> tuple[int, int]:
+                  hot_blocks: int | None = None, state_bytes: int = 0,
+                  host_blocks: int | None = None) -> tuple[int, int]:
     """``(device_bytes, host_bytes)`` of a KV cache of ``batch`` rows x ``capacity`` tokens.
 
     On the device (``offload`` False): K/V of every layer in ``kv_dtype``. Offloaded (design
     §6): ``resident_layers`` whole and ``S + 1`` slots per other layer on the device with
-    their block maps and the slot diff's lists, whole blocks of the other layers on the host
-    (``mixed``, design §6.1: the int4 store plus the bf16 hot pool on the host, the int4
-    staging of the cold slots and the hot-block state on the device). Both add the compressed
+    their block maps, the slot diff's lists and the block tables (int32), and on the host
+    ``host_blocks`` pages of every other layer (:func:`host_page_bytes` each; ``None``:
+    ``batch * ceil(capacity / block_size)``, a whole capacity per row); ``mixed`` (design
+    §6.1) adds the bf16 hot pool of ``hot_blocks`` blocks per row on the host, the int4
+    staging of the cold slots and the hot-block state on the device. Both add the compressed
     keys (and, quantised or offloaded, the ring of the last ``kernel`` keys) and
     ``state_bytes``, the selector's per-row state (``AttentionMethod.state_bytes``).
     """
@@ -62,13 +65,26 @@ def kv_need_bytes(shape, selection, kv_dtype: str, dtype: torch.dtype, batch: in
     # per offloaded layer: slot_map and load [B, H, S] int64, attn_ids [B, H, S + 1] and
     # attn_blocks, attn_slots [B, H, W + 1] int32
     device += offloaded * batch * heads * (2 * slots * 8 + (slots + 1) * 4 + 2 * (width + 1) * 4)
-    host = offloaded * kv(quant.store_dtype(kv_dtype), blocks * bs)
+    device += batch * blocks * 4  # the block table [B, N] int32
+    pages = batch * blocks if host_blocks is None else host_blocks
+    host = pages * host_page_bytes(shape, selection, kv_dtype, dtype, resident_layers=resident_layers)
     if kv_dtype == "mixed":
         pool = min(default_hot_blocks(selection) if hot_blocks is None else hot_blocks, blocks)
         host += offloaded * 2 * batch * heads * pool * bs * d * elem
         device += offloaded * kv(quant.MIXED_STORE, slots * bs)
         device += offloaded * batch * heads * blocks * (1 + 8)  # HotBlocks: hot bool, last int64
+        device += batch * pool * 4  # the hot pool's (identity) block table
     return device + keys, host
+
+
+def host_page_bytes(shape, selection, kv_dtype: str, dtype: torch.dtype, *, resident_layers=()) -> int:
+    """Host bytes of one page of every offloaded layer: K and V of one block of
+    ``block_size`` tokens for every KV head, in the store's type (scales included; ``mixed``:
+    int4, its hot pool is per row, not per page). ``host_budget // host_page_bytes(...)`` is
+    the ``host_blocks`` a budget holds."""
+    resident = len({layer for layer in resident_layers if 0 <= layer < shape.num_layers})
+    token = quant.token_bytes(shape.head_dim, quant.store_dtype(kv_dtype), dtype)
+    return (shape.num_layers - resident) * 2 * shape.num_kv_heads * selection.block_size * token
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,14 +50,19 @@ class ModelRunner:
         """Whether this runner's caches live in host memory."""
         return bool(self.config.offload or self.method.offloaded)
 
-    def new_cache(self, batch: int, capacity: int):
-        """An empty KV cache of ``batch`` rows x ``capacity`` tokens (``config.cache`` storage)."""
+    def new_cache(self, batch: int, capacity: int, host_blocks: int | None = None):
+        """An empty KV cache of ``batch`` rows x ``capacity`` tokens (``config.cache`` storage).
+
+        ``host_blocks``: an offloaded cache's host pages per offloaded layer (``None``: every
+        row a whole capacity, the identity block table; otherwise rows start without pages,
+        ``cache.assign_blocks``); a device cache ignores it."""
         s, c = self.shape, self.config.cache
         if self.offloaded:
             return new_offload_cache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                                      self.config.selection, self.dtype, self.device, engine=c.transfer,
                                      resident_layers=self.cache_resident_layers(), timing=c.timing,
-                                     kv_dtype=c.kv_dtype, slot_factor=c.slot_factor, **c.hot)
+                                     kv_dtype=c.kv_dtype, slot_factor=c.slot_factor, host_blocks=host_blocks,
+                                     **c.hot)
         return DeviceKVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
                              self.config.selection, self.dtype, self.device, kv_dtype=c.kv_dtype)
 

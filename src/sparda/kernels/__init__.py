@@ -300,7 +300,8 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: to
         num_kv_heads, group, num_f: ``H_kv``, ``G``, Forecast heads per KV head.
         block_size, kernel, stride: tokens.
         ring: ``[B, H_kv, kernel, d]`` last ``kernel`` keys, updated; ``None``: read ``k_dst``.
-        host: optional ``(k, v)`` host store ``[B, H_kv, N, block_size, d]``, written too.
+        host: optional ``(k, v, table)``: a host pool ``[H_kv, P, block_size, d]`` and its block
+            table ``[B, N]`` int32 (page of each row's block, ``-1``: not written), written too.
         lengths: optional ``[B]`` int64, set to ``pos + 1``.
     Raises:
         SpardaError: a quantised ``k_dst`` without ``ring``.

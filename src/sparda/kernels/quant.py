@@ -173,6 +173,10 @@ class QuantizedKV:
         """Flatten leading dims ``start..end`` of both parts."""
         return QuantizedKV(self.data.flatten(start, end), self.scale.flatten(start, end), self.kv_dtype)
 
+    def transpose(self, dim0: int, dim1: int) -> "QuantizedKV":
+        """Swap two leading dims of both parts (not the head dim)."""
+        return QuantizedKV(self.data.transpose(dim0, dim1), self.scale.transpose(dim0, dim1), self.kv_dtype)
+
     def contiguous(self) -> "QuantizedKV":
         return QuantizedKV(self.data.contiguous(), self.scale.contiguous(), self.kv_dtype)
 

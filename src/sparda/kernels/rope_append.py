@@ -54,19 +54,20 @@ def _quantize(x, D: tl.constexpr, QBITS: tl.constexpr):
 
 
 @triton.jit
-def _store_quantized(DATA, SCALE, dst, sdst, q, step, lo, DQ: tl.constexpr):
-    """Write codes ``q [DQ]`` at ``DATA + dst`` and ``(step, lo)`` at ``SCALE + sdst``."""
-    tl.store(DATA + dst + tl.arange(0, DQ), q)
+def _store_quantized(DATA, SCALE, dst, sdst, q, step, lo, ok, DQ: tl.constexpr):
+    """Write codes ``q [DQ]`` at ``DATA + dst`` and ``(step, lo)`` at ``SCALE + sdst`` (if ``ok``)."""
+    offs = tl.arange(0, DQ)
+    tl.store(DATA + dst + offs, q, mask=(offs < DQ) & ok)
     two = tl.arange(0, 2)
-    tl.store(SCALE + sdst + two, tl.where(two == 0, step, lo))
+    tl.store(SCALE + sdst + two, tl.where(two == 0, step, lo), mask=(two < 2) & ok)
 
 
 @triton.jit
 def _rope_append_kernel(
-    QKV, COS, SIN, POS, QOUT, FOUT, KDST, VDST, KSC, VSC, RING, CK, HK, HV, HKS, HVS, LENGTHS,
+    QKV, COS, SIN, POS, QOUT, FOUT, KDST, VDST, KSC, VSC, RING, CK, HK, HV, HKS, HVS, TABLE, LENGTHS,
     stride_qkv, stride_cos,
     k_sb, k_sh, k_base, k_st, s_sb, s_sh, s_base, s_st, r_sb, r_sh, c_sb, c_sh,
-    h_sb, h_sh, h_blk, h_st, hs_sb, hs_sh, hs_blk, hs_st,
+    h_sh, h_page, h_st, hs_sh, hs_page, hs_st, t_row,
     H, C_CAP,
     G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, NF: tl.constexpr,
     BS: tl.constexpr, KER: tl.constexpr, KER_P: tl.constexpr, STR: tl.constexpr,
@@ -108,22 +109,26 @@ def _rope_append_kernel(
     if QBITS == 0:
         tl.store(KDST + dst + offs_d, k)
         tl.store(VDST + dst + offs_d, v)
-        if HOST:
-            hdst = b * h_sb + h * h_sh + (pos // BS) * h_blk + (pos % BS) * h_st + offs_d
-            tl.store(HK + hdst, k)
-            tl.store(HV + hdst, v)
+        if HOST:  # the block's page (the block table); an unassigned block is not written
+            page = tl.load(TABLE + b * t_row + pos // BS).to(tl.int64)
+            hok = (offs_d < D) & (page >= 0)
+            hdst = h * h_sh + tl.maximum(page, 0) * h_page + (pos % BS) * h_st + offs_d
+            tl.store(HK + hdst, k, mask=hok)
+            tl.store(HV + hdst, v, mask=hok)
     else:  # quantise once, store to the slot (or full cache) and the host store
         DQ: tl.constexpr = D if QBITS == 8 else D // 2
         kq, k_step, k_lo = _quantize(k.to(tl.float32), D, QBITS)
         vq, v_step, v_lo = _quantize(v.to(tl.float32), D, QBITS)
         sdst = b * s_sb + h * s_sh + s_base + tok * s_st
-        _store_quantized(KDST, KSC, dst, sdst, kq, k_step, k_lo, DQ)
-        _store_quantized(VDST, VSC, dst, sdst, vq, v_step, v_lo, DQ)
+        _store_quantized(KDST, KSC, dst, sdst, kq, k_step, k_lo, pos >= 0, DQ)
+        _store_quantized(VDST, VSC, dst, sdst, vq, v_step, v_lo, pos >= 0, DQ)
         if HOST:
-            hdst = b * h_sb + h * h_sh + (pos // BS) * h_blk + (pos % BS) * h_st
-            hsdst = b * hs_sb + h * hs_sh + (pos // BS) * hs_blk + (pos % BS) * hs_st
-            _store_quantized(HK, HKS, hdst, hsdst, kq, k_step, k_lo, DQ)
-            _store_quantized(HV, HVS, hdst, hsdst, vq, v_step, v_lo, DQ)
+            page = tl.load(TABLE + b * t_row + pos // BS).to(tl.int64)
+            hok = page >= 0
+            hdst = h * h_sh + tl.maximum(page, 0) * h_page + (pos % BS) * h_st
+            hsdst = h * hs_sh + tl.maximum(page, 0) * hs_page + (pos % BS) * hs_st
+            _store_quantized(HK, HKS, hdst, hsdst, kq, k_step, k_lo, hok, DQ)
+            _store_quantized(HV, HVS, hdst, hsdst, vq, v_step, v_lo, hok, DQ)
     # compressed key completed by this token (design §3.1): mean of the window's keys
     done = pos + 1 - KER
     j = tl.maximum(done, 0) // STR
@@ -192,19 +197,20 @@ def rope_append_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         hv, hvs, _ = _planes(host[1])
         if hbits != bits:
             raise SpardaError("rope_append: the host store and the cache must hold the same kv_dtype")
-        h_strides = (hk.stride(0), hk.stride(1), hk.stride(2), hk.stride(3))
-        hs_strides = (hks.stride(0), hks.stride(1), hks.stride(2), hks.stride(3)) if hks is not None else (0,) * 4
+        table = host[2]
+        h_strides = (hk.stride(0), hk.stride(1), hk.stride(2))
+        hs_strides = (hks.stride(0), hks.stride(1), hks.stride(2)) if hks is not None else (0,) * 3
     else:
-        hk, hv, hks, hvs = kd, vd, ks, vs
-        h_strides = hs_strides = (0, 0, 0, 0)
+        hk, hv, hks, hvs, table = kd, vd, ks, vs, pos
+        h_strides = hs_strides = (0, 0, 0)
     ksc, vsc = (ks, vs) if ks is not None else (kd, vd)
     hks, hvs = (hks, hvs) if hks is not None else (hk, hv)
     _rope_append_kernel[(bsz, num_kv_heads)](
         qkv, cos, sin, pos, q_out, f_out if f_out is not None else q_out, kd, vd, ksc, vsc, ring_t, ck,
-        hk, hv, hks, hvs, lengths if lengths is not None else pos,
+        hk, hv, hks, hvs, table, lengths if lengths is not None else pos,
         qkv.stride(0), cos.stride(0),
         *k_strides, *s_strides, ring_t.stride(0), ring_t.stride(1), ck.stride(0), ck.stride(1),
-        *h_strides, *hs_strides,
+        *h_strides, *hs_strides, table.stride(0),
         num_kv_heads, ck.shape[2],
         G=group, G_P=next_pow2(max(group, 2)), D=d, NF=num_f, BS=block_size, KER=kernel,
         KER_P=next_pow2(max(kernel, 2)), STR=stride, SLOT_MOD=slot is not None, USE_RING=use_ring,

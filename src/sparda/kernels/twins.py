@@ -237,11 +237,13 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     else:
         k_dst[rows, :, slot, pos % block_size] = k_tok
         v_dst[rows, :, slot, pos % block_size] = v_tok
-    if host is not None:  # the host store may live in (pinned) host memory
+    if host is not None:  # the host store may live in (pinned) host memory; pages by the table
         hd = host[0].device
-        r, blk, off = rows.to(hd), (pos // block_size).to(hd), (pos % block_size).to(hd)
-        host[0][r, :, blk, off] = k_tok.to(hd)
-        host[1][r, :, blk, off] = v_tok.to(hd)
+        page = host[2].to(hd)[rows.to(hd), (pos // block_size).to(hd)].long()
+        ok = (page >= 0).nonzero(as_tuple=True)[0]
+        off = (pos % block_size).to(hd)[ok]
+        host[0][:, page[ok], off] = k_tok[ok.to(k_tok.device)].to(hd).transpose(0, 1)
+        host[1][:, page[ok], off] = v_tok[ok.to(v_tok.device)].to(hd).transpose(0, 1)
     if ring is not None:
         ring[rows, :, pos % kernel] = k.to(ring.dtype)
     reference.update_compressed_keys(ck, k_dst if ring is None else ring, rows, pos, kernel, stride,
