@@ -44,7 +44,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from sparda.config import GPU_SHARE
-from sparda.engine.memory import plan_rows
+from sparda.engine.block_pool import BlockPool
+from sparda.engine.memory import plan_pool, plan_rows
 from sparda.engine.sampler import sample_requests
 from sparda.engine.sampling_params import SamplingParams
 from sparda.engine.scheduler import Scheduler
@@ -86,7 +87,9 @@ class Engine:
             ``max_prefill_tokens`` budget.
         gpu_memory_utilization, host_memory_gib: memory budgets of the KV pool (design
             §3.11, :func:`~sparda.engine.memory.plan_rows`): given either, the pool has
-            ``max_batch`` rows or as many as the budgets hold, if fewer (:attr:`memory_plan`).
+            ``max_batch`` rows or as many as the budgets hold, if fewer (:attr:`memory_plan`);
+            an offloaded cache whose host budget cannot hold every row whole is paged
+            (:func:`~sparda.engine.memory.plan_pool`: admission takes a request's KV blocks).
     Raises:
         SpardaError: bad sizes, or a cache pool that does not fit in memory (bytes named).
     """
@@ -119,16 +122,22 @@ class Engine:
         #: the KV pool sized by the memory budgets (design §3.11), ``None`` without budgets
         self.memory_plan = None
         if gpu_memory_utilization is not None or host_memory_gib is not None:
-            self.memory_plan = plan_rows(runner, max_model_len, max_batch,
-                                         gpu_memory_utilization=GPU_SHARE if gpu_memory_utilization is None
-                                         else gpu_memory_utilization, host_memory_gib=host_memory_gib)
+            plan = plan_pool if runner.offloaded else plan_rows  # offloaded: a paged host store
+            self.memory_plan = plan(runner, max_model_len, max_batch,
+                                    gpu_memory_utilization=GPU_SHARE if gpu_memory_utilization is None
+                                    else gpu_memory_utilization, host_memory_gib=host_memory_gib)
             self.max_batch = max_batch = self.memory_plan.rows
+        host_blocks = None if self.memory_plan is None else self.memory_plan.host_blocks
         start = time.perf_counter()
-        self.cache = runner.new_cache(max_batch, max_model_len)
+        self.cache = runner.new_cache(max_batch, max_model_len, host_blocks=host_blocks)
         runner.sync()
         self.cache_alloc_ms = (time.perf_counter() - start) * 1e3
         llm.method.reset()  # nothing kept from a generate() before (the cache's counters start at 0)
-        self.scheduler = Scheduler(max_batch, max_model_len, max_waiting)
+        block_size = runner.config.selection.block_size
+        self.scheduler = Scheduler(max_batch, max_model_len, max_waiting,
+                                   block_pool=None if host_blocks is None else BlockPool(host_blocks),
+                                   block_size=block_size,
+                                   block_bytes=0 if host_blocks is None else runner.host_block_bytes())
         self.eos_ids = llm.eos_ids()
         self._kv_bytes_per_token = runner.kv_bytes_per_token()
         self._tokens = [0] * max_batch      # next input token per row (free rows: 0)
@@ -308,6 +317,8 @@ class Engine:
         for seq, start, _ in plan:
             if start == 0:  # admitted this step
                 seq.admitted = time.perf_counter()
+                if self.scheduler.block_pool is not None:  # its host KV blocks (design §3.11)
+                    self.cache.assign_blocks(seq.row, seq.blocks)
                 self._reset_row(seq.row)
                 seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
                 seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
@@ -447,6 +458,8 @@ class Engine:
         an empty block map (a stale one could name blocks past every live row's length)."""
         self._tokens[row] = 0
         self._positions[row] = 0
+        if self.scheduler.block_pool is not None:
+            self.cache.release_blocks(row)
         with torch.inference_mode():
             self.cache.lengths[row] = 0
             for slot_map in self.cache.slot_map.values():
@@ -563,7 +576,9 @@ class Engine:
                 "requests_prefilling": sum(not seq.prefilled for seq in held),
                 "requests_waiting": len(self.scheduler.waiting),
                 "kv_tokens_in_use": sum(seq.num_computed + max(len(seq.output_ids) - 1, 0) for seq in held),
-                "kv_tokens_total": self.max_batch * self.max_model_len,
+                "kv_tokens_total": self.max_batch * self.max_model_len if self.scheduler.block_pool is None
+                else min(self.max_batch * self.max_model_len,
+                         self.scheduler.block_pool.num_blocks * self.scheduler.block_size),
                 "kv_rows_in_use": self.scheduler.rows_in_use,
                 "kv_rows_total": self.max_batch,
                 "max_model_len": self.max_model_len,

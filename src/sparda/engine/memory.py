@@ -99,16 +99,24 @@ class MemoryPlan:
     device_budget: int | None
     host_budget: int | None
     fits: int
+    #: a paged host store (design §3.11): its KV blocks and their tokens each; ``None``: rows
+    host_blocks: int | None = None
+    block_size: int = 0
 
     def line(self) -> str:
         """One line for the start-up log."""
+        if self.host_blocks is not None:
+            tokens = self.host_blocks * self.block_size
+            head = (f"KV pool {self.rows} rows of up to {self.capacity} tokens, {self.host_blocks} host blocks of "
+                    f"{self.block_size} tokens ({tokens} tokens, {tokens / self.capacity:.1f} full rows)")
+        else:
+            head = f"KV pool {self.rows} rows x {self.capacity} tokens"
         parts = []
         if self.device_budget is not None:
             parts.append(f"device {_size(self.device_bytes)} of {_size(self.device_budget)}")
         if self.host_budget is not None:
             parts.append(f"host {_size(self.host_bytes)} of {_size(self.host_budget)}")
-        return (f"KV pool {self.rows} rows x {self.capacity} tokens" + (": " + ", ".join(parts) if parts else "")
-                + f", room for {self.fits} rows")
+        return head + (": " + ", ".join(parts) if parts else "") + f", room for {self.fits} rows"
 
 
 def _size(nbytes: float) -> str:
@@ -193,3 +201,47 @@ def plan_rows(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: 
         dev, host = 0, dev + host
     return MemoryPlan(rows=rows, capacity=capacity, device_bytes=dev, host_bytes=host, device_budget=device_budget,
                       host_budget=host_budget, fits=fits)
+
+
+def plan_pool(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: float = GPU_SHARE,
+              host_memory_gib: float | None = None) -> MemoryPlan:
+    """The KV pool of a paged offloaded cache (design §3.11): ``max_batch`` rows, or as many
+    as the device budget holds (a row's slots, compressed keys and resident layers), and as
+    many host KV blocks as the host budget holds after the rows' fixed host bytes (``mixed``'s
+    hot pool), at most every row's full ``capacity``; on the CPU both share the host budget.
+    When every row's whole ``capacity`` fits, ``host_blocks`` is ``None``: an unpaged cache
+    (the identity block table) serves the same requests.
+
+    Raises:
+        SpardaError: not even one row with one host block fits the budgets (the message
+            names the bytes, the budgets and the options that change them).
+    """
+    device_budget, host_budget = budgets(runner, capacity, gpu_memory_utilization, host_memory_gib)
+    bs = runner.config.selection.block_size
+    full = -(-capacity // bs)
+    dev_row, fixed_row = runner.kv_bytes(1, capacity, host_blocks=0)
+    page = runner.kv_bytes(1, capacity, host_blocks=1)[1] - fixed_row
+    cpu = runner.device.type != "cuda"
+    per_row = dev_row + fixed_row + page if cpu else dev_row  # a row and at least one block
+    fits = max_batch
+    if device_budget is not None and not cpu:
+        fits = device_budget // max(dev_row, 1)
+    if host_budget is not None:
+        fits = min(fits, host_budget // max(per_row if cpu else fixed_row + page, 1))
+    if fits < 1:
+        raise SpardaError(f"one KV row of {capacity} tokens does not fit: it needs {_size(dev_row)} on the device "
+                          f"and {_size(fixed_row + page)} of host memory for its first block, of budgets "
+                          f"{'none' if device_budget is None else _size(device_budget)} (--gpu-memory-utilization) "
+                          f"and {'none' if host_budget is None else _size(host_budget)} (--host-memory-gib); lower "
+                          "--max-model-len or raise the budgets")
+    rows = min(max_batch, fits)
+    dev, fixed = runner.kv_bytes(rows, capacity, host_blocks=0)
+    room = None if host_budget is None else host_budget - fixed - (dev if cpu else 0)
+    blocks = rows * full if room is None else max(1, min(rows * full, room // max(page, 1)))
+    dev, host = runner.kv_bytes(rows, capacity, host_blocks=blocks)
+    if cpu:
+        dev, host = 0, dev + host
+    paged = blocks < rows * full  # else every row whole: the identity block table, no paging
+    return MemoryPlan(rows=rows, capacity=capacity, device_bytes=dev, host_bytes=host, device_budget=device_budget,
+                      host_budget=host_budget, fits=fits, host_blocks=blocks if paged else None,
+                      block_size=bs if paged else 0)

@@ -78,16 +78,26 @@ class ModelRunner:
         return 2 * s.num_kv_heads * (full * token_bytes(s.head_dim, "bf16", self.dtype)
                                      + (s.num_layers - full) * token_bytes(s.head_dim, "mixed", self.dtype))
 
-    def kv_bytes(self, batch: int, capacity: int) -> tuple[int, int]:
+    def kv_bytes(self, batch: int, capacity: int, host_blocks: int | None = None) -> tuple[int, int]:
         """``(device_bytes, host_bytes)`` that :meth:`new_cache` of ``batch`` x ``capacity``
-        allocates (:func:`sparda.engine.memory.kv_need_bytes`)."""
+        with ``host_blocks`` host pages allocates (:func:`sparda.engine.memory.kv_need_bytes`)."""
         from sparda.engine.memory import kv_need_bytes
 
         c = self.config.cache
         return kv_need_bytes(self.shape, self.config.selection, c.kv_dtype, self.dtype, batch, capacity,
                              offload=self.offloaded, resident_layers=self.cache_resident_layers(),
                              slot_factor=c.slot_factor, hot_blocks=c.hot.get("hot_blocks"),
-                             state_bytes=self.method.state_bytes(batch, capacity))
+                             state_bytes=self.method.state_bytes(batch, capacity), host_blocks=host_blocks)
+
+    def host_block_bytes(self) -> int:
+        """Host bytes of one KV block of an offloaded cache, every offloaded layer
+        (:func:`sparda.engine.memory.host_page_bytes`); 0 for a device cache."""
+        from sparda.engine.memory import host_page_bytes
+
+        if not self.offloaded:
+            return 0
+        return host_page_bytes(self.shape, self.config.selection, self.config.cache.kv_dtype, self.dtype,
+                               resident_layers=self.cache_resident_layers())
 
     def cache_capacity(self, tokens: int) -> int:
         """``tokens`` rounded up to a multiple of :data:`CAPACITY_ROUND` (not past the model's

@@ -137,7 +137,7 @@ class Scheduler:
         return admitted
 
     def plan(self, budget: int, chunks) -> list[tuple[Sequence, int, int]]:
-        """The prefill chunks of one engine step with chunked prefill (design §3.8).
+        """The prefill chunks of one engine step with chunked prefill (design §3.9).
 
         ``budget`` tokens (``max_num_batched_tokens`` less this step's decode tokens) go,
         first come first served, to the half-prefilled requests in admission order, then to
