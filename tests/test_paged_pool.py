@@ -71,6 +71,10 @@ def _serve(engine, prompts, max_tokens):
         done = [delta for delta in engine.step() if delta.output is not None]
         outputs.update((delta.request_id, delta.output) for delta in done)
         peak = max(peak, engine.scheduler.rows_in_use + len(done))  # rows held during the step
+        if engine.scheduler.block_pool is not None:  # blocks held: ceil((prompt + max_tokens) / bs) each
+            held = sum(-(-(len(ids) + m) // SMALL["block_size"]) for s, ids, m in zip(seqs, prompts, max_tokens)
+                       if s.request_id not in outputs)
+            assert engine.metrics()["kv_blocks_used"] == held
     return peak, [outputs[s.request_id] for s in seqs]
 
 
@@ -107,3 +111,9 @@ def test_a_budget_of_r_full_rows_serves_many_short_requests(make_tiny, kv_dtype,
         assert a.token_ids == b.token_ids, (i, f"seed={fresh_seed}")
         assert [e["logprob"] for e in a.logprobs] == pytest.approx([e["logprob"] for e in b.logprobs], abs=1e-5), (
             i, f"seed={fresh_seed}")
+    room = plan.host_blocks * SMALL["block_size"]
+    if room < mml:  # one request longer than the block pool: refused, naming the pool and the fix
+        with pytest.raises(SpardaError, match=rf"exceeds the KV block pool of {room} tokens .*--host-memory-gib"):
+            engine.add_request(list(range(50)), SamplingParams(max_tokens=room - 49, ignore_eos=True))
+        fits = engine.add_request(list(range(50)), SamplingParams(max_tokens=room - 50, ignore_eos=True))
+        engine.abort(fits.request_id)  # the largest that fits is queued
