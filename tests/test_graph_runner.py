@@ -208,7 +208,8 @@ def test_generate_rounds_the_cache_capacity(tiny, forecast_file, monkeypatch, me
         assert cap % llm_module.CAPACITY_ROUND == 0 or cap == limit
     made = []
     real = llm.model_runner.new_cache
-    monkeypatch.setattr(llm.model_runner, "new_cache", lambda batch, capacity: made.append(capacity) or real(batch, capacity))
+    monkeypatch.setattr(llm.model_runner, "new_cache",
+                        lambda batch, capacity, **kw: made.append(capacity) or real(batch, capacity, **kw))
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (int(torch.randint(120, 150, ())), 70)]
     rounded = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=40, ignore_eos=True)
     monkeypatch.setattr(llm_module, "CAPACITY_ROUND", 1)
