@@ -60,6 +60,9 @@ def test_plan_pool_is_the_largest_pool_within_the_budget(tiny, fresh_seed):
     with pytest.raises(SpardaError, match=rf"^one KV row of {capacity} tokens does not fit: .*--host-memory-gib"
                                           r".*lower --max-model-len"):
         plan_pool(runner, capacity, 8, host_memory_gib=(least - 1) / 2**30)
+    with pytest.raises(SpardaError) as refused:  # on the CPU there is no GPU budget to name
+        plan_pool(runner, capacity, 8, host_memory_gib=(least - 1) / 2**30)
+    assert "gpu-memory" not in str(refused.value)
 
 
 def _serve(engine, prompts, max_tokens):
@@ -117,3 +120,12 @@ def test_a_budget_of_r_full_rows_serves_many_short_requests(make_tiny, kv_dtype,
             engine.add_request(list(range(50)), SamplingParams(max_tokens=room - 49, ignore_eos=True))
         fits = engine.add_request(list(range(50)), SamplingParams(max_tokens=room - 50, ignore_eos=True))
         engine.abort(fits.request_id)  # the largest that fits is queued
+        with pytest.raises(SpardaError) as refused:
+            engine.add_request(list(range(50)), SamplingParams(max_tokens=room - 49))
+        assert refused.value.param == "max_tokens"  # the server's 400 names the field
+        with pytest.raises(SpardaError, match=rf"^prompt of {room} tokens does not fit the KV block pool of {room} "
+                                              r"tokens .*shorten the prompt or raise --host-memory-gib"):
+            engine.add_request(list(range(room)), SamplingParams(max_tokens=1))
+        unset = engine.add_request(list(range(30)), SamplingParams(max_tokens=None))  # capped at the pool
+        assert unset.max_tokens == room - 30
+        engine.abort(unset.request_id)

@@ -175,7 +175,7 @@ class Engine:
         Args:
             prompt_ids: prompt token ids (chat template already applied if wanted).
             params: :class:`SamplingParams` (default: greedy, 64 tokens). ``max_tokens=None``
-                means up to the row's capacity.
+                means up to the row's capacity, or what a paged pool holds if that is less.
             request_id: an id unique among live requests (default: a counter).
             on_delta: called with every :class:`Delta` of this request, on the engine's
                 thread; keep it short (e.g. hand the delta to an event loop).
@@ -193,7 +193,10 @@ class Engine:
             raise SpardaError("prompt token ids must be integers")
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise SpardaError(f"prompt token ids must be in [0, {self.vocab_size}), the model's vocabulary")
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(self.max_model_len - len(ids), 1)
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # up to the row's end, or what the KV block pool holds if that is less
+            room = min(self.max_model_len, self.scheduler.pool_tokens or self.max_model_len)
+            max_tokens = max(room - len(ids), 1)
         self.scheduler.check(len(ids), max_tokens)
         with self._lock:
             if not self.accepting:
@@ -558,7 +561,8 @@ class Engine:
     def metrics(self) -> dict:
         """A snapshot: ``requests_running`` (holding a row), ``requests_prefilling`` (of those,
         half-prefilled, design §3.9), ``requests_waiting``, ``kv_tokens_in_use`` (tokens in
-        the cache), ``kv_tokens_total`` (rows x ``max_model_len``), ``kv_rows_in_use``,
+        the cache), ``kv_tokens_total`` (rows x ``max_model_len``; paged, at most blocks x block
+        size), ``kv_rows_in_use``,
         ``kv_rows_total``, ``max_model_len``, with a paged cache ``kv_blocks_used`` and
         ``kv_blocks_total`` (host KV blocks, design §3.11), ``generation_tokens_total``,
         ``prompt_tokens_total``, ``generation_tokens_per_s`` (over the last

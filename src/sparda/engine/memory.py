@@ -228,6 +228,11 @@ def plan_pool(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: 
         fits = device_budget // max(dev_row, 1)
     if host_budget is not None:
         fits = min(fits, host_budget // max(per_row if cpu else fixed_row + page, 1))
+    if fits < 1 and cpu:
+        raise SpardaError(f"one KV row of {capacity} tokens does not fit: with its first block it needs "
+                          f"{_size(per_row)} of host memory (on the CPU the whole cache is host memory), of a budget "
+                          f"of {_size(host_budget)} (--host-memory-gib); lower --max-model-len or raise "
+                          "--host-memory-gib")
     if fits < 1:
         raise SpardaError(f"one KV row of {capacity} tokens does not fit: it needs {_size(dev_row)} on the device "
                           f"and {_size(fixed_row + page)} of host memory for its first block, of budgets "

@@ -67,7 +67,8 @@ class Scheduler:
         """Refuse a request that can never fit a row.
 
         Raises:
-            SpardaError: empty prompt, or prompt + ``max_tokens`` over ``max_model_len``.
+            SpardaError: empty prompt, or prompt + ``max_tokens`` over ``max_model_len`` or,
+                paged, over the whole KV block pool.
         """
         if num_prompt == 0:
             raise SpardaError("empty prompt; pass some text")
@@ -80,11 +81,24 @@ class Scheduler:
                               "or raise --max-model-len")
         pool = self.block_pool
         if pool is not None and blocks_for(num_prompt + max_tokens, self.block_size) > pool.num_blocks:
-            room = pool.num_blocks * self.block_size
-            size = f" ({pool.num_blocks * self.block_bytes / 2**30:.2f} GiB)" if self.block_bytes else ""
-            raise SpardaError(f"prompt of {num_prompt} tokens plus max_tokens {max_tokens} exceeds the KV block pool "
-                              f"of {room} tokens{size}; lower max_tokens to at most {max(room - num_prompt, 0)} "
+            room = self.pool_tokens
+            nbytes = pool.num_blocks * self.block_bytes
+            size = ("" if not nbytes else f" ({nbytes / 2**30:.2f} GiB)" if nbytes >= 2**27
+                    else f" ({nbytes / 2**20:.2f} MiB)")
+            if num_prompt >= room:
+                raise SpardaError(f"prompt of {num_prompt} tokens does not fit the KV block pool of {room} tokens"
+                                  f"{size} (it needs room for at least one new token); shorten the prompt or raise "
+                                  "--host-memory-gib")
+            exc = SpardaError(f"prompt of {num_prompt} tokens plus max_tokens {max_tokens} exceeds the KV block pool "
+                              f"of {room} tokens{size}; lower max_tokens to at most {room - num_prompt} "
                               "or raise --host-memory-gib")
+            exc.param = "max_tokens"  # the server's 400 names the field
+            raise exc
+
+    @property
+    def pool_tokens(self) -> int | None:
+        """Tokens the whole KV block pool holds (``None`` without one)."""
+        return None if self.block_pool is None else self.block_pool.num_blocks * self.block_size
 
     def blocks_needed(self, seq: Sequence) -> int:
         """KV blocks ``seq`` reserves at admission (0 without a block pool)."""

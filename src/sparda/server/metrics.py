@@ -60,7 +60,8 @@ class EngineCollector:
                     m["requests_prefilling"])
         yield gauge("requests_waiting", "Requests queued for a row.", m["requests_waiting"])
         yield gauge("kv_tokens_in_use", "Tokens held in the KV cache.", m["kv_tokens_in_use"])
-        yield gauge("kv_tokens_total", "Tokens the KV cache holds at most (rows x --max-model-len).",
+        yield gauge("kv_tokens_total",
+                    "Tokens the KV cache holds at most (rows x --max-model-len; paged: at most blocks x block size).",
                     m["kv_tokens_total"])
         yield gauge("kv_rows_in_use", "KV-cache rows in use.", m["kv_rows_in_use"])
         yield gauge("kv_rows_free", "KV-cache rows free.", m["kv_rows_total"] - m["kv_rows_in_use"])
