@@ -658,6 +658,21 @@ def serve(engine: Engine, model_name: str, sock: socket.socket, *, drain_timeout
         signals = 0
         timer: threading.Timer | None = None
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT/SIGTERM to :meth:`handle_exit` while serving, then ignored: uvicorn's own
+            restores the old handlers first, and a late signal in that gap interrupted the exit."""
+            if threading.current_thread() is not threading.main_thread():  # signals: main thread only
+                yield
+                return
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self.handle_exit)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_IGN)
+
         def handle_exit(self, sig, frame):
             self.signals += 1
             if self.signals == 1:
