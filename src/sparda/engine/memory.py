@@ -113,13 +113,14 @@ class MemoryPlan:
             head = f"KV pool {self.rows} rows x {self.capacity} tokens"
         parts = []
         if self.device_budget is not None:
-            parts.append(f"device {_size(self.device_bytes)} of {_size(self.device_budget)}")
+            parts.append(f"device {size_text(self.device_bytes)} of {size_text(self.device_budget)}")
         if self.host_budget is not None:
-            parts.append(f"host {_size(self.host_bytes)} of {_size(self.host_budget)}")
+            parts.append(f"host {size_text(self.host_bytes)} of {size_text(self.host_budget)}")
         return head + (": " + ", ".join(parts) if parts else "") + f", room for {self.fits} rows"
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """``nbytes`` as GiB, or MiB below 0.01 GiB (two decimals)."""
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 0.01 * 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
@@ -188,7 +189,7 @@ def plan_rows(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: 
               if budget is not None and row > 0]
     fits = min(bounds) if bounds else max_batch
     if fits < 1:
-        short = [f"{name} {_size(row)} of a {_size(budget)} budget ({flag})"
+        short = [f"{name} {size_text(row)} of a {size_text(budget)} budget ({flag})"
                  for name, row, budget, flag in (("device", dev_row, device_budget, "--gpu-memory-utilization"),
                                                  ("host", host_row, host_budget, "--host-memory-gib"))
                  if budget is not None and row > budget]
@@ -230,14 +231,14 @@ def plan_pool(runner, capacity: int, max_batch: int, *, gpu_memory_utilization: 
         fits = min(fits, host_budget // max(per_row if cpu else fixed_row + page, 1))
     if fits < 1 and cpu:
         raise SpardaError(f"one KV row of {capacity} tokens does not fit: with its first block it needs "
-                          f"{_size(per_row)} of host memory (on the CPU the whole cache is host memory), of a budget "
-                          f"of {_size(host_budget)} (--host-memory-gib); lower --max-model-len or raise "
+                          f"{size_text(per_row)} of host memory (on the CPU the whole cache is host memory), of a budget "
+                          f"of {size_text(host_budget)} (--host-memory-gib); lower --max-model-len or raise "
                           "--host-memory-gib")
     if fits < 1:
-        raise SpardaError(f"one KV row of {capacity} tokens does not fit: it needs {_size(dev_row)} on the device "
-                          f"and {_size(fixed_row + page)} of host memory for its first block, of budgets "
-                          f"{'none' if device_budget is None else _size(device_budget)} (--gpu-memory-utilization) "
-                          f"and {'none' if host_budget is None else _size(host_budget)} (--host-memory-gib); lower "
+        raise SpardaError(f"one KV row of {capacity} tokens does not fit: it needs {size_text(dev_row)} on the device "
+                          f"and {size_text(fixed_row + page)} of host memory for its first block, of budgets "
+                          f"{'none' if device_budget is None else size_text(device_budget)} (--gpu-memory-utilization) "
+                          f"and {'none' if host_budget is None else size_text(host_budget)} (--host-memory-gib); lower "
                           "--max-model-len or raise the budgets")
     rows = min(max_batch, fits)
     dev, fixed = runner.kv_bytes(rows, capacity, host_blocks=0)

@@ -30,6 +30,7 @@ import heapq
 import itertools
 
 from sparda.engine.block_pool import BlockPool, blocks_for
+from sparda.engine.memory import size_text
 from sparda.engine.sequence import Sequence, Status
 from sparda.errors import SpardaError
 
@@ -82,9 +83,7 @@ class Scheduler:
         pool = self.block_pool
         if pool is not None and blocks_for(num_prompt + max_tokens, self.block_size) > pool.num_blocks:
             room = self.pool_tokens
-            nbytes = pool.num_blocks * self.block_bytes
-            size = ("" if not nbytes else f" ({nbytes / 2**30:.2f} GiB)" if nbytes >= 2**27
-                    else f" ({nbytes / 2**20:.2f} MiB)")
+            size = f" ({size_text(pool.num_blocks * self.block_bytes)})" if self.block_bytes else ""
             if num_prompt >= room:
                 raise SpardaError(f"prompt of {num_prompt} tokens does not fit the KV block pool of {room} tokens"
                                   f"{size} (it needs room for at least one new token); shorten the prompt or raise "
