@@ -51,7 +51,8 @@ class Running:
                 continue
             name, value = line.rsplit(" ", 1)
             base, labels = name.split("{", 1)
-            reason = [p.split("=")[1].strip('"') for p in labels.rstrip("}").split(",") if p.startswith("reason=")]
+            reason = [p.split("=")[1].strip('"') for p in labels.rstrip("}").split(",")
+                      if p.startswith(("reason=", "bucket="))]
             out[f"{base}{{{reason[0]}}}" if reason else base] = float(value)
         return out
 
@@ -98,7 +99,8 @@ def test_models_health_and_metrics(server):
     metrics = server.metrics()
     assert metrics["sparda_kv_rows_total"] == 8 and metrics["sparda_max_model_len_tokens"] == 192
     for name in ("sparda_requests_running", "sparda_requests_waiting", "sparda_kv_rows_in_use",
-                 "sparda_generation_tokens_per_second", "sparda_generation_tokens_total"):
+                 "sparda_generation_tokens_per_second", "sparda_generation_tokens_total", "sparda_decode_bucket_rows",
+                 "sparda_cuda_graph_capture_seconds_total"):
         assert name in metrics
 
 

@@ -253,7 +253,7 @@ class Replayer:
         original = cache.fetch
 
         def fetch(layer, selection, pos, prefetch=False, counters=None):
-            chosen = self.ids.index_select(0, self.index)[0, layer]
+            chosen = self.ids.index_select(0, self.index)[0, layer, :pos.shape[0]]  # the step's rows
             return original(layer, chosen, pos, prefetch, counters)
 
         cache.fetch = fetch

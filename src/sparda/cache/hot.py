@@ -66,25 +66,26 @@ class HotBlocks:
         self.last[layer][row] = torch.where(window, end - 1, NEVER)
 
     def update(self, layer: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One decode step of ``layer``: ``ids [B, H, W]`` selected (``-1`` padded), ``pos [B]``
-        the step's positions. Returns the demoted blocks ``[B, H, N]`` bool (static shapes,
-        no host sync)."""
+        """One decode step of ``layer``'s first ``b`` rows (design §3.13): ``ids [b, H, W]``
+        selected (``-1`` padded), ``pos [b]`` the step's positions. Returns the demoted blocks
+        ``[b, H, N]`` bool (static shapes, no host sync); rows ``b ..`` are not touched."""
+        b = ids.shape[0]
         p = pos.view(-1, 1, 1)
         cur = p // self.block_size
         n = self._blocks
         picked = ids_to_block_mask(ids, self.num_blocks) | ((n > cur - self.local) & (n <= cur))
-        last = self.last[layer]
+        last = self.last[layer][:b]
         last.copy_(torch.where(picked, p, last))
-        hot = self.hot[layer]
+        hot = self.hot[layer][:b]
         keep = (hot & (p - last < self.steps) & (n > cur - self.pool_blocks)) | (n == cur)
         demoted = hot & ~keep
         hot.copy_(keep)
         return demoted
 
     def split(self, layer: int, load: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``load [B, H, S]`` (block to copy into slot ``s``, ``-1`` none) split into
-        ``(pool, cold)``: the pool slot of each hot block, the block id of each cold one
-        (``-1`` elsewhere)."""
-        hot = torch.gather(self.hot[layer], -1, load.clamp(min=0)) & (load >= 0)
+        """``load [b, H, S]`` of the first ``b`` rows (block to copy into slot ``s``, ``-1`` none)
+        split into ``(pool, cold)``: the pool slot of each hot block, the block id of each
+        cold one (``-1`` elsewhere)."""
+        hot = torch.gather(self.hot[layer][:load.shape[0]], -1, load.clamp(min=0)) & (load >= 0)
         return (torch.where(hot, load % self.pool_blocks, -1),
                 torch.where(hot | (load < 0), -1, load))

@@ -88,8 +88,8 @@ class MixedOffloadKVCache(OffloadKVCache):
         return None
 
     def _store_tokens(self, layer: int, k_tok, v_tok, pos: torch.Tensor) -> None:
-        """``k_tok, v_tok [B, H, d]`` exact: to the hot pool at pool slot ``block mod P``,
-        then int4 to the store."""
+        """``k_tok, v_tok [b, H, d]`` exact (rows ``0 .. b - 1``): to the hot pool at pool slot
+        ``block mod P``, then int4 to the store."""
         bs, pool = self.block_size, self.hot_blocks
         ring_pos = (pos // bs) % pool * bs + pos % bs
         for chunk in self.host.pool[layer]:
@@ -100,7 +100,7 @@ class MixedOffloadKVCache(OffloadKVCache):
         """The hot rule's step (:meth:`~sparda.cache.hot.HotBlocks.update`): a demoted block's
         ``dtype`` copy leaves its GPU slot too."""
         demoted = self.hot.update(layer, ids, pos)
-        held = self.slot_map[layer]
+        held = self.slot_map[layer][:ids.shape[0]]
         held.masked_fill_(torch.gather(demoted, -1, held.clamp(min=0)) & (held >= 0), -1)
 
     def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool) -> None:
@@ -108,12 +108,14 @@ class MixedOffloadKVCache(OffloadKVCache):
         into :attr:`cold_k` / :attr:`cold_v`, dequantised from there into its slot
         (:func:`sparda.kernels.dequantize_cold_slots`: on CUDA only the slots that received
         a cold block are read and written). Counts the pool misses
-        (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`)."""
+        (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`). ``load [b, H, S]``: the
+        cache's first ``b`` rows (design §3.13)."""
         pref = self.prefetcher
+        b = load.shape[0]
         from_pool, cold = self.hot.split(layer, load)
-        pref.pool_misses.add_((from_pool >= 0).sum((1, 2)))
-        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
-        ck, cv = self.cold_k[layer], self.cold_v[layer]
+        pref.pool_misses[:b].add_((from_pool >= 0).sum((1, 2)))
+        k_slots, v_slots = self.k_slots[layer][:b], self.v_slots[layer][:b]
+        ck, cv = self.cold_k[layer][:b], self.cold_v[layer][:b]
         planes = [(ck.data, cv.data), (ck.scale, cv.scale)]
         s = self.slots
 
