@@ -2,7 +2,7 @@
 # `sparda serve` under load on one GPU (issue "serving at GPU scale", Deliver 6), one part per
 # device call (each call runs at most 600 s). MiniCPM-8B shape, random weights, bundled tokenizer.
 # Usage (repository root on the device): bash docs/results/serve-load-2026-12-07/run.sh PART SITE TOK
-#   PART: sat | sat-sparda | sat-gpu | overhead; SITE: the wheels installed; TOK: the bundled tokenizer folder
+#   PART: sat | sat-sparda | sat-gpu | so | overhead | mem; SITE: the wheels installed; TOK: the bundled tokenizer folder
 set -uo pipefail
 PART=${1:?part}; SITE=${2:?site}; TOK=${3:?tokenizer folder}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$SITE:src SPARDA_COMMIT=${SPARDA_COMMIT:-unknown}
@@ -16,9 +16,13 @@ case $PART in
        LIMIT=285 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45 ;;
   sat-gpu) LIMIT=270 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45
            LIMIT=270 load "$OUT/sat-so" --configs sparse-offload --rates "" --concurrency 32 --duration 100 --drain 45 ;;
+  so) LIMIT=285 load "$OUT/sat-so" --configs sparse-offload --rates "" --concurrency 32 --duration 100 --drain 45 ;;
+  # memory: 8K prompts in a host budget of ~9 rows reserved whole at 128K (--max-model-len 132096)
+  mem) LIMIT=200 load "$OUT/mem" --configs sparda --rates "" --concurrency 40 --max-batch 32 --host-memory-gib 36 \
+         --max-model-len 132096 --prompt-tokens 8192,8192 --output-tokens 256,1024 --duration 60 --drain 40 ;;
   # engine overhead: 16 requests all at 128K, 16 rows; then the bench at B16 with the server's hit rate
   overhead) LIMIT=330 load "$OUT/ovh" --configs sparda --rates "" --concurrency 16 --max-batch 16 \
-              --prompt-tokens 131072,131072 --output-tokens 1024,1024 --duration 150 --drain 60
+              --prompt-tokens 131072,131072 --output-tokens 2048,2048 --duration 120 --drain 60
             hit=$(python3 -c "import json; print(json.load(open('$OUT/ovh/serve_load.json'))['records'][0]['hit_rate'] or '')" 2>/dev/null)
             echo "server hit rate: ${hit:-?}"
             timeout 200 python3 -m sparda.cli bench --models minicpm-8b --contexts 131072 --batches 16 \
