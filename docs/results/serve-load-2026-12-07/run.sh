@@ -12,8 +12,8 @@ load() { timeout ${LIMIT:-560} python3 benchmarks/bench_serve.py load "$@" --tok
 case $PART in
   # saturation: closed loop, more clients than rows, the 8K-128K mix
   sat-sparda) load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 120 --drain 60 ;;
-  sat) LIMIT=285 load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 100 --drain 45
-       LIMIT=285 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45 ;;
+  sat) LIMIT=240 load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 90 --drain 40
+       LIMIT=240 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 90 --drain 40 ;;
   sat-gpu) LIMIT=270 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45
            LIMIT=270 load "$OUT/sat-so" --configs sparse-offload --rates "" --concurrency 32 --duration 100 --drain 45 ;;
   so) LIMIT=285 load "$OUT/sat-so" --configs sparse-offload --rates "" --concurrency 32 --duration 100 --drain 45 ;;
