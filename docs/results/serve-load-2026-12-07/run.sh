@@ -22,7 +22,7 @@ case $PART in
          --max-model-len 132096 --prompt-tokens 8192,8192 --output-tokens 256,1024 --duration 60 --drain 40 ;;
   # engine overhead: 16 requests all at 128K, 16 rows; then the bench at B16 with the server's hit rate
   overhead) LIMIT=330 load "$OUT/ovh" --configs sparda --rates "" --concurrency 16 --max-batch 16 \
-              --prompt-tokens 131072,131072 --output-tokens 2048,2048 --duration 120 --drain 60
+              --prompt-tokens 131072,131072 --output-tokens 1024,1024 --duration 150 --drain 60
             hit=$(python3 -c "import json; print(json.load(open('$OUT/ovh/serve_load.json'))['records'][0]['hit_rate'] or '')" 2>/dev/null)
             echo "server hit rate: ${hit:-?}"
             timeout 200 python3 -m sparda.cli bench --models minicpm-8b --contexts 131072 --batches 16 \
