@@ -3,8 +3,13 @@
 # device call (each call runs at most 600 s). MiniCPM-8B shape, random weights, bundled tokenizer.
 # Usage (repository root on the device): bash docs/results/serve-load-2026-12-07/run.sh PART SITE TOK
 #   PART: sat | sat-sparda | sat-gpu | so | overhead | mem; SITE: the wheels installed; TOK: the bundled tokenizer folder
+# SITE holds, from wheels (pip install --no-deps --target SITE): fastapi, starlette, pydantic(-core),
+# uvicorn, h11, annotated-doc/-types, typing-inspection, opentelemetry-api, prometheus-client, gguf,
+# wonderwords, and the load generator's openai client with httpx2, httpcore2, truststore, jiter, distro.
 set -uo pipefail
-PART=${1:?part}; SITE=${2:?site}; TOK=${3:?tokenizer folder}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Records go to a work folder, packed at the end into $OUT/PART.tgz (a device call returns few files).
+PART=${1:?part}; SITE=${2:?site}; TOK=${3:?tokenizer folder}; RET=${OUT:-/tmp/out}; OUT=/tmp/serve-$PART
+mkdir -p "$OUT" "$RET"; trap 'tar czf "$RET/$PART.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"' EXIT
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$SITE:src SPARDA_COMMIT=${SPARDA_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt"
 free -g > "$OUT/free.txt"
