@@ -145,6 +145,7 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
         """
         self._next: dict[int, torch.Tensor] = {}  # layer -> block ids chosen in the layer before
         super().__init__(config, shape, model=model, model_dir=model_dir, forecast=forecast)
+        self.meta2: dict[str, str] = {}  # the two-ahead weight file's metadata
         if config.lookahead == 2:
             if forecast2 is None:
                 forecast2, self.meta2 = weights_for(config.forecast2_path, model, shape, model_dir, ahead=2)

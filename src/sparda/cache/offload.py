@@ -524,6 +524,14 @@ class OffloadKVCache(KVCache):
             return selection
         return ref.block_mask_to_indices(selection, min(self.select_width, selection.shape[-1]))
 
+    def _diff_ids(self, selection: torch.Tensor, caller: str) -> torch.Tensor:
+        """:meth:`selection_ids`, contiguous; SpardaError naming ``caller`` if wider than :attr:`select_width`."""
+        ids = self.selection_ids(selection)
+        if ids.shape[-1] > self.select_width:
+            raise SpardaError(f"{caller}: {ids.shape[-1]} block ids per row exceed the selection width "
+                              f"{self.select_width} of this cache; select with width=cache.select_width")
+        return ids if ids.is_contiguous() else ids.contiguous()
+
     def fetch(self, layer: int, selection: torch.Tensor, pos: torch.Tensor, prefetch: bool = False,
               counters: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Make ``layer``'s selected blocks resident in its slots (decode).
@@ -546,12 +554,7 @@ class OffloadKVCache(KVCache):
         """
         if layer in self.resident:
             return
-        ids = self.selection_ids(selection)
-        if ids.shape[-1] > self.select_width:
-            raise SpardaError(f"fetch: {ids.shape[-1]} block ids per row exceed the selection width "
-                              f"{self.select_width} of this cache; select with width=cache.select_width")
-        if not ids.is_contiguous():
-            ids = ids.contiguous()
+        ids = self._diff_ids(selection, "fetch")
         pref = self.prefetcher
         read, valid = counters if counters is not None else (self._scratch_count, self._scratch_count)
         load = self.load[layer]
@@ -579,12 +582,7 @@ class OffloadKVCache(KVCache):
         """
         if layer in self.resident:
             return
-        ids = self.selection_ids(selection)
-        if ids.shape[-1] > self.select_width:
-            raise SpardaError(f"warm: {ids.shape[-1]} block ids per row exceed the selection width "
-                              f"{self.select_width} of this cache; select with width=cache.select_width")
-        if not ids.is_contiguous():
-            ids = ids.contiguous()
+        ids = self._diff_ids(selection, "warm")
         scratch, load = self._scratch_count, self.early_load[layer]
         kernels.slot_diff(ids, self.slot_map[layer], pos, self.block_size, self.num_blocks, load,
                           self._early_attn, (scratch, self.prefetcher.early, scratch, scratch),
