@@ -126,6 +126,12 @@ def model_options(func):
                           "sparse-offload and sparda-no-prefetch always offload]."),
         click.option("--forecast", default=None,
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
+        click.option("--lookahead", type=int, default=None,
+                     help="Offloaded sparda: 2 also copies layer l+2's predicted blocks during layer l, from a "
+                          "two-ahead Forecast (design §6.2); the selection stays the one-layer Forecast's [default: 1]."),
+        click.option("--forecast2", default=None,
+                     help="--lookahead 2: two-ahead Forecast weights (`sparda train-forecast --lookahead 2`) "
+                          "[default: shipped for the bundled model]."),
         click.option("--kv-dtype", "kv_dtype", default=None, metavar="|".join(KV_DTYPES),
                      help=KV_DTYPE_HELP),
         click.option("--transfer", default=None, metavar="|".join(TRANSFERS),
@@ -502,6 +508,9 @@ def _read_json(path: str):
               help="Attention of the frozen model: dense, or block-sparse over the blocks each layer's own "
                    "queries select (design §5).")
 @click.option("--init", default="q", show_default=True, type=click.Choice(["q", "random"]), help="Initial weights.")
+@click.option("--lookahead", default=1, show_default=True, type=click.IntRange(1, 2),
+              help="1: the Forecast (layer l scores layer l+1); 2: the two-ahead heads of --lookahead 2 "
+                   "(layer l scores layer l+2, design §6.2), a weight file for --forecast2.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", required=True, help="Output .safetensors file.")
@@ -567,15 +576,17 @@ def _launch_torchrun(ctx, nproc: int, model, data, out: str, opts: dict) -> int:
 @click.option("--queries", default=64, show_default=True, type=int, help="Query tokens scored per length.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--forecast", default=None, help="Forecast weights [default: shipped for the bundled model].")
+@click.option("--forecast2", default=None,
+              help="Two-ahead Forecast weights of selector sparda-lookahead2 (design §6.2) [default: shipped].")
 @click.option("--device", default=None, help="cpu or cuda[:N].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object keyed by method.")
-def selection_report_cmd(model, text, methods, lengths, queries, preset, forecast, device, as_json):
+def selection_report_cmd(model, text, methods, lengths, queries, preset, forecast, forecast2, device, as_json):
     """Per-layer selection recall of each method vs the query-based and oracle top-k (design §8)."""
     from sparda.eval.selection import format_report, selection_report
 
     report = selection_report(model, text, [m.strip() for m in methods.split(",") if m.strip()],
                               list(lengths), queries=queries,
-                              preset=preset, forecast=forecast, device=device)
+                              preset=preset, forecast=forecast, device=device, forecast2=forecast2)
     click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
 
 
@@ -652,6 +663,12 @@ def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_head
 @click.option("--slot-factor", "slot_factor", type=float, default=None,
               help="Offloaded methods: GPU slots per block of the widest selection (design §6); records carry "
                    "slot_factor [default: 1.5].")
+@click.option("--lookahead", "lookaheads", default=None,
+              help="Comma list of 1, 2: offloaded sparda runs once per value; 2 also copies layer l+2's predicted "
+                   "blocks during layer l (design §6.2) [default: 1].")
+@click.option("--lookahead-recall", type=float, default=None,
+              help="--lookahead 2 on a replayed selection: share of its free top-k blocks the modelled two-ahead "
+                   "prediction holds, the rest random (docs/bench.md) [default: 0.79, measured on the bundled model].")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
 @click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")
 def bench_cmd(quick, record_trace, **opts):

@@ -103,14 +103,17 @@ class MixedOffloadKVCache(OffloadKVCache):
         held = self.slot_map[layer]
         held.masked_fill_(torch.gather(demoted, -1, held.clamp(min=0)) & (held >= 0), -1)
 
-    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool) -> None:
+    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool,
+                     early_pos: torch.Tensor | None = None) -> None:
         """A hot block's ``dtype`` copy from the pool, a cold block's int4 codes and scales
         into :attr:`cold_k` / :attr:`cold_v`, dequantised from there into its slot
         (:func:`sparda.kernels.dequantize_cold_slots`: on CUDA only the slots that received
         a cold block are read and written). Counts the pool misses
-        (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`)."""
+        (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`). An early copy (``early_pos``,
+        design §6.2) runs before this step's hot rule: a block is copied from the pool only
+        if its pool slot is not the current block's."""
         pref = self.prefetcher
-        from_pool, cold = self.hot.split(layer, load)
+        from_pool, cold = self.hot.split(layer, load, early_pos)
         pref.pool_misses.add_((from_pool >= 0).sum((1, 2)))
         k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
         ck, cv = self.cold_k[layer], self.cold_v[layer]
@@ -124,7 +127,7 @@ class MixedOffloadKVCache(OffloadKVCache):
                 self.engine.gather_planes(chunk, planes, cold)
             kernels.dequantize_cold_slots(ck, cv, k_slots[:, :, :s], v_slots[:, :, :s], cold)
 
-        pref.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch)
+        pref.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch, early=early_pos is not None)
 
     # ---------------------------------------------------------------- stats
     def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
