@@ -13,7 +13,7 @@ import sys
 import click
 
 from sparda import __version__
-from sparda.config import GPU_SHARE, KV_DTYPES, METHODS, PRESETS, TRANSFERS, spell
+from sparda.config import DEFAULT_KV_ADMISSION, GPU_SHARE, KV_ADMISSIONS, KV_DTYPES, METHODS, PRESETS, TRANSFERS, spell
 
 #: ``--kv-dtype`` help of the commands that run one method
 KV_DTYPE_HELP = ("KV-cache storage: bf16 (the model dtype), int8/int4 quantised per token and head, or mixed "
@@ -330,6 +330,10 @@ def served_name(model: str | None, model_dir) -> str:
 @click.option("--host-memory-gib", default=None, type=float,
               help="Host memory for the KV pool (the host store of an offloaded cache; on the CPU the whole "
                    "cache) [default: 90% of what is available at start-up].")
+@click.option("--kv-admission", default=DEFAULT_KV_ADMISSION, show_default=True, type=click.Choice(KV_ADMISSIONS),
+              help="How a paged KV pool (offloaded, host budget below every row whole) gives requests blocks: "
+                   "grow on demand and preempt the newest request (recompute) when it runs out, or reserve "
+                   "prompt + max_tokens at admission (design §3.11).")
 @click.option("--max-num-batched-tokens", default=None, type=click.IntRange(1),
               help="Tokens per engine step: one per decoding request, the rest prefill chunks of "
                    "--prefill-chunk tokens, at least one chunk (design §3.9) [default: --prefill-chunk + "
@@ -347,7 +351,7 @@ def served_name(model: str | None, model_dir) -> str:
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def serve(host, port, max_batch, max_model_len, max_waiting, gpu_memory_utilization, host_memory_gib,
-          max_num_batched_tokens, served_model_name, drain_timeout, max_request_bytes, api_key, protect_health_metrics,
+          kv_admission, max_num_batched_tokens, served_model_name, drain_timeout, max_request_bytes, api_key, protect_health_metrics,
           log_level, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.engine.engine import Engine
@@ -367,12 +371,17 @@ def serve(host, port, max_batch, max_model_len, max_waiting, gpu_memory_utilizat
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
                     max_prefill_tokens=max_num_batched_tokens or (llm.config.runtime.prefill_chunk_tokens or 8192)
                     + max_batch,
-                    gpu_memory_utilization=gpu_memory_utilization, host_memory_gib=host_memory_gib)
+                    gpu_memory_utilization=gpu_memory_utilization, host_memory_gib=host_memory_gib,
+                    kv_admission=kv_admission)
     name = served_model_name or served_name(opts["model"], llm.model_dir)
     bound_host, bound_port = sock.getsockname()[:2]
+    pool = engine.memory_plan.line()
+    if engine.scheduler.block_pool is not None:  # paged: say how requests take blocks (design §3.11)
+        pool += "; blocks grow on demand, preempted by recompute" if engine.scheduler.grows else \
+            "; blocks reserved for prompt + max_tokens"
     run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,
                max_request_bytes=max_request_bytes, api_key=api_key, protect_health_metrics=protect_health_metrics,
-               banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({engine.memory_plan.line()})")
+               banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({pool})")
 
 
 #: smallest demo haystack (tokens) that holds the pass key, its filler and the question

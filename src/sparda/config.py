@@ -247,6 +247,11 @@ DEFAULT_SLOT_FACTOR = 1.5
 GPU_SHARE = 0.9
 #: default share of the host memory available at start-up for the KV pool's host side (design §3.11)
 HOST_SHARE = 0.9
+#: how a paged KV cache admits requests (``--kv-admission``, design §3.11): ``grow`` takes a
+#: request's prompt blocks and one more block as decode reaches it, preempting (recompute) the
+#: newest request when the pool runs out; ``reserve`` takes prompt + ``max_tokens`` up front
+KV_ADMISSIONS = ("grow", "reserve")
+DEFAULT_KV_ADMISSION = "grow"
 DEFAULT_HOT_STEPS = 4
 #: prompt tokens per prefill chunk by default (design §3.8)
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192

@@ -53,6 +53,12 @@ class MixedOffloadKVCache(OffloadKVCache):
                              self.hot_blocks, self.hot_steps, self.device)
 
     # ---------------------------------------------------------------- hooks
+    def _row_history(self) -> list[torch.Tensor]:
+        """Plus the hot-block state (a recompute's prefill would leave only its local window
+        hot; its pool then holds the exact copies of the saved hot blocks, the last ``P``)."""
+        return super()._row_history() + [t for layer in self.offloaded for t in (self.hot.hot[layer],
+                                                                                 self.hot.last[layer])]
+
     def _pool_blocks(self) -> int:
         want = default_hot_blocks(self.selection) if self._hot_request is None else self._hot_request
         return min(want, self.num_blocks)
