@@ -21,13 +21,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny(make_tiny):
+    """5 layers: layers 2-4 get early copies (tests/test_lookahead2.py)."""
     return make_tiny("llama", num_hidden_layers=5)
 
 
 @pytest.fixture(scope="module")
 def weights(tiny, tmp_path_factory):
-    """``(one-layer file, two-ahead file)`` of random Forecasts; the two-ahead head of layer ``l``
-    holds ``F_{l+1}``'s weights."""
+    """``(one-layer file, two-ahead file)`` of random Forecasts (scaled up: peaky scores). The
+    two-ahead head of layer ``l`` is ``F_{l+1}``'s weights, read from layer ``l``'s input: a
+    prediction that overlaps the one-layer selection, so that early copies turn into hits."""
     from sparda.engine.llm import LLM
 
     llm = LLM(str(tiny), method="dense", device="cpu")

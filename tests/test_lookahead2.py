@@ -20,41 +20,12 @@ import math
 import pytest
 import torch
 
-from sparda.attention.forecast import Forecast, load_forecast, model_identity, save_forecast
+from sparda.attention.forecast import load_forecast
 from sparda.config import SelectionConfig
 from sparda.errors import SpardaError
-
-SMALL = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=0, init_blocks=1, local_blocks=2,
-             topk_blocks=3)
+from test_forecast2 import SMALL, tiny, weights  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny(make_tiny):
-    """5 layers: layers 2-4 get early copies."""
-    return make_tiny("llama", num_hidden_layers=5)
-
-
-@pytest.fixture(scope="module")
-def weights(tiny, tmp_path_factory):
-    """``(one-layer file, two-ahead file)`` of random Forecasts (scaled up: peaky scores). The
-    two-ahead head of layer ``l`` is ``F_{l+1}``'s weights, read from layer ``l``'s input: a
-    prediction that overlaps the one-layer selection, so that early copies turn into hits."""
-    from sparda.engine.llm import LLM
-
-    llm = LLM(str(tiny), method="dense", device="cpu")
-    one, two = Forecast.for_shape(llm.shape), Forecast.for_shape(llm.shape, ahead=2)
-    with torch.no_grad():
-        for p in one.parameters():
-            p.normal_(0, 0.3)
-        for layer, lin in enumerate(two.forecast):
-            lin.weight.copy_(one.forecast[layer + 1].weight)
-    path = tmp_path_factory.mktemp("forecast2")
-    identity = model_identity(llm.model.config, llm.shape)
-    save_forecast(one, path / "f1.safetensors", identity, dtype=torch.float32)
-    save_forecast(two, path / "f2.safetensors", identity, dtype=torch.float32)
-    return str(path / "f1.safetensors"), str(path / "f2.safetensors")
 
 
 def _llm(tiny, weights, lookahead: int, resident=(), **extra):
