@@ -9,6 +9,20 @@ import pytest
 from sparda.engine.sampling_params import SamplingParams
 from sparda.engine.scheduler import QueueFull, Scheduler
 from sparda.engine.sequence import Sequence, Status
+from sparda.errors import SpardaError
+
+
+def add_or_refuse(sched, num_blocks: int, block: int, rid: str, prompt: int, max_tokens: int):
+    """Add a request of ``prompt`` tokens and ``max_tokens`` to ``sched``; one larger than the
+    whole pool of ``num_blocks`` blocks of ``block`` tokens must be refused. Returns the
+    sequence added, or ``None`` when refused."""
+    seq = Sequence(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens), max_tokens, None)
+    if -(-(prompt + max_tokens) // block) > num_blocks:
+        with pytest.raises(SpardaError, match="KV block pool"):
+            sched.add(seq)
+        return None
+    sched.add(seq)
+    return seq
 
 
 def _reference_admit(waiting: list, free: set, budget):
@@ -160,7 +174,6 @@ def test_paged_admission_matches_a_brute_force_simulation(trial, fresh_seed):
     is admitted, into which row and blocks, in which order; blocks held by no two requests,
     every block accounted for, a request that can never fit refused."""
     from sparda.engine.block_pool import BlockPool
-    from sparda.errors import SpardaError
 
     rng = random.Random(fresh_seed * 100 + trial)
     rows, length, block = rng.randint(1, 6), 512, rng.choice([16, 64])
@@ -174,13 +187,8 @@ def test_paged_admission_matches_a_brute_force_simulation(trial, fresh_seed):
         if op < 0.45 and len(sched.waiting) < 32:
             prompt = rng.randint(1, 400)
             max_tokens = rng.randint(1, length - prompt)
-            seq = Sequence(str(ids), [1] * prompt, SamplingParams(max_tokens=max_tokens), max_tokens, None)
+            seq = add_or_refuse(sched, pool.num_blocks, block, str(ids), prompt, max_tokens)
             ids += 1
-            if -(-(prompt + max_tokens) // block) > pool.num_blocks:
-                with pytest.raises(SpardaError, match="KV block pool"):
-                    sched.add(seq)
-            else:
-                sched.add(seq)
         elif op < 0.8:
             held = {b for s in sched.running.values() for b in s.blocks}
             budget = rng.choice([None, rng.randint(1, 600)]) if chunk is None else rng.randint(1, 600)
@@ -329,7 +337,6 @@ def test_grow_on_demand_with_preemption_matches_a_brute_force_simulation(trial, 
     to re-prefill prompt + generated tokens but the last), blocks held by no two requests,
     every block accounted for; a request that can never fit the pool refused at add time."""
     from sparda.engine.block_pool import BlockPool
-    from sparda.errors import SpardaError
 
     rng = random.Random(fresh_seed * 100 + trial)
     rows, length, block = rng.randint(2, 8), 256, rng.choice([8, 16, 32])
@@ -361,13 +368,9 @@ def test_grow_on_demand_with_preemption_matches_a_brute_force_simulation(trial, 
                 break
             prompt = rng.randint(1, rng.choice([length // 4, length - 1]))
             max_tokens = rng.randint(1, min(rng.choice([length // 4, length]), length - prompt))
-            seq = Sequence(str(ids), [1] * prompt, SamplingParams(max_tokens=max_tokens), max_tokens, None)
+            seq = add_or_refuse(sched, pool.num_blocks, block, str(ids), prompt, max_tokens)
             ids += 1
-            if -(-(prompt + max_tokens) // block) > pool.num_blocks:
-                with pytest.raises(SpardaError, match="KV block pool"):
-                    sched.add(seq)
-            else:
-                sched.add(seq)
+            if seq is not None:
                 model.add(seq)
         if rng.random() < 0.05 and model.state:  # a cancel, waiting (maybe preempted) or running
             seq = rng.choice([s for s in model.state if s in model.running or s in model.waiting] or [None])
