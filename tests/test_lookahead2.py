@@ -309,7 +309,9 @@ def test_two_ahead_selection_matches_float64_brute_force(tiny, weights, local_bl
 def test_lookahead_two_gives_the_tokens_of_lookahead_one(tiny, weights, kv_dtype, fresh_seed):
     """Early copies change what is resident, never what is attended: the same greedy tokens and the
     logits up to summation order (fp32), over a batch of two lengths; blocks were copied early and
-    fewer were left to copy late."""
+    fewer were left to copy late. With int8 storage a summation-order difference can flip the
+    rounding of one stored element by one step, which then shows wherever its block is attended: a
+    looser bound there (one such flip measured 2e-5 to 6e-5 per step)."""
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in (150, 97)]
     steps = 64
     runs = []
@@ -327,7 +329,8 @@ def test_lookahead_two_gives_the_tokens_of_lookahead_one(tiny, weights, kv_dtype
     (one, stats1), (two, stats2) = runs
     where = f"seed {fresh_seed}, {kv_dtype}"
     assert torch.equal(one.argmax(-1), two.argmax(-1)), where
-    assert ((one - two).norm() / one.norm()).item() <= 1e-5, where
+    bound = 1e-5 if kv_dtype == "bf16" else 1e-3
+    assert ((one - two).norm() / one.norm()).item() <= bound, where
     assert stats1["early_copies"] == 0 and stats2["early_copies"] > 0, where
     assert stats2["misses"] < stats1["misses"], (where, stats1, stats2)
     assert stats2["hits"] + stats2["misses"] == stats1["hits"] + stats1["misses"], where  # same selections
