@@ -5,8 +5,11 @@ fused append's host write, CUDA graphs, the scattered-page prefill kernel).
 Random tiny model (``sparda.bench.models``, fp32 so both caches compute alike), two prompts
 of a few hundred tokens, a third row without pages (decode padding), pages a random
 permutation of a pool larger than needed (held pages finite garbage, pages nobody holds NaN). Prints one line per
-(method, kv_dtype) and exits non-zero on any difference or a stray write; a second identity
-cache is the control (if it differs too, the difference is not the table's).
+(method, kv_dtype, growth) and exits non-zero on any difference or a stray write; a second identity
+cache is the control (if it differs too, the difference is not the table's). ``grow`` is the
+engine's grow-on-demand admission (design §3.11): a row starts with the pages of its prompt
+and first decode token, and gets its next page just before the decode step (a CUDA graph
+replay) whose token starts that block.
 
     python3 benchmarks/check_paged_host.py            # CUDA (--device cpu: the script's own smoke run)
 """
@@ -59,10 +62,13 @@ def _nan_left(store, pages) -> bool:
     return True
 
 
-def check(method: str, kv_dtype: str, model, forecast, sel, steps: int = 24) -> bool:
-    """One (method, kv_dtype): prefill, ``steps`` decode steps, logits compared each step."""
+def check(method: str, kv_dtype: str, model, forecast, sel, steps: int | None = None, grow: bool = False) -> bool:
+    """One (method, kv_dtype): prefill, ``steps`` decode steps, logits compared each step;
+    ``grow``: the paged rows' pages assigned as decode reaches them (``steps`` default: 24, or
+    growing ``2 * block_size + 8``, so that a grown block is read back from its page)."""
     llm = pt.make_llm(model, method, sel, forecast if method.startswith("sparda") else None, kv_dtype=kv_dtype)
     runner, bs = llm.model_runner, sel.block_size
+    steps = steps or (2 * bs + 8 if grow else 24)
     lengths = [int(torch.randint(300, 700, ())), int(torch.randint(100, 300, ()))]
     capacity = max(lengths) + steps + bs
     prompts = [torch.randint(10, 500, (n,)).tolist() for n in lengths]
@@ -71,8 +77,10 @@ def check(method: str, kv_dtype: str, model, forecast, sel, steps: int = 24) -> 
     paged = runner.new_cache(3, capacity, host_blocks=sum(need) + 7)
     order = torch.randperm(paged.host_blocks).tolist()
     _fill_nan(paged.host)
-    paged.assign_blocks(0, order[:need[0]])
-    paged.assign_blocks(1, order[need[0]:need[0] + need[1]])
+    pages = [order[:need[0]], order[need[0]:need[0] + need[1]]]
+    held = [-(-(n + 1) // bs) if grow else len(p) for n, p in zip(lengths, pages)]
+    for row in (0, 1):
+        paged.assign_blocks(row, pages[row][:held[row]])
     free = order[need[0] + need[1]:]
     _garbage(paged.host, order[:need[0] + need[1]])
     outs = []
@@ -83,6 +91,10 @@ def check(method: str, kv_dtype: str, model, forecast, sel, steps: int = 24) -> 
         pos = torch.tensor(lengths + [0], device=tok.device)
         seq = [torch.stack(logits)]
         for step in range(steps):
+            for row in (0, 1):  # growing: the page of the token this step writes, before the replay
+                if cache is paged and -(-(int(pos[row]) + 1) // bs) > held[row]:
+                    held[row] += 1
+                    paged.assign_blocks(row, pages[row][:held[row]])
             out = runner.decode(cache, tok, pos, max_position=max(lengths) + step)
             seq.append(out[:2])
             tok = torch.cat([out[:2].argmax(-1), tok[2:]])
@@ -94,7 +106,7 @@ def check(method: str, kv_dtype: str, model, forecast, sel, steps: int = 24) -> 
     clean = _nan_left(paged.host, free)
     diff = (outs[0] - outs[2]).abs().max().item()
     # a second identity cache: were the two identity runs themselves identical (determinism)?
-    print(f"{method:20s} {kv_dtype:5s} engine={paged.engine.name} identical={same} "
+    print(f"{method:20s} {kv_dtype:5s} {'grow' if grow else 'whole'} engine={paged.engine.name} identical={same} "
           f"max|diff|={diff:.3g} free pages untouched={clean} control identical={torch.equal(outs[0], outs[1])}")
     return same and clean
 
@@ -108,7 +120,7 @@ def main() -> int:
     model = build_model("tiny", device, torch.float32, 4096)
     forecast = random_forecast(model)
     sel = selection_config("tiny")
-    ok = all([check(m, k, model, forecast, sel) for m in METHODS for k in KV_DTYPES])
+    ok = all([check(m, k, model, forecast, sel, grow=g) for m in METHODS for k in KV_DTYPES for g in (False, True)])
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -24,6 +24,9 @@ mid-stream, a short output, or still open at the drain limit), ``peak_running`` 
 of running plus waiting), ``gen_tok_s_peak_10s`` (the highest 10-s generation rate
 ``/metrics`` reported: the decode rate once every row decodes), ``hit_rate`` and
 ``offload_bytes_per_token`` (offloaded: the engine's cumulative figures at the last scrape),
+``prefill_tok_s`` / ``generation_tok_s`` (prompt tokens prefilled and tokens generated per
+second between the point's first and last scrape), ``timeline`` (one row a second: seconds since
+the point's start, prompt and generated tokens so far, running and waiting requests),
 ``idle_at_start`` (the previous point's requests had all ended),
 ``gpu_mem_peak_gib`` / ``host_rss_peak_gib`` (the server process; ``None`` where it cannot be
 read), ``device``, ``commit``. Also ``OUT/serve_load.md`` (the table, printed last) and
@@ -70,6 +73,14 @@ def measured_commit() -> str:
 def log_uniform_lengths(count: int, lo: int, hi: int, rng: random.Random) -> list[int]:
     """``count`` integers in ``[lo, hi]`` whose logarithm is uniform."""
     return [min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))) for _ in range(count)]
+
+
+def rate_between(timeline: list[list[float]], column: int) -> float | None:
+    """Tokens per second of a counter ``column`` of ``timeline`` rows ``[t, ...]`` from the
+    first scrape to the last; ``None`` for fewer than two scrapes."""
+    if len(timeline) < 2 or timeline[-1][0] <= timeline[0][0]:
+        return None
+    return round((timeline[-1][column] - timeline[0][column]) / (timeline[-1][0] - timeline[0][0]), 1)
 
 
 def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
@@ -288,11 +299,16 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
     results, lock = [], threading.Lock()
     peaks, stop = {"running": 0, "waiting": 0, "gpu": None, "host": None, "metrics_errors": 0, "gen_rate": 0.0,
                    "hit_rate": None, "bytes_per_token": None}, threading.Event()
+    timeline: list[list[float]] = []  # [s since start, prompt tokens, generated tokens, running, waiting]
 
     def poll():
         while not stop.is_set():
             try:
                 m = server.metrics()
+                now = time.perf_counter() - start
+                if not timeline or now - timeline[-1][0] >= 1.0:
+                    timeline.append([round(now, 2)] + [float(m.get(f"sparda_{k}", 0.0)) for k in (
+                        "prompt_tokens_total", "generation_tokens_total", "requests_running", "requests_waiting")])
                 peaks["running"] = max(peaks["running"], int(m.get("sparda_requests_running", 0)))
                 peaks["waiting"] = max(peaks["waiting"], int(m.get("sparda_requests_waiting", 0)))
                 peaks["gen_rate"] = max(peaks["gen_rate"], float(m.get("sparda_generation_tokens_per_second", 0.0)))
@@ -311,9 +327,9 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
         with lock:
             results.append(result)
 
+    start = time.perf_counter()
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
-    start = time.perf_counter()
     deadline = start + args.duration
     if mode == "poisson":  # room for every request the server can hold, and more (refusals need them sent)
         pool = concurrent.futures.ThreadPoolExecutor(args.max_waiting + args.max_batch + 64)
@@ -364,6 +380,8 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
             "peak_in_flight": peak_overlap([r["span"] for r in ok]), "peak_waiting": peaks["waiting"],
             "metrics_errors": peaks["metrics_errors"], "gen_tok_s_peak_10s": round(peaks["gen_rate"], 1),
             "hit_rate": peaks["hit_rate"], "offload_bytes_per_token": peaks["bytes_per_token"],
+            "prefill_tok_s": rate_between(timeline, 1), "generation_tok_s": rate_between(timeline, 2),
+            "timeline": timeline,
             "gpu_mem_peak_gib": None if peaks["gpu"] is None else round(peaks["gpu"], 2),
             "host_rss_peak_gib": None if peaks["host"] is None else round(peaks["host"], 2)}
 

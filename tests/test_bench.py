@@ -573,3 +573,61 @@ def test_synthetic_prefill_mask_keeps_the_top_k_between_neighbours(fresh_seed):
     top = m & ~forced
     assert (top.sum(-1) == cfg.topk_blocks).all()
     assert ((top[:, 1:] & top[:, :-1]).sum(-1) >= round(keep * cfg.topk_blocks)).all()
+
+
+@pytest.mark.parametrize("recall", [0.0, 0.4, 0.79, 1.0])
+def test_two_ahead_predictions_keep_the_chosen_recall(recall, fresh_seed):
+    """``--lookahead-recall`` (docs/bench.md): a modelled two-ahead prediction of each replayed
+    selection keeps its forced blocks, holds about ``recall`` of its other blocks, fills the rest
+    with distinct blocks of the non-forced range outside the selection, and is ascending and
+    ``-1`` padded like the selection; checked row by row in Python."""
+    from sparda.bench.traces import synthetic_masks, two_ahead_ids
+    from sparda.kernels.reference import block_mask_to_indices
+
+    cfg = SelectionConfig(block_size=16, init_blocks=1, local_blocks=3, topk_blocks=8, dense_len=0)
+    start = [700, 1000, 1290]
+    steps, num_blocks = 6, 90
+    masks = synthetic_masks(4, 3, cfg, start, steps, num_blocks, 0.6, seed=fresh_seed % 1000)
+    ids = torch.stack([block_mask_to_indices(m, cfg.budget_blocks).to(torch.int32) for m in masks])
+    early = two_ahead_ids(ids, cfg, start, recall, seed=fresh_seed)
+    assert early.shape == ids.shape and early.dtype == torch.int32
+    kept = total = 0
+    for i in range(steps):
+        for layer in range(4):
+            for b, p in enumerate(start):
+                cur = (p + i) // cfg.block_size
+                forced = {n for n in range(cur + 1) if n < cfg.init_blocks or n > cur - cfg.local_blocks}
+                for h in range(3):
+                    final = [int(x) for x in ids[i, layer, b, h] if x >= 0]
+                    row = early[i, layer, b, h].tolist()
+                    pred = [x for x in row if x >= 0]
+                    assert row == sorted(pred) + [-1] * (len(row) - len(pred)) and len(set(pred)) == len(pred)
+                    assert forced <= set(pred) and len(pred) == len(final), (fresh_seed, i, layer, b, h)
+                    free = set(final) - forced
+                    assert all(cfg.init_blocks <= x <= cur - cfg.local_blocks for x in set(pred) - forced)
+                    kept += len(free & set(pred))
+                    total += len(free)
+    share = kept / total  # 1,728 free blocks: a binomial share within ~5 standard deviations
+    assert abs(share - recall) <= 5 * (recall * (1 - recall) / total) ** 0.5 + 1e-9, (fresh_seed, share)
+    with pytest.raises(SpardaError, match="--lookahead-recall"):
+        two_ahead_ids(ids, cfg, start, 1.5)
+
+
+def test_quick_sweep_runs_both_lookaheads(tmp_path):
+    """``--lookahead 1,2``: offloaded ``sparda`` once per lookahead (trace and synthetic points),
+    the other methods once; lookahead-2 records carry the modelled recall and early copies."""
+    cfg = sweep.config_from_options(quick=True, out=str(tmp_path / "out"), methods="sparda,dense", contexts="1024",
+                                    batches="1", lookaheads="1,2", lookahead_recall=0.5, hit_rates="0.7")
+    cfg.decode_steps, cfg.repeats, cfg.warmup_steps, cfg.breakdown_steps = 2, 1, 1, 0
+    records = sweep.run_sweep(cfg, log=lambda _: None)
+    got = [(r["method"], r["lookahead"], r.get("target_hit_rate")) for r in records]
+    assert got == [("sparda", 1, None), ("sparda", 1, 0.7), ("sparda", 2, None), ("sparda", 2, 0.7),
+                   ("dense", None, None)]
+    assert all(r["status"] == "ok" for r in records)
+    two = [r for r in records if r["lookahead"] == 2]
+    assert all(r["lookahead_recall"] == 0.5 and r["early_copies"] > 0 for r in two)
+    assert all(r["early_copies"] == 0 for r in records if r["lookahead"] == 1)
+    with pytest.raises(SpardaError, match="--lookahead takes 1, 2"):
+        sweep.config_from_options(quick=True, out=str(tmp_path / "x"), lookaheads="3")
+    with pytest.raises(SpardaError, match="add sparda to --methods"):
+        sweep.config_from_options(quick=True, out=str(tmp_path / "x"), methods="dense", lookaheads="2")

@@ -90,13 +90,14 @@ FLOORS = {"bf16": 8, "int8": 6, "mixed": 2}
 @pytest.mark.parametrize("kv_dtype", sorted(FLOORS))
 def test_a_budget_of_r_full_rows_serves_many_short_requests(make_tiny, kv_dtype, fresh_seed):
     """Eight layers (one resident): a row's device part is a fraction of a full row, so a host
-    budget of two unpaged rows holds several paged ones with the blocks short requests need,
-    and each request gets the tokens and log-probabilities an unpaged engine gives it."""
+    budget of two unpaged rows holds several paged ones with the blocks short requests need
+    (reserved up front here; growing on demand: tests/test_preemption.py), and each request
+    gets the tokens and log-probabilities an unpaged engine gives it."""
     options = {**SMALL, "kernel_size": 16, "kernel_stride": 16, "kv_dtype": kv_dtype}
     llm = LLM(str(make_tiny("llama", num_hidden_layers=8)), method="sparse-offload", device="cpu", **options)
     runner, mml, full_rows = llm.model_runner, 2048, 2
     budget = sum(runner.kv_bytes(full_rows, mml)) + 1000  # two rows of max_model_len, unpaged
-    engine = Engine(llm, max_batch=8, max_model_len=mml, host_memory_gib=budget / 2**30)
+    engine = Engine(llm, max_batch=8, max_model_len=mml, host_memory_gib=budget / 2**30, kv_admission="reserve")
     plan = engine.memory_plan
     assert plan.host_bytes <= budget and plan.rows >= FLOORS[kv_dtype], plan.line()
     assert plan.host_blocks >= plan.rows * 5, plan.line()  # prompts + max_tokens <= 80 tokens each

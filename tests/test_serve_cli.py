@@ -110,10 +110,29 @@ def test_serve_sizes_the_kv_pool_by_the_memory_budget(make_tiny):
 
 
 def test_serve_usage_error_is_one_line_exit_2():
-    res = subprocess.run([sys.executable, "-m", "sparda.cli", "serve", "--max-batch", "0"], capture_output=True,
-                         text=True, timeout=120, env=ENV)
-    assert res.returncode == 2 and "Invalid value for '--max-batch'" in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+    for args, flag in ((["--max-batch", "0"], "--max-batch"), (["--kv-admission", "lazy"], "--kv-admission")):
+        res = subprocess.run([sys.executable, "-m", "sparda.cli", "serve", *args], capture_output=True,
+                             text=True, timeout=120, env=ENV)
+        assert res.returncode == 2 and f"Invalid value for '{flag}'" in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_serve_says_how_a_paged_pool_takes_blocks(make_tiny):
+    """An offloaded cache whose host budget holds 10 blocks for 2 rows of 256 tokens (32 whole):
+    the banner names the blocks and the admission (design §3.11), ``grow`` by default."""
+    from sparda.engine.llm import LLM
+
+    tiny = str(make_tiny("llama"))
+    runner = LLM(tiny, method="sparse-offload", device="cpu", block_size=16).model_runner
+    budget = sum(runner.kv_bytes(2, 256, host_blocks=10)) + runner.host_block_bytes() // 2
+    for args, says in (([], "blocks grow on demand, preempted by recompute"),
+                       (["--kv-admission", "reserve"], "blocks reserved for prompt + max_tokens")):
+        proc, _, log = start_serve("--model", tiny, "--method", "sparse-offload", "--device", "cpu", "--block-size",
+                                   "16", "--max-batch", "2", "--max-model-len", "256", "--host-memory-gib",
+                                   str(budget / 2**30), *args)
+        proc.kill()
+        proc.wait(timeout=60)
+        assert any("10 host blocks of 16 tokens" in line and says in line for line in log), log
 
 
 def test_serve_publishes_org_name_and_warns_off_loopback_without_a_key(tmp_path, make_tiny):

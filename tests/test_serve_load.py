@@ -53,6 +53,19 @@ def test_poisson_arrivals(fresh_seed):
     assert abs(sum(gaps) / len(gaps) - 1 / rate) < 5 / rate / math.sqrt(len(gaps)), fresh_seed
 
 
+def test_rate_between_is_the_counters_slope(fresh_seed):
+    rng = random.Random(fresh_seed)
+    t, total, rows = 0.0, 0.0, []
+    for _ in range(rng.randint(2, 30)):
+        rows.append([t, total, 2 * total])
+        t += rng.uniform(1.0, 3.0)
+        total += rng.randint(0, 500)
+    want = (rows[-1][1] - rows[0][1]) / (rows[-1][0] - rows[0][0])
+    assert serve_load.rate_between(rows, 1) == pytest.approx(want, abs=0.05)
+    assert serve_load.rate_between(rows, 2) == pytest.approx(2 * want, abs=0.05)
+    assert serve_load.rate_between(rows[:1], 1) is None
+
+
 def test_peak_overlap_against_brute_force(fresh_seed):
     rng = random.Random(fresh_seed)
     spans = [(a, a + rng.random()) for a in (rng.random() * 3 for _ in range(rng.randint(1, 30)))]
@@ -90,6 +103,10 @@ def test_load_sweep_end_to_end(tmp_path):
         assert 3 * r["completed"] / r["wall_s"] * 0.95 <= r["output_tok_s"] <= 9 * r["completed"] / r["wall_s"] * 1.05, r
         assert r["peak_running"] <= 4 and 1 <= r["peak_in_flight"] <= (2 if r["mode"] == "closed" else 99) and r["ttft_p50_ms"] <= r["ttft_p99_ms"], r
         assert r["tpot_p50_ms"] <= r["tpot_p99_ms"], r
+        # the timeline's counters never fall, and its generated tokens cover what the point completed
+        rows = r["timeline"]
+        assert all(b[0] > a[0] and b[1] >= a[1] and b[2] >= a[2] for a, b in zip(rows, rows[1:])), rows
+        assert len(rows) < 2 or r["prefill_tok_s"] > 0, r  # prompts were prefilled during the point
     assert (out / "serve_load.md").read_text().count("| sparse |") == 2
     assert "| config | mode |" in run.stdout
 

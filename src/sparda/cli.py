@@ -13,7 +13,7 @@ import sys
 import click
 
 from sparda import __version__
-from sparda.config import GPU_SHARE, KV_DTYPES, METHODS, PRESETS, TRANSFERS, spell
+from sparda.config import DEFAULT_KV_ADMISSION, GPU_SHARE, KV_ADMISSIONS, KV_DTYPES, METHODS, PRESETS, TRANSFERS, spell
 
 #: ``--kv-dtype`` help of the commands that run one method
 KV_DTYPE_HELP = ("KV-cache storage: bf16 (the model dtype), int8/int4 quantised per token and head, or mixed "
@@ -126,6 +126,12 @@ def model_options(func):
                           "sparse-offload and sparda-no-prefetch always offload]."),
         click.option("--forecast", default=None,
                      help="Forecast weights (.safetensors) for method sparda [default: shipped for the bundled model]."),
+        click.option("--lookahead", type=int, default=None,
+                     help="Offloaded sparda: 2 also copies layer l+2's predicted blocks during layer l, from a "
+                          "two-ahead Forecast (design §6.2); the selection stays the one-layer Forecast's [default: 1]."),
+        click.option("--forecast2", default=None,
+                     help="--lookahead 2: two-ahead Forecast weights (`sparda train-forecast --lookahead 2`) "
+                          "[default: shipped for the bundled model]."),
         click.option("--kv-dtype", "kv_dtype", default=None, metavar="|".join(KV_DTYPES),
                      help=KV_DTYPE_HELP),
         click.option("--transfer", default=None, metavar="|".join(TRANSFERS),
@@ -329,6 +335,10 @@ def served_name(model: str | None, model_dir) -> str:
 @click.option("--host-memory-gib", default=None, type=float,
               help="Host memory for the KV pool (the host store of an offloaded cache; on the CPU the whole "
                    "cache) [default: 90% of what is available at start-up].")
+@click.option("--kv-admission", default=DEFAULT_KV_ADMISSION, show_default=True, type=click.Choice(KV_ADMISSIONS),
+              help="How a paged KV pool (offloaded, host budget below every row whole) gives requests blocks: "
+                   "grow on demand and preempt the newest request (recompute) when it runs out, or reserve "
+                   "prompt + max_tokens at admission (design §3.11).")
 @click.option("--max-num-batched-tokens", default=None, type=click.IntRange(1),
               help="Tokens per engine step: one per decoding request, the rest prefill chunks of "
                    "--prefill-chunk tokens, at least one chunk (design §3.9) [default: --prefill-chunk + "
@@ -346,7 +356,7 @@ def served_name(model: str | None, model_dir) -> str:
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def serve(host, port, max_batch, max_model_len, max_waiting, gpu_memory_utilization, host_memory_gib,
-          max_num_batched_tokens, served_model_name, drain_timeout, max_request_bytes, api_key, protect_health_metrics,
+          kv_admission, max_num_batched_tokens, served_model_name, drain_timeout, max_request_bytes, api_key, protect_health_metrics,
           log_level, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
     from sparda.engine.engine import Engine
@@ -366,12 +376,17 @@ def serve(host, port, max_batch, max_model_len, max_waiting, gpu_memory_utilizat
     engine = Engine(llm, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
                     max_prefill_tokens=max_num_batched_tokens or (llm.config.runtime.prefill_chunk_tokens or 8192)
                     + max_batch,
-                    gpu_memory_utilization=gpu_memory_utilization, host_memory_gib=host_memory_gib)
+                    gpu_memory_utilization=gpu_memory_utilization, host_memory_gib=host_memory_gib,
+                    kv_admission=kv_admission)
     name = served_model_name or served_name(opts["model"], llm.model_dir)
     bound_host, bound_port = sock.getsockname()[:2]
+    pool = engine.memory_plan.line()
+    if engine.scheduler.block_pool is not None:  # paged: say how requests take blocks (design §3.11)
+        pool += "; blocks grow on demand, preempted by recompute" if engine.scheduler.grows else \
+            "; blocks reserved for prompt + max_tokens"
     run_server(engine, name, sock, drain_timeout_s=drain_timeout, log_level=log_level,
                max_request_bytes=max_request_bytes, api_key=api_key, protect_health_metrics=protect_health_metrics,
-               banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({engine.memory_plan.line()})")
+               banner=f"serving {name} on http://{bound_host}:{bound_port}/v1 ({pool})")
 
 
 #: smallest demo haystack (tokens) that holds the pass key, its filler and the question
@@ -507,6 +522,9 @@ def _read_json(path: str):
               help="Attention of the frozen model: dense, or block-sparse over the blocks each layer's own "
                    "queries select (design §5).")
 @click.option("--init", default="q", show_default=True, type=click.Choice(["q", "random"]), help="Initial weights.")
+@click.option("--lookahead", default=1, show_default=True, type=click.IntRange(1, 2),
+              help="1: the Forecast (layer l scores layer l+1); 2: the two-ahead heads of --lookahead 2 "
+                   "(layer l scores layer l+2, design §6.2), a weight file for --forecast2.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", required=True, help="Output .safetensors file.")
@@ -572,15 +590,17 @@ def _launch_torchrun(ctx, nproc: int, model, data, out: str, opts: dict) -> int:
 @click.option("--queries", default=64, show_default=True, type=int, help="Query tokens scored per length.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
 @click.option("--forecast", default=None, help="Forecast weights [default: shipped for the bundled model].")
+@click.option("--forecast2", default=None,
+              help="Two-ahead Forecast weights of selector sparda-lookahead2 (design §6.2) [default: shipped].")
 @click.option("--device", default=None, help="cpu or cuda[:N].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object keyed by method.")
-def selection_report_cmd(model, text, methods, lengths, queries, preset, forecast, device, as_json):
+def selection_report_cmd(model, text, methods, lengths, queries, preset, forecast, forecast2, device, as_json):
     """Per-layer selection recall of each method vs the query-based and oracle top-k (design §8)."""
     from sparda.eval.selection import format_report, selection_report
 
     report = selection_report(model, text, [m.strip() for m in methods.split(",") if m.strip()],
                               list(lengths), queries=queries,
-                              preset=preset, forecast=forecast, device=device)
+                              preset=preset, forecast=forecast, device=device, forecast2=forecast2)
     click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
 
 
@@ -657,6 +677,12 @@ def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_head
 @click.option("--slot-factor", "slot_factor", type=float, default=None,
               help="Offloaded methods: GPU slots per block of the widest selection (design §6); records carry "
                    "slot_factor [default: 1.5].")
+@click.option("--lookahead", "lookaheads", default=None,
+              help="Comma list of 1, 2: offloaded sparda runs once per value; 2 also copies layer l+2's predicted "
+                   "blocks during layer l (design §6.2) [default: 1].")
+@click.option("--lookahead-recall", type=float, default=None,
+              help="--lookahead 2 on a replayed selection: share of its free top-k blocks the modelled two-ahead "
+                   "prediction holds, the rest random (docs/bench.md) [default: 0.79, measured on the bundled model].")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
 @click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")
 def bench_cmd(quick, record_trace, **opts):

@@ -247,6 +247,11 @@ DEFAULT_SLOT_FACTOR = 1.5
 GPU_SHARE = 0.9
 #: default share of the host memory available at start-up for the KV pool's host side (design §3.11)
 HOST_SHARE = 0.9
+#: how a paged KV cache admits requests (``--kv-admission``, design §3.11): ``grow`` takes a
+#: request's prompt blocks and one more block as decode reaches it, preempting (recompute) the
+#: newest request when the pool runs out; ``reserve`` takes prompt + ``max_tokens`` up front
+KV_ADMISSIONS = ("grow", "reserve")
+DEFAULT_KV_ADMISSION = "grow"
 DEFAULT_HOT_STEPS = 4
 #: prompt tokens per prefill chunk by default (design §3.8)
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
@@ -260,6 +265,7 @@ OPTION_FLAGS = {
     "block_size": "--block-size", "kernel_size": "--kernel-size", "kernel_stride": "--kernel-stride",
     "init_blocks": "--init-blocks", "local_blocks": "--local-blocks", "topk_blocks": "--topk-blocks",
     "dense_len": "--dense-len", "forecast": "--forecast", "sparse_prefill": "--sparse-prefill",
+    "lookahead": "--lookahead", "forecast2": "--forecast2",
     "dense_prefill": "--dense-prefill", "offload": "--offload", "transfer": "--transfer",
     "kv_dtype": "--kv-dtype", "kv_hot_blocks": "--kv-hot-blocks", "kv_hot_steps": "--kv-hot-steps",
     "slot_factor": "--slot-factor", "offload_timing": "--offload-timing", "cuda_graphs": "--eager",
@@ -411,6 +417,9 @@ class SpardaConfig:
         method: one of :data:`METHODS`.
         selection: the block budget, :class:`SelectionConfig`.
         forecast_path: Forecast weights (``sparda`` methods); ``None``: the shipped ones.
+        lookahead: 1, or 2: offloaded ``sparda`` also starts layer ``l+2``'s copy in layer ``l``
+            from a two-ahead Forecast (design §6.2).
+        forecast2_path: two-ahead Forecast weights (``lookahead=2``); ``None``: the shipped ones.
         sparse_prefill: block-sparse methods select per query token in prefill too (design §3.6).
         cache: :class:`CacheConfig`. runtime: :class:`RuntimeConfig`.
         quest_page_size, snapkv_window, shallow_layers, shallow_select_once: method options
@@ -424,6 +433,8 @@ class SpardaConfig:
     method: str = "dense"
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     forecast_path: str | None = None
+    lookahead: int = 1
+    forecast2_path: str | None = None
     sparse_prefill: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -443,11 +454,25 @@ class SpardaConfig:
         if isinstance(self.snapkv_window, bool) or not isinstance(self.snapkv_window, int) or self.snapkv_window < 1:
             _fail("snapkv_window", f"snapkv_window must be an integer >= 1, got {self.snapkv_window!r}")
         _count("shallow_layers", self.shallow_layers, 1, "dense layers")
+        self._check_lookahead()
         if self.dense_heads != "auto" and (not isinstance(self.dense_heads, tuple) or not all(
                 isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, int) and x >= 0 for x in p)
                 for p in self.dense_heads)):
             _fail("dense_heads", f"dense_heads must be a tuple of (layer, kv_head) pairs of integers >= 0, "
                                  f"got {self.dense_heads!r}")
+
+    def _check_lookahead(self) -> None:
+        """``lookahead`` is 1 or 2; 2 needs offloaded ``sparda`` (its early copies warm GPU slots,
+        design §6.2); ``forecast2_path`` needs 2."""
+        if self.lookahead not in (1, 2) or isinstance(self.lookahead, bool):
+            _fail("lookahead", f"lookahead must be 1 or 2 (layers ahead a layer's copy starts), got {self.lookahead!r}")
+        if self.lookahead == 2 and not (self.method == "sparda" and self.cache.offload):
+            where = "without --offload" if self.method == "sparda" else f"of method {self.method}"
+            _fail("lookahead", f"lookahead=2 starts copies into the GPU slots of an offloaded sparda cache, but the "
+                               f"cache {where} has none to warm; use --method sparda --offload, or drop --lookahead")
+        if self.forecast2_path is not None and self.lookahead != 2:
+            _fail("forecast2", "--forecast2 gives the two-ahead Forecast of lookahead=2; add --lookahead 2 or drop "
+                               "--forecast2")
 
     @property
     def offload(self) -> bool:
@@ -597,8 +622,11 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
         _flag("shallow_select_once", method_options["shallow_select_once"])
     dense_heads = get("dense_heads")
     from_options = dense_heads if isinstance(dense_heads, (tuple, str)) or dense_heads is None else tuple(dense_heads)
+    lookahead = 1 if get("lookahead") is None else get("lookahead")
+    forecast2 = get("forecast2")
     return SpardaConfig(
         method=method, selection=selection, forecast_path=None if forecast is None else str(forecast),
+        lookahead=lookahead, forecast2_path=None if forecast2 is None else str(forecast2),
         sparse_prefill=sparse_prefill,
         cache=CacheConfig(kv_dtype=kv_dtype, offload=bool(offload), transfer=transfer, slot_factor=float(slot_factor),
                           hot_blocks=hot_blocks if kv_dtype == "mixed" else None,

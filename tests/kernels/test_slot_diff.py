@@ -131,3 +131,47 @@ def test_slot_diff_dispatch_runs_the_twin_on_cpu_tensors(fresh_seed):
     dispatch(ids, slot_map, pos, 8, 20, load, attn)
     expect = _brute(ids, _case(torch.Generator().manual_seed(fresh_seed), 2, 2, 6, 20, 8)[1], pos, 8)
     assert torch.equal(load, expect[0]) and torch.equal(attn.long(), expect[2])
+
+
+def _brute_early(ids, slot_map, protect, pos, block_size):
+    """The early diff of design §6.2 in Python loops: misses of the prediction, in block order, go to
+    empty slots, then to slots holding a block neither predicted nor protected; the rest are dropped."""
+    b, h, s = slot_map.shape
+    load, new_map = torch.full_like(slot_map, -1), slot_map.clone()
+    loaded = torch.zeros(b, dtype=torch.long)
+    for i in range(b):
+        cur = int(pos[i]) // block_size
+        for j in range(h):
+            want = [int(x) for x in ids[i, j] if x >= 0 and x != cur]
+            held = [int(x) for x in slot_map[i, j]]
+            kept = [int(protect[i, j, k]) >= 0 for k in range(s)]
+            missed = sorted(x for x in want if x not in held)
+            free = [k for k in range(s) if held[k] < 0] + [
+                k for k in range(s) if held[k] >= 0 and held[k] not in want and not kept[k]]
+            for block, slot in zip(missed, free):
+                load[i, j, slot] = block
+                new_map[i, j, slot] = block
+                loaded[i] += 1
+    return load, new_map, loaded
+
+
+@pytest.mark.parametrize("b,h,s,n,block_size,width", [(3, 2, 9, 40, 8, 6), (2, 3, 5, 20, 8, 5), (1, 2, 12, 60, 4, 8)])
+def test_protected_slot_diff_matches_twin_and_brute_force(b, h, s, n, block_size, width, fresh_seed):
+    """``protect`` (the early diff): kernel and twin equal the brute force in the block map, the copy
+    list and the count of loaded blocks, including predictions with more misses than open slots."""
+    gen = torch.Generator().manual_seed(fresh_seed)
+    for trial in range(4):
+        ids, slot_map, pos = _case(gen, b, h, s, n, block_size, width)
+        protect = torch.where(torch.rand(b, h, s + 1, generator=gen) < 0.5, 1, -1).to(torch.int32)
+        protect = torch.where(slot_map >= 0, protect[..., :s], -1).to(torch.int32)
+        protect = torch.cat([protect, torch.zeros(b, h, 1, dtype=torch.int32)], -1)
+        expect = _brute_early(ids, slot_map, protect, pos, block_size)
+        for name, fn in (("kernel", slot_diff_triton), ("twin", twins.slot_diff_reference)):
+            sm, load = slot_map.clone(), torch.full_like(slot_map, -5)
+            attn = torch.full((b, h, s + 1), -5, dtype=torch.int32)
+            counters = tuple(torch.zeros(b, dtype=torch.long) for _ in range(4))
+            fn(ids, sm, pos, block_size, n, load, attn, counters, None, protect)
+            where = f"{name}, seed {fresh_seed}, trial {trial}"
+            assert torch.equal(load, expect[0]), where
+            assert torch.equal(sm, expect[1]), where
+            assert torch.equal(counters[1], expect[2]), where

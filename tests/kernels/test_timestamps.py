@@ -26,9 +26,14 @@ def test_account_kernel_matches_brute_force(fresh_seed):
             row = [0] * STAMPS_PER_LAYER
             row[DeviceClock.START], row[DeviceClock.END] = start, end
             row[DeviceClock.WAIT], row[DeviceClock.READY] = wait, ready
+            early = 0
+            if layer % 2:  # an early copy (lookahead 2, design §6.2) before the layer's own
+                first = int(torch.randint(0, 5_000, (1,), generator=g))
+                early = int(torch.randint(0, 4_000, (1,), generator=g))
+                row[DeviceClock.EARLY_START], row[DeviceClock.EARLY_END] = first, first + early
             clock.stamps[layer] = torch.tensor(row)
             clock.account(layer)
-            want[0] += end - start
+            want[0] += end - start + early
             want[1] += max(0, end - wait)
             want[2] += max(0, end - max(wait, ready))
     assert clock.totals.tolist() == want, f"seed {seed}"
@@ -37,5 +42,7 @@ def test_account_kernel_matches_brute_force(fresh_seed):
     assert (copy, exposed, transfer) == pytest.approx([w / 1e6 for w in want]) and clock.totals.tolist() == [0, 0, 0]
     tl = clock.timeline([1, 3])
     assert [r["layer"] for r in tl] == [1, 3]
-    assert min(min(r[k] for k in ("ready", "start", "end", "wait")) for r in tl) == 0.0
+    assert all(("early_start" in r) == bool(r["layer"] % 2) for r in tl)
+    assert min(min(r[k] for k in ("ready", "start", "end", "wait", "early_start", "early_end") if k in r)
+               for r in tl) == 0.0
     assert tl[0]["end"] - tl[0]["start"] == pytest.approx((clock.stamps[1, 1] - clock.stamps[1, 0]).item() / 1e3, abs=0.011)

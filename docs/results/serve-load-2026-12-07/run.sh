@@ -2,9 +2,14 @@
 # `sparda serve` under load on one GPU (issue "serving at GPU scale", Deliver 6), one part per
 # device call (each call runs at most 600 s). MiniCPM-8B shape, random weights, bundled tokenizer.
 # Usage (repository root on the device): bash docs/results/serve-load-2026-12-07/run.sh PART SITE TOK
-#   PART: sat | sat-sparda | sat-gpu | overhead; SITE: the wheels installed; TOK: the bundled tokenizer folder
+#   PART: sat | sat-sparda | sat-gpu | so | overhead | mem; SITE: the wheels installed; TOK: the bundled tokenizer folder
+# SITE holds, from wheels (pip install --no-deps --target SITE): fastapi, starlette, pydantic(-core),
+# uvicorn, h11, annotated-doc/-types, typing-inspection, opentelemetry-api, prometheus-client, gguf,
+# wonderwords, and the load generator's openai client with httpx2, httpcore2, truststore, jiter, distro.
 set -uo pipefail
-PART=${1:?part}; SITE=${2:?site}; TOK=${3:?tokenizer folder}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Records go to a work folder, packed at the end into $OUT/PART.tgz (a device call returns few files).
+PART=${1:?part}; SITE=${2:?site}; TOK=${3:?tokenizer folder}; RET=${OUT:-/tmp/out}; OUT=/tmp/serve-$PART
+mkdir -p "$OUT" "$RET"; trap 'tar czf "$RET/$PART.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"' EXIT
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$SITE:src SPARDA_COMMIT=${SPARDA_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt"
 free -g > "$OUT/free.txt"
@@ -12,10 +17,14 @@ load() { timeout ${LIMIT:-560} python3 benchmarks/bench_serve.py load "$@" --tok
 case $PART in
   # saturation: closed loop, more clients than rows, the 8K-128K mix
   sat-sparda) load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 120 --drain 60 ;;
-  sat) LIMIT=285 load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 100 --drain 45
-       LIMIT=285 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45 ;;
+  sat) LIMIT=240 load "$OUT/sat-sparda" --configs sparda --rates "" --concurrency 32 --duration 90 --drain 40
+       LIMIT=240 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 90 --drain 40 ;;
   sat-gpu) LIMIT=270 load "$OUT/sat-sparse" --configs sparse --rates "" --concurrency 32 --duration 100 --drain 45
            LIMIT=270 load "$OUT/sat-so" --configs sparse-offload --rates "" --concurrency 32 --duration 100 --drain 45 ;;
+  so) LIMIT=285 load "$OUT/sat-so" --configs sparse-offload --rates "" --concurrency 32 --duration 100 --drain 45 ;;
+  # memory: 8K prompts in a host budget of ~9 rows reserved whole at 128K (--max-model-len 132096)
+  mem) LIMIT=200 load "$OUT/mem" --configs sparda --rates "" --concurrency 40 --max-batch 32 --host-memory-gib 36 \
+         --max-model-len 132096 --prompt-tokens 8192,8192 --output-tokens 256,1024 --duration 60 --drain 40 ;;
   # engine overhead: 16 requests all at 128K, 16 rows; then the bench at B16 with the server's hit rate
   overhead) LIMIT=330 load "$OUT/ovh" --configs sparda --rates "" --concurrency 16 --max-batch 16 \
               --prompt-tokens 131072,131072 --output-tokens 1024,1024 --duration 150 --drain 60

@@ -43,6 +43,8 @@ FORMAT = "sparda-forecast-v1"
 #: Shipped weights (files in sparda/assets/forecast), keyed by the name the model is
 #: recognised under by content (:func:`sparda.model.loader.shipped_name`).
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.safetensors"}
+#: Shipped two-ahead heads (design §6.2), keyed likewise.
+SHIPPED_AHEAD2 = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.lookahead2.safetensors"}
 _IDENTITY_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "hidden_size", "intermediate_size", "vocab_size", "head_dim", "rope_theta",
                     "rope_parameters", "max_position_embeddings", "tie_word_embeddings")
@@ -73,51 +75,71 @@ def describe(identity: dict[str, str]) -> str:
 
 
 class Forecast(nn.Module):
-    """Forecast projections of one model (design §4): ``L-1`` lookahead heads plus ``W^C_0``.
+    """Forecast projections of one model (design §4, §6.2).
+
+    ``ahead=1``: ``L-1`` lookahead heads plus ``W^C_0``; ``ahead=2``: ``L-2`` two-ahead heads.
 
     Args:
-        num_layers: ``L`` (>= 1). hidden_size: ``d_model``. num_kv_heads: ``H_kv``. head_dim: ``d``.
+        num_layers: ``L`` (>= 1, >= 3 for ``ahead=2``). hidden_size: ``d_model``.
+        num_kv_heads: ``H_kv``. head_dim: ``d``. ahead: layers between a head's input and
+            the layer it scores, 1 or 2.
     Attributes:
-        current: ``nn.Linear(d_model, H_kv*d, bias=False)``, ``W^C_0`` (scores layer 0).
-        forecast: ``L-1`` such layers; ``forecast[l]`` reads layer ``l``'s input and scores
-            layer ``l+1``. Parameter count: ``L * d_model * H_kv * d`` (design §4).
+        current: ``nn.Linear(d_model, H_kv*d, bias=False)``, ``W^C_0`` (scores layer 0);
+            ``None`` for ``ahead=2``.
+        forecast: ``L - ahead`` such layers; ``forecast[l]`` reads layer ``l``'s input and
+            scores layer ``l + ahead``. Parameters: ``L * d_model * H_kv * d`` (``ahead=1``),
+            ``(L - 2) * d_model * H_kv * d`` (``ahead=2``).
     Raises:
-        SpardaError: ``num_layers < 1``.
+        SpardaError: too few layers, or ``ahead`` not 1 or 2.
     """
 
-    def __init__(self, num_layers: int, hidden_size: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_layers: int, hidden_size: int, num_kv_heads: int, head_dim: int,
+                 ahead: int = 1) -> None:
         super().__init__()
-        if num_layers < 1:
-            raise SpardaError(f"a Forecast needs at least one layer, got {num_layers}")
+        if ahead not in (1, 2):
+            raise SpardaError(f"a Forecast looks 1 or 2 layers ahead, got {ahead}")
+        if num_layers < 1 + 2 * (ahead - 1):
+            raise SpardaError(f"a Forecast {ahead} layer(s) ahead needs at least {1 + 2 * (ahead - 1)} layers, "
+                              f"got {num_layers}")
         out = num_kv_heads * head_dim
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.current = nn.Linear(hidden_size, out, bias=False)
-        self.forecast = nn.ModuleList(nn.Linear(hidden_size, out, bias=False) for _ in range(num_layers - 1))
+        self.num_kv_heads, self.head_dim, self.ahead = num_kv_heads, head_dim, ahead
+        self.current = nn.Linear(hidden_size, out, bias=False) if ahead == 1 else None
+        self.forecast = nn.ModuleList(nn.Linear(hidden_size, out, bias=False) for _ in range(num_layers - ahead))
 
     @classmethod
-    def for_shape(cls, shape) -> "Forecast":
+    def for_shape(cls, shape, ahead: int = 1) -> "Forecast":
         """A randomly initialised Forecast (``nn.Linear`` default init) for a ``ModelShape``."""
-        return cls(shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim)
+        return cls(shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim, ahead=ahead)
 
     @classmethod
-    def seeded(cls, shape, seed: int) -> "Forecast":
+    def seeded(cls, shape, seed: int, ahead: int = 1) -> "Forecast":
         """:meth:`for_shape` drawn from ``torch.manual_seed(seed)``, leaving the caller's
         CPU random state as it was (the random-Forecast contrast of design §8)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return cls.for_shape(shape)
+            return cls.for_shape(shape, ahead=ahead)
+
+    def targets(self) -> range:
+        """The layers this Forecast scores: ``0 .. L-1`` (``ahead=1``), ``2 .. L-1`` (``ahead=2``)."""
+        return range(0 if self.ahead == 1 else 2, len(self.forecast) + self.ahead)
 
     def scorer(self, target_layer: int) -> nn.Linear:
-        """The projection whose output scores ``target_layer``'s compressed keys
-        (``W^C_0`` for layer 0, else ``F_{target-1}``, which reads layer ``target-1``'s input)."""
-        return self.current if target_layer == 0 else self.forecast[target_layer - 1]
+        """The projection whose output scores ``target_layer``'s compressed keys (``W^C_0`` for
+        layer 0, else ``forecast[target - ahead]``, which reads layer ``target - ahead``'s input).
+        Raises IndexError for a layer outside :meth:`targets`."""
+        if target_layer not in self.targets():
+            raise IndexError(f"no Forecast head {self.ahead} layer(s) ahead scores layer {target_layer}")
+        return self.current if target_layer == 0 else self.forecast[target_layer - self.ahead]
+
+    def source_layer(self, target_layer: int) -> int:
+        """The layer whose attention input the head scoring ``target_layer`` reads."""
+        return max(target_layer - self.ahead, 0)
 
     def project(self, target_layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Forecast queries for ``target_layer``: ``h [B, T, d_model]`` -> ``[B, H_kv, T, d]``.
 
-        ``h`` is the attention input of layer ``target_layer - 1`` (of layer 0 for
-        ``target_layer == 0``); ``cos, sin [B, 1, T, d]`` are the query RoPE tables at the
-        tokens' positions. Computed in the projection's dtype.
+        ``h`` is the attention input of :meth:`source_layer`; ``cos, sin [B, 1, T, d]`` are the
+        query RoPE tables at the tokens' positions. Computed in the projection's dtype.
         """
         lin = self.scorer(target_layer)
         b, t, _ = h.shape
@@ -128,20 +150,20 @@ class Forecast(nn.Module):
 def q_init(forecast: Forecast, model) -> None:
     """Initialise each projection from the query weights of the layer it scores (in place).
 
-    ``F_l = mean_g W_q^{l+1}[group] diag(w_{l+1} / w_l)`` with ``w`` the input RMSNorm
-    weights (the residual stream changes little between neighbouring layers);
-    ``W^C_0 = mean_g W_q^0``. Training then refines it (design §5 does not fix an init).
+    ``F_l = mean_g W_q^{l+a}[group] diag(w_{l+a} / w_l)`` with ``w`` the input RMSNorm
+    weights and ``a`` the Forecast's ``ahead`` (the residual stream changes little between
+    nearby layers); ``W^C_0 = mean_g W_q^0``. Training then refines it (design §5 does not fix an init).
     """
     s = model.shape
     layers = model.model.layers
     with torch.no_grad():
-        for target in range(s.num_layers):
+        for target in forecast.targets():
             wq = layers[target].self_attn.q_proj.weight.float()
             w = wq.view(s.num_kv_heads, s.group_size, s.head_dim, s.hidden_size).mean(1)
             w = w.reshape(-1, s.hidden_size)
             if target > 0:
                 num = layers[target].input_layernorm.weight.float()
-                den = layers[target - 1].input_layernorm.weight.float()
+                den = layers[forecast.source_layer(target)].input_layernorm.weight.float()
                 w = w * (num / torch.where(den.abs() < 1e-3, 1e-3, den)).view(1, -1)
             lin = forecast.scorer(target)
             lin.weight.copy_(w.to(lin.weight.dtype))
@@ -151,8 +173,9 @@ def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str]
                   dtype: torch.dtype = torch.bfloat16, **meta) -> None:
     """Write Forecast tensors (only) and metadata to a safetensors file (atomically, :mod:`sparda.io`).
 
-    The file holds ``current.weight`` and ``forecast.{l}.weight`` (``l < L-1``), each
-    ``[H_kv * d, d_model]`` in ``dtype``, on CPU.
+    The file holds ``current.weight`` and ``forecast.{l}.weight`` (``l < L-1``), or for a
+    two-ahead Forecast only ``forecast.{l}.weight`` (``l < L-2``, scoring layer ``l+2``), each
+    ``[H_kv * d, d_model]`` in ``dtype``, on CPU; metadata ``lookahead`` is ``forecast.ahead``.
 
     Args:
         identity: :func:`model_identity` of the base model (plus optional ``model_name``).
@@ -165,7 +188,8 @@ def save_forecast(forecast: Forecast, path: str | Path, identity: dict[str, str]
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in forecast.state_dict().items()}
-    metadata = {"format": FORMAT, **identity, **{k: str(v) for k, v in meta.items()}}
+    metadata = {"format": FORMAT, "lookahead": str(forecast.ahead), **identity,
+                **{k: str(v) for k, v in meta.items()}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp:
@@ -207,22 +231,31 @@ def read_forecast(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     return tensors, meta
 
 
-def load_forecast(path: str | Path, config, shape, name: str | None = None) -> tuple[Forecast, dict[str, str]]:
-    """Load Forecast weights for a base model, checking identity and shapes.
+def load_forecast(path: str | Path, config, shape, name: str | None = None,
+                  ahead: int = 1) -> tuple[Forecast, dict[str, str]]:
+    """Load Forecast weights for a base model, checking identity, lookahead and shapes.
 
     Args:
         config, shape: the loaded model's transformers config and ``ModelShape``.
-        name: the model's display name for messages.
+        name: the model's display name for messages. ahead: 1 (``--forecast``) or 2
+            (``--forecast2``, design §6.2); files without ``lookahead`` metadata are 1.
     Returns: ``(forecast fp32 on CPU, metadata)``.
     Raises:
-        SpardaError: one line naming both models if the weights were trained for another.
+        SpardaError: one line naming both models if the weights were trained for another,
+            or naming the option if they look another number of layers ahead.
     """
     tensors, meta = read_forecast(path)
+    have = int(meta.get("lookahead", "1"))
+    if have != ahead:
+        option = {1: "--forecast", 2: "--forecast2"}
+        raise SpardaError(f"Forecast weights {path} look {have} layer(s) ahead, but {option[ahead]} takes "
+                          f"{ahead}-ahead weights; pass the file as {option.get(have, '--forecast')}, or train "
+                          f"them with `sparda train-forecast --lookahead {ahead}`")
     mine = model_identity(config, shape)
     if name:
         mine["model_name"] = name
     keys = [k for k in mine if k != "model_name"]
-    forecast = Forecast.for_shape(shape)
+    forecast = Forecast.for_shape(shape, ahead=ahead)
     expected = {k: tuple(v.shape) for k, v in forecast.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in tensors.items()}
     if any(meta.get(k) != mine[k] for k in keys) or expected != got:
@@ -232,10 +265,11 @@ def load_forecast(path: str | Path, config, shape, name: str | None = None) -> t
     return forecast.eval(), meta
 
 
-def shipped_path(name: str | None) -> Path | None:
+def shipped_path(name: str | None, ahead: int = 1) -> Path | None:
     """Path of the shipped Forecast weights filed under ``name`` (for a model directory:
-    ``shipped_path(shipped_name(model_dir))``, which recognises the model by content), or None."""
-    file = SHIPPED.get(name or "")
+    ``shipped_path(shipped_name(model_dir))``, which recognises the model by content), or None;
+    ``ahead=2``: the shipped two-ahead heads (design §6.2)."""
+    file = (SHIPPED if ahead == 1 else SHIPPED_AHEAD2).get(name or "")
     if file is None:
         return None
     path = Path(str(resources.files("sparda") / "assets" / "forecast" / file))
@@ -260,6 +294,39 @@ def model_name(model_dir) -> str | None:
     return shipped_name(model_dir) or Path(source[0]).stem
 
 
+def weights_for(path, model, shape, model_dir, ahead: int = 1) -> tuple[Forecast, dict[str, str]]:
+    """The Forecast a method runs: ``path``, or the shipped weights of the model in ``model_dir``
+    (``ahead=2``: the two-ahead heads of design §6.2). Returns ``(forecast fp32 on CPU, metadata)``.
+
+    Raises:
+        SpardaError: no weights for this model (naming the training command and the option), no
+            ``model`` to check them against, or weights trained for another model.
+    """
+    # a Hugging Face snapshot by its ORG/NAME, not by its directory (the commit hash)
+    display = hub_repo_id(model_dir) or model_name(model_dir)
+    path = path or shipped_path(shipped_name(model_dir), ahead)
+    if path is None:
+        repo = hub_repo_id(model_dir) or "..."
+        if ahead == 2:
+            raise SpardaError(f"no two-ahead Forecast weights (lookahead=2) for {display or 'this model'}; train "
+                              f"them with `sparda train-forecast --lookahead 2 --model {repo} --out F2.safetensors` "
+                              "and pass --forecast2 F2.safetensors, or drop --lookahead")
+        raise SpardaError(f"no Forecast weights for {display or 'this model'}; train them with "
+                          f"`sparda train-forecast --model {repo} --out F.safetensors` "
+                          "and pass --forecast F.safetensors, or use --method sparse")
+    if model is None:
+        raise SpardaError("method sparda needs the model to check its Forecast weights")
+    return load_forecast(path, model.config, shape, display, ahead=ahead)
+
+
+def on_model(forecast: Forecast, model) -> Forecast:
+    """``forecast`` on ``model``'s device and dtype (as is without a model), frozen, in eval mode."""
+    if model is not None:
+        param = next(model.parameters())
+        forecast = forecast.to(device=param.device, dtype=param.dtype)
+    return forecast.eval().requires_grad_(False)
+
+
 class ForecastAttention(BlockSparseMethod):
     """Method ``sparda`` with the KV cache on the device (design §4).
 
@@ -277,20 +344,10 @@ class ForecastAttention(BlockSparseMethod):
         super().__init__(config, shape, model=model, model_dir=model_dir)
         self.meta: dict[str, str] = {}
         if forecast is None:
-            # a Hugging Face snapshot by its ORG/NAME, not by its directory (the commit hash)
-            display = hub_repo_id(model_dir) or model_name(model_dir)
-            path = config.forecast_path or shipped_path(shipped_name(model_dir))
-            if path is None:
-                raise SpardaError(f"no Forecast weights for {display or 'this model'}; train them with "
-                                  f"`sparda train-forecast --model {hub_repo_id(model_dir) or '...'} --out F.safetensors` "
-                                  "and pass --forecast F.safetensors, or use --method sparse")
-            if model is None:
-                raise SpardaError("method sparda needs the model to check its Forecast weights")
-            forecast, self.meta = load_forecast(path, model.config, shape, display)
-        if model is not None:
-            param = next(model.parameters())
-            forecast = forecast.to(device=param.device, dtype=param.dtype)
-        self.forecast = forecast.eval().requires_grad_(False)
+            forecast, self.meta = weights_for(config.forecast_path, model, shape, model_dir, ahead=1)
+        self.forecast = on_model(forecast, model)
+        #: the two-ahead heads of ``lookahead=2`` (design §6.2; the offloaded method loads them)
+        self.forecast2: Forecast | None = None
         self._queries: dict[int, torch.Tensor] = {}  # prefill: target layer -> [B, H, T, d]
         self._masks: dict[int, torch.Tensor] = {}    # decode: target layer -> [B, H, 1, N]
         self._next_ids: dict[int, torch.Tensor] = {}  # decode, CUDA: target layer -> [B, H, W] ids
@@ -302,22 +359,28 @@ class ForecastAttention(BlockSparseMethod):
         self._masks.clear()
         self._next_ids.clear()
 
-    def forecast_query(self, target_layer: int, h: torch.Tensor, step) -> torch.Tensor:
-        """Forecast queries ``[B, H_kv, d]`` of one decode token for ``target_layer``: the
-        fused decode step's precomputed ones (``step.projections``, from the stacked QKV(+F)
-        GEMM, design §6) if present, else :meth:`Forecast.project` of ``h [B, 1, d_model]``."""
+    def forecast_query(self, target_layer: int, h: torch.Tensor, step, ahead: int = 1) -> torch.Tensor:
+        """Forecast queries ``[B, H_kv, d]`` of one decode token for ``target_layer`` (``ahead=2``:
+        of the two-ahead heads, design §6.2): the fused decode step's precomputed ones
+        (``step.projections``, from the stacked QKV(+F) GEMM, design §6, keyed as
+        :meth:`stacked_heads`) if present, else :meth:`Forecast.project` of ``h [B, 1, d_model]``."""
         pre = getattr(step, "projections", None)
-        if pre and target_layer in pre:
-            return pre[target_layer]
-        return self.forecast.project(target_layer, h, step.cos, step.sin)[:, :, -1]
+        key = target_layer if ahead == 1 else (target_layer, ahead)
+        if pre and key in pre:
+            return pre[key]
+        forecast = self.forecast if ahead == 1 else self.forecast2
+        return forecast.project(target_layer, h, step.cos, step.sin)[:, :, -1]
 
-    def stacked_heads(self, layer: int) -> list[tuple[int, torch.nn.Linear]]:
+    def stacked_heads(self, layer: int) -> list[tuple[int | tuple[int, int], torch.nn.Linear]]:
         """Extra heads the fused decode step stacks into layer ``layer``'s QKV GEMM
-        (:class:`sparda.model.fused.FusedDecoder`): ``[(target_layer, projection), ...]``,
-        ``W^C_0`` at layer 0 and ``F_layer`` (scoring layer ``layer+1``) below the last layer."""
+        (:class:`sparda.model.fused.FusedDecoder`): ``[(key, projection), ...]``, ``W^C_0`` at
+        layer 0 (key 0), ``F_layer`` (key ``layer+1``) below the last layer and, with
+        :attr:`forecast2`, ``F2_layer`` (key ``(layer+2, 2)``, design §6.2)."""
         heads = [(0, self.forecast.current)] if layer == 0 else []
         if layer + 1 < self.shape.num_layers:
             heads.append((layer + 1, self.forecast.forecast[layer]))
+        if self.forecast2 is not None and layer + 2 < self.shape.num_layers:
+            heads.append(((layer + 2, 2), self.forecast2.forecast[layer]))
         return heads
 
     def predict_next(self, layer: int, h: torch.Tensor, cache, step) -> torch.Tensor:

@@ -13,7 +13,8 @@ copied:
   layer ``l+1``'s slots and enqueues the copy of the misses -- all of it on side
   streams (:meth:`~sparda.cache.prefetch.Prefetcher.ahead`), so none of it sits on the
   compute stream; layer ``l`` then waits for its own prefetch and attends (lookahead
-  prefetch).
+  prefetch). With ``lookahead=2`` layer ``l`` also starts the early copy of layer ``l+2``'s
+  two-ahead prediction (design §6.2), after layer ``l+1``'s copy.
 
 Layer 0 has no predecessor: its blocks come from ``W^C_0`` (sparda) or its query
 (sparse) and are fetched synchronously unless layer 0 is resident
@@ -29,7 +30,7 @@ import torch
 
 from sparda import kernels
 from sparda.attention.blocksparse import SparseAttention
-from sparda.attention.forecast import ForecastAttention
+from sparda.attention.forecast import Forecast, ForecastAttention, on_model, weights_for
 from sparda.attention.baselines.shallow import ShallowAttention
 
 
@@ -136,9 +137,21 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
     #: copy layer l+1's misses during layer l (False: synchronous fetch in layer l+1)
     prefetch = True
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, config, shape, model=None, model_dir=None, forecast: Forecast | None = None,
+                 forecast2: Forecast | None = None) -> None:
+        """As :class:`ForecastAttention`; with ``config.lookahead == 2`` also the two-ahead heads
+        (``forecast2``, else ``config.forecast2_path``, else the shipped ones; design §6.2).
+
+        Raises:
+            SpardaError: as :class:`ForecastAttention`, for either set of weights.
+        """
         self._next: dict[int, torch.Tensor] = {}  # layer -> block ids chosen in the layer before
-        super().__init__(*args, **kwargs)
+        super().__init__(config, shape, model=model, model_dir=model_dir, forecast=forecast)
+        self.meta2: dict[str, str] = {}  # the two-ahead weight file's metadata
+        if config.lookahead == 2:
+            if forecast2 is None:
+                forecast2, self.meta2 = weights_for(config.forecast2_path, model, shape, model_dir, ahead=2)
+            self.forecast2 = on_model(forecast2, model)
 
     def reset(self) -> None:
         """Clear stored Forecast queries/masks and pending next-layer masks."""
@@ -177,7 +190,20 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
                 if self.prefetch:
                     nxt = self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
             self._next[layer + 1] = nxt
+        if (self.forecast2 is not None and self.prefetch and layer + 2 < self.shape.num_layers
+                and cache.is_offloaded(layer + 2)):
+            self._warm(layer, h, cache, step)
         return self._attend_decode(layer, q, ids, cache, step)
+
+    def _warm(self, layer: int, h: torch.Tensor, cache, step) -> None:
+        """Design §6.2 step 5b: ``F2_layer`` scores layer ``layer+2``'s compressed keys before this
+        step's token, selects, and starts the early copy of the misses (:meth:`OffloadKVCache.warm`)
+        on the side streams, behind layer ``layer+1``'s copy."""
+        pos = step.q_pos[:, 0]
+        query, ck_len = self.forecast_query(layer + 2, h, step, ahead=2), self._ck_len_before(step)
+        with cache.prefetcher.ahead(layer + 2, query, ck_len, pos):
+            early = self._select(query, cache.compressed(layer + 2, step.batch), pos, cache, ck_len=ck_len)
+            cache.warm(layer + 2, early, pos)
 
     def _ck_len_before(self, step) -> torch.Tensor:
         """``[B]`` compressed keys complete before this step's token (design §4), once per step."""

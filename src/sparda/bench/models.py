@@ -129,11 +129,11 @@ def build_model(name: str, device: torch.device | str, dtype: torch.dtype,
     return model.eval().requires_grad_(False)
 
 
-def random_forecast(model: CausalLM, seed: int = 0) -> Forecast:
-    """A random Forecast (``Forecast.for_shape``) on the model's device and dtype."""
-    torch.manual_seed(seed + 1)
+def random_forecast(model: CausalLM, seed: int = 0, ahead: int = 1) -> Forecast:
+    """A random Forecast (``Forecast.for_shape``, ``ahead`` layers ahead) on the model's device and dtype."""
+    torch.manual_seed(seed + ahead)
     param = next(model.parameters())
-    return Forecast.for_shape(model.shape).to(device=param.device, dtype=param.dtype).eval()
+    return Forecast.for_shape(model.shape, ahead=ahead).to(device=param.device, dtype=param.dtype).eval()
 
 
 def weight_bytes(model: CausalLM) -> int:
@@ -155,6 +155,8 @@ def method_extra_bytes(llm) -> int:
     tensors = []
     if hasattr(method, "forecast"):
         tensors = list(method.forecast.parameters())
+        if getattr(method, "forecast2", None) is not None:  # design §6.2
+            tensors += list(method.forecast2.parameters())
     elif hasattr(method, "weights"):
         tensors = list(method.weights)
     return sum(t.numel() * t.element_size() for t in tensors)

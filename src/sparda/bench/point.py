@@ -14,7 +14,7 @@ from sparda.bench.gpu_profile import kernel_summary
 from sparda.bench.models import method_extra_bytes, weight_bytes
 from sparda.bench.roofline import kv_read_breakdown, roofline_ms
 from sparda.bench.timing import ComponentTimer
-from sparda.bench.traces import Replayer, replay_masks, synthetic_masks, trace_for
+from sparda.bench.traces import LOOKAHEAD2_RECALL, Replayer, replay_masks, synthetic_masks, trace_for
 from sparda.cache import pinned
 from sparda.cache.host import available_host_bytes
 from sparda.config import DEFAULT_SLOT_FACTOR
@@ -44,14 +44,17 @@ def check_deadline(deadline: float | None) -> None:
 
 
 def make_llm(model, method: str, selection, forecast, transfer: str = "auto", cuda_graphs: bool = True,
-             kv_dtype: str = "bf16", slot_factor: float | None = None) -> LLM:
+             kv_dtype: str = "bf16", slot_factor: float | None = None, lookahead: int = 1,
+             forecast2=None) -> LLM:
     """The LLM a sweep method runs (``sparda``: offloaded with prefetch; ``dense``, ``sparse``,
-    ``infinigen``: on-device cache); ``cuda_graphs`` (docs/cuda_graphs.md), ``kv_dtype`` (docs/kv_quant.md)."""
+    ``infinigen``: on-device cache); ``cuda_graphs`` (docs/cuda_graphs.md), ``kv_dtype`` (docs/kv_quant.md);
+    ``lookahead`` 2 (``sparda`` only) with the two-ahead Forecast module ``forecast2`` (design §6.2)."""
     fields = {f: getattr(selection, f) for f in ("block_size", "kernel_size", "kernel_stride", "init_blocks",
                                                  "local_blocks", "topk_blocks", "dense_len")}
+    two = dict(lookahead=2, forecast2=forecast2) if lookahead == 2 else {}
     return LLM.from_model(model, method=method, preset="small", forecast=forecast, transfer=transfer,
                           offload=True if method == "sparda" else None, cuda_graphs=cuda_graphs,
-                          kv_dtype=kv_dtype, slot_factor=slot_factor, **fields)
+                          kv_dtype=kv_dtype, slot_factor=slot_factor, **fields, **two)
 
 
 def release_memory(device: torch.device) -> None:
@@ -204,8 +207,10 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
 
     ``opts``: ``warmup_steps``, ``decode_steps``, ``repeats``, ``breakdown_steps``,
     ``host_limit_bytes``, optional ``profile_steps``, ``timing_steps``, ``parity_steps``,
-    ``overlap_steps``, ``gpu_mem_gb``. ``hit_rate``: replay :func:`~sparda.bench.traces.synthetic_masks`
-    instead of ``traces``; ``hit_rates``: also each of these, as ``rec["hit_rate_points"]``.
+    ``overlap_steps``, ``gpu_mem_gb``, ``lookahead_recall``. ``hit_rate``: replay
+    :func:`~sparda.bench.traces.synthetic_masks` instead of ``traces``; ``hit_rates``: also each of
+    these, as ``rec["hit_rate_points"]``. With ``lookahead=2`` and a replayed selection, the early
+    copies get :func:`~sparda.bench.traces.two_ahead_ids` predictions of it at ``lookahead_recall``.
     ``deadline``: a ``time.perf_counter()`` value checked before every decode step.
 
     Raises:
@@ -245,6 +250,14 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         replayer = Replayer(masks)
         replayer.install(cache)
         source = f"trace:{trace.meta.get('method')}"
+    two_ahead = replayer is not None and llm.config.lookahead == 2
+    recall = getattr(opts, "lookahead_recall", LOOKAHEAD2_RECALL)
+
+    def predict() -> None:
+        if two_ahead:
+            replayer.predict_two_ahead(cache, cfg, [context] * batch, recall)
+
+    predict()
     host_peak = host_rss_bytes()
     tokens = torch.randint(0, llm.model.config.vocab_size, (batch,), device=dev)
     state = {"i": 0}
@@ -339,6 +352,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
             else "hbm",
             "missed_bytes_per_step": round(missed, 1),
             "hit_rate": stats.get("hit_rate"), "pcie_bytes_per_token": stats.get("bytes_per_token", 0.0),
+            "early_copies": stats.get("early_copies"),
             "exposed_wait_ms": timing.get("exposed_wait_ms", untimed),
             "exposed_transfer_ms": timing.get("exposed_transfer_ms", untimed), "copy_ms": copy,
             "lookahead_timeline_us": timing.get("timeline"), "timed_step_ms": timing.get("step_ms"),
@@ -352,6 +366,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     for rate in hit_rates:  # the same cache and graphs, other replayed block ids
         check_deadline(deadline)
         replayer.ids.copy_(_replay_ids(synthetic(rate), replayer.ids.shape[-1]))
+        predict()
         sub_tpots = timed_run(step, state, cache, opts, dev)
         sub_stats = cache.offload_stats(opts.decode_steps * opts.repeats * batch)
         sub_timing = copy_timing(llm, cache, step, timing_steps, state, opts.warmup_steps) if timing_steps else {}
@@ -376,6 +391,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "selection_source": source if offloaded else "native",
         "target_hit_rate": hit_rate if offloaded else None,
         "read_fraction": round(cache.read_fraction(), 4),
+        "lookahead": llm.config.lookahead if llm.config.method == "sparda" else None,
+        "lookahead_recall": recall if two_ahead else None,
     }
     if points:
         rec["hit_rate_points"] = points
@@ -488,10 +505,14 @@ def overlap_timing(llm: LLM, cache, step, steps: int, tpot_ms: float, state: dic
     finally:
         cache.engine = real
 
+    early = llm.config.lookahead == 2  # the early copies too (design §6.2)
+
     def gathers() -> None:
         for layer in cache.offloaded:
             planes = cache._slot_planes(layer)
             for chunk in cache.host.chunks[layer]:
+                if early:
+                    real.gather_planes(chunk, planes, cache.early_load[layer])
                 real.gather_planes(chunk, planes, cache.load[layer])
 
     replay_to(step, state, cache, start, minimum=3)  # past the first steps after empty slots (all misses)

@@ -18,7 +18,7 @@ import torch
 from sparda.bench import point as pt
 from sparda.bench.models import build_model, check_models_fit, model_spec, random_forecast, selection_config
 from sparda.bench.roofline import measure_bandwidth
-from sparda.bench.traces import SHIPPED_TRACE, load_traces, reuse_stats
+from sparda.bench.traces import LOOKAHEAD2_RECALL, SHIPPED_TRACE, load_traces, reuse_stats
 from sparda.config import DEFAULT_SLOT_FACTOR, build_config, resolve_device, resolve_dtype
 from sparda.errors import SpardaError
 from sparda.io import atomic_write, check_output_dir
@@ -49,6 +49,9 @@ class SweepConfig:
         slot_factor: of offloaded methods (design §6).
         kv_dtype: ``bf16``, ``int8``/``int4`` (docs/kv_quant.md) or ``mixed`` (design §6.1,
             offloaded methods only; others ``skipped``).
+        lookaheads: offloaded ``sparda`` runs once per value, 1 and/or 2 (design §6.2; the other
+            methods once). lookahead_recall: the modelled two-ahead prediction's recall of a
+            replayed selection (:func:`~sparda.bench.traces.two_ahead_ids`; docs/bench.md).
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -76,6 +79,8 @@ class SweepConfig:
     overlap_steps: int | None = None
     kv_dtype: str = "bf16"
     slot_factor: float = DEFAULT_SLOT_FACTOR
+    lookaheads: list = field(default_factory=lambda: [1])
+    lookahead_recall: float = LOOKAHEAD2_RECALL
 
     def __post_init__(self) -> None:
         checked = build_config(method="sparse-offload", device="cpu", kv_dtype=self.kv_dtype,
@@ -94,6 +99,12 @@ class SweepConfig:
             raise SpardaError("contexts and batches must be positive integers")
         if any(not 0.0 <= h <= 1.0 for h in self.hit_rates):
             raise SpardaError(f"--hit-rate values must lie in [0, 1], got {self.hit_rates}")
+        if not self.lookaheads or any(la not in (1, 2) for la in self.lookaheads):
+            raise SpardaError(f"--lookahead takes 1, 2 or 1,2, got {','.join(map(str, self.lookaheads)) or 'nothing'}")
+        if 2 in self.lookaheads and "sparda" not in self.methods:
+            raise SpardaError("--lookahead 2 applies to offloaded sparda only; add sparda to --methods")
+        if not 0.0 <= self.lookahead_recall <= 1.0:
+            raise SpardaError(f"--lookahead-recall must lie in [0, 1], got {self.lookahead_recall}")
         if self.decode_steps < 1 or self.repeats < 1 or self.warmup_steps < 0 or self.breakdown_steps < 0:
             raise SpardaError("decode-steps and repeats must be >= 1, warm-up and breakdown steps >= 0")
 
@@ -193,8 +204,10 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
             save()
             continue
         forecast = random_forecast(model)
+        forecast2 = random_forecast(model, ahead=2) if 2 in cfg.lookaheads else None
+        runs = [(m, la) for m in cfg.methods for la in (cfg.lookaheads if m == "sparda" else [1])]
         for context in cfg.contexts:
-            for method in cfg.methods:
+            for method, lookahead in runs:
                 if cfg.kv_dtype == "mixed" and method not in pt.HOST_KV:
                     for b in sorted(cfg.batches):
                         records.append(_blank(model_name, method, context, b, "skipped", MIXED_SKIP, cfg.kv_dtype))
@@ -202,7 +215,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                     save()
                     continue
                 llm = pt.make_llm(model, method, selection, forecast, cfg.transfer, cuda_graphs=not cfg.eager,
-                                  kv_dtype=cfg.kv_dtype, slot_factor=cfg.slot_factor)
+                                  kv_dtype=cfg.kv_dtype, slot_factor=cfg.slot_factor, lookahead=lookahead,
+                                  forecast2=forecast2)
                 prefill = _prefill(llm, min(context, cfg.prefill_tokens), cfg, t0, log)
                 failed = None
                 rates = cfg.hit_rates if method in pt.HOST_KV else []
@@ -211,7 +225,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                             "device": env["device"], "dtype": str(dtype).replace("torch.", ""),
                             "decode_steps": cfg.decode_steps, "repeats": cfg.repeats,
                             "hbm_gbps": env["hbm_gbps"], "pcie_gbps": env["pcie_gbps"],
-                            "slot_factor": cfg.slot_factor if method in pt.HOST_KV else None}
+                            "slot_factor": cfg.slot_factor if method in pt.HOST_KV else None,
+                            "lookahead": lookahead if method == "sparda" else None}
                     if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
                         base.update(status="skipped", error="time budget")
                     elif failed is not None:
@@ -236,7 +251,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict]:
                     save()
                 del llm
                 _cleanup(device)
-        del model, forecast
+        del model, forecast, forecast2
         _cleanup(device)
     save()
     write_report(records, env, out)
@@ -267,6 +282,7 @@ def _cleanup(device: torch.device) -> None:
 
 def _line(rec: dict) -> str:
     method = rec["method"] if rec.get("kv_dtype", "bf16") == "bf16" else f"{rec['method']} {rec['kv_dtype']}"
+    method += " lookahead 2" if rec.get("lookahead") == 2 else ""
     head = f"{rec['model']} {method:<18} ctx {rec['context']:>6} B {rec['batch']:>3}: {rec['status']}"
     if rec["status"] != "ok":
         return f"{head} ({rec.get('error')})"
@@ -292,9 +308,9 @@ def config_from_options(quick: bool = False, **opts) -> SweepConfig:
     for key in ("models", "methods"):
         if key in given:
             given[key] = [x.strip() for x in given[key].split(",") if x.strip()]
-    for key in ("contexts", "batches"):
+    for key in ("contexts", "batches", "lookaheads"):
         if key in given:
-            given[key] = _ints(given[key], key)
+            given[key] = _ints(given[key], "lookahead" if key == "lookaheads" else key)
     if "hit_rates" in given:
         try:
             given["hit_rates"] = [float(x) for x in str(given["hit_rates"]).split(",") if x.strip()]

@@ -223,13 +223,70 @@ def synthetic_masks(num_layers: int, num_kv_heads: int, selection, start_pos: li
     return torch.from_numpy(out[..., :num_blocks])
 
 
+#: the two-ahead prediction's measured recall of the one-layer Forecast's free top-k, held-out
+#: Emma, layers 2-29 of the bundled model (docs/forecast.md, Two-ahead heads): ``--lookahead-recall``
+LOOKAHEAD2_RECALL = 0.79
+
+
+def two_ahead_ids(ids: torch.Tensor, selection, start_pos: list[int], recall: float, seed: int = 0) -> torch.Tensor:
+    """Modelled two-ahead predictions (design §6.2) of replayed selections, for ``--lookahead 2``
+    (docs/bench.md): each selection's forced blocks (design §3.4), each of its other blocks kept
+    with probability ``recall`` and the rest replaced by distinct blocks of the non-forced range
+    outside the selection, drawn uniformly (independent across steps, layers, rows and heads;
+    seeded). Where the range holds no such block, the prediction is that much shorter.
+
+    Args:
+        ids: ``[steps, L, B, H, W]`` int32 ascending block ids, ``-1`` padded (as :meth:`Replayer.install`
+            makes them); step ``i`` of row ``b`` is at position ``start_pos[b] + i``.
+        recall: in [0, 1].
+    Returns:
+        ``[steps, L, B, H, W]`` int32 on ``ids``' device, ascending, ``-1`` padded, unique per row.
+    Raises:
+        SpardaError: ``recall`` outside [0, 1].
+    """
+    if not 0.0 <= recall <= 1.0:
+        raise SpardaError(f"--lookahead-recall must lie in [0, 1], got {recall}")
+    cfg = selection
+    final = ids.cpu().numpy().astype(np.int64)
+    steps, width = final.shape[0], final.shape[-1]
+    cur = (np.asarray(start_pos)[None, :] + np.arange(steps)[:, None]) // cfg.block_size  # [steps, B]
+    hi = np.broadcast_to((cur - cfg.local_blocks)[:, None, :, None, None], final.shape)  # top of the free range
+    lo = cfg.init_blocks
+    rng = np.random.default_rng(seed)
+    drop = (final >= lo) & (final <= hi) & (rng.random(final.shape) >= recall)
+    span = np.maximum(hi - lo + 1, 1)
+    key = int(max(final.max(), hi.max())) + 2  # row * key + block: one sorted key space for all rows
+    row = np.arange(final.size // width).reshape(final.shape[:-1])[..., None] * key
+    given = (row + final)[final >= 0]  # ascending: rows in order, ids ascending within a row
+    out, todo = final.copy(), drop.copy()
+    for _ in range(64):
+        if not todo.any():
+            break
+        out[todo] = lo + (rng.random(int(todo.sum())) * span[todo]).astype(np.int64)
+        cand = (row + out)[drop]
+        at = np.minimum(np.searchsorted(given, cand), given.size - 1)
+        bad = given[at] == cand  # a block of the selection itself
+        _, first = np.unique(cand, return_index=True)
+        again = np.ones(cand.size, dtype=bool)
+        again[first] = False  # a block drawn twice in one row
+        todo = np.zeros_like(drop)
+        todo[drop] = bad | again
+    out[todo] = -1
+    big = np.iinfo(np.int64).max
+    out = np.sort(np.where(out < 0, big, out), axis=-1)
+    return torch.from_numpy(np.where(out == big, -1, out).astype(np.int32)).to(ids.device)
+
+
 class Replayer:
     """Replace the blocks an offloaded cache fetches by replayed ones (``masks [steps, L, B, H, N]``
-    bool, :func:`replay_masks`); the method's own selection still runs. Set :attr:`step` per step."""
+    bool, :func:`replay_masks`); the method's own selection still runs. Set :attr:`step` per step.
+    With :meth:`predict_two_ahead`, the cache's early copies (``--lookahead 2``) get modelled
+    predictions of the replayed selections (:func:`two_ahead_ids`)."""
 
     def __init__(self, masks: torch.Tensor) -> None:
         self.masks = masks
         self.ids: torch.Tensor | None = None
+        self.early: torch.Tensor | None = None
         #: ``[1]`` int64 on the masks' device: the replayed step (device-side, so that a
         #: captured CUDA graph of the decode step reads the current one on every replay)
         self.index = torch.zeros(1, dtype=torch.long, device=masks.device)
@@ -257,6 +314,22 @@ class Replayer:
             return original(layer, chosen, pos, prefetch, counters)
 
         cache.fetch = fetch
+
+    def predict_two_ahead(self, cache, selection, start_pos: list[int], recall: float, seed: int = 0) -> None:
+        """Model the early copies' predictions of the installed ids with ``recall``
+        (:func:`two_ahead_ids`; again after :attr:`ids` changed) and, the first time, wrap
+        ``cache.warm`` to use them. Raises SpardaError for ``recall`` outside [0, 1]."""
+        early = two_ahead_ids(self.ids, selection, start_pos, recall, seed)
+        if self.early is not None:
+            self.early.copy_(early)  # in place: a captured CUDA graph reads this buffer
+            return
+        self.early = early
+        original = cache.warm
+
+        def warm(layer, selection, pos):
+            return original(layer, self.early.index_select(0, self.index)[0, layer, :pos.shape[0]], pos)  # the step's rows
+
+        cache.warm = warm
 
 
 def _masks_to_ids(masks: list[torch.Tensor], width: int) -> np.ndarray:

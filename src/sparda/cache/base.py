@@ -62,6 +62,30 @@ class KVCache:
                 state = self._owned[owner] = make()
         return state
 
+    def _row_history(self) -> list[torch.Tensor]:
+        """The ``[B, ...]`` tensors of per-row decode history that a prefill does not rebuild:
+        the selectors' state (:meth:`owned`); subclasses add theirs."""
+        def tensors(value):
+            if torch.is_tensor(value):
+                if value.dim() and value.shape[0] == self.lengths.shape[0]:
+                    yield value
+            elif isinstance(value, (list, tuple, dict)):
+                for item in value.values() if isinstance(value, dict) else value:
+                    yield from tensors(item)
+        return [t for state in self._owned.values() for t in tensors(state)]
+
+    def decode_state(self, row: int) -> list[torch.Tensor]:
+        """Copies of row ``row``'s decode history (:meth:`_row_history`), saved when its request
+        is preempted (design §3.11) and put back by :meth:`restore_decode_state` once its
+        recompute prefill ends, so it goes on as if it had not been preempted."""
+        return [t[row].clone() for t in self._row_history()]
+
+    def restore_decode_state(self, row: int, saved: list[torch.Tensor]) -> None:
+        """Row ``row`` (any row) takes the history :meth:`decode_state` saved (in place)."""
+        with torch.inference_mode():
+            for tensor, value in zip(self._row_history(), saved, strict=True):
+                tensor[row] = value
+
     def counter(self, key: str, rows: int, device) -> torch.Tensor:
         """The first ``rows`` entries (a view) of the ``[B]`` int64 counter ``key`` on
         ``device``: a decode step of the cache's first ``rows`` rows counts into them (design

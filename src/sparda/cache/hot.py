@@ -82,10 +82,15 @@ class HotBlocks:
         hot.copy_(keep)
         return demoted
 
-    def split(self, layer: int, load: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def split(self, layer: int, load: torch.Tensor,
+              pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``load [b, H, S]`` of the first ``b`` rows (block to copy into slot ``s``, ``-1`` none)
         split into ``(pool, cold)``: the pool slot of each hot block, the block id of each
-        cold one (``-1`` elsewhere)."""
+        cold one (``-1`` elsewhere). ``pos [b]``: an early copy at the step of these positions,
+        before its :meth:`update` (design §6.2): a hot block whose pool slot the step's current
+        block takes (``n <= c - P``) counts as cold."""
         hot = torch.gather(self.hot[layer][:load.shape[0]], -1, load.clamp(min=0)) & (load >= 0)
+        if pos is not None:
+            hot &= load > (pos // self.block_size).view(-1, 1, 1) - self.pool_blocks
         return (torch.where(hot, load % self.pool_blocks, -1),
                 torch.where(hot | (load < 0), -1, load))

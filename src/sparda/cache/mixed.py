@@ -53,6 +53,12 @@ class MixedOffloadKVCache(OffloadKVCache):
                              self.hot_blocks, self.hot_steps, self.device)
 
     # ---------------------------------------------------------------- hooks
+    def _row_history(self) -> list[torch.Tensor]:
+        """Plus the hot-block state (a recompute's prefill would leave only its local window
+        hot; its pool then holds the exact copies of the saved hot blocks, the last ``P``)."""
+        return super()._row_history() + [t for layer in self.offloaded for t in (self.hot.hot[layer],
+                                                                                 self.hot.last[layer])]
+
     def _pool_blocks(self) -> int:
         want = default_hot_blocks(self.selection) if self._hot_request is None else self._hot_request
         return min(want, self.num_blocks)
@@ -103,16 +109,19 @@ class MixedOffloadKVCache(OffloadKVCache):
         held = self.slot_map[layer][:ids.shape[0]]
         held.masked_fill_(torch.gather(demoted, -1, held.clamp(min=0)) & (held >= 0), -1)
 
-    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool) -> None:
+    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool,
+                     early_pos: torch.Tensor | None = None) -> None:
         """A hot block's ``dtype`` copy from the pool, a cold block's int4 codes and scales
         into :attr:`cold_k` / :attr:`cold_v`, dequantised from there into its slot
         (:func:`sparda.kernels.dequantize_cold_slots`: on CUDA only the slots that received
         a cold block are read and written). Counts the pool misses
         (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`). ``load [b, H, S]``: the
-        cache's first ``b`` rows (design §3.13)."""
+        cache's first ``b`` rows (design §3.13). An early copy (``early_pos [b]``, design §6.2)
+        runs before this step's hot rule: a block is copied from the pool only if its pool
+        slot is not the current block's."""
         pref = self.prefetcher
         b = load.shape[0]
-        from_pool, cold = self.hot.split(layer, load)
+        from_pool, cold = self.hot.split(layer, load, early_pos)
         pref.pool_misses[:b].add_((from_pool >= 0).sum((1, 2)))
         k_slots, v_slots = self.k_slots[layer][:b], self.v_slots[layer][:b]
         ck, cv = self.cold_k[layer][:b], self.cold_v[layer][:b]
@@ -126,7 +135,7 @@ class MixedOffloadKVCache(OffloadKVCache):
                 self.engine.gather_planes(chunk, planes, cold)
             kernels.dequantize_cold_slots(ck, cv, k_slots[:, :, :s], v_slots[:, :, :s], cold)
 
-        pref.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch)
+        pref.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch, early=early_pos is not None)
 
     # ---------------------------------------------------------------- stats
     def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:

@@ -143,6 +143,9 @@ class OffloadKVCache(KVCache):
             # per layer: the slot diff's outputs (static buffers); attn_blocks/attn_slots: the
             # selected slots as a compact [B, H, W + 1] list, what attention reads
             self.load, self.attn_ids, self.attn_blocks, self.attn_slots = {}, {}, {}, {}
+            #: per layer, the early diff's copy list (design §6.2; apart from ``load``, which the
+            #: layer's next diff rewrites while the early copy may still read this one)
+            self.early_load = {}
             #: per layer, device staging of the blocks a fetch copies before they reach their
             #: slots (:meth:`_alloc_fetch_staging`; empty here)
             self.cold_k, self.cold_v = {}, {}
@@ -153,6 +156,7 @@ class OffloadKVCache(KVCache):
                 self.slot_map[layer] = torch.full((batch, num_kv_heads, self.slots), -1, dtype=torch.long,
                                                   device=self.device)
                 self.load[layer] = torch.full_like(self.slot_map[layer], -1)
+                self.early_load[layer] = torch.full_like(self.slot_map[layer], -1)
                 self.attn_ids[layer] = torch.full((batch, num_kv_heads, self.slots + 1), -1, dtype=torch.int32,
                                                   device=self.device)
                 self.attn_blocks[layer] = torch.full((batch, num_kv_heads, self.select_width + 1), -1,
@@ -173,6 +177,9 @@ class OffloadKVCache(KVCache):
         self._stash: tuple | None = None  # prefill: (layer, k, v) of the prompt being run
         self._slot_ids = torch.arange(self.slots + 1, device=self.device).view(1, 1, -1)
         self._scratch_count = torch.zeros(batch, dtype=torch.long, device=self.device)  # uncounted fetches
+        # the early diff's attention list, read by nobody (the layer's next diff writes the real one)
+        self._early_attn = torch.full((batch, num_kv_heads, self.slots + 1), -1, dtype=torch.int32,
+                                      device=self.device)
         self._staging = None  # chunked prefill: sparda.cache.chunked_prefill.PrefillStaging
 
     # ------------------------------------------------------- host pages
@@ -246,9 +253,11 @@ class OffloadKVCache(KVCache):
         """Before the slot diff of :meth:`fetch` (``ids [b, H, W]``, ``pos [b]``, the first
         ``b`` rows): empty the block-map entries whose slot copy is no longer valid; none here."""
 
-    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool) -> None:
+    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool,
+                     early_pos: torch.Tensor | None = None) -> None:
         """Copy the slot diff's misses ``load [b, H, S]`` (block per slot, ``-1`` none) from
-        the host store into the slots of ``layer``'s first ``b`` rows (:meth:`fetch`'s ``prefetch``)."""
+        the host store into the slots of ``layer``'s first ``b`` rows (:meth:`fetch`'s ``prefetch``);
+        ``early_pos [b]``: an early copy at these positions (:meth:`warm`)."""
         planes = self._slot_planes(layer, load.shape[0])
         chunks = self.host.chunks[layer]
 
@@ -256,7 +265,7 @@ class OffloadKVCache(KVCache):
             for chunk in chunks:
                 self.engine.gather_planes(chunk, planes, load)
 
-        self.prefetcher.fetch(layer, copy, None, None, keep=(), prefetch=prefetch)
+        self.prefetcher.fetch(layer, copy, None, None, keep=(), prefetch=prefetch, early=early_pos is not None)
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -521,6 +530,31 @@ class OffloadKVCache(KVCache):
             return selection
         return ref.block_mask_to_indices(selection, min(self.select_width, selection.shape[-1]))
 
+    def _diff_ids(self, selection: torch.Tensor, caller: str) -> torch.Tensor:
+        """:meth:`selection_ids`, contiguous; SpardaError naming ``caller`` if wider than
+        :attr:`select_width`, or if it has more rows than the cache (:meth:`_check_rows`)."""
+        ids = self.selection_ids(selection)
+        if ids.shape[-1] > self.select_width:
+            raise SpardaError(f"{caller}: {ids.shape[-1]} block ids per row exceed the selection width "
+                              f"{self.select_width} of this cache; select with width=cache.select_width")
+        self._check_rows(ids.shape[0])
+        return ids if ids.is_contiguous() else ids.contiguous()
+
+    def _slot_diff(self, layer: int, ids: torch.Tensor, pos: torch.Tensor, load: torch.Tensor,
+                   attn_ids: torch.Tensor, counters: tuple, compact: tuple | None = None,
+                   protect: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`sparda.kernels.slot_diff` of ``ids [b, H, W]`` against ``layer``'s block map,
+        every per-row operand (``load``, ``attn_ids``, ``counters``, ``compact``, ``protect``:
+        ``[B, ...]`` buffers) cut to the cache's first ``b`` rows (views; design §3.13).
+        Returns the rows' ``load [b, H, S]``."""
+        b = ids.shape[0]
+        load = load[:b]
+        kernels.slot_diff(ids, self.slot_map[layer][:b], pos, self.block_size, self.num_blocks, load,
+                          attn_ids[:b], tuple(c[:b] for c in counters),
+                          None if compact is None else tuple(c[:b] for c in compact),
+                          protect=None if protect is None else protect[:b])
+        return load
+
     def fetch(self, layer: int, selection: torch.Tensor, pos: torch.Tensor, prefetch: bool = False,
               counters: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Make ``layer``'s selected blocks resident in its slots (decode).
@@ -544,23 +578,39 @@ class OffloadKVCache(KVCache):
         """
         if layer in self.resident:
             return
-        ids = self.selection_ids(selection)
-        if ids.shape[-1] > self.select_width:
-            raise SpardaError(f"fetch: {ids.shape[-1]} block ids per row exceed the selection width "
-                              f"{self.select_width} of this cache; select with width=cache.select_width")
-        if not ids.is_contiguous():
-            ids = ids.contiguous()
-        b = ids.shape[0]
-        self._check_rows(b)
-        pref = self.prefetcher
-        scratch = self._scratch_count[:b]
+        ids = self._diff_ids(selection, "fetch")
+        pref, scratch = self.prefetcher, self._scratch_count
         read, valid = counters if counters is not None else (scratch, scratch)
-        load = self.load[layer][:b]
         self._invalidate_slots(layer, ids, pos)
-        kernels.slot_diff(ids, self.slot_map[layer][:b], pos, self.block_size, self.num_blocks, load,
-                          self.attn_ids[layer][:b], (pref.hits[:b], pref.misses[:b], read, valid),
-                          (self.attn_blocks[layer][:b], self.attn_slots[layer][:b]))
+        load = self._slot_diff(layer, ids, pos, self.load[layer], self.attn_ids[layer],
+                               (pref.hits, pref.misses, read, valid),
+                               compact=(self.attn_blocks[layer], self.attn_slots[layer]))
         self._copy_misses(layer, load, prefetch)
+
+    def warm(self, layer: int, selection: torch.Tensor, pos: torch.Tensor) -> None:
+        """Early copy of a two-ahead prediction into ``layer``'s slots (design §6.2; decode).
+
+        The early diff (:func:`sparda.kernels.slot_diff` with ``protect``): the prediction's
+        misses go to empty slots, then to slots holding a block in neither the prediction nor
+        the layer's last selection (``attn_ids``), the rest are not copied; the copy is
+        enqueued on the side stream like a prefetch. Writes :attr:`early_load` and the block
+        map only; counts the copied blocks into the prefetcher's ``early``. The layer's next
+        :meth:`fetch` decides what it attends. Resident layers: nothing.
+
+        Args:
+            selection: ``[b, H, W]`` ids or ``[b, H, N']`` bool mask of the cache's first ``b``
+                rows (design §3.13), as :meth:`fetch`; rows ``b ..`` are not touched.
+            pos: ``[b]`` int64 position of this step's token.
+        Raises:
+            SpardaError: ids wider than :attr:`select_width`, or more rows than the cache.
+        """
+        if layer in self.resident:
+            return
+        ids = self._diff_ids(selection, "warm")
+        scratch = self._scratch_count
+        load = self._slot_diff(layer, ids, pos, self.early_load[layer], self._early_attn,
+                               (scratch, self.prefetcher.early, scratch, scratch), protect=self.attn_ids[layer])
+        self._copy_misses(layer, load, prefetch=True, early_pos=pos)
 
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s pending prefetch (no host sync)."""

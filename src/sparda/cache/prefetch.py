@@ -19,8 +19,13 @@ stream waits for it, and layer ``l+1`` waits for both just before its attention.
 compute stream is left with the projections, the append, attention and the MLP
 (design §6).
 
+With ``lookahead=2`` layer ``l`` also enqueues an *early* copy of layer ``l+2``'s predicted
+misses (design §6.2, :meth:`Prefetcher.fetch` with ``early``): the same selection and copy
+streams, behind layer ``l+1``'s copy; layer ``l+2``'s wait joins the later copy of layer
+``l+1``, which the copy stream runs after it.
+
 Counters: hits and misses per cache row (device tensors updated in place, so a captured
-CUDA graph keeps counting), bytes copied, and -- only with ``timing`` -- copy time and
+CUDA graph keeps counting), early copies, bytes copied, and -- only with ``timing`` -- copy time and
 the part of it the compute stream waited for (exposed wait), measured with device
 timestamps on the GPU (graph-safe, :mod:`sparda.cache.timestamps`) and a wall clock on
 the CPU.
@@ -54,6 +59,7 @@ class Prefetcher:
             (:attr:`pool_misses`) and cost these bytes, the others ``block_bytes`` (int4).
     Attributes:
         hits, misses: ``[batch]`` int64 device counters, updated in place (graph-safe).
+        early: ``[batch]`` int64, blocks copied by early copies (design §6.2), not in ``misses``.
         pool_misses: ``mixed``: ``[batch]`` int64, the misses copied from the hot pool
             (a part of ``misses``); ``None`` otherwise.
     """
@@ -79,7 +85,7 @@ class Prefetcher:
         #: layers whose copies the device clock stamps: filled when a step is run or captured
         #: (a replayed CUDA graph runs no Python, so :meth:`reset` keeps it; :meth:`set_timing` clears it)
         self.timed_layers: set[int] = set()
-        self.hits = self.misses = None
+        self.hits = self.misses = self.early = None
         self.reset()
 
     def reset(self) -> None:
@@ -87,12 +93,14 @@ class Prefetcher:
         if getattr(self, "hits", None) is None:
             self.hits = torch.zeros(self.batch, dtype=torch.long, device=self.device)
             self.misses = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+            self.early = torch.zeros(self.batch, dtype=torch.long, device=self.device)
             if self.pool_block_bytes is not None:
                 self.pool_misses = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         else:
             with torch.inference_mode():
                 self.hits.zero_()
                 self.misses.zero_()
+                self.early.zero_()
                 if self.pool_misses is not None:
                     self.pool_misses.zero_()
         self.copy_ms = 0.0
@@ -115,12 +123,15 @@ class Prefetcher:
         self.reset()
 
     def fetch(self, layer: int, copy_fn, hits: torch.Tensor, misses: torch.Tensor,
-              keep: tuple, prefetch: bool) -> None:
+              keep: tuple, prefetch: bool, early: bool = False) -> None:
         """Run ``copy_fn()`` (the gather of one layer's misses) and count.
 
         ``prefetch``: on the side stream after the compute stream's pending work, with an
         event :meth:`wait` blocks on; else on the compute stream (synchronous fetch, all
-        of its time exposed). ``keep``: tensors that must live until the copy is done.
+        of its time exposed). ``early``: an early copy (design §6.2, implies ``prefetch``),
+        timed apart (``EARLY_START``/``EARLY_END``); the layer's later fetch on the same
+        stream supersedes its event. ``keep``: tensors that must live until the copy is done
+        (kept until :meth:`wait` of ``layer``, with those of an earlier pending copy).
         ``hits, misses``: ``[B, H]`` int64 device counts (from :func:`diff_slots`), summed
         over heads into the per-row counters in place (no host sync); ``None`` when the
         slot diff kernel already added them (:func:`sparda.kernels.slot_diff`). With ``timing``,
@@ -142,7 +153,7 @@ class Prefetcher:
         clock = self._clock
         if clock is not None:
             self.timed_layers.add(layer)
-        if not prefetch:  # on the compute stream: the whole copy is waited for
+        if not prefetch and not early:  # on the compute stream: the whole copy is waited for
             if clock is not None:  # READY first: max(WAIT, READY) = WAIT, all of the stall is the copy's
                 clock.mark(layer, clock.READY)
                 clock.mark(layer, clock.WAIT)
@@ -152,18 +163,21 @@ class Prefetcher:
                 clock.mark(layer, clock.END)
                 clock.account(layer)
             return
-        if clock is not None:  # on the issuing stream: its work so far is the copy's input
+        if clock is not None:
+            first, last = (clock.EARLY_START, clock.EARLY_END) if early else (clock.START, clock.END)
+        if clock is not None and not early:  # on the issuing stream: its work so far is the copy's input
             clock.mark(layer, clock.READY)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             if clock is not None:
-                clock.mark(layer, clock.START)
+                clock.mark(layer, first)
             copy_fn()
             if clock is not None:
-                clock.mark(layer, clock.END)
+                clock.mark(layer, last)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self.pending[layer] = (done, keep)
+        earlier = self.pending.get(layer)
+        self.pending[layer] = (done, keep + (earlier[1] if earlier is not None else ()))
 
     @contextlib.contextmanager
     def ahead(self, layer: int, *inputs: torch.Tensor):
@@ -218,23 +232,25 @@ class Prefetcher:
 
     def stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
         """Counters of one cache row (``row``) or of the whole batch: ``hits``, ``misses``,
-        ``hit_rate``, ``bytes_copied``, ``bytes_per_token`` (K+V copied per decoded token,
+        ``hit_rate``, ``early_copies`` (blocks copied early, design §6.2; not in ``misses``),
+        ``bytes_copied`` (misses and early copies), ``bytes_per_token`` (K+V copied per decoded token,
         ``tokens`` decoded tokens of that row or batch; ``mixed``: ``pool_misses`` of the
-        misses cost a pool block each, the others an int4 block with its scales). With ``timing``, also ``copy_ms``,
+        copies cost a pool block each, the others an int4 block with its scales). With ``timing``, also ``copy_ms``,
         ``exposed_wait_ms`` (the compute stream's stall for the lookahead: selection chain and
         copy), ``exposed_transfer_ms`` (the part of it after the copy's inputs were ready,
         :mod:`sparda.cache.timestamps`) and ``hidden_fraction`` (copy time not waited for) --
         batch-wide: one copy carries every row's misses; 0 when nothing was copied."""
         hits_t, misses_t = (self.hits, self.misses) if row is None else (self.hits[row], self.misses[row])
         hits, misses = int(hits_t.sum().item()), int(misses_t.sum().item())
-        copied = 2 * misses * self.block_bytes
+        early = int((self.early if row is None else self.early[row]).sum().item())
+        copied = 2 * (misses + early) * self.block_bytes
         pool = None
         if self.pool_misses is not None:
             pool = int((self.pool_misses if row is None else self.pool_misses[row]).sum().item())
-            copied = 2 * (pool * self.pool_block_bytes + (misses - pool) * self.block_bytes)
+            copied = 2 * (pool * self.pool_block_bytes + (misses + early - pool) * self.block_bytes)
         out = {
             "hits": hits, "misses": misses,
-            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0, "early_copies": early,
             "bytes_copied": copied,
             "bytes_per_token": round(copied / tokens, 1) if tokens else 0.0,
         }
@@ -242,7 +258,7 @@ class Prefetcher:
             out["pool_misses"] = pool
         if self.timing:
             self.resolve()
-            nothing = int(self.misses.sum().item()) == 0
+            nothing = int(self.misses.sum().item()) + int(self.early.sum().item()) == 0
             copy_ms, exposed, transfer = ((0.0, 0.0, 0.0) if nothing else
                                           (self.copy_ms, self.exposed_ms, self.exposed_transfer_ms))
             out.update(copy_ms=round(copy_ms, 3), exposed_wait_ms=round(exposed, 3),

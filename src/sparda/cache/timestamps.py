@@ -9,11 +9,13 @@ whose progress it marks:
   design §6), once the copy's inputs -- the selection and the slot diff -- are enqueued:
   it runs when they are done;
 * ``START`` / ``END`` on the stream that runs the copy, around the gather;
-* ``WAIT`` on the compute stream just before it waits for the copy's event.
+* ``WAIT`` on the compute stream just before it waits for the copy's event;
+* ``EARLY_START`` / ``EARLY_END`` around the layer's early copy (``lookahead=2``, design §6.2),
+  issued one layer before the copy above; zero for a layer without one.
 
 After the wait, :meth:`DeviceClock.account` adds, on the device:
 
-* ``END - START`` to the copy total;
+* ``END - START`` plus ``EARLY_END - EARLY_START`` to the copy total;
 * ``max(0, END - WAIT)`` (how long the compute stream stalled) to the exposed total;
 * ``max(0, END - max(WAIT, READY))`` to the exposed *transfer* total: the part of that
   stall after the copy's inputs were ready, i.e. spent on the copy (and on its stream
@@ -42,7 +44,7 @@ def _mark_kernel(STAMPS, index):
 
 
 #: stamps per layer, in this order (module doc)
-STAMPS_PER_LAYER = 4
+STAMPS_PER_LAYER = 6
 
 
 @triton.jit
@@ -52,16 +54,17 @@ def _account_kernel(STAMPS, TOTALS, layer, PER: tl.constexpr):
     end = tl.load(STAMPS + layer * PER + 1 + offs)
     wait = tl.load(STAMPS + layer * PER + 2 + offs)
     ready = tl.load(STAMPS + layer * PER + 3 + offs)
-    tl.store(TOTALS + offs, tl.load(TOTALS + offs) + (end - start))
+    early = tl.load(STAMPS + layer * PER + 5 + offs) - tl.load(STAMPS + layer * PER + 4 + offs)
+    tl.store(TOTALS + offs, tl.load(TOTALS + offs) + (end - start) + early)
     tl.store(TOTALS + 1 + offs, tl.load(TOTALS + 1 + offs) + tl.maximum(end - wait, 0))
     tl.store(TOTALS + 2 + offs, tl.load(TOTALS + 2 + offs) + tl.maximum(end - tl.maximum(wait, ready), 0))
 
 
 class DeviceClock:
-    """Per-layer ``(START, END, WAIT, READY)`` nanosecond stamps ``[L, 4]`` int64 and three
-    running totals (copy, exposed, exposed transfer; ns) on one device (module doc)."""
+    """Per-layer ``(START, END, WAIT, READY, EARLY_START, EARLY_END)`` nanosecond stamps ``[L, 6]``
+    int64 and three running totals (copy, exposed, exposed transfer; ns) on one device (module doc)."""
 
-    START, END, WAIT, READY = 0, 1, 2, 3
+    START, END, WAIT, READY, EARLY_START, EARLY_END = 0, 1, 2, 3, 4, 5
 
     def __init__(self, num_layers: int, device: torch.device) -> None:
         self.stamps = torch.zeros(num_layers, STAMPS_PER_LAYER, dtype=torch.long, device=device)
@@ -85,11 +88,18 @@ class DeviceClock:
 
     def timeline(self, layers) -> list[dict]:
         """The last step's stamps of ``layers`` (those that fetched), in microseconds from
-        the earliest of them: ``[{"layer", "ready", "start", "end", "wait"}]`` (syncs)."""
+        the earliest of them: ``[{"layer", "ready", "start", "end", "wait"}]``, plus
+        ``early_start``, ``early_end`` for a layer with an early copy (syncs)."""
         stamps = self.stamps[list(layers)].tolist()
         if not stamps:
             return []
-        t0 = min(min(row) for row in stamps)
+        t0 = min(min(row[:4] + (row[4:] if row[self.EARLY_END] else [])) for row in stamps)
         us = lambda ns: round((ns - t0) / 1e3, 2)
-        return [{"layer": layer, "ready": us(row[self.READY]), "start": us(row[self.START]),
-                 "end": us(row[self.END]), "wait": us(row[self.WAIT])} for layer, row in zip(layers, stamps)]
+        out = []
+        for layer, row in zip(layers, stamps):
+            item = {"layer": layer, "ready": us(row[self.READY]), "start": us(row[self.START]),
+                    "end": us(row[self.END]), "wait": us(row[self.WAIT])}
+            if row[self.EARLY_END]:
+                item.update(early_start=us(row[self.EARLY_START]), early_end=us(row[self.EARLY_END]))
+            out.append(item)
+        return out

@@ -5,7 +5,9 @@
 ``generate_stream`` (:func:`sparda.engine.offline.offline_engine`) and ``sparda serve``
 run it. Each :meth:`Engine.step`:
 
-1. drops cancelled requests (their rows are freed at once);
+1. drops cancelled requests (their rows are freed at once); on a paged cache that grows on
+   demand (design §3.11), gives each decoding row the KV block its next token starts,
+   preempting the newest running requests (recompute) when the pool runs out;
 2. prefills: offline, it admits waiting requests into free rows (at most
    ``max_prefill_tokens`` prompt tokens per step, always at least one) and prefills their
    whole prompts, several per forward where the method allows it (design §3.8); with
@@ -47,7 +49,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from sparda.config import GPU_SHARE
+from sparda.config import DEFAULT_KV_ADMISSION, GPU_SHARE, KV_ADMISSIONS
 from sparda.engine.block_pool import BlockPool
 from sparda.engine.memory import plan_pool, plan_rows
 from sparda.engine.sampler import sample_requests
@@ -94,6 +96,9 @@ class Engine:
             ``max_batch`` rows or as many as the budgets hold, if fewer (:attr:`memory_plan`);
             an offloaded cache whose host budget cannot hold every row whole is paged
             (:func:`~sparda.engine.memory.plan_pool`: admission takes a request's KV blocks).
+        kv_admission: how a paged cache gives requests their KV blocks (design §3.11):
+            ``grow`` (on demand, preempting by recompute when the pool runs out) or ``reserve``
+            (prompt + ``max_tokens`` at admission, never preempted); no effect unpaged.
     Raises:
         SpardaError: bad sizes, or a cache pool that does not fit in memory (bytes named).
     """
@@ -101,7 +106,7 @@ class Engine:
     def __init__(self, llm, max_batch: int = 8, max_model_len: int | None = None, max_waiting: int = 256, *,
                  max_prefill_tokens: int | None = None, static_live_len: bool = True,
                  chunked_prefill: bool | None = None, gpu_memory_utilization: float | None = None,
-                 host_memory_gib: float | None = None) -> None:
+                 host_memory_gib: float | None = None, kv_admission: str = DEFAULT_KV_ADMISSION) -> None:
         limit = llm.shape.max_positions
         _positive_int("max_batch", max_batch)
         max_model_len = limit if max_model_len is None else _positive_int("max_model_len", max_model_len)
@@ -112,6 +117,8 @@ class Engine:
                               f"use at most {limit}")
         if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
             raise SpardaError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+        if kv_admission not in KV_ADMISSIONS:
+            raise SpardaError(f"--kv-admission must be one of {', '.join(KV_ADMISSIONS)}, got {kv_admission!r}")
         self.llm = llm
         self.runner = runner = llm.model_runner
         self.tokenizer = llm.tokenizer
@@ -141,7 +148,8 @@ class Engine:
         self.scheduler = Scheduler(max_batch, max_model_len, max_waiting,
                                    block_pool=None if host_blocks is None else BlockPool(host_blocks),
                                    block_size=block_size,
-                                   block_bytes=0 if host_blocks is None else runner.host_block_bytes())
+                                   block_bytes=0 if host_blocks is None else runner.host_block_bytes(),
+                                   kv_admission=kv_admission)
         self.eos_ids = llm.eos_ids()
         self._kv_bytes_per_token = runner.kv_bytes_per_token()
         self._tokens = [0] * max_batch      # next input token per row (free rows: 0)
@@ -241,11 +249,12 @@ class Engine:
         with self._lock:
             for seq in self.scheduler.drop_cancelled():
                 events.append((seq, self._finish(seq, "abort")))
+            self._grow_blocks()
             if self.chunked_prefill:
                 decoding = sum(seq.prefilled for seq in self.scheduler.running.values())
                 plan = self.scheduler.plan(self.max_prefill_tokens - decoding, self._remaining_chunks)
             else:
-                plan = [(seq, 0, seq.num_prompt) for seq in self.scheduler.admit(self.max_prefill_tokens)]
+                plan = [(seq, 0, seq.num_prefill) for seq in self.scheduler.admit(self.max_prefill_tokens)]
         if plan:
             events.extend(self._prefill(plan))
         with self._lock:
@@ -303,77 +312,110 @@ class Engine:
                 counters.append(prefetcher.pool_misses)
         return counters
 
-    def _reset_row(self, row: int) -> None:
-        """Zero ``row``'s counters (in place: a captured graph keeps counting into them)."""
+    def _reset_row(self, row: int, values: list | None = None) -> None:
+        """Zero ``row``'s counters, or set them to ``values`` (one per counter, as saved at a
+        preemption); in place: a captured graph keeps counting into them."""
         with torch.inference_mode():
-            for counter in self._row_counters():
-                counter[row] = 0
+            for i, counter in enumerate(self._row_counters()):
+                counter[row] = 0 if values is None else values[i]
+
+    def _grow_blocks(self) -> None:
+        """Growing (design §3.11): before this step's decode, extend the block table of every
+        row the scheduler gave a block (in place: the decode step's append, eager or a CUDA
+        graph replay, writes the token to that page) and clear the rows of the requests it
+        preempted, keeping what their recompute does not rebuild (their counters, the
+        cache's per-row decode history). Under the lock."""
+        grown, preempted = self.scheduler.grow()
+        for seq, row in preempted:
+            if seq.output_ids and seq.saved_state is None:  # it decoded (not a half-done recompute)
+                seq.saved_state = ([counter[row].clone() for counter in self._row_counters()],
+                                   self.cache.decode_state(row))
+            self._reset_row(row)
+            self._clear_row(row)
+        for seq in grown:
+            self.cache.assign_blocks(seq.row, seq.blocks)
 
     def _remaining_chunks(self, seq: Sequence) -> list[tuple[int, int]]:
-        """``seq``'s prefill chunks not yet run: :meth:`ModelRunner.chunks` from
-        ``num_computed`` on, or the whole prompt where a method or cache cannot spread it
-        over steps (``ModelRunner.prefill_across_steps``)."""
+        """``seq``'s prefill chunks not yet run: :meth:`ModelRunner.chunks` of its
+        :attr:`~Sequence.prefill_ids` from ``num_computed`` on, or all of them at once where a
+        method or cache cannot spread them over steps (``ModelRunner.prefill_across_steps``)."""
         if not self.runner.prefill_across_steps:
-            return [(0, seq.num_prompt)]
-        return [(start, end) for start, end in self.runner.chunks(seq.num_prompt) if start >= seq.num_computed]
+            return [(0, seq.num_prefill)]
+        return [(start, end) for start, end in self.runner.chunks(seq.num_prefill) if start >= seq.num_computed]
 
     def _prefill(self, plan: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, Delta]]:
         """Run this step's prefill chunks (``(seq, start, end)``, in order) and sample the
         first token of every prompt they complete; a request whose work fails fails alone.
         Whole prompts of an offline run share forwards where allowed (design §3.8); the
         server runs one prompt per forward, so that a request's K/V and logits do not
-        depend on which prompts arrived with it (a padded batch rounds differently)."""
+        depend on which prompts arrived with it (a padded batch rounds differently). A
+        preempted request re-prefills its prompt and generated tokens (recompute) and samples
+        nothing: it decodes its last token in this step."""
         for seq, start, _ in plan:
             if start == 0:  # admitted this step
-                seq.admitted = time.perf_counter()
+                if seq.admitted is None:  # its first admission (a recompute keeps it)
+                    seq.admitted = time.perf_counter()
                 if self.scheduler.block_pool is not None:  # its host KV blocks (design §3.11)
                     self.cache.assign_blocks(seq.row, seq.blocks)
                 self._reset_row(seq.row)
-                seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
-                seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
-        whole = [seq for seq, start, end in plan if (start, end) == (0, seq.num_prompt)]
+                if seq.generator is None:  # a recompute goes on with its generator
+                    seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(7), "little")
+                    seq.generator = torch.Generator(device=self.llm.device).manual_seed(seed)
+        whole = [seq for seq, start, end in plan if (start, end) == (0, seq.num_prefill)]
         groups = ([[i] for i in range(len(whole))] if self.static_live_len
-                  else self.runner.prefill_groups(self.cache, [seq.prompt_ids for seq in whole]))
+                  else self.runner.prefill_groups(self.cache, [seq.prefill_ids for seq in whole]))
         events = []
         for group in groups:
             events += self._prefill_group([whole[i] for i in group])
         failed: set[str] = set()
         for seq, start, end in plan:
-            if (start, end) == (0, seq.num_prompt) or seq.request_id in failed:
+            if (start, end) == (0, seq.num_prefill) or seq.request_id in failed:
                 continue
             begin = time.perf_counter()
             try:
-                logits = self.runner.prefill_chunk(self.cache, seq.row, seq.prompt_ids, start, end)
+                logits = self.runner.prefill_chunk(self.cache, seq.row, seq.prefill_ids, start, end)
             except Exception as exc:  # noqa: BLE001 - this request's own work
                 failed.add(seq.request_id)
                 events.append((seq, self.failed(seq, exc)))
                 continue
-            seq.prefill_ms += (time.perf_counter() - begin) * 1e3
+            if not seq.output_ids:  # its prompt's, not a recompute's
+                seq.prefill_ms += (time.perf_counter() - begin) * 1e3
             seq.num_computed = end
-            if end < seq.num_prompt:  # a padding row until its last chunk (design §3.8)
+            if end < seq.num_prefill:  # a padding row until its last chunk (design §3.8)
                 self._tokens[seq.row], self._positions[seq.row] = 0, end
                 continue
-            events.append(self._first_token(seq, logits))
+            events += self._first_token(seq, logits)
         return events
 
-    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, Delta]:
+    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> list[tuple[Sequence, Delta]]:
         """Sample ``seq``'s first token from its prompt's last logits ``[1, V]``; zero its
-        row's counters first (padding decodes of a half-prefilled row counted into them)."""
+        row's counters first (padding decodes of a half-prefilled row counted into them).
+        A recompute (design §3.11) samples nothing: its row gets back its counters and decode
+        history and runs its last generated token in this step's decode. Returns its event,
+        if any."""
         try:
+            if seq.output_ids:  # recomputed: it goes on where it stopped
+                counters, history = seq.saved_state
+                self._reset_row(seq.row, counters)
+                self.cache.restore_decode_state(seq.row, history)
+                seq.saved_state = None
+                self._tokens[seq.row], self._positions[seq.row] = seq.output_ids[-1], seq.position
+                return []
             self._reset_row(seq.row)
             (token, logprob), = sample_requests(logits, [seq.params], [seq.generator])
             with self._lock:
                 self.prompt_tokens += seq.num_prompt
-            return seq, self._advance(seq, token, logprob)
+            return [(seq, self._advance(seq, token, logprob))]
         except Exception as exc:  # noqa: BLE001 - this request alone fails
-            return seq, self.failed(seq, exc)
+            return [(seq, self.failed(seq, exc))]
 
     def _prefill_group(self, batch: list[Sequence]) -> list[tuple[Sequence, Delta]]:
         """One prefill forward of ``batch``; if it fails, each request again alone, so that
         only the one whose prefill fails is failed."""
         start = time.perf_counter()
         try:
-            logits = self.runner.prefill_batch(self.cache, [seq.row for seq in batch], [seq.prompt_ids for seq in batch])
+            logits = self.runner.prefill_batch(self.cache, [seq.row for seq in batch],
+                                               [seq.prefill_ids for seq in batch])
         except Exception as exc:  # noqa: BLE001 - this request's own work (or one of the batch's)
             if len(batch) == 1:
                 return [(batch[0], self.failed(batch[0], exc))]
@@ -381,9 +423,10 @@ class Engine:
         elapsed_ms = (time.perf_counter() - start) * 1e3
         events = []
         for i, seq in enumerate(batch):
-            seq.prefill_ms, seq.prefill_batch = elapsed_ms, len(batch)
-            seq.num_computed = seq.num_prompt
-            events.append(self._first_token(seq, logits[i:i + 1]))
+            if not seq.output_ids:  # its prompt's, not a recompute's
+                seq.prefill_ms, seq.prefill_batch = elapsed_ms, len(batch)
+            seq.num_computed = seq.num_prefill
+            events += self._first_token(seq, logits[i:i + 1])
         return events
 
     def _decode(self, running: list[tuple[int, Sequence]]) -> list[tuple[Sequence, Delta]]:
@@ -444,6 +487,7 @@ class Engine:
             "queue_ms": round(((now if seq.admitted is None else seq.admitted) - seq.arrival) * 1e3, 3),
             "prefill_ms": round(seq.prefill_ms, 3),
             "prefill_batch": seq.prefill_batch,
+            "preemptions": seq.preemptions,
             "ttft_ms": round((first - seq.arrival) * 1e3, 3) if seq.first_token is not None else None,
             "latency_ms": round((now - seq.arrival) * 1e3, 3),
             "decode_tok_s": round(decoded / (now - first), 3) if decoded and now > first else 0.0,
@@ -578,12 +622,12 @@ class Engine:
         ``kv_rows_total``, ``max_model_len``, with a paged cache ``kv_blocks_used`` and
         ``kv_blocks_total`` (host KV blocks, design §3.11), ``generation_tokens_total``,
         ``prompt_tokens_total``, ``generation_tokens_per_s`` (over the last
-        ``RATE_WINDOW_S`` seconds), ``requests_finished`` (by finish reason), ``decode_bucket``
-        (rows the last decode step ran, 0 before the first; design §3.13),
-        ``decode_steps_by_bucket`` (bucket -> decode steps), ``graph_capture_ms`` (capturing
-        the CUDA graphs so far) and, on an offloaded cache, ``offload`` (``hit_rate``,
-        ``bytes_per_token`` copied per decoded token, ... read at most every
-        ``OFFLOAD_REFRESH_S`` seconds)."""
+        ``RATE_WINDOW_S`` seconds), ``requests_finished`` (by finish reason), ``preemptions``
+        (requests preempted by recompute so far, design §3.11), ``decode_bucket`` (rows the
+        last decode step ran, 0 before the first; design §3.13), ``decode_steps_by_bucket``
+        (bucket -> decode steps), ``graph_capture_ms`` (capturing the CUDA graphs so far) and,
+        on an offloaded cache, ``offload`` (``hit_rate``, ``bytes_per_token`` copied per
+        decoded token, ... read at most every ``OFFLOAD_REFRESH_S`` seconds)."""
         now = time.perf_counter()
         with self._lock:
             while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
@@ -595,7 +639,7 @@ class Engine:
                 "requests_running": len(held),
                 "requests_prefilling": sum(not seq.prefilled for seq in held),
                 "requests_waiting": len(self.scheduler.waiting),
-                "kv_tokens_in_use": sum(seq.num_computed + max(len(seq.output_ids) - 1, 0) for seq in held),
+                "kv_tokens_in_use": sum(seq.num_cached for seq in held),
                 "kv_tokens_total": self.max_batch * self.max_model_len if self.scheduler.block_pool is None
                 else min(self.max_batch * self.max_model_len,
                          self.scheduler.block_pool.num_blocks * self.scheduler.block_size),
@@ -606,6 +650,7 @@ class Engine:
                 "prompt_tokens_total": self.prompt_tokens,
                 "generation_tokens_per_s": round(sum(n for _, n in self._rate) / span, 3),
                 "requests_finished": dict(self.finished),
+                "preemptions": self.scheduler.preemptions,
                 "decode_bucket": run.last_bucket if run else 0,
                 "decode_steps_by_bucket": dict(sorted(run.bucket_steps.copy().items())) if run else {},  # atomic copy
                 "graph_capture_ms": round(run.capture_s * 1e3, 3) if run else 0.0,

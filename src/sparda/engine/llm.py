@@ -101,10 +101,11 @@ class LLM:
     @classmethod
     @api_errors
     def from_model(cls, model, tokenizer=None, *, method: str = "sparse", preset: str = "small",
-                   forecast=None, **options) -> "LLM":
+                   forecast=None, forecast2=None, **options) -> "LLM":
         """An LLM around an in-memory :class:`~sparda.model.llama.CausalLM` (benchmarks, tests):
-        device and dtype are the model's; ``forecast`` is a :class:`Forecast` module; offload
-        off, block-sparse prefill on and no dense heads unless asked."""
+        device and dtype are the model's; ``forecast`` (``forecast2``: the two-ahead heads of
+        ``lookahead=2``) is a :class:`Forecast` module; offload off, block-sparse prefill on and no
+        dense heads unless asked."""
         param = next(model.parameters())
         llm = cls.__new__(cls)
         llm.options = dict(method=method, preset=preset, device=str(param.device), dtype=str(param.dtype),
@@ -113,6 +114,8 @@ class LLM:
         llm.device, llm.dtype = param.device, param.dtype
         llm.model, llm.tokenizer, llm.model_dir = model.eval(), tokenizer, None
         extra = {"forecast": forecast} if method.startswith("sparda") and forecast is not None else {}
+        if config.lookahead == 2 and forecast2 is not None:
+            extra["forecast2"] = forecast2
         llm._setup(config, None, **extra)
         return llm
 

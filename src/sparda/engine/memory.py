@@ -116,7 +116,10 @@ class MemoryPlan:
             parts.append(f"device {size_text(self.device_bytes)} of {size_text(self.device_budget)}")
         if self.host_budget is not None:
             parts.append(f"host {size_text(self.host_bytes)} of {size_text(self.host_budget)}")
-        return head + (": " + ", ".join(parts) if parts else "") + f", room for {self.fits} rows"
+        # paged, ``fits`` counts rows that hold one block each: the ceiling --max-batch may rise to
+        room = (f"the budgets allow up to {self.fits} rows" if self.host_blocks is not None
+                else f"room for {self.fits} rows")
+        return head + (": " + ", ".join(parts) if parts else "") + ", " + room
 
 
 def size_text(nbytes: float) -> str:

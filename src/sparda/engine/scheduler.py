@@ -4,16 +4,27 @@ The KV cache is allocated once when the engine starts: ``max_batch`` rows (a row
 request's per-request state lives: its GPU slots, compressed keys, counters) of
 ``max_model_len`` tokens, and, where the cache is paged (the offloaded host store, design
 §3.11), a :class:`~sparda.engine.block_pool.BlockPool` of KV blocks that hold the tokens
-themselves. A request reserves at admission what its prompt plus ``max_tokens`` new tokens
-need -- a row and, paged, ``ceil((prompt + max_tokens) / block_size)`` blocks -- so a running
-request never runs out of memory and nothing is ever preempted:
+themselves. How a paged request takes its blocks is ``kv_admission``:
+
+* ``grow`` (the default): at admission the blocks of the tokens its prefill writes plus its
+  first decode token, ``ceil((prefill + 1) / block_size)``, if that many are free beyond a
+  headroom of :func:`watermark_blocks` (none when nothing else runs); before each decode
+  step :meth:`Scheduler.grow` gives a decoding request the block its next token starts.
+  When none is free the most recently admitted running request is *preempted by
+  recompute*: its row and blocks are freed and it goes back to the front of the queue, to
+  re-prefill its prompt plus the tokens it generated and go on where it stopped;
+* ``reserve``: at admission ``ceil((prompt + max_tokens) / block_size)`` blocks, so a
+  running request never runs out and nothing is preempted.
+
+Either way:
 
 * a request whose prompt plus ``max_tokens`` exceeds ``max_model_len``, or needs more blocks
   than the whole pool holds, can never fit and is refused when it is added
   (:class:`SpardaError` naming the sizes);
 * otherwise it waits, first come first served, until a row and its blocks are free (a
   request never overtakes an earlier one, so a long one is not starved by short ones);
-* a queue already holding ``max_waiting`` requests refuses more (:class:`QueueFull`).
+* a queue already holding ``max_waiting`` requests refuses more (:class:`QueueFull`;
+  preempted requests go back whatever the queue holds).
 
 Offline, prefill is whole-prompt (chunked inside, design §3.8): each engine step admits
 waiting requests up to a prompt-token budget (at least one, :meth:`Scheduler.admit`). The
@@ -28,11 +39,23 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 
+from sparda.config import DEFAULT_KV_ADMISSION
 from sparda.engine.block_pool import BlockPool, blocks_for
 from sparda.engine.memory import size_text
 from sparda.engine.sequence import Sequence, Status
 from sparda.errors import SpardaError
+
+
+#: share of a grow-on-demand pool's blocks kept free at admission while other requests run,
+#: so that the running ones can reach their next blocks without preempting the newcomer
+WATERMARK = 0.01
+
+
+def watermark_blocks(num_blocks: int) -> int:
+    """Blocks an admission leaves free beside running requests: ``ceil(WATERMARK * num_blocks)``, >= 1."""
+    return max(1, math.ceil(WATERMARK * num_blocks))
 
 
 class QueueFull(SpardaError):
@@ -51,16 +74,25 @@ class Scheduler:
         block_pool: a paged cache's free list (``None``: rows alone bound admission).
         block_size: tokens per KV block of ``block_pool``.
         block_bytes: bytes of one block (for the refusal message; 0: not named).
+        kv_admission: ``grow`` or ``reserve`` (module docstring; checked by the engine);
+            without a block pool, rows alone bound admission either way.
     """
 
     def __init__(self, max_batch: int, max_model_len: int, max_waiting: int, *,
-                 block_pool: BlockPool | None = None, block_size: int = 64, block_bytes: int = 0) -> None:
+                 block_pool: BlockPool | None = None, block_size: int = 64, block_bytes: int = 0,
+                 kv_admission: str = DEFAULT_KV_ADMISSION) -> None:
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.block_pool, self.block_size, self.block_bytes = block_pool, block_size, block_bytes
+        #: blocks grow on demand, with preemption by recompute (a paged cache in ``grow`` mode)
+        self.grows = block_pool is not None and kv_admission == "grow"
+        #: blocks an admission leaves free beside running requests (0 unless :attr:`grows`)
+        self.watermark = watermark_blocks(block_pool.num_blocks) if self.grows else 0
+        #: requests preempted so far (recompute)
+        self.preemptions = 0
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: dict[int, Sequence] = {}  # row -> sequence
+        self.running: dict[int, Sequence] = {}  # row -> sequence, in admission order
         self._free = list(range(max_batch))      # a heap: the lowest free row first
         self._order = itertools.count()          # admission order (Sequence.admit_order)
 
@@ -100,12 +132,23 @@ class Scheduler:
         return None if self.block_pool is None else self.block_pool.num_blocks * self.block_size
 
     def blocks_needed(self, seq: Sequence) -> int:
-        """KV blocks ``seq`` reserves at admission (0 without a block pool)."""
-        return 0 if self.block_pool is None else blocks_for(seq.num_prompt + seq.max_tokens, self.block_size)
+        """KV blocks ``seq`` takes at admission (0 without a block pool): growing, those of its
+        prefill and first decode token; reserving, those of prompt + ``max_tokens``."""
+        if self.block_pool is None:
+            return 0
+        if self.grows:
+            return blocks_for(seq.num_prefill + 1, self.block_size)
+        return blocks_for(seq.num_prompt + seq.max_tokens, self.block_size)
 
     def _fits(self, seq: Sequence) -> bool:
-        """A row is free and, paged, ``seq``'s blocks are."""
-        return bool(self._free) and (self.block_pool is None or self.blocks_needed(seq) <= self.block_pool.num_free)
+        """A row is free and, paged, ``seq``'s blocks are (growing: plus :attr:`watermark` if
+        another request runs)."""
+        if not self._free:
+            return False
+        if self.block_pool is None:
+            return True
+        headroom = self.watermark if self.running else 0
+        return self.blocks_needed(seq) + headroom <= self.block_pool.num_free
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (checked with :meth:`check`). Raises SpardaError, or QueueFull."""
@@ -132,15 +175,59 @@ class Scheduler:
             self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
         return gone + [seq for seq in self.running.values() if seq.cancelled]
 
+    def grow(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """Growing: before a decode step, give every decoding request the blocks of the token
+        it runs (``ceil((position + 1) / block_size)``), oldest admission first, each from the
+        lowest free ids; where none is free, preempt the most recently admitted running
+        request (:meth:`preempt`) until enough are, or until the one that needs them was
+        preempted itself. O(running).
+
+        Returns ``(grown, preempted)``: the requests whose :attr:`Sequence.blocks` grew (the
+        engine extends their block tables) and the preempted ones with the row each held (the
+        engine clears it); both empty unless :attr:`grows`.
+        """
+        grown: list[Sequence] = []
+        preempted: list[tuple[Sequence, int]] = []
+        if not self.grows:
+            return grown, preempted
+        pool = self.block_pool
+        for seq in list(self.running.values()):
+            if seq.row is None or not seq.prefilled:  # preempted in this loop, or still prefilling
+                continue
+            need = blocks_for(seq.position + 1, self.block_size) - len(seq.blocks)
+            if need <= 0:
+                continue
+            while pool.num_free < need:
+                victim = next(reversed(self.running.values()))
+                preempted.append((victim, victim.row))
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.row is not None:
+                seq.blocks += pool.allocate(need)
+                grown.append(seq)
+        return grown, preempted
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt running ``seq`` by recompute: free its row and blocks and put it at the
+        front of the queue, to re-prefill its prompt and generated tokens
+        (:meth:`Sequence.preempt`)."""
+        del self.running[seq.row]
+        heapq.heappush(self._free, seq.row)
+        self.block_pool.free(seq.blocks)
+        seq.preempt()
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
     def admit(self, max_tokens: int | None = None) -> list[Sequence]:
         """Waiting requests, first come first served, each given the lowest free row (and,
         paged, the lowest free blocks), while the next one's row and blocks are free and
-        their prompts total at most ``max_tokens`` (``None``: no bound;
+        their prefills total at most ``max_tokens`` (``None``: no bound;
         the first one is admitted whatever its length)."""
         admitted: list[Sequence] = []
         total = 0
         while self.waiting and self._fits(self.waiting[0]):
-            size = self.waiting[0].num_prompt
+            size = self.waiting[0].num_prefill
             if admitted and max_tokens is not None and total + size > max_tokens:
                 break
             seq = self.waiting.popleft()

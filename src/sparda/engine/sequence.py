@@ -2,11 +2,12 @@
 
 A :class:`Sequence` is created by :meth:`sparda.engine.engine.Engine.add_request`, waits
 in the scheduler's queue, holds one KV-cache row while it runs and leaves it when it
-finishes. Its text is decoded incrementally so that it can stream: each new token adds
-the text it completes (a token that ends inside a multi-byte character adds nothing
-until the character is whole), and text that could be the start of a stop string is held
-back until it is known not to be one. The streamed deltas concatenate exactly to the
-final ``text``.
+finishes (or, preempted, goes back to the queue to re-prefill its prompt and the tokens it
+generated, :meth:`Sequence.preempt`). Its text is decoded incrementally so that it can
+stream: each new token adds the text it completes (a token that ends inside a multi-byte
+character adds nothing until the character is whole), and text that could be the start of a
+stop string is held back until it is known not to be one. The streamed deltas concatenate
+exactly to the final ``text``.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class RequestOutput:
         logprobs: with ``SamplingParams.logprobs = k``, one dict per generated token:
             ``token_id``, ``logprob`` (natural log, model distribution at temperature 1) and
             ``top_logprobs`` (``{token_id: logprob}`` of the ``k`` most likely tokens).
-        stats: ``prompt_tokens``, ``new_tokens``, ``queue_ms`` (arrival to admission),
-            ``prefill_ms``, ``ttft_ms`` (arrival to first token), ``latency_ms`` (arrival
-            to finish), ``decode_tok_s`` (this request's tokens after the first over its own
+        stats: ``prompt_tokens``, ``new_tokens``, ``queue_ms`` (arrival to first admission),
+            ``prefill_ms`` (of its prompt), ``preemptions`` (times it was preempted and
+            recomputed, design §3.11), ``ttft_ms`` (arrival to first token), ``latency_ms``
+            (arrival to finish), ``decode_tok_s`` (this request's tokens after the first over its own
             decode time), ``kv_cache_bytes`` (its K and V, all layers),
             ``kv_read_fraction`` (KV blocks read per decode step), and on offloaded caches
             ``offload``: this request's ``hits``, ``misses``, ``hit_rate``, ``bytes_copied``
@@ -107,8 +109,18 @@ class Sequence:
         self.on_delta = on_delta
         self.status = Status.WAITING
         self.row: int | None = None
-        #: the KV blocks a paged cache gave it at admission (:mod:`sparda.engine.block_pool`)
+        #: the KV blocks a paged cache gave it (:mod:`sparda.engine.block_pool`), block ``n`` of
+        #: its tokens in ``blocks[n]``
         self.blocks: list[int] = []
+        #: the tokens its prefill puts in the cache: the prompt, or after a preemption the
+        #: prompt plus every generated token but the last (which the next decode step runs)
+        self.prefill_ids: list[int] = self.prompt_ids
+        #: times it was preempted (recompute)
+        self.preemptions = 0
+        #: what its row held that a prefill does not rebuild, saved at a preemption and put
+        #: back when its recompute ends: ``(counters, decode history)``, copies of the row's
+        #: counters and of ``KVCache.decode_state``; ``None``: nothing saved
+        self.saved_state: tuple[list, list] | None = None
         self.output_ids: list[int] = []
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -123,7 +135,7 @@ class Sequence:
         self.first_token: float | None = None
         self.finished_at: float | None = None
         self.prefill_ms = 0.0
-        #: prompt tokens already in the cache (chunked prefill across steps; design §3.8)
+        #: tokens of :attr:`prefill_ids` already in the cache (chunked prefill across steps, design §3.8)
         self.num_computed = 0
         self.admit_order = 0  # set by the scheduler at admission
         self.prefill_batch = 1  # requests that shared its prefill forward
@@ -135,9 +147,28 @@ class Sequence:
         return len(self.prompt_ids)
 
     @property
+    def num_prefill(self) -> int:
+        """Tokens its prefill puts in the cache (:attr:`prefill_ids`)."""
+        return len(self.prefill_ids)
+
+    @property
     def prefilled(self) -> bool:
-        """True once every prompt token is in the cache (the request decodes)."""
-        return self.num_computed >= self.num_prompt
+        """True once every token of :attr:`prefill_ids` is in the cache (the request decodes)."""
+        return self.num_computed >= self.num_prefill
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens in its KV cache row: its prefill's so far, then every token before :attr:`position`."""
+        return self.position if self.prefilled and self.output_ids else self.num_computed
+
+    def preempt(self) -> None:
+        """Back to waiting, holding nothing: its next prefill (a recompute) runs the prompt and
+        every generated token but the last; its output, text and generator stay."""
+        self.status = Status.WAITING
+        self.row, self.blocks = None, []
+        self.prefill_ids = self.prompt_ids + self.output_ids[:-1] if self.output_ids else self.prompt_ids
+        self.num_computed = 0
+        self.preemptions += 1
 
     @property
     def position(self) -> int:

@@ -2,9 +2,11 @@
 
 On a window of real text under dense attention, at ``queries`` positions of its second
 half, per layer and method: ``recall_vs_sparse`` and ``recall_vs_oracle`` (shared free top-k
-blocks over the reference's), ``mass`` (true attention mass the whole selection covers,
-per query head) and ``reuse`` (free top-k blocks at ``t + 1`` held by the whole selection at
-``t``). Lookahead selectors follow :func:`sparda.kernels.reference.lookahead_pos`; the seed
+blocks over the reference's; ``recall_vs_sparda`` too when ``sparda`` is reported), ``mass``
+(true attention mass the whole selection covers, per query head) and ``reuse`` (free top-k
+blocks at ``t + 1`` held by the whole selection at ``t``). ``sparda-lookahead2`` is the
+two-ahead prediction of design §6.2 (``F2_{l-2}`` of layer ``l - 2``'s input; layers 0 and 1,
+which have none, report the one-layer Forecast's selection). Lookahead selectors follow :func:`sparda.kernels.reference.lookahead_pos`; the seed
 selectors are approximated at isolated positions (docs/baselines.md, Selection quality).
 """
 
@@ -22,51 +24,67 @@ from sparda.io import read_text
 from sparda.kernels import reference as ref
 
 KNOWN = ("sparse", "oracle", "sparda", "sparda-random", "sparda-qinit", "infinigen",
-         "streaming", "quest", "snapkv", "shallow", "h2o")
+         "streaming", "quest", "snapkv", "shallow", "h2o", "sparda-lookahead2", "sparda-lookahead2-qinit")
 #: the seeds' selectors, whose masks the report builds itself (:func:`_baseline_mask`)
 BASELINES = ("streaming", "quest", "snapkv", "shallow", "h2o")
 #: h2o in the report: accumulate the mass of about this many earlier queries per layer
 H2O_QUERIES = 256
 
 
-def _selectors(methods, model, shape, cfg, forecast_path, model_dir):
-    """Build ``name -> callable(layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos) -> block scores``."""
+def _selectors(methods, model, shape, cfg, forecast_path, model_dir, forecast2_path=None):
+    """Build ``name -> callable(layer, inputs, q, k, ck, cos, sin, q_idx, q_pos) -> block scores``;
+    ``inputs[j]`` is layer ``j``'s attention input ``[1, T, d_model]`` for ``j`` in ``layer - 2 .. layer``."""
     from sparda.attention.baselines.infinigen import InfiniGenAttention
 
     out = {}
     dev = next(model.parameters()).device
-    forecasts: dict[str, Forecast] = {}
+    forecasts: dict[str, list[Forecast]] = {}  # name -> [one-layer, two-ahead (optional)]
+
+    def trained(ahead: int, path) -> Forecast:
+        path = path or shipped_path(shipped_name(model_dir), ahead)
+        if path is None:
+            raise SpardaError(f"no {'two-ahead ' if ahead == 2 else ''}Forecast weights for this model; pass "
+                              f"{'--forecast2' if ahead == 2 else '--forecast'} PATH")
+        return load_forecast(path, model.config, shape, model_name(model_dir), ahead=ahead)[0]
+
+    def initial(ahead: int) -> Forecast:
+        fc = Forecast.for_shape(shape, ahead=ahead)
+        q_init(fc, model)
+        return fc
+
     for name in methods:
         if name not in KNOWN:
             raise SpardaError(f"unknown selector {name!r} for the report; choose from {', '.join(KNOWN)}")
         if name == "sparda":
-            path = forecast_path or shipped_path(shipped_name(model_dir))
-            if path is None:
-                raise SpardaError("no Forecast weights for this model; pass --forecast PATH")
-            forecasts[name] = load_forecast(path, model.config, shape, model_name(model_dir))[0]
+            forecasts[name] = [trained(1, forecast_path)]
         elif name == "sparda-random":
-            forecasts[name] = Forecast.seeded(shape, 0)
+            forecasts[name] = [Forecast.seeded(shape, 0)]
         elif name == "sparda-qinit":
-            forecasts[name] = Forecast.for_shape(shape)
-            q_init(forecasts[name], model)
-    for name, fc in forecasts.items():
-        fc = fc.to(dev).float().eval()
+            forecasts[name] = [initial(1)]
+        elif name == "sparda-lookahead2":
+            forecasts[name] = [trained(1, forecast_path), trained(2, forecast2_path)]
+        elif name == "sparda-lookahead2-qinit":
+            forecasts[name] = [trained(1, forecast_path), initial(2)]
+    for name, fcs in forecasts.items():
+        fcs = [fc.to(dev).float().eval() for fc in fcs]
 
-        def score(layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos, fc=fc):
-            src = h if layer == 0 else h_prev
+        def score(layer, inputs, q, k, ck, cos, sin, q_idx, q_pos, fcs=fcs):
+            fc = fcs[-1] if layer in fcs[-1].targets() else fcs[0]
+            src = inputs[fc.source_layer(layer)]
             f = fc.project(layer, src[:, q_idx].float(), cos[:, :, q_idx].float(), sin[:, :, q_idx].float())
-            return ref.forecast_scores(f, ck, ref.lookahead_pos(q_pos, layer), cfg.kernel_size, cfg.kernel_stride)
+            pos = ref.lookahead_pos(q_pos, layer, fc.ahead)
+            return ref.forecast_scores(f, ck, pos, cfg.kernel_size, cfg.kernel_stride)
         out[name] = score
     if "infinigen" in methods:
         ig = InfiniGenAttention(SpardaConfig(method="infinigen", selection=cfg), shape, model=model)
 
-        def score_ig(layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos):
-            src = h if layer == 0 else h_prev
+        def score_ig(layer, inputs, q, k, ck, cos, sin, q_idx, q_pos):
+            src = inputs[max(layer - 1, 0)]
             qp = ig.partial_query(layer, src[:, q_idx], cos[:, :, q_idx], sin[:, :, q_idx])
             return ig.scores(layer, qp, ck, q_pos)
         out["infinigen"] = score_ig
     if "sparse" in methods:
-        out["sparse"] = lambda layer, h_prev, h, q, k, ck, cos, sin, q_idx, q_pos: ref.query_group_scores(
+        out["sparse"] = lambda layer, inputs, q, k, ck, cos, sin, q_idx, q_pos: ref.query_group_scores(
             q[..., q_idx, :], ck, q_pos, cfg.kernel_size, cfg.kernel_stride)
     return out
 
@@ -83,16 +101,18 @@ def eval_window(ids_all: list[int], length: int, queries: int, device) -> tuple[
 
 def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths=(4096, 8192), *,
                      queries: int = 64, preset: str = "small", forecast: str | None = None,
-                     device=None, llm=None) -> dict:
+                     device=None, llm=None, forecast2: str | None = None) -> dict:
     """The report of the module doc, per method.
 
     Args:
         model: directory / .gguf / ``None`` (bundled); ignored if ``llm`` is given.
         text: UTF-8 file, or ``None`` for the held-out Emma. methods: :data:`KNOWN` names.
-        lengths: tokens. queries: positions per length.
+        lengths: tokens. queries: positions per length. forecast, forecast2: weight files
+            (``None``: the shipped ones) of the one-layer and the two-ahead Forecast.
     Returns:
         ``{method: {"per_layer": [{"layer", "recall_vs_sparse", "recall_vs_oracle", "mass",
-        "reuse"}], "mean_*", "setup"}}``; ``reuse`` ``None`` where no pair selected a free block.
+        "reuse"}], "mean_*", "setup"}}``, plus ``recall_vs_sparda`` (per layer and mean) when
+        ``sparda`` is among ``methods``; ``reuse`` ``None`` where no pair selected a free block.
     Raises:
         SpardaError: unknown method, ``queries < 1``, a length outside ``[dense_len, context]``,
             text too short or unreadable.
@@ -117,8 +137,10 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
     else:
         body, source = read_text(text, "--text"), text
     ids_all = llm.tokenizer.encode(body, add_special_tokens=False)
-    selectors = _selectors(list(methods), net, shape, cfg, forecast, llm.model_dir)
-    stats = {m: [[0.0] * 7 for _ in range(shape.num_layers)] for m in methods}  # hs, ts, ho, to, mass, rh, rt
+    selectors = _selectors(list(methods), net, shape, cfg, forecast, llm.model_dir, forecast2)
+    vs_sparda = "sparda" in methods
+    # hs, ts, ho, to, mass, rh, rt, hits and total vs sparda's free top-k
+    stats = {m: [[0.0] * 9 for _ in range(shape.num_layers)] for m in methods}
     counts = [0] * shape.num_layers
     for length in lengths:
         if len(ids_all) < length:
@@ -127,9 +149,11 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
         pair = q_idx + 1 < length  # positions with a next step inside the window
         num_blocks = -(-length // cfg.block_size)
         kv_len = torch.tensor([length], device=ids.device)
-        h_prev = None
+        inputs: dict[int, torch.Tensor] = {}  # layer -> attention input, the last three layers
         states: tuple[dict, dict] = ({}, {})  # the seeds' selectors' state at q_idx, at q_idx + 1
         for layer, h, q, k, cos, sin in net.dense_layers(ids):
+            inputs[layer] = h
+            inputs.pop(layer - 3, None)
             ck = ref.compress_keys(k, cfg.kernel_size, cfg.kernel_stride).float()
 
             def masks(idx, state):
@@ -144,7 +168,7 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
                     elif name == "oracle":
                         sel = ref.select_blocks(mass, pos, cfg)
                     else:
-                        sc = selectors[name](layer, h_prev, h, q, k, ck, cos, sin, idx, pos)
+                        sc = selectors[name](layer, inputs, q, k, ck, cos, sin, idx, pos)
                         sel = ref.select_blocks(ref.pool_to_blocks(sc, num_blocks, cfg), pos, cfg)
                     out[name] = (sel, sel & ~forced)
                 return out, mass, forced
@@ -168,17 +192,22 @@ def selection_report(model=None, text: str | None = None, methods=KNOWN, lengths
                     later = nxt[name][1]
                     acc[5] += (sel[:, :, pair] & later).sum().item()  # resident after step t
                     acc[6] += later.sum().item()
-            h_prev = h
+                if vs_sparda:
+                    acc[7] += (free & now["sparda"][1]).sum().item()
+                    acc[8] += now["sparda"][1].sum().item()
     report = {}
+    keys = ("recall_vs_sparse", "recall_vs_oracle", "mass") + (("recall_vs_sparda",) if vs_sparda else ())
     for name in methods:
         rows = []
-        for layer, (hs, ts, ho, to, ms, rh, rt) in enumerate(stats[name]):
+        for layer, (hs, ts, ho, to, ms, rh, rt, hd, td) in enumerate(stats[name]):
             rows.append({"layer": layer, "recall_vs_sparse": round(hs / ts, 4) if ts else 1.0,
                          "recall_vs_oracle": round(ho / to, 4) if to else 1.0,
                          "mass": round(ms / max(counts[layer], 1), 4),
                          "reuse": round(rh / rt, 4) if rt else None})
+            if vs_sparda:
+                rows[-1]["recall_vs_sparda"] = round(hd / td, 4) if td else 1.0
         report[name] = {"per_layer": rows, **{f"mean_{key}": round(sum(r[key] for r in rows) / len(rows), 4)
-                                              for key in ("recall_vs_sparse", "recall_vs_oracle", "mass")}}
+                                              for key in keys}}
         reuse = [r["reuse"] for r in rows if r["reuse"] is not None]
         report[name]["mean_reuse"] = round(sum(reuse) / len(reuse), 4) if reuse else None
     setup = {"text": source, "lengths": list(lengths), "queries": queries, "budget_blocks": cfg.budget_blocks}

@@ -242,8 +242,9 @@ def completed_compressed_keys(keys: torch.Tensor, start: int, end: int, kernel: 
 
 def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
               num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
-              compact=None) -> None:
-    """Diff one layer's selection against its GPU slots, in place, no host sync (design §6, step 4).
+              compact=None, protect: torch.Tensor | None = None) -> None:
+    """Diff one layer's selection against its GPU slots, in place, no host sync (design §6, step 4;
+    with ``protect``, the early diff of design §6.2).
 
     Args:
         ids: ``[B, H, W]`` int32/int64 selected block ids, ``-1`` padded, unique per row (``W <= S + 1``).
@@ -256,13 +257,19 @@ def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, bloc
         compact: optional ``(attn_blocks, attn_slots)``, each ``[B, H, C]`` int32/int64,
             ``C >= min(W, S) + 1``: selected (block, slot) pairs in slot order, ``(-1, 0)``
             padded, the current block with slot ``S`` last.
+        protect: optional ``[B, H, S + 1]`` int32/int64 (a layer's ``attn_ids`` from its last
+            diff): slots ``s < S`` with ``protect >= 0`` are not replaced (only empty slots and
+            stale unprotected ones take misses; misses beyond them are not loaded), and
+            ``misses`` counts the blocks loaded.
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
     if _on_triton(ids, slot_map, pos, load, attn_ids):
-        _slot_diff.slot_diff_triton(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact)
+        _slot_diff.slot_diff_triton(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact,
+                                    protect)
     else:
-        twins.slot_diff_reference(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact)
+        twins.slot_diff_reference(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact,
+                                  protect)
 
 
 def dequantize_cold_slots(staged_k: quant.QuantizedKV, staged_v: quant.QuantizedKV, k_dst: torch.Tensor,

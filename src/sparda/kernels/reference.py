@@ -71,10 +71,14 @@ def compressed_visible(q_pos: torch.Tensor, num_ck: int, kernel: int, stride: in
     return ends.view(1, 1, -1) <= q_pos.unsqueeze(-1)
 
 
-def lookahead_pos(q_pos: torch.Tensor, target_layer: int) -> torch.Tensor:
-    """The lookahead rule (design §4): ``[B, Tq]`` int64 positions up to which the selector of
-    ``target_layer`` sees its compressed keys: ``q_pos - 1`` for a layer >= 1, ``q_pos`` for 0."""
-    return q_pos - 1 if target_layer > 0 else q_pos
+def lookahead_pos(q_pos: torch.Tensor, target_layer: int, ahead: int = 1) -> torch.Tensor:
+    """The lookahead rule (design §4, §6.2): ``[B, Tq]`` int64 positions up to which a selector
+    run ``ahead`` layers before ``target_layer`` sees the target's compressed keys: ``q_pos - 1``
+    when it runs in an earlier layer, ``q_pos`` for layer 0's own ``W^C_0`` (``ahead`` counts as 0
+    there). Raises ValueError for ``ahead > target_layer >= 1`` (no such layer) or ``ahead < 0``."""
+    if ahead < 0 or (target_layer > 0 and ahead > target_layer):
+        raise ValueError(f"no selector runs {ahead} layers before layer {target_layer}")
+    return q_pos - 1 if target_layer > 0 and ahead > 0 else q_pos
 
 
 def query_group_scores(q: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,

@@ -17,10 +17,10 @@ from sparda.kernels._common import next_pow2
 
 @triton.jit
 def _slot_diff_kernel(
-    IDS, SLOT_MAP, POS, LOAD, ATTN, HITS, MISSES, READ, VALID, CBLK, CSLOT,
+    IDS, SLOT_MAP, POS, LOAD, ATTN, HITS, MISSES, READ, VALID, CBLK, CSLOT, PROTECT,
     H, W, S, C,
     BS: tl.constexpr, W_P: tl.constexpr, S_P: tl.constexpr, C_P: tl.constexpr, COUNT: tl.constexpr,
-    COMPACT: tl.constexpr,
+    COMPACT: tl.constexpr, PROTECTED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // H
@@ -40,6 +40,9 @@ def _slot_diff_kernel(
     miss_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
     empty = s_ok & (held < 0)
     stale = s_ok & (held >= 0) & (~hit_slot)
+    if PROTECTED:  # the early diff (design §6.2): the layer's last selection keeps its slots
+        kept = tl.load(PROTECT + row * (S + 1) + offs_s, mask=s_ok, other=-1) >= 0
+        stale = stale & (~kept)
     n_empty = tl.sum(empty.to(tl.int32), 0)
     slot_rank = tl.where(empty, tl.cumsum(empty.to(tl.int32), 0) - 1,
                          tl.where(stale, n_empty + tl.cumsum(stale.to(tl.int32), 0) - 1, -1))
@@ -65,20 +68,23 @@ def _slot_diff_kernel(
         tl.store(CSLOT + row * C + C - 1, (cur * 0 + S).to(CSLOT.dtype.element_ty))  # the partial slot
     if COUNT:
         tl.atomic_add(HITS + b, tl.sum(hit_slot.to(tl.int64), 0))
-        tl.atomic_add(MISSES + b, tl.sum(miss.to(tl.int64), 0))
+        if PROTECTED:  # misses beyond the open slots are not loaded: count the loads
+            tl.atomic_add(MISSES + b, tl.sum((load >= 0).to(tl.int64), 0))
+        else:
+            tl.atomic_add(MISSES + b, tl.sum(miss.to(tl.int64), 0))
         tl.atomic_add(READ + b, tl.sum((ids >= 0).to(tl.int64), 0))
         tl.atomic_add(VALID + b, cur + 1)
 
 
 def slot_diff_triton(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
                      num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
-                     compact=None) -> None:
+                     compact=None, protect=None) -> None:
     """Triton :func:`sparda.kernels.slot_diff`, in place.
 
     Raises:
         SpardaError: shapes, dtypes or devices that do not match.
     """
-    check_slot_diff(ids, slot_map, pos, load, attn_ids, counters, compact)
+    check_slot_diff(ids, slot_map, pos, load, attn_ids, counters, compact, protect)
     bsz, heads, width = ids.shape
     slots = slot_map.shape[-1]
     count = counters is not None
@@ -86,13 +92,14 @@ def slot_diff_triton(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tenso
     c_blk, c_slot = compact if compact is not None else (attn_ids, attn_ids)
     c_width = c_blk.shape[-1] if compact is not None else 1
     _slot_diff_kernel[(bsz * heads,)](
-        ids, slot_map, pos, load, attn_ids, hits, misses, read, valid, c_blk, c_slot, heads, width, slots, c_width,
+        ids, slot_map, pos, load, attn_ids, hits, misses, read, valid, c_blk, c_slot,
+        protect if protect is not None else attn_ids, heads, width, slots, c_width,
         BS=block_size, W_P=next_pow2(max(width, 2)), S_P=next_pow2(max(slots, 2)),
-        C_P=next_pow2(max(c_width, 2)), COUNT=count, COMPACT=compact is not None,
+        C_P=next_pow2(max(c_width, 2)), COUNT=count, COMPACT=compact is not None, PROTECTED=protect is not None,
         num_warps=4 if slots * width <= 4096 else 8)
 
 
-def check_slot_diff(ids, slot_map, pos, load, attn_ids, counters, compact=None) -> None:
+def check_slot_diff(ids, slot_map, pos, load, attn_ids, counters, compact=None, protect=None) -> None:
     """Validate :func:`sparda.kernels.slot_diff` operands.
 
     Raises:
@@ -118,7 +125,12 @@ def check_slot_diff(ids, slot_map, pos, load, attn_ids, counters, compact=None) 
             raise SpardaError(f"compact attention ids must be two int32/int64 [B, H, C] tensors with C >= "
                               f"min(W, S) + 1 = {min(ids.shape[-1], slots) + 1}, got {tuple(c_blk.shape)} "
                               f"and {tuple(c_slot.shape)}")
-    tensors = [ids, slot_map, load, attn_ids, pos] + list(counters or ()) + list(compact or ())
+    if protect is not None and (protect.shape != (bsz, heads, slots + 1)
+                                or protect.dtype not in (torch.int32, torch.int64)):
+        raise SpardaError(f"protect must be int32/int64 [B, H, S + 1] (a layer's attn_ids), got "
+                          f"{tuple(protect.shape)}")
+    tensors = [ids, slot_map, load, attn_ids, pos] + list(counters or ()) + list(compact or ()) + (
+        [protect] if protect is not None else [])
     if any(not t.is_contiguous() for t in tensors):
         raise SpardaError("slot diff operands must be contiguous")
     if counters is not None and any(c.shape != (bsz,) or c.dtype != torch.int64 for c in counters):

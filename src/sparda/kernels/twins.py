@@ -137,12 +137,14 @@ def slots_attention_reference(q: torch.Tensor, k_slots: torch.Tensor, v_slots: t
     return torch.einsum("bhgk,bhkd->bhgd", probs, v_sel).to(q.dtype)
 
 
-def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
+def diff_slots(slot_map: torch.Tensor, want: torch.Tensor, protect: torch.Tensor | None = None):
     """Diff a selection against the resident slots (design §6, step 4; static shapes).
 
     Args:
         slot_map: ``[B, H, S]`` int64 block per slot, ``-1`` empty.
-        want: ``[B, H, N]`` bool, at most ``S`` per row.
+        want: ``[B, H, N]`` bool, at most ``S`` per row (without ``protect``).
+        protect: optional ``[B, H, S]`` bool: held slots never replaced (design §6.2's early
+            diff); misses beyond the open slots are then not loaded.
     Returns:
         ``(load [B, H, S] int64 (-1 none), new_map [B, H, S], hits [B, H], misses [B, H])``.
     """
@@ -163,9 +165,10 @@ def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
         miss_ids = torch.cat([miss_ids, miss_ids.new_full((b, h, s - n), n)], -1)
     miss_ids = miss_ids[..., :s]
     slots = torch.arange(s, device=dev)
-    priority = torch.where(hit_slot, 2, torch.where(slot_map < 0, 0, 1)) * s + slots
+    keep = hit_slot if protect is None else hit_slot | (protect & (slot_map >= 0))
+    priority = torch.where(keep, 2, torch.where(slot_map < 0, 0, 1)) * s + slots
     order = torch.sort(priority, dim=-1).indices  # replaceable slots first
-    load_sorted = torch.where(torch.gather(hit_slot, -1, order), n, miss_ids)
+    load_sorted = torch.where(torch.gather(keep, -1, order), n, miss_ids)
     load = torch.full_like(slot_map, n).scatter_(-1, order, load_sorted)
     load = torch.where(load >= n, -1, load)
     new_map = torch.where(load >= 0, load, slot_map)
@@ -174,12 +177,15 @@ def diff_slots(slot_map: torch.Tensor, want: torch.Tensor):
 
 def slot_diff_reference(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
                         num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
-                        compact=None) -> None:
+                        compact=None, protect=None) -> None:
     """Twin of :func:`sparda.kernels.slot_diff` (in place, no shape checks)."""
     cur = (pos // block_size).view(-1, 1, 1)
     want = ids_to_block_mask(ids, num_blocks)
     want &= torch.arange(num_blocks, device=ids.device).view(1, 1, -1) != cur
-    new_load, new_map, hits, misses = diff_slots(slot_map, want)
+    kept = None if protect is None else protect[..., :-1] >= 0
+    new_load, new_map, hits, misses = diff_slots(slot_map, want, kept)
+    if protect is not None:  # misses beyond the open slots are not loaded: count the loads
+        misses = (new_load >= 0).sum(-1)
     ext = torch.cat([want, want.new_zeros(*want.shape[:2], 1)], -1)
     selected = torch.gather(ext, -1, torch.where(new_map < 0, num_blocks, new_map))
     load.copy_(new_load)

@@ -8,11 +8,11 @@ Everything is labelled with the served model (``model="..."``) and prefixed ``sp
   ``max_model_len_tokens``, with a paged cache ``kv_blocks_used``, ``kv_blocks_free`` and
   ``kv_blocks_total`` (host KV blocks, design §3.11), ``prompt_tokens_total``,
   ``generation_tokens_total``, ``generation_tokens_per_second`` (last 10 s),
-  ``requests_finished_total{reason}``, ``preemptions_total`` (always 0: a request reserves
-  its row and blocks when admitted, so nothing is ever preempted), ``decode_bucket_rows``
-  (rows the last decode step ran), ``decode_steps_total{bucket}`` (design §3.13),
-  ``cuda_graph_capture_seconds_total`` and, on an offloaded cache, ``offload_hit_rate`` and
-  ``offload_bytes_per_token``.
+  ``requests_finished_total{reason}``, ``preemptions_total`` (requests preempted by recompute
+  when a paged pool that grows on demand ran out of blocks, design §3.11; 0 otherwise),
+  ``decode_bucket_rows`` (rows the last decode step ran), ``decode_steps_total{bucket}``
+  (design §3.13), ``cuda_graph_capture_seconds_total`` and, on an offloaded cache,
+  ``offload_hit_rate`` and ``offload_bytes_per_token``.
 * Observed when each HTTP request's engine request finishes (its
   :attr:`RequestOutput.stats`): the histograms ``time_to_first_token_seconds``,
   ``time_per_output_token_seconds`` (decode time over the tokens after the first) and
@@ -82,8 +82,8 @@ class EngineCollector:
         for reason, count in sorted(m["requests_finished"].items()):
             finished.add_metric([model, reason], float(count))
         yield finished
-        yield counter("preemptions", "Requests preempted (never: a request reserves its row and blocks).",
-                      m.get("preemptions", 0))
+        yield counter("preemptions", "Requests preempted by recompute (a paged KV pool out of blocks).",
+                      m["preemptions"])
         yield gauge("decode_bucket_rows", "KV rows the last decode step ran: its decode batch bucket (design §3.13).",
                     m["decode_bucket"])
         steps = CounterMetricFamily("sparda_decode_steps", "Decode steps, by decode batch bucket (rows run).",

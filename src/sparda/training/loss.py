@@ -36,11 +36,11 @@ def restricted(dist: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
 
 
 def student_distribution(f: torch.Tensor, ck: torch.Tensor, q_pos: torch.Tensor,
-                         cfg: SelectionConfig, layer: int) -> torch.Tensor:
-    """Student ``softmax(F . K~ / sqrt(d))`` under the lookahead rule (design §4, §5): ``f [B, H,
-    Tq, d]`` (RoPE applied), ``ck [B, H, C, d]`` of ``layer``, ``q_pos [B, Tq]`` int64 -> ``[B,
-    H, Tq, C]`` fp32, 0 at invisible keys."""
-    pos = ref.lookahead_pos(q_pos, layer)
+                         cfg: SelectionConfig, layer: int, ahead: int = 1) -> torch.Tensor:
+    """Student ``softmax(F . K~ / sqrt(d))`` under the lookahead rule (design §4, §5, §6.2): ``f [B, H,
+    Tq, d]`` (RoPE applied) from ``ahead`` layers before ``layer``, ``ck [B, H, C, d]`` of ``layer``,
+    ``q_pos [B, Tq]`` int64 -> ``[B, H, Tq, C]`` fp32, 0 at invisible keys."""
+    pos = ref.lookahead_pos(q_pos, layer, ahead)
     logits = ref.forecast_scores(f, ck, pos, cfg.kernel_size, cfg.kernel_stride) / f.shape[-1] ** 0.5
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 

@@ -67,8 +67,8 @@ def layer_loss(forecast, layer: int, h_prev: torch.Tensor, q: torch.Tensor, k: t
     """Restricted KL of one layer for one sequence, backpropagated into ``forecast`` (design §5).
 
     Args:
-        h_prev: ``[1, Tq, d_model]`` attention input of layer ``layer - 1`` (0 for layer 0)
-            at the query tokens. q: ``[1, H_kv, G, T, d]``, k: ``[1, H_kv, T, d]`` post-RoPE.
+        h_prev: ``[1, Tq, d_model]`` attention input of layer ``layer - forecast.ahead`` (0 for
+            layer 0) at the query tokens. q: ``[1, H_kv, G, T, d]``, k: ``[1, H_kv, T, d]`` post-RoPE.
         cos, sin: ``[1, 1, Tq, d]``. q_idx: ``[Tq]`` int64. scale: loss factor. chunk: tokens.
     Returns:
         ``(loss, hits, total)``: host float before ``scale``, free top-k counts (design §8).
@@ -90,7 +90,7 @@ def layer_loss(forecast, layer: int, h_prev: torch.Tensor, q: torch.Tensor, k: t
         entries = restriction(teacher, q_pos, num_tokens, cfg)
         with torch.enable_grad():
             f = forecast.project(layer, h_prev[:, rows].float(), cos[:, :, rows].float(), sin[:, :, rows].float())
-            student = student_distribution(f, ck, q_pos, cfg, layer)
+            student = student_distribution(f, ck, q_pos, cfg, layer, forecast.ahead)
             loss = restricted_kl(teacher, student, entries, reduction="sum") / rows_total
             (loss * scale).backward()
         loss_sum += loss.item()
@@ -105,15 +105,18 @@ def layer_loss(forecast, layer: int, h_prev: torch.Tensor, q: torch.Tensor, k: t
 
 def sequence_loss(net, forecast, ids: torch.Tensor, q_idx: torch.Tensor, cfg: SelectionConfig,
                   attention=None, scale: float = 1.0, chunk: int | None = None) -> StepTotals:
-    """Frozen ``net`` over ``ids [T]`` int64, every layer's loss backpropagated (design §5); this
+    """Frozen ``net`` over ``ids [T]`` int64, the loss of every layer ``forecast`` scores
+    (:meth:`~sparda.attention.forecast.Forecast.targets`) backpropagated (design §5, §6.2); this
     sequence's :class:`StepTotals`."""
     totals = StepTotals(sequences=1, tokens=ids.numel())
-    h_prev = None
+    inputs: dict[int, torch.Tensor] = {}  # layer -> attention input at q_idx, the last ``ahead`` layers
+    targets = forecast.targets()
     with torch.no_grad():
         for layer, h, q, k, cos, sin in net.dense_layers(ids.view(1, -1), attention):
-            h_here = h[:, q_idx]
-            loss, hits, total = layer_loss(forecast, layer, h_here if layer == 0 else h_prev, q, k,
-                                           cos[:, :, q_idx], sin[:, :, q_idx], q_idx, cfg, scale, chunk)
-            totals.add(StepTotals(loss, hits, total))
-            h_prev = h_here
+            inputs[layer] = h[:, q_idx]
+            inputs.pop(layer - forecast.ahead - 1, None)
+            if layer in targets:
+                loss, hits, total = layer_loss(forecast, layer, inputs[forecast.source_layer(layer)], q, k,
+                                               cos[:, :, q_idx], sin[:, :, q_idx], q_idx, cfg, scale, chunk)
+                totals.add(StepTotals(loss, hits, total))
     return totals

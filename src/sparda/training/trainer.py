@@ -118,7 +118,7 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
                    preset: str = "small", init: str = "q", betas=(0.9, 0.95), eps: float = 1e-6,
                    weight_decay: float = 0.01, clip: float = 0.5, progress: bool = True,
                    selection: SelectionConfig | None = None, frozen_attention: str = "dense",
-                   text_column: str = "text", chunk: int | None = None, dist=None) -> dict:
+                   text_column: str = "text", chunk: int | None = None, dist=None, lookahead: int = 1) -> dict:
     """Train Forecast weights for ``model`` and save them to ``out`` (design §5, docs/forecast.md).
 
     Args:
@@ -129,6 +129,8 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
         out: safetensors path; ``OUT.state.pt`` is the checkpoint. save_every: steps.
         device: ``cpu`` (fp32) or ``cuda`` (frozen model bf16, Forecast and loss fp32).
         dist: a :class:`~sparda.training.distributed.Distributed`, or ``None``.
+        lookahead: 1 (the Forecast of design §4) or 2 (the two-ahead heads of design §6.2,
+            student of layer ``l >= 2`` fed layer ``l - 2``'s input).
     Returns:
         ``{"step", "first_loss", "loss", "recall", "seconds", "tokens_per_s"}`` (last-20-step means).
     Raises:
@@ -140,6 +142,8 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
     from sparda.config import resolve_device
     from sparda.model.loader import load_model
 
+    if lookahead not in (1, 2):
+        raise SpardaError(f"--lookahead must be 1 or 2, got {lookahead}")
     cfg, out, state_file, texts, description = preflight(
         model, data, seq_len=seq_len, steps=steps, batch_size=batch_size, queries=queries, save_every=save_every,
         lr=lr, init=init, frozen_attention=frozen_attention, preset=preset, selection=selection, out=out,
@@ -152,7 +156,9 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
     net.requires_grad_(False)
     packed = pack(texts, tokenizer, seq_len)
     batches = Batches(len(packed), batch_size, seed)
-    forecast = Forecast.for_shape(net.shape)
+    if lookahead == 2 and net.shape.num_layers < 3:
+        raise SpardaError(f"--lookahead 2 needs a model of at least 3 layers, got {net.shape.num_layers}")
+    forecast = Forecast.for_shape(net.shape, ahead=lookahead)
     if init == "q":
         q_init(forecast, net)
     forecast = forecast.to(dev)
@@ -162,7 +168,7 @@ def train_forecast(model=None, data=None, *, seq_len: int = 4096, steps: int = 2
                               betas=betas, eps=eps, weight_decay=weight_decay, clip=clip, chunk=chunk,
                               reduce=dist.reduce if dist is not None else None)
     run = {"seq_len": seq_len, "batch_size": batch_size, "seed": seed, "queries": queries, "preset": preset,
-           "frozen_attention": frozen_attention, "data": description, "init": init}
+           "frozen_attention": frozen_attention, "data": description, "init": init, "lookahead": lookahead}
     step, history = 0, []
     if resume:
         state = checkpoint.load_state(state_file, dev)
