@@ -1,12 +1,13 @@
 """GPU check of the decode batch buckets (design §3.13): a decode step runs the cache's first
 ``b`` rows, one CUDA graph per bucket.
 
-1. **parity**: per method (and KV dtype), an engine of 8 rows serves 12 requests that join
-   and finish at different times, so the bucket moves up and down; its greedy tokens with
-   replayed CUDA graphs must equal the same engine's eager tokens (same buckets, same
-   kernels). Informational: how many tokens also equal a full-batch engine's
-   (``--cuda-graph-sizes 8``; bf16 GEMMs of other row counts may round differently).
-   Random 4-layer Llama (``bench.harness.random_llama``), bf16.
+1. **parity**: per method (and KV dtype), an engine of 8 rows with the
+   automatic buckets (``--cuda-graph-sizes auto``) serves 12 requests that join and finish at
+   different times, so the bucket moves up and down; its greedy tokens with replayed CUDA
+   graphs must equal the same engine's eager tokens (same buckets, same kernels).
+   Informational: how many tokens also equal the default engine's, whose one bucket is all 8
+   rows (bf16 GEMMs of other row counts may round differently). Random 4-layer Llama
+   (``bench.harness.random_llama``), bf16.
 2. **timing**: the replayed decode step of ``b`` rows of a ``B``-row cache against the
    full-batch step, at the MiniCPM-8B shape (random weights, ``bench.models``), offloaded
    ``sparda`` at 128K tokens per row. Every row reads one shared host copy of the context
@@ -15,7 +16,8 @@
    from it on the device.
 
 Prints one line per check, a markdown table last, and writes ``OUT/check_buckets.json``;
-exits 1 if a parity check fails. About 3-4 minutes on an H100 (``--quick``: under 2)::
+exits 1 if a parity check fails. The default stays one bucket of all rows until this check
+has been run and the timing shows the buckets faster (design §3.13). About 3-4 minutes on an H100 (``--quick``: under 2)::
 
     python3 benchmarks/check_buckets.py --out /tmp/buckets             # CUDA
     python3 benchmarks/check_buckets.py --quick --out /tmp/buckets     # 32K, B 8 and 16
@@ -78,8 +80,8 @@ def _serve(llm, prompts, max_tokens, rows: int):
 
 
 def parity(method: str, options: dict, model, forecast, device, rows: int = 8, count: int = 12) -> dict:
-    """Graph replay against eager steps of the same buckets (must be equal), and against a
-    full-batch engine (reported)."""
+    """Graph replay against eager steps of the same automatic buckets (must be equal), and
+    against the default engine, one bucket of all rows (reported)."""
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(500, 1000, (count,), generator=gen).tolist()
     prompts = [torch.randint(10, 2000, (n,), generator=gen).tolist() for n in lengths]
@@ -88,9 +90,10 @@ def parity(method: str, options: dict, model, forecast, device, rows: int = 8, c
     if torch.device(device).type != "cuda":  # the CPU smoke run: fewer steps
         max_tokens = [m // 3 + 1 for m in max_tokens]
     kw = dict(SMALL, **options)
-    graphed = LLM.from_model(model, NoText(), method=method, forecast=forecast, cuda_graphs=True, **kw)
+    graphed = LLM.from_model(model, NoText(), method=method, forecast=forecast, cuda_graphs=True,
+                             cuda_graph_sizes="auto", **kw)
     eager = graphed.derive(cuda_graphs=False)
-    full = graphed.derive(cuda_graph_sizes=[rows])
+    full = graphed.derive(cuda_graph_sizes=None)  # the default: every step runs all rows
     start = time.perf_counter()
     got, buckets, runner = _serve(graphed, prompts, max_tokens, rows)
     want, eager_buckets, _ = _serve(eager, prompts, max_tokens, rows)

@@ -1,12 +1,14 @@
 """Decode batch buckets (design §3.13): a decode step runs the cache's first ``b`` rows only.
 
-* the buckets and the bucket of a step against brute force;
+* the buckets and the bucket of a step against brute force; the default is one bucket of all
+  rows (every step runs every row), ``auto`` and lists turn buckets on;
 * a step of ``b`` rows leaves every per-row tensor of rows ``b ..`` bit for bit (K/V, compressed
   keys, rings, lengths, counters, slot maps, the hot pool's state, the host store, the
   selectors' row state) and gives rows ``< b`` the logits of the full-batch step;
 * engines whose buckets change as requests finish give every request the greedy tokens,
   log-probabilities and counters of the full-batch engine (and of generate() alone),
-  for every method and KV dtype.
+  for every method and KV dtype, lookahead 2 included; so do paged engines that grow and
+  preempt (recompute).
 
 The step's GEMMs over ``b`` rows may round differently from those over ``B`` (MKL on the
 CPU below 6 rows), so logits and log-probabilities agree to fp32 rounding, tokens exactly.
@@ -14,6 +16,7 @@ CPU below 6 rows), so logits and log-probabilities agree to fp32 rounding, token
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -21,10 +24,11 @@ import torch
 
 from sparda import LLM, SamplingParams, SpardaError
 from sparda.cache.host import HostChunk
-from sparda.engine.buckets import bucket_for, decode_buckets, default_sizes
+from sparda.engine.buckets import auto_sizes, bucket_for, decode_buckets
 from sparda.engine.engine import Engine
 from sparda.kernels import quant
-from test_offload import forecast_file  # noqa: F401 - fixture
+from test_forecast2 import weights  # noqa: F401 - fixture: (one-layer, two-ahead) Forecast files of tiny
+from test_preemption import SMALL as PAGED, _paged, _serve, _workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,6 +45,7 @@ CASES = [
     ("sparda", {"offload": True, "kv_dtype": "mixed"}), ("sparse-offload", {}),
     ("sparse-offload", {"kv_dtype": "int8"}), ("sparse-offload", {"kv_dtype": "mixed"}),
     ("sparda-no-prefetch", {}), ("shallow", {"shallow_layers": 1, "offload": True}),
+    ("sparda", {"offload": True, "lookahead": 2}),
 ]
 IDS = [m + "".join(f"-{k}={v}" for k, v in o.items()) for m, o in CASES]
 
@@ -50,22 +55,28 @@ def tiny(make_tiny):
     return make_tiny("llama")
 
 
-def _llm(tiny, forecast_file, method, options, **extra):
+def _llm(tiny, weights, method, options, **extra):
+    """An LLM of ``tiny``; sparda methods take ``weights`` (one-layer, two-ahead Forecast files)."""
     kwargs = dict(SMALL, **options, **extra)
     if method.startswith("sparda"):
-        kwargs["forecast"] = forecast_file
+        kwargs["forecast"] = weights[0]
+    if options.get("lookahead") == 2:
+        kwargs["forecast2"] = weights[1]
     return LLM(str(tiny), method=method, device="cpu", **kwargs)
 
 
 # --------------------------------------------------------------------------- buckets
 def test_buckets_cap_to_the_rows_and_always_hold_them(fresh_seed):
-    assert default_sizes(32) == decode_buckets(None, 32) == (1, 2, 4, 8, 16, 24, 32)
-    assert decode_buckets(None, 3) == (1, 2, 3) and decode_buckets(None, 1) == (1,)
-    assert decode_buckets(None, 20) == (1, 2, 4, 8, 16, 20)
+    assert auto_sizes(32) == decode_buckets("auto", 32) == (1, 2, 4, 8, 16, 24, 32)
+    assert decode_buckets("auto", 3) == (1, 2, 3) and decode_buckets("auto", 1) == (1,)
+    assert decode_buckets("auto", 20) == (1, 2, 4, 8, 16, 20)
     assert decode_buckets((4, 64), 32) == (4, 32) and decode_buckets((64,), 32) == (32,)
     rng = random.Random(fresh_seed)
     for _ in range(200):
         rows = rng.randint(1, 70)
+        assert decode_buckets(None, rows) == (rows,), fresh_seed  # the default: every step runs every row
+        auto = [1, 2, 4] + list(range(8, 72, 8))  # brute force: 1, 2, 4, the multiples of 8, then the rows
+        assert decode_buckets("auto", rows) == tuple(n for n in auto if n < rows) + (rows,), (fresh_seed, rows)
         sizes = tuple(sorted(set(rng.sample(range(1, 90), rng.randint(1, 6)))))
         buckets = decode_buckets(sizes, rows)
         assert list(buckets) == sorted(set(buckets)) and buckets[-1] == rows, (fresh_seed, sizes, rows)
@@ -82,9 +93,12 @@ def test_cuda_graph_sizes_are_checked_once_by_the_config():
     assert build_config(method="dense", device="cpu", cuda_graph_sizes="8, 2,8,1").runtime.cuda_graph_sizes == (1, 2, 8)
     assert build_config(method="dense", device="cpu", cuda_graph_sizes=[4, 1]).runtime.cuda_graph_sizes == (1, 4)
     assert build_config(method="dense", device="cpu").runtime.cuda_graph_sizes is None
-    for bad in ("1,,2", "-1", "2.5", [True], [2.0], [], 4, "a"):
-        with pytest.raises(SpardaError, match="cuda_graph_sizes must be a comma list of integers >= 1"):
+    for auto in ("auto", " Auto"):
+        assert build_config(method="dense", device="cpu", cuda_graph_sizes=auto).runtime.cuda_graph_sizes == "auto"
+    for bad in ("1,,2", "-1", "2.5", [True], [2.0], [], 4, "a", "auto,8", "automatic"):
+        with pytest.raises(SpardaError, match="cuda_graph_sizes must be auto or a comma list of integers >= 1") as info:
             build_config(method="dense", device="cpu", cuda_graph_sizes=bad)
+        assert "\n" not in str(info.value) and "e.g. --cuda-graph-sizes auto or" in str(info.value)
 
 
 # ------------------------------------------------------------ one step, rows past b
@@ -144,12 +158,12 @@ def _filled(llm, rows, prompts, capacity):
 
 
 @pytest.mark.parametrize("method,options", CASES, ids=IDS)
-def test_a_bucket_step_leaves_the_rows_past_it_bit_for_bit(tiny, forecast_file, method, options, fresh_seed):
+def test_a_bucket_step_leaves_the_rows_past_it_bit_for_bit(tiny, weights, method, options, fresh_seed):
     """Six filled rows, four decode steps of the first ``b`` (1, where a [1]-shaped tensor would
     broadcast over every row, and a random 2..5): every per-row tensor of rows ``b ..`` (and
     their host pages) is unchanged bit for bit, rows ``< b`` advance, and their logits equal
     those of the full-batch step on a twin cache (fp32 rounding)."""
-    llm = _llm(tiny, forecast_file, method, options)
+    llm = _llm(tiny, weights, method, options)
     for b in (1, int(torch.randint(2, 6, ()))):
         _check_bucket_step(llm, 6, b, f"seed {fresh_seed}, {method} {options}, b={b}")
 
@@ -190,10 +204,10 @@ def _check_bucket_step(llm, rows: int, b: int, where: str) -> None:
 
 
 # ------------------------------------------------------------------- whole engines
-def _run(engine, prompts, max_tokens, every=2):
-    """Add one request every ``every`` steps; after each step record the step's bucket and
-    the brute-force bucket of the rows that decoded. Returns outputs, (bucket, brute) per step."""
-    outputs, seqs, pending, seen = {}, [], list(zip(prompts, max_tokens)), []
+@contextlib.contextmanager
+def _watched(engine, seen: list):
+    """While in the block, every decode step of ``engine`` appends ``(rows it ran, the
+    brute-force bucket of the rows that decode)`` to ``seen``."""
     runner = engine.runner.runner(engine.cache)
     original = engine.runner.decode
 
@@ -204,6 +218,16 @@ def _run(engine, prompts, max_tokens, every=2):
 
     engine.runner.decode = decode
     try:
+        yield
+    finally:
+        del engine.runner.decode
+
+
+def _run(engine, prompts, max_tokens, every=2):
+    """Add one request every ``every`` steps; after each step record the step's bucket and
+    the brute-force bucket of the rows that decoded. Returns outputs, (bucket, brute) per step."""
+    outputs, seqs, pending, seen = {}, [], list(zip(prompts, max_tokens)), []
+    with _watched(engine, seen):
         step = 0
         while pending or engine.has_work():
             if pending and step % every == 0:
@@ -213,8 +237,6 @@ def _run(engine, prompts, max_tokens, every=2):
                 if delta.output is not None:
                     outputs[delta.request_id] = delta.output
             step += 1
-    finally:
-        del engine.runner.decode
     return [outputs[s.request_id] for s in seqs], seen
 
 
@@ -238,13 +260,13 @@ ENGINE_CASES = [c for c in CASES if c[0] not in ("oracle", "infinigen", "streami
 
 
 @pytest.mark.parametrize("method,options", ENGINE_CASES, ids=[IDS[CASES.index(c)] for c in ENGINE_CASES])
-def test_a_bucketed_engine_equals_the_full_batch_engine(tiny, forecast_file, method, options, fresh_seed):
+def test_a_bucketed_engine_equals_the_full_batch_engine(tiny, weights, method, options, fresh_seed):
     """Twelve requests through a 9-row engine of buckets 6 and 9, admitted one a step and
     finishing at different times, so the highest decoding row crosses 6 up and down: every
     step's bucket is the brute force's, and every request gets the full-batch engine's greedy
     tokens, log-probabilities, KV read fraction and offload hits / misses -- bit for bit where
     the BLAS rounds a row alike at 6 and 9 rows (:func:`_rows_invariant`), else to rounding."""
-    llm = _llm(tiny, forecast_file, method, options, cuda_graph_sizes=[6])
+    llm = _llm(tiny, weights, method, options, cuda_graph_sizes=[6])
     full = llm.derive(cuda_graph_sizes=[9])
     lengths = torch.randint(90, 150, (12,)).tolist()
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in lengths]
@@ -265,16 +287,16 @@ def test_a_bucketed_engine_equals_the_full_batch_engine(tiny, forecast_file, met
         assert got.stats["kv_read_fraction"] == pytest.approx(want.stats["kv_read_fraction"],
                                                               abs=0 if exact else 1e-3), where
         if exact and "offload" in want.stats:
-            keys = ("hits", "misses", "pool_misses")
+            keys = ("hits", "misses", "pool_misses", "early_copies")
             assert [got.stats["offload"].get(k) for k in keys] == [want.stats["offload"].get(k) for k in keys], where
 
 
-def test_small_buckets_give_the_full_batch_tokens(tiny, forecast_file, fresh_seed):
+def test_small_buckets_give_the_full_batch_tokens(tiny, weights, fresh_seed):
     """Buckets 1, 2, 4 of a 5-row engine (the BLAS rounds these row counts differently from 5):
     the full-batch engine's greedy tokens, log-probabilities to rounding; the bucket of every
     step is the brute force's, and it rises and falls."""
     for method, options in (("dense", {}), ("sparse-offload", {"kv_dtype": "int8"})):
-        llm = _llm(tiny, forecast_file, method, options, cuda_graph_sizes=[1, 2, 4])
+        llm = _llm(tiny, weights, method, options, cuda_graph_sizes=[1, 2, 4])
         full = llm.derive(cuda_graph_sizes=[5])
         lengths = torch.randint(90, 150, (7,)).tolist()
         prompts = [torch.randint(100, 20000, (n,)).tolist() for n in lengths]
@@ -291,10 +313,10 @@ def test_small_buckets_give_the_full_batch_tokens(tiny, forecast_file, fresh_see
                                                                           abs=1e-3), where
 
 
-def test_bucketed_dense_requests_equal_each_alone(tiny, forecast_file, fresh_seed):
-    """The default buckets: every request of a busy engine gets the tokens of generate()
+def test_bucketed_dense_requests_equal_each_alone(tiny, weights, fresh_seed):
+    """The automatic buckets: every request of a busy engine gets the tokens of generate()
     alone; metrics name the buckets used."""
-    llm = _llm(tiny, forecast_file, "dense", {})
+    llm = _llm(tiny, weights, "dense", {}, cuda_graph_sizes="auto")
     lengths = torch.randint(5, 120, (6,)).tolist()
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in lengths]
     max_tokens = torch.randint(1, 14, (6,)).tolist()
@@ -308,3 +330,59 @@ def test_bucketed_dense_requests_equal_each_alone(tiny, forecast_file, fresh_see
     assert metrics["decode_bucket"] == seen[-1][0]
     assert metrics["decode_steps_by_bucket"] == {b: sum(x == b for x, _ in seen) for b, _ in seen}
     assert metrics["graph_capture_ms"] == 0.0  # the CPU runs eagerly
+
+
+def test_the_default_is_one_bucket_of_all_rows(tiny, weights, fresh_seed):
+    """Without ``cuda_graph_sizes`` every decode step runs every row, as a step without buckets:
+    one request in an engine of 2-6 rows steps them all, the free ones as padding (token 0 at
+    position 0: their length becomes 1), while ``auto`` steps only bucket 1 and leaves the free
+    rows empty; both give the tokens of generate() alone."""
+    rows = int(torch.randint(2, 7, ()))
+    prompt = torch.randint(100, 20000, (int(torch.randint(20, 100, ())),)).tolist()
+    new = int(torch.randint(3, 9, ()))
+    llm = _llm(tiny, weights, "sparse", {})
+    assert llm.config.runtime.cuda_graph_sizes is None
+    alone = llm.generate([None], prompt_token_ids=[prompt], max_new_tokens=new, ignore_eos=True)[0]
+    where = f"seed {fresh_seed}, {rows} rows"
+    for sizes, bucket, padded in ((None, rows, 1), ("auto", 1, 0)):
+        engine = Engine(llm if sizes is None else llm.derive(cuda_graph_sizes=sizes), max_batch=rows,
+                        max_model_len=120)
+        runner = engine.runner.runner(engine.cache)
+        want = (rows,) if sizes is None else tuple(n for n in (1, 2, 4) if n < rows) + (rows,)  # rows < 8
+        assert runner.buckets == want, (where, sizes, runner.buckets)
+        (got,), seen = _run(engine, [prompt], [new])
+        assert seen == [(bucket, bucket)] * (new - 1), (where, sizes, seen)  # the first token is the prefill's
+        assert got.token_ids == alone.token_ids, (where, sizes)
+        # row 0 was freed at the end; the free rows took a padding token in every step, or none
+        assert engine.cache.lengths[1:].tolist() == [padded] * (rows - 1), (where, sizes)
+        metrics = engine.metrics()
+        assert metrics["decode_bucket"] == bucket and metrics["decode_steps_by_bucket"] == {bucket: new - 1}
+
+
+def test_a_bucketed_paged_engine_grows_and_preempts_as_the_full_batch_one(tiny, weights, fresh_seed):
+    """A paged host pool that grows on demand and preempts by recompute (design §3.11), with
+    the automatic buckets of its 4 rows: every step's bucket is the brute force's and some go
+    below 4 rows, the same requests are preempted as often as with the default single bucket,
+    every block comes back, and every request gets the default engine's tokens and
+    log-probabilities (to rounding: GEMMs of other row counts, design §3.13) -- a recomputed
+    row's restored decode history and counters (``KVCache.decode_state``) run in its bucket."""
+    for method, options in (("sparse-offload", {"kv_dtype": "mixed"}), ("sparda", {"offload": True, "lookahead": 2})):
+        llm = _llm(tiny, weights, method, dict(PAGED, **options), cuda_graph_sizes="auto")
+        prompts, params = _workload(8)
+        runs = []
+        for engine in (_paged(llm), _paged(llm.derive(cuda_graph_sizes=None))):
+            seen = []
+            with _watched(engine, seen):
+                outputs, _, seqs, _ = _serve(engine, prompts, params)
+            pool = engine.scheduler.block_pool
+            assert pool.num_free == pool.num_blocks and engine.scheduler.rows_in_use == 0  # every block back
+            runs.append((outputs, [s.preemptions for s in seqs], seen))
+        (got, preempted, seen), (want, full_preempted, full_seen) = runs
+        where = f"seed {fresh_seed}, {method} {options}"
+        assert all(b == brute for b, brute in seen) and min(b for b, _ in seen) < 4, (where, seen)
+        assert {b for b, _ in full_seen} == {4}, where
+        assert preempted == full_preempted and sum(preempted) >= 1, (where, preempted, full_preempted)
+        for i, (mine, ref) in enumerate(zip(got, want)):
+            assert mine.token_ids == ref.token_ids, (where, i)
+            assert [e["logprob"] for e in mine.logprobs] == pytest.approx([e["logprob"] for e in ref.logprobs],
+                                                                           abs=1e-3), (where, i)

@@ -154,11 +154,12 @@ def model_options(func):
                           "OMP_NUM_THREADS if set]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
-        click.option("--cuda-graph-sizes", "cuda_graph_sizes", default=None, metavar="N,N,...",
-                     help="Decode batch buckets: a decode step runs the first N KV rows, N the smallest bucket "
-                          "holding every decoding request, one CUDA graph per bucket (design §3.13); capped to "
-                          "and always including --max-batch (one size of at least --max-batch: every step at the "
-                          "full batch) [default: 1,2,4 and the multiples of 8]."),
+        click.option("--cuda-graph-sizes", "cuda_graph_sizes", default=None, metavar="auto|N,N,...",
+                     help="Decode batch buckets (design §3.13): a decode step runs the first N KV rows, N the "
+                          "smallest bucket holding every decoding request, one CUDA graph per bucket; auto: 1,2,4 "
+                          "and the multiples of 8; a list is capped to and always includes --max-batch [default: "
+                          "one bucket of --max-batch rows, every step runs every row, until the GPU timing of "
+                          "design §3.13 turns buckets on]."),
         click.option("--dense-heads", "dense_heads", default=None,
                      help="Block-sparse decode: (layer, KV head) pairs that read every visible block "
                           "(design §3.7; offloaded caches keep their layers on the device): auto (the model's "

@@ -252,6 +252,9 @@ HOST_SHARE = 0.9
 #: newest request when the pool runs out; ``reserve`` takes prompt + ``max_tokens`` up front
 KV_ADMISSIONS = ("grow", "reserve")
 DEFAULT_KV_ADMISSION = "grow"
+#: ``cuda_graph_sizes`` that turns the decode batch buckets on (design §3.13): 1, 2, 4 and the
+#: multiples of 8 up to the cache's rows; the default is one bucket of all rows
+AUTO_BUCKETS = "auto"
 DEFAULT_HOT_STEPS = 4
 #: prompt tokens per prefill chunk by default (design §3.8)
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
@@ -390,10 +393,11 @@ class RuntimeConfig:
         prefill_chunk_tokens: prompt tokens per prefill chunk (0: the whole prompt).
         prefill_batch_tokens: padded prompt tokens per batched prefill forward (0: one prompt).
         cpu_threads: torch CPU threads on the CPU (:func:`cpu_threads`); ``None`` off the CPU.
-        cuda_graph_sizes: decode batch buckets, ascending (design §3.13): a decode step runs
-            the cache's first ``b`` rows, ``b`` the smallest bucket holding every decoding row
-            (:mod:`sparda.engine.buckets` caps them to the cache's rows, which are always one);
-            ``None``: 1, 2, 4 and the multiples of 8.
+        cuda_graph_sizes: decode batch buckets (design §3.13): a decode step runs the cache's
+            first ``b`` rows, ``b`` the smallest bucket holding every decoding row
+            (:mod:`sparda.engine.buckets` caps them to the cache's rows, which are always one).
+            ``None`` (the default): one bucket of all rows, every step runs every row;
+            ``"auto"``: 1, 2, 4 and the multiples of 8; or ascending sizes.
     """
 
     device: str = "cpu"
@@ -403,7 +407,7 @@ class RuntimeConfig:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     prefill_batch_tokens: int = DEFAULT_PREFILL_BATCH_TOKENS
     cpu_threads: int | None = None
-    cuda_graph_sizes: tuple[int, ...] | None = None
+    cuda_graph_sizes: tuple[int, ...] | str | None = None
 
 
 @dataclass(frozen=True)
@@ -505,19 +509,23 @@ def _dtype(value, device: str) -> str:
     return _DTYPE_NAMES[name]
 
 
-def _graph_sizes(value) -> tuple[int, ...] | None:
-    """``cuda_graph_sizes`` as ascending unique bucket sizes (design §3.13): a comma list
-    ``"1,2,4"`` or integers; ``None`` stays ``None`` (the default buckets)."""
+def _graph_sizes(value) -> tuple[int, ...] | str | None:
+    """``cuda_graph_sizes`` (design §3.13): ``None`` stays ``None`` (one bucket of all rows),
+    ``"auto"`` stays ``"auto"`` (:func:`sparda.engine.buckets.auto_sizes`), a comma list
+    ``"1,2,4"`` or integers become ascending unique bucket sizes."""
     if value is None:
         return None
+    if isinstance(value, str) and value.strip().lower() == AUTO_BUCKETS:
+        return AUTO_BUCKETS
     items = value.split(",") if isinstance(value, str) else value
     try:
         sizes = [int(item) if isinstance(item, str) and item.strip().isdigit() else item for item in items]
     except TypeError:
         sizes = None
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-        _fail("cuda_graph_sizes", f"cuda_graph_sizes must be a comma list of integers >= 1 (decode batch buckets, "
-                                  f"design §3.13), got {value!r}; e.g. --cuda-graph-sizes 1,2,4,8,16")
+        _fail("cuda_graph_sizes", f"cuda_graph_sizes must be auto or a comma list of integers >= 1 (decode batch "
+                                  f"buckets, design §3.13), got {value!r}; e.g. --cuda-graph-sizes auto or "
+                                  f"--cuda-graph-sizes 1,2,4,8,16")
     return tuple(sorted(set(sizes)))
 
 

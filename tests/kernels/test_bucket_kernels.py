@@ -1,7 +1,7 @@
 """A decode step of the first ``b`` rows (design §3.13) through the CUDA path's kernels, run by the
 Triton interpreter on CPU tensors: the fused decoder (stacked GEMMs, the RoPE + append kernel
-writing the partial slot and the host store), Triton selection, the slot diff and slot
-attention. Rows ``b ..`` keep every per-row tensor and their host pages bit for bit; rows
+writing the partial slot and the host store), Triton selection, the slot diff (and the early
+diff of lookahead 2) and slot attention. Rows ``b ..`` keep every per-row tensor and their host pages bit for bit; rows
 ``< b`` get the full-batch step's logits.
 """
 
@@ -30,13 +30,16 @@ def tiny_model(make_tiny):
 
 
 @pytest.mark.parametrize("method,options", [("sparda", {"offload": True, "kv_dtype": "int4"}),
+                                            ("sparda", {"offload": True, "lookahead": 2}),
                                             ("sparse-offload", {}), ("sparse", {"kv_dtype": "int8"}),
                                             ("sparda", {"offload": False}), ("dense", {})],
-                         ids=["sparda-offload-int4", "sparse-offload", "sparse-int8", "sparda", "dense"])
+                         ids=["sparda-offload-int4", "sparda-offload-lookahead2", "sparse-offload", "sparse-int8",
+                              "sparda", "dense"])
 def test_fused_triton_bucket_step_leaves_the_rows_past_it(tiny_model, method, options, fresh_seed, monkeypatch):
     monkeypatch.setattr(kernels, "_on_triton", lambda *tensors: True)  # CPU tensors take the Triton kernels
+    two = {"forecast2": random_forecast(tiny_model, ahead=2)} if options.get("lookahead") == 2 else {}
     llm = LLM.from_model(tiny_model, method=method, preset="small", forecast=random_forecast(tiny_model),
-                         fused_decode=True, cuda_graphs=False, **SMALL, **options)
+                         fused_decode=True, cuda_graphs=False, **SMALL, **options, **two)
     llm.model_runner._fused_checked, llm.model_runner._fused = True, FusedDecoder(tiny_model, llm.method)
     rows, b = 4, int(torch.randint(1, 4, ()))
     lengths = torch.randint(70, 110, (rows,)).tolist()
@@ -65,3 +68,5 @@ def test_fused_triton_bucket_step_leaves_the_rows_past_it(tiny_model, method, op
         assert torch.equal(cache.lengths[:b], positions[:b] + 1), (where, step)
         tokens = torch.cat([got.argmax(-1), want[b:].argmax(-1)])
         positions = positions + 1
+    if options.get("lookahead") == 2:  # the early diff (design §6.2) copied into the slots of rows < b
+        assert int(cache.prefetcher.early[:b].sum()) > 0, where

@@ -16,10 +16,10 @@ run it. Each :meth:`Engine.step`:
    forward; a prompt's last chunk samples its first token;
 3. runs one decode step of the cache's first ``b`` rows (:meth:`ModelRunner.decode`, one
    captured CUDA graph per bucket on CUDA), ``b`` the smallest decode batch bucket that
-   holds the highest decoding row (design §3.13); the rows past ``b`` are not touched. In
-   it decoding rows run at their own positions, free rows as padding (token 0 at position
-   0, output discarded), half-prefilled rows at the position their next chunk starts
-   (design §3.9);
+   holds the highest decoding row (design §3.13; by default one bucket, every row); the rows
+   past ``b`` are not touched. In it decoding rows run at their own positions, free rows as
+   padding (token 0 at position 0, output discarded), half-prefilled rows at the position
+   their next chunk starts (design §3.9);
 4. samples each running row with its own parameters and generator
    (:func:`sparda.engine.sampler.sample_requests`), appends the token, streams the text it
    completes and frees the rows of requests that finished.
@@ -30,9 +30,9 @@ read each other's cache, sampling is per request, counters are per row. With
 whatever the batch holds (``max_position = max_model_len - 1``: the dense-fallback switch
 of design §3.6 and the CUDA-graph key never depend on the neighbours), so with dense
 attention in fp32 a request's logits are bit-identical alone or in a busy batch of the
-same bucket (tested); the GEMMs of another bucket's row count may round differently
-(design §3.13). Offline runs follow the longest running row instead, as a static batch
-would.
+same bucket (tested; the default has one bucket); the GEMMs of another bucket's row count
+may round differently (design §3.13). Offline runs follow the longest running row
+instead, as a static batch would.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ class Engine:
 
     def _row_counters(self) -> list[torch.Tensor]:
         """Per-row ``[B]`` counters: the method's block counts (of this engine's cache), the
-        offload hits/misses."""
+        offload hits/misses and ``mixed``'s pool misses."""
         counters = [v for v in self.cache.counters.values()
                     if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == self.max_batch]
         prefetcher = self.cache.prefetcher
