@@ -302,12 +302,12 @@ class Engine:
 
     def _row_counters(self) -> list[torch.Tensor]:
         """Per-row ``[B]`` counters: the method's block counts (of this engine's cache), the
-        offload hits/misses and ``mixed``'s pool misses."""
+        offload hits/misses, early copies (design §6.2) and ``mixed``'s pool misses."""
         counters = [v for v in self.cache.counters.values()
                     if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == self.max_batch]
         prefetcher = self.cache.prefetcher
         if prefetcher is not None and prefetcher.hits is not None:
-            counters += [prefetcher.hits, prefetcher.misses]
+            counters += [prefetcher.hits, prefetcher.misses, prefetcher.early]
             if prefetcher.pool_misses is not None:
                 counters.append(prefetcher.pool_misses)
         return counters
