@@ -1,7 +1,7 @@
 """GPU check of the decode batch buckets (design §3.13): a decode step runs the cache's first
 ``b`` rows, one CUDA graph per bucket.
 
-1. **parity**: per method (and KV dtype), an engine of 8 rows with the
+1. **parity**: per method (and KV dtype, lookahead 2 too), an engine of 8 rows with the
    automatic buckets (``--cuda-graph-sizes auto``) serves 12 requests that join and finish at
    different times, so the bucket moves up and down; its greedy tokens with replayed CUDA
    graphs must equal the same engine's eager tokens (same buckets, same kernels).
@@ -48,8 +48,9 @@ from sparda.engine.sampling_params import SamplingParams  # noqa: E402
 #: (method, options) of the parity check
 PARITY = [("dense", {}), ("sparse", {}), ("sparse", {"kv_dtype": "int8"}), ("sparda", {"offload": True}),
           ("sparda", {"offload": True, "kv_dtype": "int4"}), ("sparse-offload", {}),
-          ("sparse-offload", {"kv_dtype": "mixed"}), ("sparda-no-prefetch", {})]
-QUICK_PARITY = [PARITY[0], PARITY[1], PARITY[3], PARITY[6]]
+          ("sparse-offload", {"kv_dtype": "mixed"}), ("sparda-no-prefetch", {}),
+          ("sparda", {"offload": True, "lookahead": 2})]
+QUICK_PARITY = [PARITY[0], PARITY[1], PARITY[3], PARITY[6], PARITY[8]]
 #: a small budget (7 blocks of 64): prompts of 500+ tokens leave the dense fallback
 SMALL = dict(init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=256)
 
@@ -90,6 +91,8 @@ def parity(method: str, options: dict, model, forecast, device, rows: int = 8, c
     if torch.device(device).type != "cuda":  # the CPU smoke run: fewer steps
         max_tokens = [m // 3 + 1 for m in max_tokens]
     kw = dict(SMALL, **options)
+    if options.get("lookahead") == 2:
+        kw["forecast2"] = random_forecast(model, ahead=2)
     graphed = LLM.from_model(model, NoText(), method=method, forecast=forecast, cuda_graphs=True,
                              cuda_graph_sizes="auto", **kw)
     eager = graphed.derive(cuda_graphs=False)

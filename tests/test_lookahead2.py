@@ -396,6 +396,20 @@ def test_each_request_counts_only_its_own_early_copies(tiny, weights, fresh_seed
     assert sum(got.values()) > 0, fresh_seed
 
 
+def test_derive_of_an_in_memory_model_keeps_the_two_ahead_heads(tiny, weights):
+    """``LLM.from_model`` takes both Forecasts as modules (no file to reload them from):
+    ``derive`` hands them on, the two-ahead heads only while ``lookahead=2``."""
+    from sparda.engine.llm import LLM
+
+    base = _llm(tiny, weights, 1)
+    one, two = (load_forecast(path, base.model.config, base.shape, ahead=a)[0] for path, a in zip(weights, (1, 2)))
+    llm = LLM.from_model(base.model, method="sparda", offload=True, lookahead=2, forecast=one, forecast2=two, **SMALL)
+    other = llm.derive(cuda_graphs=False)
+    for mine, ref in ((other.method.forecast, one), (other.method.forecast2, two)):
+        assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), ref.state_dict().values()))
+    assert llm.derive(lookahead=1).method.forecast2 is None
+
+
 def test_mixed_early_copy_takes_no_pool_slot_of_the_current_block():
     """``mixed`` (design §6.2): before the step's hot rule, a hot block whose pool slot the current
     block takes (``n <= c - P``) is copied as int4, the other hot blocks from the pool."""
