@@ -452,7 +452,8 @@ def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
                 waits.append(time.perf_counter() - begun)
         assert pending.result().status_code == 200
     waits.sort()
-    assert waits[2] < 0.1 and waits[-1] < 1.0, f"/health waited {waits} s behind a tokenisation"  # median, worst
+    # blocked behind the tokenisation, a wait would last ~1.7 s; a loaded CI machine adds tenths
+    assert waits[2] < 0.5 and waits[-1] < 1.2, f"/health waited {waits} s behind a tokenisation"  # median, worst
 
 
 def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):

@@ -453,6 +453,13 @@ def _csv(kind):
                    "(sparse, oracle, sparda...) also run at each, labelled METHOD@pP (design §3.12).")
 @click.option("--min-blocks", "min_blocks", type=int, default=None,
               help="--topp-mass: blocks per KV head at least, forced ones included [default: init + local].")
+@click.option("--lookahead", callback=_csv(int),
+              help="Comma-separated lookaheads (1, 2): method sparda also runs offloaded at each, labelled "
+                   "sparda@laN and paired with sparda@la1 (design §6.2).")
+@click.option("--forecast", default=None,
+              help="Forecast weights (.safetensors) of the sparda methods [default: shipped for the bundled model].")
+@click.option("--forecast2", default=None,
+              help="--lookahead 2: two-ahead Forecast weights [default: shipped for the bundled model].")
 @click.option("--depths", callback=_csv(float), help="Needle depths 0-1, cycled over samples.")
 @click.option("--ppl-windows", type=int, default=None, help="Held-out text windows per length for ppl and ppl-decode.")
 @click.option("--decode-tokens", type=int, default=None,

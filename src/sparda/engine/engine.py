@@ -173,6 +173,11 @@ class Engine:
         self._offload: dict | None = None
         self._offload_done = [0, 0]  # hits, misses of finished requests
         self._offload_at = 0.0
+        #: an observer of decode steps (benchmarks, e.g. :class:`sparda.bench.traces.RowReplayer`),
+        #: or ``None``: ``on_decode_start(row, position, request_id)`` when a row starts decoding (its
+        #: prompt's first token sampled, or its recompute done), ``before_decode_step(rows)`` and
+        #: ``after_decode_step(rows)`` around each decode step, ``rows`` the rows that decode in it
+        self.decode_hook = None
 
     @property
     def offloaded(self) -> bool:
@@ -400,14 +405,22 @@ class Engine:
                 self.cache.restore_decode_state(seq.row, history)
                 seq.saved_state = None
                 self._tokens[seq.row], self._positions[seq.row] = seq.output_ids[-1], seq.position
+                self._decode_starts(seq)
                 return []
             self._reset_row(seq.row)
             (token, logprob), = sample_requests(logits, [seq.params], [seq.generator])
             with self._lock:
                 self.prompt_tokens += seq.num_prompt
-            return [(seq, self._advance(seq, token, logprob))]
+            event = (seq, self._advance(seq, token, logprob))
+            self._decode_starts(seq)
+            return [event]
         except Exception as exc:  # noqa: BLE001 - this request alone fails
             return [(seq, self.failed(seq, exc))]
+
+    def _decode_starts(self, seq: Sequence) -> None:
+        """Tell :attr:`decode_hook` that ``seq`` (if it still holds its row) decodes from now on."""
+        if self.decode_hook is not None and seq.row is not None:
+            self.decode_hook.on_decode_start(seq.row, self._positions[seq.row], seq.request_id)
 
     def _prefill_group(self, batch: list[Sequence]) -> list[tuple[Sequence, Delta]]:
         """One prefill forward of ``batch``; if it fails, each request again alone, so that
@@ -443,7 +456,12 @@ class Engine:
         with self._lock:
             longest = self.max_model_len - 1 if self.static_live_len else max(
                 self._positions[row] for row in self.scheduler.running)
+        hook = self.decode_hook
+        if hook is not None:
+            hook.before_decode_step(rows)
         logits = self.runner.decode(self.cache, tokens, positions, longest)
+        if hook is not None:
+            hook.after_decode_step(rows)
         try:
             picked = sample_requests(logits[rows], [seq.params for seq in seqs], [seq.generator for seq in seqs])
         except Exception:  # noqa: BLE001 - find whose sampling fails: one row at a time below
