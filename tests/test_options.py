@@ -47,6 +47,8 @@ BAD = [
      "got '0,4'; e.g. cuda_graph_sizes=auto or cuda_graph_sizes=1,2,4,8,16"),
     (dict(cuda_graph_sizes=""), ["--cuda-graph-sizes", ""], "must be auto or a comma list of integers >= 1"),
     (dict(cuda_graph_sizes="autos"), ["--cuda-graph-sizes", "autos"], "got 'autos'"),
+    # str.isdigit() holds for superscripts that int() refuses: still one line, not a ValueError
+    (dict(cuda_graph_sizes="2,\u00b2"), ["--cuda-graph-sizes", "2,\u00b2"], "got '2,\u00b2'"),
 ]
 
 _FLAG = re.compile(r"(?<![\w-])--[a-z]")

@@ -520,7 +520,7 @@ def _graph_sizes(value) -> tuple[int, ...] | str | None:
     items = value.split(",") if isinstance(value, str) else value
     try:
         sizes = [int(item) if isinstance(item, str) and item.strip().isdigit() else item for item in items]
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: digits int() refuses ("²" is isdigit())
         sizes = None
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
         _fail("cuda_graph_sizes", f"cuda_graph_sizes must be auto or a comma list of integers >= 1 (decode batch "
