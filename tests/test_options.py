@@ -34,6 +34,7 @@ BAD = [
     (dict(method="sparse-offload", kv_dtype="mixed", kv_hot_steps=0),
      ["--method", "sparse-offload", "--kv-dtype", "mixed", "--kv-hot-steps", "0"], "must be an integer >= 1"),
     (dict(dense_heads="x"), ["--dense-heads", "x"], "is not LAYER:KV_HEAD"),
+    (dict(dense_heads="1:\u00b2"), ["--dense-heads", "1:\u00b2"], "is not LAYER:KV_HEAD"),
     (dict(device="tpu"), ["--device", "tpu"], "invalid device 'tpu'"),
     (dict(dtype="int3"), ["--dtype", "int3"], "unknown dtype 'int3'"),
     (dict(method="magic"), ["--method", "magic"], "unknown method 'magic'"),

@@ -684,7 +684,7 @@ def parse_dense_heads(value, option: str = "--dense-heads") -> tuple[tuple[int, 
         pairs = []
         for item in text.split(","):
             parts = item.strip().split(":")
-            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
                 raise SpardaError(f"{option}: {item.strip()!r} is not LAYER:KV_HEAD; use auto, none or e.g. 7:2,18:2")
             pairs.append((int(parts[0]), int(parts[1])))
         return tuple(sorted(set(pairs)))
