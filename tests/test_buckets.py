@@ -164,7 +164,8 @@ def test_a_bucket_step_leaves_the_rows_past_it_bit_for_bit(tiny, weights, method
     """Six filled rows, four decode steps of the first ``b`` (1, where a [1]-shaped tensor would
     broadcast over every row, and a random 2..5): every per-row tensor of rows ``b ..`` (and
     their host pages) is unchanged bit for bit, rows ``< b`` advance, and their logits equal
-    those of the full-batch step on a twin cache (fp32 rounding)."""
+    those of the full-batch step on a twin cache (fp32 rounding; a quantised store up to one
+    flipped code)."""
     llm = _llm(tiny, weights, method, options)
     for b in (1, int(torch.randint(2, 6, ()))):
         _check_bucket_step(llm, 6, b, f"seed {fresh_seed}, {method} {options}, b={b}")
@@ -177,6 +178,9 @@ def _check_bucket_step(llm, rows: int, b: int, where: str) -> None:
     twin, twin_tokens = _filled(llm, rows, prompts, max(lengths) + 16)
     assert torch.equal(tokens, twin_tokens)
     positions = torch.tensor(lengths)
+    # a quantised store: b-row and B-row GEMMs round apart, which can flip one stored code by a
+    # step; that element then shows in later steps (~1e-4 measured at int8)
+    tol = 1e-4 if llm.config.cache.kv_dtype == "bf16" else 2e-3
     for step in range(4):
         before = {k: v.clone() for k, v in _row_tensors(cache, rows).items()}
         pages = [t.clone() for t in _host_pages(cache, range(b, rows))]
@@ -185,7 +189,7 @@ def _check_bucket_step(llm, rows: int, b: int, where: str) -> None:
         want = llm.decode(twin, tokens, positions)
         at = f"{where}, step {step}"
         assert got.shape[0] == b
-        assert torch.allclose(got, want[:b], rtol=1e-4, atol=1e-4), at
+        assert torch.allclose(got, want[:b], rtol=tol, atol=tol), at
         after = _row_tensors(cache, rows)
         assert set(before) <= set(after), at
         for name, value in after.items():  # tensors made by this step (the counters) start at 0
