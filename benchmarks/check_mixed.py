@@ -8,11 +8,12 @@
 2. ``parity``: offloaded ``sparda`` in bf16 at the model's shape, eager steps from one filled
    context, ``mixed`` through the new kernels and through :class:`OldBookkeeping`: the same
    logits, hot states, slot maps, slots, int4 store and hot pool after every step.
-3. ``speed``: per ``int8``, ``mixed`` and ``mixed-old`` (:class:`OldBookkeeping`), the replayed
-   CUDA-graph step: kernels per step and per layer (``torch.profiler``) and the time per step.
+3. ``speed``: per ``bf16``, ``int8``, ``mixed`` and ``mixed-old`` (:class:`OldBookkeeping`), the
+   replayed CUDA-graph step: kernels per step and per layer (``torch.profiler``) and the time
+   per step.
 
 Prints one line per check and exits non-zero on a difference. Random weights
-(``sparda.bench.models``); about a minute on an H100 / H200 at the defaults.
+(``sparda.bench.models``); sized to take under two minutes on an H100 / H200 at the defaults.
 
     python3 benchmarks/check_mixed.py                                # CUDA, MiniCPM-8B shape
     python3 benchmarks/check_mixed.py --device cpu --model tiny --context 600 --steps 3   # smoke run (twins)
@@ -182,7 +183,7 @@ def check_parity(model, sel, forecast, batch: int, context: int, steps: int) -> 
 
 
 def measure_speed(model, sel, forecast, kv: str, batch: int, context: int, steps: int) -> dict:
-    """Kernels per replayed step (CUDA) and ms per step of ``kv`` (``int8``, ``mixed``, ``mixed-old``)."""
+    """Kernels per replayed step (CUDA) and ms per step of ``kv`` (a kv_dtype, or ``mixed-old``)."""
     dev = next(model.parameters()).device
     llm = _llm(model, sel, forecast, kv, True, kv == "mixed-old")
     cache = _filled(llm, batch, context, 2 * steps + 8)
@@ -219,10 +220,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (twins, no profiler) [cuda]")
     p.add_argument("--model", default="minicpm-8b", help="bench model shape (sparda.bench.models) [minicpm-8b]")
-    p.add_argument("--batch", type=int, default=8, help="cache rows [8]")
+    p.add_argument("--batch", type=int, default=4, help="cache rows [4]")
     p.add_argument("--context", type=int, default=16384, help="tokens filled per row [16384]")
     p.add_argument("--steps", type=int, default=16, help="timed steps per kv_dtype, eager parity steps [16]")
     p.add_argument("--checks", default="kernels,parity,speed", help="comma list of kernels, parity, speed [all]")
+    p.add_argument("--speed-kv", default="bf16,int8,mixed,mixed-old",
+                   help="speed: kv_dtypes, mixed-old the PyTorch bookkeeping [%(default)s]")
     return p.parse_args(argv)
 
 
@@ -245,7 +248,7 @@ def main(argv=None) -> int:
         if "parity" in checks:
             ok &= check_parity(model, sel, forecast, args.batch, args.context, args.steps)
         if "speed" in checks:
-            for kv in ("int8", "mixed", "mixed-old"):
+            for kv in args.speed_kv.split(","):
                 rec = measure_speed(model, sel, forecast, kv, args.batch, args.context, args.steps)
                 print("speed    " + " ".join(f"{k}={v}" for k, v in rec.items()))
     print("OK" if ok else "FAILED")
