@@ -44,7 +44,8 @@ class OldBookkeeping(MixedOffloadKVCache):
     rule in PyTorch (:meth:`~sparda.cache.hot.HotBlocks.update`) and the demoted blocks' slots
     emptied, after it the split (:meth:`~sparda.cache.hot.HotBlocks.split`) and the pool-miss
     count, and the token written to the pool and the int4 store after the append
-    (:meth:`_store_tokens`). The reference of tests/test_kv_mixed_fused.py."""
+    (:meth:`_store_tokens`); a step of the first ``b`` rows touches only those (design §3.13).
+    The reference of tests/test_kv_mixed_fused.py."""
 
     _early_pos = None
 
@@ -56,8 +57,9 @@ class OldBookkeeping(MixedOffloadKVCache):
 
     def fetch(self, layer, selection, pos, prefetch=False, counters=None):
         if layer not in self.resident:
-            demoted = self.hot.update(layer, self._diff_ids(selection, "fetch"), pos)
-            held = self.slot_map[layer]
+            ids = self._diff_ids(selection, "fetch")
+            demoted = self.hot.update(layer, ids, pos)
+            held = self.slot_map[layer][:ids.shape[0]]
             held.masked_fill_(torch.gather(demoted, -1, held.clamp(min=0)) & (held >= 0), -1)
         super().fetch(layer, selection, pos, prefetch, counters)
 
@@ -70,7 +72,7 @@ class OldBookkeeping(MixedOffloadKVCache):
 
     def _copy_misses(self, layer, load, prefetch, early=False, hot=None):
         from_pool, cold = self.hot.split(layer, load, self._early_pos if early else None)
-        self.prefetcher.pool_misses.add_((from_pool >= 0).sum((1, 2)))
+        self.prefetcher.pool_misses[:load.shape[0]].add_((from_pool >= 0).sum((1, 2)))
         super()._copy_misses(layer, load, prefetch, early, SimpleNamespace(pool_load=from_pool, cold_load=cold))
 
 

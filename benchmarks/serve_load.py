@@ -13,13 +13,19 @@ itself, then, against that one server, each load point in turn:
 
 Prompts are random token ids whose lengths are drawn log-uniformly from ``--prompt-tokens``
 (``lo,hi``); outputs are ``--output-tokens`` (``lo,hi``, uniform) tokens, EOS ignored, greedy.
+With ``--replay-trace [PATH]`` (offloaded configurations only; without PATH the shipped trace)
+each decoding row of the server fetches and attends a replay of the selection trace instead of
+what the random model selects, as ``sparda bench`` replays it (docs/bench.md, Trace replay in the
+server benchmark), so that the two carry the same selection traffic.
+
 Per point, one JSON record (``records`` in ``OUT/serve_load.json``): ``method``, ``kv_dtype``,
-``model``, ``mode``, ``rate`` or ``concurrency``, ``output_tok_s`` (generated tokens over the
-point's wall time), ``requests_per_s``, ``ttft_p50_ms`` / ``ttft_p99_ms``, ``tpot_p50_ms`` /
-``tpot_p99_ms`` (per request: decode time over its tokens after the first), ``completed``,
-``refused`` (a 4xx or 503 answer, by status), ``lost`` (no answer, another status, an error
-mid-stream, a short output, or still open at the drain limit), ``peak_running`` /
-``peak_waiting`` (``/metrics``, polled every 0.25 s: a shorter burst can be missed),
+``model``, ``mode``, ``rate`` or ``concurrency``, ``selection`` (``model``, or ``trace``
+replayed), ``output_tok_s`` (generated tokens over the point's wall time), ``requests_per_s``,
+``ttft_p50_ms`` / ``ttft_p99_ms``, ``tpot_p50_ms`` / ``tpot_p99_ms`` (per request: decode time
+over its tokens after the first), ``completed``, ``refused`` (a 4xx or 503 answer, by status),
+``lost`` (no answer, another status, an error mid-stream, a short output, or still open at the
+drain limit), ``peak_running`` / ``peak_waiting`` (``/metrics``, polled every 0.25 s: a shorter
+burst can be missed),
 ``peak_in_flight`` (completed requests open at once by the client's clocks: an upper bound
 of running plus waiting), ``gen_tok_s_peak_10s`` (the highest 10-s generation rate
 ``/metrics`` reported: the decode rate once every row decodes), ``hit_rate`` and
@@ -141,6 +147,12 @@ def serve_child(argv: list[str]) -> None:
                     max_waiting=spec["max_waiting"], max_prefill_tokens=spec["prefill_chunk"] + spec["max_batch"],
                     gpu_memory_utilization=spec["gpu_memory_utilization"],
                     host_memory_gib=spec["host_memory_gib"])
+    if spec.get("replay_trace"):  # each decoding row fetches its request's replay of the trace
+        from sparda.bench.traces import RowReplayer
+
+        replayer = RowReplayer.attach(engine, spec["replay_trace"])
+        print(f"replaying {spec['replay_trace']} per row: {replayer.ids.nbytes / 2**20:.1f} MiB of tables "
+              f"[{', '.join(map(str, replayer.ids.shape))}] {replayer.ids.dtype}", file=sys.stderr, flush=True)
     parent = os.getppid()
 
     def watchdog():  # the load generator died (SIGKILL, say): stop rather than serve on as an orphan
@@ -588,6 +600,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer folder for the decoded text [the bundled model's]")
     parser.add_argument("--seed", type=int, default=0, help="seed of lengths, ids and arrivals [0]")
+    parser.add_argument("--replay-trace", nargs="?", const="shipped", default=None, metavar="PATH",
+                        help="offloaded configs: each decoding row fetches a replay of this selection trace "
+                             "(sparda.bench.traces.RowReplayer, as `sparda bench` replays it) instead of the "
+                             "model's selection [off; without PATH the shipped trace]")
     parser.add_argument("--start-timeout", type=float, default=1800.0,
                         help="seconds a server may take to print its banner [1800]")
     args = parser.parse_args(argv)
@@ -603,8 +619,12 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"--max-model-len {max_model_len} is below the longest prompt + output "
                          f"({args.prompt_tokens[1] + args.output_tokens[1]})")
     from sparda.bench.models import model_spec
+    from sparda.bench.traces import SHIPPED_TRACE
 
     args.vocab = min(model_spec(args.model).vocab, 60000)
+    trace = str(SHIPPED_TRACE) if args.replay_trace == "shipped" else args.replay_trace
+    if trace is not None and not Path(trace).is_file():
+        raise SystemExit(f"--replay-trace: no trace file {trace}")
     configs = []
     for item in (c.strip() for c in args.configs.split(",")):
         parts = item.split(":") if item else []
@@ -617,14 +637,16 @@ def main(argv: list[str]) -> None:
     meta = {"device": device, "date": datetime.date.today().isoformat(), "commit": commit, "model": args.model,
             "prompt_tokens": list(args.prompt_tokens), "output_tokens": list(args.output_tokens),
             "duration_s": args.duration, "drain_s": args.drain, "max_batch": args.max_batch,
-            "max_model_len": max_model_len, "prefill_chunk": args.prefill_chunk, "preset": args.preset}
+            "max_model_len": max_model_len, "prefill_chunk": args.prefill_chunk, "preset": args.preset,
+            "replay_trace": None if trace is None else Path(trace).name}
     records = []
     for method, kv_dtype in configs:
         name = method if kv_dtype == "bf16" else f"{method}:{kv_dtype}"
         spec = {"name": name, "model": args.model, "method": method, "kv_dtype": kv_dtype, "device": args.device,
                 "preset": args.preset, "max_batch": args.max_batch, "max_model_len": max_model_len,
                 "max_waiting": args.max_waiting, "prefill_chunk": args.prefill_chunk, "tokenizer": args.tokenizer,
-                "gpu_memory_utilization": args.gpu_memory_utilization, "host_memory_gib": args.host_memory_gib}
+                "gpu_memory_utilization": args.gpu_memory_utilization, "host_memory_gib": args.host_memory_gib,
+                "replay_trace": trace}
         server = None
         try:
             server = Server(spec, args.out / f"server-{name.replace(':', '-')}.log", args.start_timeout)
@@ -634,7 +656,8 @@ def main(argv: list[str]) -> None:
                     point = run_point(server, args, mode, level, f"{args.seed}:{name}:{mode}:{level}")
                     rec = {"config": name, "method": method, "kv_dtype": kv_dtype, "model": args.model, "mode": mode,
                            "rate": level if mode == "poisson" else None,
-                           "concurrency": int(level) if mode == "closed" else None, **point, "idle_at_start": idle,
+                           "concurrency": int(level) if mode == "closed" else None,
+                           "selection": "model" if trace is None else "trace", **point, "idle_at_start": idle,
                            "memory_plan": server.plan, "device": device, "commit": commit}
                     records.append(rec)
                     print(json.dumps(rec), file=sys.stderr, flush=True)

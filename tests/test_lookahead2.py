@@ -362,6 +362,52 @@ def test_fused_step_with_two_ahead_heads_equals_unfused(tiny, weights, fresh_see
     assert sa["early_copies"] > 0
 
 
+def test_each_request_counts_only_its_own_early_copies(tiny, weights, fresh_seed):
+    """Early copies are counted per cache row and zeroed with the row's other counters when a
+    request takes the row: in a 2-row engine whose rows serve six requests in turn, each
+    request's ``offload.early_copies`` is what its row's counter gained over the decode steps
+    it ran (read around every step; free rows' padding steps count for nobody)."""
+    from sparda import SamplingParams
+    from sparda.engine.engine import Engine
+
+    engine = Engine(_llm(tiny, weights, 2), max_batch=2, max_model_len=200)
+    early, counted = engine.cache.prefetcher.early, {}
+    original = engine.runner.decode
+
+    def decode(cache, tokens, positions, max_position=None):
+        owners = {row: seq.request_id for row, seq in engine.scheduler.running.items() if seq.prefilled}
+        before = early.clone()
+        out = original(cache, tokens, positions, max_position)
+        for row, request in owners.items():
+            counted[request] = counted.get(request, 0) + int(early[row] - before[row])
+        return out
+
+    engine.runner.decode = decode
+    prompts = [torch.randint(100, 20000, (int(n),)).tolist() for n in torch.randint(90, 150, (6,))]
+    seqs = [engine.add_request(ids, SamplingParams(max_tokens=int(m), ignore_eos=True))
+            for ids, m in zip(prompts, torch.randint(4, 20, (6,)))]
+    outputs = {}
+    while engine.has_work():
+        for delta in engine.step():
+            if delta.output is not None:
+                outputs[delta.request_id] = delta.output
+    got = {s.request_id: outputs[s.request_id].stats["offload"]["early_copies"] for s in seqs}
+    assert got == {s.request_id: counted.get(s.request_id, 0) for s in seqs}, (fresh_seed, got, counted)
+    assert sum(got.values()) > 0, fresh_seed
+
+
+def test_derive_of_an_in_memory_model_keeps_the_two_ahead_heads(tiny, weights):
+    """``LLM.from_model`` takes both Forecasts as modules (no file to reload them from):
+    ``derive`` hands them on, the two-ahead heads only while ``lookahead=2``."""
+    from sparda.engine.llm import LLM
+
+    base = _llm(tiny, weights, 1)
+    one, two = (load_forecast(path, base.model.config, base.shape, ahead=a)[0] for path, a in zip(weights, (1, 2)))
+    llm = LLM.from_model(base.model, method="sparda", offload=True, lookahead=2, forecast=one, forecast2=two, **SMALL)
+    other = llm.derive(cuda_graphs=False)
+    for mine, ref in ((other.method.forecast, one), (other.method.forecast2, two)):
+        assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), ref.state_dict().values()))
+    assert llm.derive(lookahead=1).method.forecast2 is None
 
 
 def test_mixed_early_copy_takes_no_pool_slot_of_the_current_block():

@@ -42,6 +42,11 @@ BAD = [
      "sparda methods only"),
     (dict(method="shallow", offload=True, shallow_select_once=True),
      ["--method", "shallow", "--offload", "--shallow-select-once"], "does not run offloaded"),
+    (dict(cuda_graph_sizes="1,x"), ["--cuda-graph-sizes", "1,x"], "must be auto or a comma list of integers >= 1"),
+    (dict(cuda_graph_sizes="0,4"), ["--cuda-graph-sizes", "0,4"],
+     "got '0,4'; e.g. cuda_graph_sizes=auto or cuda_graph_sizes=1,2,4,8,16"),
+    (dict(cuda_graph_sizes=""), ["--cuda-graph-sizes", ""], "must be auto or a comma list of integers >= 1"),
+    (dict(cuda_graph_sizes="autos"), ["--cuda-graph-sizes", "autos"], "got 'autos'"),
 ]
 
 _FLAG = re.compile(r"(?<![\w-])--[a-z]")

@@ -19,7 +19,7 @@ import serve_load  # noqa: E402
 #: what every record holds (the issue's list, plus the refusals)
 RECORD_KEYS = {"method", "kv_dtype", "model", "mode", "rate", "concurrency", "output_tok_s", "requests_per_s",
                "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "completed", "lost", "refused",
-               "peak_running", "device", "commit"}
+               "peak_running", "device", "commit", "selection"}
 
 
 def test_percentile_is_nearest_rank(fresh_seed):
@@ -243,3 +243,21 @@ def test_refusals_and_broken_streams_are_counted_not_raised():
         fake.close()
     assert point["refused"] == {"429": 1} and point["lost"] == 1, point
     assert point["completed"] == fake.posts - 2 and point["completed"] >= 1, (point, fake.posts)
+
+
+def test_load_sweep_replays_the_trace(tmp_path):
+    """``--replay-trace``: the offloaded server replays the shipped trace (its records say
+    ``selection: trace`` and carry its hit rate; the replay itself: tests/test_row_replay.py)."""
+    out = tmp_path / "load"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "load", str(out), "--model", "tiny",
+           "--device", "cpu", "--configs", "sparse-offload", "--rates", "", "--concurrency", "2",
+           "--duration", "2", "--drain", "60", "--prompt-tokens", "300,600", "--output-tokens", "3,9",
+           "--max-batch", "2", "--preset", "small", "--replay-trace"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((out / "serve_load.json").read_text())
+    assert result["replay_trace"] == "smollm2-emma.npz"
+    (r,) = result["records"]
+    assert r["selection"] == "trace" and r["completed"] > 0 and r["lost"] == 0, r
+    assert 0.0 < r["hit_rate"] <= 1.0, r
+    assert "replaying" in (out / "server-sparse-offload.log").read_text()

@@ -51,7 +51,8 @@ class Running:
                 continue
             name, value = line.rsplit(" ", 1)
             base, labels = name.split("{", 1)
-            reason = [p.split("=")[1].strip('"') for p in labels.rstrip("}").split(",") if p.startswith("reason=")]
+            reason = [p.split("=")[1].strip('"') for p in labels.rstrip("}").split(",")
+                      if p.startswith(("reason=", "bucket="))]
             out[f"{base}{{{reason[0]}}}" if reason else base] = float(value)
         return out
 
@@ -98,7 +99,8 @@ def test_models_health_and_metrics(server):
     metrics = server.metrics()
     assert metrics["sparda_kv_rows_total"] == 8 and metrics["sparda_max_model_len_tokens"] == 192
     for name in ("sparda_requests_running", "sparda_requests_waiting", "sparda_kv_rows_in_use",
-                 "sparda_generation_tokens_per_second", "sparda_generation_tokens_total"):
+                 "sparda_generation_tokens_per_second", "sparda_generation_tokens_total", "sparda_decode_bucket_rows",
+                 "sparda_cuda_graph_capture_seconds_total"):
         assert name in metrics
 
 
@@ -450,7 +452,8 @@ def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
                 waits.append(time.perf_counter() - begun)
         assert pending.result().status_code == 200
     waits.sort()
-    assert waits[2] < 0.1 and waits[-1] < 1.0, f"/health waited {waits} s behind a tokenisation"  # median, worst
+    # blocked behind the tokenisation, a wait would last ~1.7 s; a loaded CI machine adds tenths
+    assert waits[2] < 0.5 and waits[-1] < 1.2, f"/health waited {waits} s behind a tokenisation"  # median, worst
 
 
 def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):

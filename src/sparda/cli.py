@@ -154,6 +154,12 @@ def model_options(func):
                           "OMP_NUM_THREADS if set]."),
         click.option("--eager", is_flag=True, default=False,
                      help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (docs/cuda_graphs.md)."),
+        click.option("--cuda-graph-sizes", "cuda_graph_sizes", default=None, metavar="auto|N,N,...",
+                     help="Decode batch buckets (design §3.13): a decode step runs the first N KV rows, N the "
+                          "smallest bucket holding every decoding request, one CUDA graph per bucket; auto: 1,2,4 "
+                          "and the multiples of 8; a list is capped to and always includes --max-batch [default: "
+                          "one bucket of --max-batch rows, every step runs every row, until the GPU timing of "
+                          "design §3.13 turns buckets on]."),
         click.option("--dense-heads", "dense_heads", default=None,
                      help="Block-sparse decode: (layer, KV head) pairs that read every visible block "
                           "(design §3.7; offloaded caches keep their layers on the device): auto (the model's "
@@ -447,6 +453,13 @@ def _csv(kind):
                    "(sparse, oracle, sparda...) also run at each, labelled METHOD@pP (design §3.12).")
 @click.option("--min-blocks", "min_blocks", type=int, default=None,
               help="--topp-mass: blocks per KV head at least, forced ones included [default: init + local].")
+@click.option("--lookahead", callback=_csv(int),
+              help="Comma-separated lookaheads (1, 2): method sparda also runs offloaded at each, labelled "
+                   "sparda@laN and paired with sparda@la1 (design §6.2).")
+@click.option("--forecast", default=None,
+              help="Forecast weights (.safetensors) of the sparda methods [default: shipped for the bundled model].")
+@click.option("--forecast2", default=None,
+              help="--lookahead 2: two-ahead Forecast weights [default: shipped for the bundled model].")
 @click.option("--depths", callback=_csv(float), help="Needle depths 0-1, cycled over samples.")
 @click.option("--ppl-windows", type=int, default=None, help="Held-out text windows per length for ppl and ppl-decode.")
 @click.option("--decode-tokens", type=int, default=None,

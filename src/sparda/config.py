@@ -252,6 +252,9 @@ HOST_SHARE = 0.9
 #: newest request when the pool runs out; ``reserve`` takes prompt + ``max_tokens`` up front
 KV_ADMISSIONS = ("grow", "reserve")
 DEFAULT_KV_ADMISSION = "grow"
+#: ``cuda_graph_sizes`` that turns the decode batch buckets on (design §3.13): 1, 2, 4 and the
+#: multiples of 8 up to the cache's rows; the default is one bucket of all rows
+AUTO_BUCKETS = "auto"
 DEFAULT_HOT_STEPS = 4
 #: prompt tokens per prefill chunk by default (design §3.8)
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
@@ -276,7 +279,7 @@ OPTION_FLAGS = {
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
     "seed": "--seed", "max_batch": "--max-batch", "max_model_len": "--max-model-len",
     "max_waiting": "--max-waiting", "cpu_threads": "--cpu-threads", "topp_mass": "--topp-mass",
-    "min_blocks": "--min-blocks",
+    "min_blocks": "--min-blocks", "cuda_graph_sizes": "--cuda-graph-sizes",
 }
 _FLAG_KEYS = {flag: key for key, flag in OPTION_FLAGS.items()}
 _FLAG_KEYS.update({"--no-offload": "offload", "--eager": "cuda_graphs"})
@@ -390,6 +393,11 @@ class RuntimeConfig:
         prefill_chunk_tokens: prompt tokens per prefill chunk (0: the whole prompt).
         prefill_batch_tokens: padded prompt tokens per batched prefill forward (0: one prompt).
         cpu_threads: torch CPU threads on the CPU (:func:`cpu_threads`); ``None`` off the CPU.
+        cuda_graph_sizes: decode batch buckets (design §3.13): a decode step runs the cache's
+            first ``b`` rows, ``b`` the smallest bucket holding every decoding row
+            (:mod:`sparda.engine.buckets` caps them to the cache's rows, which are always one).
+            ``None`` (the default): one bucket of all rows, every step runs every row;
+            ``"auto"``: 1, 2, 4 and the multiples of 8; or ascending sizes.
     """
 
     device: str = "cpu"
@@ -399,6 +407,7 @@ class RuntimeConfig:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     prefill_batch_tokens: int = DEFAULT_PREFILL_BATCH_TOKENS
     cpu_threads: int | None = None
+    cuda_graph_sizes: tuple[int, ...] | str | None = None
 
 
 @dataclass(frozen=True)
@@ -498,6 +507,26 @@ def _dtype(value, device: str) -> str:
     if name not in _DTYPE_NAMES:
         _fail("dtype", f"unknown dtype {value!r}; choose one of float32, bfloat16, float16")
     return _DTYPE_NAMES[name]
+
+
+def _graph_sizes(value) -> tuple[int, ...] | str | None:
+    """``cuda_graph_sizes`` (design §3.13): ``None`` stays ``None`` (one bucket of all rows),
+    ``"auto"`` stays ``"auto"`` (:func:`sparda.engine.buckets.auto_sizes`), a comma list
+    ``"1,2,4"`` or integers become ascending unique bucket sizes."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == AUTO_BUCKETS:
+        return AUTO_BUCKETS
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        sizes = [int(item) if isinstance(item, str) and item.strip().isdigit() else item for item in items]
+    except TypeError:
+        sizes = None
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        _fail("cuda_graph_sizes", f"cuda_graph_sizes must be auto or a comma list of integers >= 1 (decode batch "
+                                  f"buckets, design §3.13), got {value!r}; e.g. --cuda-graph-sizes auto or "
+                                  f"--cuda-graph-sizes 1,2,4,8,16")
+    return tuple(sorted(set(sizes)))
 
 
 def build_config(*, method: str | None = "sparda", preset: str = "small", device=None, dtype=None,
@@ -616,7 +645,8 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
                               fused_decode=_flag("fused_decode", get("fused_decode")) is not False,
                               prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS if chunk is None else chunk,
                               prefill_batch_tokens=DEFAULT_PREFILL_BATCH_TOKENS if batch is None else batch,
-                              cpu_threads=None if cuda else (threads or cpu_threads())),
+                              cpu_threads=None if cuda else (threads or cpu_threads()),
+                              cuda_graph_sizes=_graph_sizes(get("cuda_graph_sizes"))),
         dense_heads=_dense_heads_value(from_options, defaults), **method_options)
 
 

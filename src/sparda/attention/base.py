@@ -330,7 +330,7 @@ class BlockSparseMethod(AttentionMethod):
         in decode the top-p budget of §3.12 where set); ``N = ceil(step.max_kv_len / block_size)``.
         """
         num_tokens = step.max_kv_len
-        k, _, ck = cache.view(layer, step.rows, num_tokens)
+        k, _, ck = cache.view(layer, step.cache_rows, num_tokens)
         num_blocks = -(-num_tokens // self.selection.block_size)
         tokens = max(1, self.chunk_tokens // q.shape[0]) if self.scores_hold_every_key else self.chunk_tokens
         masks = []
@@ -365,7 +365,7 @@ class BlockSparseMethod(AttentionMethod):
         """
         self.before_layer(layer, q, h, cache, step)
         num_tokens = step.max_kv_len
-        k, v, _ = cache.view(layer, step.rows, num_tokens)
+        k, v, _ = cache.view(layer, step.cache_rows, num_tokens)
         if not self.needs_selection(step) or (step.phase == "prefill" and not self.config.sparse_prefill):
             self._count_dense(cache, step)
             return dense_attention(q, k, v, step)

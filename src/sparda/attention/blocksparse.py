@@ -36,14 +36,14 @@ class SparseAttention(BlockSparseMethod):
         Raises SpardaError (Triton path) on an unsupported dtype or head dim.
         """
         if step.phase == "prefill" and fused_prefill_selection(q):
-            ck = cache.compressed_keys(layer, step.rows, step.max_kv_len)
+            ck = cache.compressed_keys(layer, step.cache_rows, step.max_kv_len)
             num_blocks = -(-step.max_kv_len // self.selection.block_size)
             return kernels.select_prefill_blocks(q[..., first:, :], ck, step.q_pos[:, first:], num_blocks,
                                                  self.selection)
         if step.phase != "decode" or not q.is_cuda:
             return super().select(layer, q, h, cache, step, first)
         # CUDA decode: fused scoring + pooling + selection rule (Triton), no host sync.
-        _, _, ck = cache.view(layer, step.rows, step.max_kv_len)
+        _, _, ck = cache.view(layer, step.cache_rows, step.max_kv_len)
         num_blocks = -(-step.max_kv_len // self.selection.block_size)
         ids, mask = kernels.select_decode_blocks(q[..., -1, :], ck, step.q_pos[:, -1], num_blocks,
                                                  self.selection, return_mask=True)

@@ -27,7 +27,7 @@ class DenseAttention(AttentionMethod):
         SpardaError (from ``cache.view``) if ``step.max_kv_len`` exceeds the capacity.
         """
         num_tokens = step.max_kv_len
-        k, v, _ = cache.view(layer, step.rows, num_tokens)
+        k, v, _ = cache.view(layer, step.cache_rows, num_tokens)
         if layer == 0:
             self._count_dense(cache, step)
         window = self.shape.window(layer)

@@ -395,7 +395,7 @@ class ForecastAttention(BlockSparseMethod):
         """
         cfg = self.selection
         num_tokens = step.max_kv_len
-        _, _, ck = cache.view(layer + 1, step.rows, max(num_tokens - 1, 0))
+        _, _, ck = cache.view(layer + 1, step.cache_rows, max(num_tokens - 1, 0))
         num_blocks = -(-num_tokens // cfg.block_size)
         if h.is_cuda and h.shape[-2] == 1:
             # Triton: fused scoring + pooling + rule; ck_len cuts each row to the keys
@@ -471,7 +471,7 @@ class ForecastAttention(BlockSparseMethod):
             return self._masks.pop(layer)
         if step.phase == "prefill" and fused_prefill_selection(q):
             f = self._queries.pop(layer)[..., first:, :]
-            ck = cache.compressed_keys(layer, step.rows, step.max_kv_len)
+            ck = cache.compressed_keys(layer, step.cache_rows, step.max_kv_len)
             num_blocks = -(-step.max_kv_len // self.selection.block_size)
             return kernels.select_prefill_blocks(f, ck, step.q_pos[:, first:], num_blocks, self.selection,
                                                  lookahead=layer > 0)
@@ -485,7 +485,7 @@ class ForecastAttention(BlockSparseMethod):
         blocks. Raises SpardaError only through ``cache.view``."""
         if self._prefill_dense(step):
             num_tokens = step.max_kv_len
-            k, v, _ = cache.view(layer, step.rows, num_tokens)
+            k, v, _ = cache.view(layer, step.cache_rows, num_tokens)
             return dense_attention(q, k, v, step)
         return super().attend(layer, q, h, cache, step)
 

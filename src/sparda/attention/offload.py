@@ -47,8 +47,9 @@ class OffloadDecodeMixin:
 
     def _select(self, query: torch.Tensor, ck: torch.Tensor, pos: torch.Tensor, cache,
                 ck_len: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode selection: block ids ``[B, H, W]`` int32, ascending, ``-1`` padded (``W`` =
-        the cache's ``select_width``), from ``query`` ([B,H,G,d] or Forecast [B,H,d]).
+        """Decode selection: block ids ``[b, H, W]`` int32, ascending, ``-1`` padded (``W`` =
+        the cache's ``select_width``), from ``query`` ([b,H,G,d] or Forecast [b,H,d]) and the
+        compressed keys ``ck [b, H, C_cap, d]`` of the step's rows (``cache.compressed``).
 
         On CUDA ``N = N_cap`` and the whole compressed-key buffer is scored (static shapes,
         no host sync). On the CPU, where reading the length costs nothing, ``N`` and the
@@ -99,8 +100,9 @@ class OffloadDecodeMixin:
         q0 = q[:, :, :, 0]
         if cache.is_offloaded(layer):
             out = cache.attend(layer, q0, step.kv_len, pos)
-        else:
-            out = kernels.decode_attention(q0, cache.k_full[layer], cache.v_full[layer], ids,
+        else:  # the step's rows: the cache's first b (design §3.13)
+            b = step.batch
+            out = kernels.decode_attention(q0, cache.k_full[layer][:b], cache.v_full[layer][:b], ids,
                                            step.kv_len, self.selection.block_size)
         return out.unsqueeze(3)
 
@@ -122,7 +124,7 @@ class SparseOffloadAttention(OffloadDecodeMixin, SparseAttention):
         shape/dtype mismatch."""
         if step.phase != "decode":
             return super().attend(layer, q, h, cache, step)
-        ids = self._select(q[:, :, :, 0], cache.compressed(layer), step.q_pos[:, 0], cache)
+        ids = self._select(q[:, :, :, 0], cache.compressed(layer, step.batch), step.q_pos[:, 0], cache)
         ids = self._fetch_or_count(layer, ids, cache, step)
         return self._attend_decode(layer, q, ids, cache, step)
 
@@ -169,7 +171,7 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
             return super().attend(layer, q, h, cache, step)
         pos = step.q_pos[:, 0]
         if layer == 0:  # W^C_0 scores layer 0's own compressed keys
-            ids = self._select(self.forecast_query(0, h, step), cache.compressed(0), pos, cache)
+            ids = self._select(self.forecast_query(0, h, step), cache.compressed(0, step.batch), pos, cache)
             ids = self._fetch_or_count(0, ids, cache, step)
         else:
             ids = self._next.pop(layer)
@@ -181,10 +183,10 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
             if self.prefetch and cache.is_offloaded(layer + 1):
                 self._counters(cache, step)  # allocated (first step) on the compute stream
                 with cache.prefetcher.ahead(layer + 1, query, ck_len, pos):  # off the compute stream
-                    nxt = self._select(query, cache.compressed(layer + 1), pos, cache, ck_len=ck_len)
+                    nxt = self._select(query, cache.compressed(layer + 1, step.batch), pos, cache, ck_len=ck_len)
                     nxt = self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
             else:
-                nxt = self._select(query, cache.compressed(layer + 1), pos, cache, ck_len=ck_len)
+                nxt = self._select(query, cache.compressed(layer + 1, step.batch), pos, cache, ck_len=ck_len)
                 if self.prefetch:
                     nxt = self._fetch_or_count(layer + 1, nxt, cache, step, prefetch=True)
             self._next[layer + 1] = nxt
@@ -200,7 +202,7 @@ class OffloadedForecastAttention(OffloadDecodeMixin, ForecastAttention):
         pos = step.q_pos[:, 0]
         query, ck_len = self.forecast_query(layer + 2, h, step, ahead=2), self._ck_len_before(step)
         with cache.prefetcher.ahead(layer + 2, query, ck_len, pos):
-            early = self._select(query, cache.compressed(layer + 2), pos, cache, ck_len=ck_len)
+            early = self._select(query, cache.compressed(layer + 2, step.batch), pos, cache, ck_len=ck_len)
             cache.warm(layer + 2, early, pos)
 
     def _ck_len_before(self, step) -> torch.Tensor:

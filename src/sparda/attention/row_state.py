@@ -5,7 +5,8 @@ cache row across decode steps (accumulated attention, page bounds, a fixed block
 EMA of scores). :class:`RowState` holds those tensors, allocated once per KV cache at its
 row count and capacity, so that a captured CUDA-graph decode step updates them in place
 (docs/cuda_graphs.md: state in preallocated device tensors, nothing rebound). Prefill of
-a row overwrites that row's state; decode reads and updates rows ``step.rows`` in place.
+a row overwrites that row's state; decode reads and updates rows ``step.rows`` in place (the
+cache's first ``b`` rows, design §3.13: the others are not touched).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,12 +108,15 @@ def _source_index(i: int, steps: int) -> int:
 
 
 def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, selection,
-                 start_pos: list[int], steps: int, num_blocks: int, row_offset: int = 7) -> torch.Tensor:
+                 start_pos: list[int], steps: int, num_blocks: int, row_offset: int = 7,
+                 first_row: int = 0) -> torch.Tensor:
     """Target block masks of ``steps`` decode steps replayed from ``trace`` (docs/bench.md).
 
     Args:
         selection: the target config. start_pos: per row, the first step's position (tokens).
         num_blocks: ``N``. row_offset: row ``b`` starts at trace step ``b * row_offset``.
+        first_row: the rows are rows ``first_row ..`` of a larger batch (its row ``first_row + b``
+            is this call's row ``b``: the same trace row and step offset).
     Returns:
         ``[steps, L, B, H, N]`` bool (CPU), forced blocks included.
     """
@@ -122,11 +126,11 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
     k = max(1, math.ceil(cfg.topk_blocks / max(m["topk_blocks"], 1)))
     layers = np.arange(num_layers) * Ls // num_layers
     heads = np.arange(num_kv_heads) % Hs
-    rows = (np.arange(B)[:, None] + np.arange(num_kv_heads)[None, :] // Hs) % R  # [B, H]
+    rows = (first_row + np.arange(B)[:, None] + np.arange(num_kv_heads)[None, :] // Hs) % R  # [B, H]
     out = np.zeros((steps, num_layers, B, num_kv_heads, num_blocks + 1), dtype=bool)
     j = np.arange(k)
     for i in range(steps):
-        src = np.array([_source_index(i + row_offset * b, S) for b in range(B)])  # [B]
+        src = np.array([_source_index(i + row_offset * (first_row + b), S) for b in range(B)])  # [B]
         ids = trace.ids[src[:, None, None], rows[:, :, None], layers[None, None, :], heads[None, :, None]]
         ids = ids.astype(np.int64).transpose(2, 0, 1, 3)  # [L, B, H, K]
         cur_s = trace.pos[src[:, None], rows] // m["block_size"]  # [B, H]
@@ -310,7 +314,7 @@ class Replayer:
         original = cache.fetch
 
         def fetch(layer, selection, pos, prefetch=False, counters=None):
-            chosen = self.ids.index_select(0, self.index)[0, layer]
+            chosen = self.ids.index_select(0, self.index)[0, layer, :pos.shape[0]]  # the step's rows
             return original(layer, chosen, pos, prefetch, counters)
 
         cache.fetch = fetch
@@ -327,9 +331,194 @@ class Replayer:
         original = cache.warm
 
         def warm(layer, selection, pos):
-            return original(layer, self.early.index_select(0, self.index)[0, layer], pos)
+            return original(layer, self.early.index_select(0, self.index)[0, layer, :pos.shape[0]], pos)  # the step's rows
 
         cache.warm = warm
+
+
+def replay_period(trace: SelectionTrace) -> int:
+    """Steps of one cycle of :func:`replay_masks` over ``trace``: its ``S`` steps forth and back,
+    ``2 (S - 1)`` (1 for a one-step trace)."""
+    return max(1, 2 * (trace.ids.shape[0] - 1))
+
+
+def mask_ids(mask: np.ndarray, width: int, dtype=np.int32) -> np.ndarray:
+    """Bool ``[..., N]`` -> ascending ids ``[..., width]`` of ``dtype``, ``-1`` padded, the lowest
+    ``width`` kept: :func:`sparda.kernels.reference.block_mask_to_indices` in numpy, O(selected)."""
+    flat = mask.reshape(-1, mask.shape[-1])
+    out = np.full((flat.shape[0], width), -1, dtype=dtype)
+    row, col = np.nonzero(flat)  # row-major: ascending columns within a row
+    rank = np.arange(row.size) - np.searchsorted(row, row)
+    keep = rank < width
+    out[row[keep], rank[keep]] = col[keep]
+    return out.reshape(*mask.shape[:-1], width)
+
+
+class RowReplayer:
+    """The serving engine's trace replay (benchmarks only; docs/bench.md, Trace replay in the
+    server benchmark): the blocks an offloaded cache fetches for each decoding row are replaced by
+    a replayed selection of that row's own request; the method's own selection still runs.
+
+    When a request starts decoding on row ``r`` at position ``p`` (:meth:`on_decode_start`: its
+    first decode step, again after a recompute), the row gets one full cycle of the trace
+    (:func:`replay_period` steps) from :func:`replay_masks` at positions ``p ..`` as row
+    ``first_row = k`` of a bench batch (its trace row and step offset ``row_offset * k``), ``k``
+    a hash of the request id (:meth:`request_key`): a request replays the same ids alone or in a
+    busy batch, and requests mostly differ in trace row and phase. A row's step counter advances
+    once per decode step it runs and wraps at the cycle's end. Within a cycle the ids are
+    bench's at the same positions; the cycle then repeats, so the step-to-step reuse stays the
+    trace's, while the forced blocks stay those of ``p .. p + period - 1`` and the top-k mapping
+    that of ``p``: over 1K decode steps at 128K that is a drift of 16 blocks of 2,048 (under 1 %
+    of the range the top-k maps onto), so the replayed traffic is bench's at ``p``.
+
+    Memory: :attr:`ids` ``[rows, period, L, H, W]`` on the cache's device, int16 (int32 past
+    32,767 blocks), ``W`` the cache's ``select_width``; MiniCPM-8B at 128K, paper preset, 16 rows:
+    16 x 126 x 32 x 2 x 128 x 2 B = 33 MB; with lookahead 2 (``recall``) :attr:`early`, as much
+    again. Host: up to ``cached`` recent tables (2 MB each there), keyed by ``(p, k)``.
+
+    CUDA graphs: the wrapped ``fetch`` (and ``warm``) only gather from device tensors
+    (:attr:`ids`, :attr:`step` ``[rows]`` int64, :attr:`active` ``[rows]`` bool), which are
+    updated in place between steps (:meth:`before_decode_step`, :meth:`after_decode_step`),
+    so a captured decode graph reads the current ones on every replay; no host sync, no branch
+    on a device value. Rows that do not decode (free, padding, half-prefilled) fetch the
+    method's own selection.
+
+    Args:
+        trace: the selection trace (:func:`trace_for` of the engine's method).
+        cache: the engine's offloaded cache (its ``fetch`` is wrapped here).
+        row_offset: as :func:`replay_masks`. recall: lookahead 2 only: also wrap ``warm``, whose
+            early copies get :func:`two_ahead_ids` predictions of the replayed ids at this recall.
+    Raises:
+        SpardaError: a cache that is not offloaded, or ``recall`` outside [0, 1].
+    """
+
+    def __init__(self, trace: SelectionTrace, cache, row_offset: int = 7, recall: float | None = None,
+                 cached: int = 64) -> None:
+        if not getattr(cache, "offload", False):
+            raise SpardaError("trace replay in the server needs an offloaded KV cache (sparda with offload, "
+                              "sparse-offload); this method keeps its KV on the device and copies nothing")
+        if recall is not None and not 0.0 <= recall <= 1.0:
+            raise SpardaError(f"--lookahead-recall must lie in [0, 1], got {recall}")
+        self.trace, self.selection, self.row_offset, self.recall = trace, cache.selection, row_offset, recall
+        self.num_layers, self.num_kv_heads = cache.num_layers, cache.num_kv_heads
+        self.num_blocks, self.width, self.rows = cache.num_blocks, cache.select_width, cache.batch
+        self.period = replay_period(trace)
+        #: distinct ``(trace row, step offset)`` pairs of :func:`replay_masks`' ``first_row``
+        self.keys = math.lcm(trace.ids.shape[1], self.period // math.gcd(row_offset, self.period))
+        dtype = torch.int16 if self.num_blocks < 2**15 else torch.int32
+        self._host_dtype = np.int16 if dtype == torch.int16 else np.int32
+        shape = (self.rows, self.period, self.num_layers, self.num_kv_heads, self.width)
+        device = cache.device
+        self.ids = torch.full(shape, -1, dtype=dtype, device=device)
+        self.early = torch.full(shape, -1, dtype=dtype, device=device) if recall is not None else None
+        self.step = torch.zeros(self.rows, dtype=torch.long, device=device)
+        self.active = torch.zeros(self.rows, dtype=torch.bool, device=device)
+        self._row_index = torch.arange(self.rows, device=device)
+        self._decoding: tuple[int, ...] = ()
+        #: per row, the ``(position, key)`` of its table (host record)
+        self.starts: dict[int, tuple[int, int]] = {}
+        self._tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = {}
+        self._cached = cached
+        self._install(cache)
+
+    @classmethod
+    def attach(cls, engine, trace: str | os.PathLike | SelectionTrace | None = None,
+               row_offset: int = 7) -> RowReplayer:
+        """Replay ``trace`` (a file, default the shipped one, read with :func:`trace_for` of the
+        engine's method) in ``engine``'s cache and observe its decode steps
+        (``engine.decode_hook``); lookahead 2 models the early copies at
+        :data:`LOOKAHEAD2_RECALL`. Raises SpardaError as the constructor, or for a bad file."""
+        config = engine.runner.config
+        if not isinstance(trace, SelectionTrace):
+            trace = trace_for(load_traces(trace or SHIPPED_TRACE), config.method)
+        recall = LOOKAHEAD2_RECALL if config.lookahead == 2 else None
+        replayer = cls(trace, engine.cache, row_offset, recall)
+        engine.decode_hook = replayer
+        return replayer
+
+    def request_key(self, request_id: str) -> int:
+        """The bench row ``k`` in ``[0, keys)`` a request replays: a CRC-32 of its id."""
+        return zlib.crc32(str(request_id).encode()) % self.keys
+
+    def table(self, position: int, key: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The ids ``[period, L, H, W]`` (and, with ``recall``, the early copies' predictions) of a
+        row that starts decoding at ``position`` as bench row ``key`` (recent ones cached)."""
+        found = self._tables.pop((position, key), None)
+        if found is None:
+            masks = replay_masks(self.trace, self.num_layers, self.num_kv_heads, self.selection, [position],
+                                 self.period, self.num_blocks, self.row_offset, first_row=key)
+            ids = mask_ids(masks[:, :, 0].numpy(), self.width, self._host_dtype)
+            early = None
+            if self.recall is not None:
+                early = two_ahead_ids(torch.from_numpy(ids[:, :, None]), self.selection, [position], self.recall,
+                                      seed=key)[:, :, 0].numpy().astype(self._host_dtype)
+            found = (ids, early)
+            while len(self._tables) >= self._cached:
+                self._tables.pop(next(iter(self._tables)))
+        self._tables[(position, key)] = found  # the most recent last
+        return found
+
+    # -------------------------------------------------------- engine hook
+    def on_decode_start(self, row: int, position: int, request_id: str) -> None:
+        """Row ``row`` starts decoding at ``position`` (tokens) for request ``request_id``: its
+        table and step counter (0) are set in place."""
+        key = self.request_key(request_id)
+        ids, early = self.table(position, key)
+        with torch.inference_mode():
+            self.ids[row].copy_(torch.from_numpy(ids))
+            if self.early is not None:
+                self.early[row].copy_(torch.from_numpy(early))
+            self.step[row] = 0
+        self.starts[row] = (position, key)
+
+    def before_decode_step(self, rows) -> None:
+        """The decode step about to run decodes ``rows``: only they fetch replayed ids."""
+        self._set_decoding(rows)
+
+    def after_decode_step(self, rows) -> None:
+        """The decode step of ``rows`` ran: their step counters advance (mod the period)."""
+        self._set_decoding(rows)  # the same rows as before the step: nothing to copy
+        with torch.inference_mode():
+            self.step.add_(self.active).remainder_(self.period)
+
+    def _set_decoding(self, rows) -> None:
+        """:attr:`active` is ``rows``' mask (copied in place, only when the rows change)."""
+        rows = tuple(rows)
+        if rows != self._decoding:
+            mask = torch.zeros(self.rows, dtype=torch.bool)
+            mask[list(rows)] = True
+            with torch.inference_mode():
+                self.active.copy_(mask)
+            self._decoding = rows
+
+    # ------------------------------------------------------------ wrapping
+    def _replayed(self, table: torch.Tensor, layer: int, own: torch.Tensor) -> torch.Tensor:
+        """``[b, H, W]`` ids of the step's rows, the cache's first ``b = len(own)`` (design §3.13):
+        each active row's replayed ones at its step, the others ``own``."""
+        b = own.shape[0]
+        chosen = table[self._row_index[:b], self.step[:b], layer].to(own.dtype)
+        if own.shape[-1] < self.width:
+            own = torch.nn.functional.pad(own, (0, self.width - own.shape[-1]), value=-1)
+        return torch.where(self.active[:b].view(-1, 1, 1), chosen, own)
+
+    def _install(self, cache) -> None:
+        """Wrap ``cache.fetch`` (and with ``recall`` ``cache.warm``): instance attributes."""
+        fetch, warm = cache.fetch, cache.warm
+
+        def replay_fetch(layer, selection, pos, prefetch=False, counters=None):
+            if layer in cache.resident:
+                return fetch(layer, selection, pos, prefetch, counters)
+            return fetch(layer, self._replayed(self.ids, layer, cache.selection_ids(selection)), pos, prefetch,
+                         counters)
+
+        def replay_warm(layer, selection, pos):
+            if layer in cache.resident:
+                return warm(layer, selection, pos)
+            return warm(layer, self._replayed(self.early, layer, cache.selection_ids(selection)), pos)
+
+        cache.fetch = replay_fetch
+        if self.early is not None:
+            cache.warm = replay_warm
 
 
 def _masks_to_ids(masks: list[torch.Tensor], width: int) -> np.ndarray:

@@ -28,7 +28,8 @@ class KVCache:
         capacity: tokens per row.
         counters: decode counters of the attention method, ``blocks_read`` and
             ``blocks_valid`` (KV blocks summed over KV heads, layers and steps): host ``0.0``
-            until the first decode step, then ``[B]`` int64 on the device, added to in place.
+            until the first decode step, then ``[B]`` int64 on the device, added to in place
+            (a step of the first ``b`` rows adds to the first ``b``).
         decode_runner: the :class:`~sparda.engine.graph_runner.DecodeRunner` of this cache,
             made at its first decode step (``None`` before).
         prefetcher: an offloaded cache's :class:`~sparda.cache.prefetch.Prefetcher`, else ``None``.
@@ -86,17 +87,17 @@ class KVCache:
                 tensor[row] = value
 
     def counter(self, key: str, rows: int, device) -> torch.Tensor:
-        """The ``[rows]`` int64 counter ``key`` on ``device``, made (zeroed, plus any host
-        count of earlier steps) when the current one has another shape; otherwise the same
-        tensor, so that what a captured graph adds into is never replaced."""
+        """The first ``rows`` entries (a view) of the ``[B]`` int64 counter ``key`` on
+        ``device``: a decode step of the cache's first ``rows`` rows counts into them (design
+        §3.13). Made once (zeroed, plus any host count of earlier steps), so that what a
+        captured graph adds into is never replaced."""
         cur = self.counters[key]
-        if torch.is_tensor(cur) and cur.shape == (rows,) and cur.device == torch.device(device):
-            return cur
-        tensor = torch.zeros(rows, dtype=torch.long, device=device)
-        if not torch.is_tensor(cur):  # host counts of earlier steps carry over
-            tensor.add_(int(cur))
-        self.counters[key] = tensor
-        return tensor
+        if not (torch.is_tensor(cur) and cur.device == torch.device(device)):
+            tensor = torch.zeros(self.lengths.shape[0], dtype=torch.long, device=device)
+            if not torch.is_tensor(cur):  # host counts of earlier steps carry over
+                tensor.add_(int(cur))
+            self.counters[key] = cur = tensor
+        return cur[:rows]
 
     def reset_counters(self) -> None:
         """Zero the decode counters (device ones in place: a captured graph keeps counting)."""
@@ -117,9 +118,10 @@ class KVCache:
         return read / valid if valid else 1.0
 
     # ----------------------------------------------------------------- reads
-    def compressed_keys(self, layer: int, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Compressed keys ``[len(rows), H, C, d]`` of ``layer`` for the first ``num_tokens``
-        tokens (``C = num_compressed(num_tokens)``), in the cache dtype."""
+    def compressed_keys(self, layer: int, rows, num_tokens: int) -> torch.Tensor:
+        """Compressed keys ``[b, H, C, d]`` of ``layer`` for ``rows`` (``[b]`` int64 or a
+        slice, :attr:`StepInfo.cache_rows`) and the first ``num_tokens`` tokens (``C =
+        num_compressed(num_tokens)``), in the cache dtype."""
         return self.view(layer, rows, num_tokens)[2]
 
     def chunked_prefill(self):

@@ -150,34 +150,36 @@ class DeviceKVCache(KVCache):
 
     def rope_append(self, layer: int, qkv: torch.Tensor, step, group: int, num_f: int):
         """Fused decode append (design §6): RoPE of this step's queries, keys and ``num_f``
-        Forecast heads from the stacked projection ``qkv [B, (H_q + (2 + num_f) H_kv) d]``,
+        Forecast heads from the stacked projection ``qkv [b, (H_q + (2 + num_f) H_kv) d]``,
         the K/V write at ``step.q_pos`` and the compressed-key update, in one kernel
         (:func:`sparda.kernels.rope_append`). A quantised cache gets the token's codes and
         scales, and its ring of full-precision keys feeds the compressed keys (as
-        :meth:`append`). Every cache row, in order.
+        :meth:`append`). The cache's first ``b`` rows, in order (design §3.13).
 
-        Returns ``(q [B, H_q, d], f [B, num_f, H_kv, d] or None)`` in the cache dtype.
+        Returns ``(q [b, H_q, d], f [b, num_f, H_kv, d] or None)`` in the cache dtype.
         """
         cfg = self.selection
-        bsz, heads, _, d = self.k[layer].shape
-        q = qkv.new_empty(bsz, heads * group, d)
-        f = qkv.new_empty(bsz, num_f, heads, d) if num_f else None
-        kernels.rope_append(qkv, step.cos, step.sin, step.q_pos[:, 0], q, f, self.k[layer], self.v[layer],
-                            self.ck[layer], num_kv_heads=heads, group=group, num_f=num_f,
+        b = qkv.shape[0]
+        _, heads, _, d = self.k[layer].shape
+        q = qkv.new_empty(b, heads * group, d)
+        f = qkv.new_empty(b, num_f, heads, d) if num_f else None
+        kernels.rope_append(qkv, step.cos, step.sin, step.q_pos[:, 0], q, f, self.k[layer][:b], self.v[layer][:b],
+                            self.ck[layer][:b], num_kv_heads=heads, group=group, num_f=num_f,
                             block_size=cfg.block_size, kernel=cfg.kernel_size, stride=cfg.kernel_stride,
-                            ring=None if self.ring is None else self.ring[layer],
-                            lengths=self.lengths if layer == len(self.k) - 1 else None)
+                            ring=None if self.ring is None else self.ring[layer][:b],
+                            lengths=self.lengths[:b] if layer == len(self.k) - 1 else None)
         return q, f
 
     def num_compressed(self, num_tokens: int) -> int:
         """Compressed keys complete after ``num_tokens`` tokens."""
         return ref.num_compressed(num_tokens, self.selection.kernel_size, self.selection.kernel_stride)
 
-    def view(self, layer: int, rows: torch.Tensor, num_tokens: int):
+    def view(self, layer: int, rows, num_tokens: int):
         """K, V ``[b, H, num_tokens, d]`` and compressed keys ``[b, H, C, d]`` of ``rows``.
 
         Args:
-            layer: layer index. rows: ``[b]`` int64 cache rows (all rows: views, no copy).
+            layer: layer index. rows: ``[b]`` int64 cache rows (all rows, in order: views),
+                or a slice (a decode step's first ``b`` rows, :attr:`StepInfo.cache_rows`: views).
             num_tokens: tokens to expose; ``C = num_compressed(num_tokens)``.
         Returns:
             ``(k, v, ck)`` in the cache dtype (a quantised cache: K/V dequantised, a copy).
@@ -187,8 +189,8 @@ class DeviceKVCache(KVCache):
         if num_tokens > self.capacity:
             raise SpardaError(f"{num_tokens} tokens exceed the cache capacity {self.capacity}")
         num_ck = self.num_compressed(num_tokens)
-        if rows.numel() == self.k[layer].shape[0]:
-            k, v, ck = self.k[layer][:, :, :num_tokens], self.v[layer][:, :, :num_tokens], self.ck[layer][:, :, :num_ck]
-        else:
-            k, v, ck = self.k[layer][rows, :, :num_tokens], self.v[layer][rows, :, :num_tokens], self.ck[layer][rows, :, :num_ck]
+        if not isinstance(rows, slice) and rows.numel() == self.k[layer].shape[0]:
+            rows = slice(None)
+        k, v = self.k[layer][rows, :, :num_tokens], self.v[layer][rows, :, :num_tokens]
+        ck = self.ck[layer][rows, :, :num_ck]
         return quant.as_float(k, self.dtype), quant.as_float(v, self.dtype), ck

@@ -66,27 +66,31 @@ class HotBlocks:
         self.last[layer][row] = torch.where(window, end - 1, NEVER)
 
     def update(self, layer: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One decode step of ``layer``: ``ids [B, H, W]`` selected (``-1`` padded), ``pos [B]``
-        the step's positions. Returns the demoted blocks ``[B, H, N]`` bool (static shapes,
-        no host sync; :func:`~sparda.kernels.twins.hot_rule_update`). A fetch runs it inside
-        its slot diff (:meth:`split_operands`)."""
-        return hot_rule_update(self.hot[layer], self.last[layer], ids, pos, self.block_size, self.local,
+        """One decode step of ``layer``'s first ``b`` rows (design §3.13): ``ids [b, H, W]``
+        selected (``-1`` padded), ``pos [b]`` the step's positions. Returns the demoted blocks
+        ``[b, H, N]`` bool (static shapes, no host sync;
+        :func:`~sparda.kernels.twins.hot_rule_update`); rows ``b ..`` are not touched. A fetch
+        runs it inside its slot diff (:meth:`split_operands`)."""
+        b = ids.shape[0]
+        return hot_rule_update(self.hot[layer][:b], self.last[layer][:b], ids, pos, self.block_size, self.local,
                                self.pool_blocks, self.steps)
 
     def split(self, layer: int, load: torch.Tensor,
               pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``load [B, H, S]`` (block to copy into slot ``s``, ``-1`` none) split into
-        ``(pool, cold)``: the pool slot of each hot block, the block id of each cold one (``-1``
-        elsewhere). ``pos [B]``: an early copy at the step of these positions, before its
-        :meth:`update` (design §6.2): a hot block whose pool slot the step's current block
+        """``load [b, H, S]`` of the first ``b`` rows (block to copy into slot ``s``, ``-1`` none)
+        split into ``(pool, cold)``: the pool slot of each hot block, the block id of each cold
+        one (``-1`` elsewhere). ``pos [b]``: an early copy at the step of these positions, before
+        its :meth:`update` (design §6.2): a hot block whose pool slot the step's current block
         takes (``n <= c - P``) counts as cold (:func:`~sparda.kernels.twins.hot_split`)."""
-        return hot_split(self.hot[layer], load, self.pool_blocks, self.block_size, pos)
+        return hot_split(self.hot[layer][:load.shape[0]], load, self.pool_blocks, self.block_size, pos)
 
     def split_operands(self, layer: int, load: torch.Tensor, pool_misses: torch.Tensor,
                        update: bool) -> HotSplit:
         """The operands of :func:`sparda.kernels.slot_diff` that run :meth:`update` (``update``:
-        a fetch; not for an early diff) and :meth:`split` of its loads inside the slot diff,
-        with fresh ``pool_load, cold_load`` outputs shaped like ``load`` and the counter
-        ``pool_misses [B]`` of the hot loads."""
-        return HotSplit(self.hot[layer], self.last[layer], torch.empty_like(load), torch.empty_like(load),
-                        pool_misses, self.pool_blocks, self.steps, self.local, update)
+        a fetch; not for an early diff) and :meth:`split` of its loads inside the slot diff, for
+        the first ``b`` rows of ``load [b, H, S]`` (design §3.13): the hot state and the counter
+        ``pool_misses [B]`` of the hot loads cut to ``[:b]`` (views), fresh ``pool_load,
+        cold_load`` outputs shaped like ``load``."""
+        b = load.shape[0]
+        return HotSplit(self.hot[layer][:b], self.last[layer][:b], torch.empty_like(load), torch.empty_like(load),
+                        pool_misses[:b], self.pool_blocks, self.steps, self.local, update)

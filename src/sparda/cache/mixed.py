@@ -101,8 +101,8 @@ class MixedOffloadKVCache(OffloadKVCache):
         return None
 
     def _store_tokens(self, layer: int, k_tok, v_tok, pos: torch.Tensor) -> None:
-        """``k_tok, v_tok [B, H, d]`` exact: to the hot pool at pool slot ``block mod P``,
-        then int4 to the store."""
+        """``k_tok, v_tok [b, H, d]`` exact (rows ``0 .. b - 1``): to the hot pool at pool slot
+        ``block mod P``, then int4 to the store."""
         bs, pool = self.block_size, self.hot_blocks
         ring_pos = (pos // bs) % pool * bs + pos % bs
         for chunk in self.host.pool[layer]:
@@ -110,7 +110,8 @@ class MixedOffloadKVCache(OffloadKVCache):
         super()._store_tokens(layer, self._quantized(k_tok), self._quantized(v_tok), pos)
 
     def _hot_operands(self, layer: int, load: torch.Tensor, update: bool):
-        """The hot pool's part of the slot diff (:meth:`~sparda.cache.hot.HotBlocks.split_operands`):
+        """The hot pool's part of the slot diff of the first ``b`` rows of ``load [b, H, S]``
+        (:meth:`~sparda.cache.hot.HotBlocks.split_operands`, cut to ``[:b]``, design §3.13):
         a fetch (``update``) runs the hot rule in the same kernel, whose demoted blocks'
         ``dtype`` copies leave their GPU slots before the diff; either way the loads are split
         into pool and cold lists and the pool misses counted
@@ -124,10 +125,12 @@ class MixedOffloadKVCache(OffloadKVCache):
         """A hot block's ``dtype`` copy from the pool (``hot.pool_load``), a cold block's int4
         codes and scales (``hot.cold_load``) into :attr:`cold_k` / :attr:`cold_v`, dequantised
         from there into its slot (:func:`sparda.kernels.dequantize_cold_slots`: on CUDA only
-        the slots that received a cold block are read and written)."""
+        the slots that received a cold block are read and written). ``load [b, H, S]``: the
+        cache's first ``b`` rows (design §3.13), whose slots and staging alone are written."""
         from_pool, cold = hot.pool_load, hot.cold_load
-        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
-        ck, cv = self.cold_k[layer], self.cold_v[layer]
+        b = load.shape[0]
+        k_slots, v_slots = self.k_slots[layer][:b], self.v_slots[layer][:b]
+        ck, cv = self.cold_k[layer][:b], self.cold_v[layer][:b]
         planes = [(ck.data, cv.data), (ck.scale, cv.scale)]
         s = self.slots
 

@@ -250,16 +250,17 @@ class OffloadKVCache(KVCache):
         return None
 
     def _hot_operands(self, layer: int, load: torch.Tensor, update: bool):
-        """The ``hot`` operands of ``layer``'s slot diff (:func:`sparda.kernels.slot_diff`: a
-        hot pool's rule and split, ``update`` for a fetch, not for an early diff); none here."""
+        """The ``hot`` operands of ``layer``'s slot diff of the first ``b`` rows of ``load [b, H,
+        S]`` (:func:`sparda.kernels.slot_diff`: a hot pool's rule and split, ``update`` for a
+        fetch, not for an early diff; cut to ``[:b]``); none here."""
         return None
 
     def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool, early: bool = False,
                      hot=None) -> None:
-        """Copy the slot diff's misses ``load [B, H, S]`` (block per slot, ``-1`` none) from
-        the host store into ``layer``'s slots (:meth:`fetch`'s ``prefetch``); ``early``: an
-        early copy (:meth:`warm`); ``hot``: the diff's :meth:`_hot_operands`."""
-        planes = self._slot_planes(layer)
+        """Copy the slot diff's misses ``load [b, H, S]`` (block per slot, ``-1`` none) from
+        the host store into the slots of ``layer``'s first ``b`` rows (:meth:`fetch`'s ``prefetch``);
+        ``early``: an early copy (:meth:`warm`); ``hot``: the diff's :meth:`_hot_operands`."""
+        planes = self._slot_planes(layer, load.shape[0])
         chunks = self.host.chunks[layer]
 
         def copy() -> None:  # quantised: the data and the scales (the bytes actually stored)
@@ -300,13 +301,13 @@ class OffloadKVCache(KVCache):
         K/V so far stay reachable through :meth:`view` while the layer runs); a batched
         prefill (``step.row_lengths``) each row's real tokens from 0, as its prefill alone,
         and :meth:`view` exposes the whole padded batch's K/V while the layer runs. Decode writes one
-        token per row (every row of the cache) into the partial slot, without waiting for the
-        layer's prefetch (the gather writes only the other slots; :meth:`attend` waits).
-        ``step`` is the :class:`~sparda.model.llama.StepInfo` (``rows [B]``,
-        ``q_pos [B, Tq]`` int64); ``k, v`` post-RoPE, cast to the cache dtype on write.
+        token per row (the cache's first ``b`` rows, design §3.13) into the partial slot, without
+        waiting for the layer's prefetch (the gather writes only the other slots; :meth:`attend`
+        waits). ``step`` is the :class:`~sparda.model.llama.StepInfo` (``rows [b]``,
+        ``q_pos [b, Tq]`` int64); ``k, v`` post-RoPE, cast to the cache dtype on write.
 
         Raises:
-            SpardaError: a decode step that does not cover every cache row.
+            SpardaError: a decode step of more rows than the cache.
         """
         cfg = self.selection
         if step.phase == "prefill":  # a batched prefill: each row's real tokens only
@@ -320,8 +321,7 @@ class OffloadKVCache(KVCache):
                 keys, values = (quant.as_float(self._quantized(t), self.dtype) for t in (k, v))
             self._stash = (layer, keys, values)
             return
-        if step.rows.numel() != self.batch:
-            raise SpardaError("offloaded decode steps must cover every cache row")
+        self._check_rows(step.batch)
         self._stash = None
         rows = step.rows
         pos = step.q_pos[:, 0]
@@ -350,33 +350,33 @@ class OffloadKVCache(KVCache):
         int8/int4) stores each token's codes and ``(step, lo)``, quantised once in the
         kernel; the ring and compressed keys keep the full-precision key. Does not wait for the layer's prefetch: the gather
         writes only slots ``< S`` and this only slot ``S`` (the wait is just before
-        attention, design §6 step order). Every cache row, in order.
+        attention, design §6 step order). The cache's first ``b`` rows, in order (design §3.13).
 
-        Returns ``(q [B, H_q, d], f [B, num_f, H_kv, d] or None)`` in the cache dtype.
+        Returns ``(q [b, H_q, d], f [b, num_f, H_kv, d] or None)`` in the cache dtype.
         Raises:
-            SpardaError: a step that does not cover every cache row.
+            SpardaError: a step of more rows than the cache.
         """
-        if step.rows.numel() != self.batch:
-            raise SpardaError("offloaded decode steps must cover every cache row")
+        b = qkv.shape[0]
+        self._check_rows(b)
         self._stash = None
         cfg = self.selection
         heads, d = self.ring[layer].shape[1], self.ring[layer].shape[3]
         pos = step.q_pos[:, 0]
-        q = qkv.new_empty(self.batch, heads * group, d)
-        f = qkv.new_empty(self.batch, num_f, heads, d) if num_f else None
+        q = qkv.new_empty(b, heads * group, d)
+        f = qkv.new_empty(b, num_f, heads, d) if num_f else None
         common = dict(num_kv_heads=heads, group=group, num_f=num_f, block_size=cfg.block_size,
-                      kernel=cfg.kernel_size, stride=cfg.kernel_stride, ring=self.ring[layer],
-                      lengths=self.lengths if layer == self.num_layers - 1 else None)
+                      kernel=cfg.kernel_size, stride=cfg.kernel_stride, ring=self.ring[layer][:b],
+                      lengths=self.lengths[:b] if layer == self.num_layers - 1 else None)
         if layer in self.resident:
-            kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, self.k_full[layer], self.v_full[layer],
-                                self.ck[layer], **common)
+            kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, self.k_full[layer][:b], self.v_full[layer][:b],
+                                self.ck[layer][:b], **common)
             return q, f
-        host = self._fused_host(layer)
-        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
-        kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, k_slots, v_slots, self.ck[layer],
+        host = self._fused_host(layer)  # its block tables [B, N] (and [B, P]): the kernel reads rows < b
+        k_slots, v_slots = self.k_slots[layer][:b], self.v_slots[layer][:b]
+        kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, k_slots, v_slots, self.ck[layer][:b],
                             slot=self.slots, **(host or {}), **common)
         if host is None:
-            rows = torch.arange(self.batch, device=pos.device)
+            rows = torch.arange(b, device=pos.device)
             off = pos % cfg.block_size
             self._store_tokens(layer, k_slots[rows, :, self.slots, off], v_slots[rows, :, self.slots, off], pos)
         return q, f
@@ -387,8 +387,13 @@ class OffloadKVCache(KVCache):
         store = self.host.kv_dtype
         return quant.QuantizedKV.quantize(x, store) if quant.is_quantized(store) else x
 
+    def _check_rows(self, rows: int) -> None:
+        """Refuse a decode step of more than the cache's rows (it runs rows ``0 .. rows - 1``)."""
+        if rows > self.batch:
+            raise SpardaError(f"a decode step of {rows} rows exceeds the offloaded cache's {self.batch} rows")
+
     def _store_tokens(self, layer: int, k_tok, v_tok, pos: torch.Tensor) -> None:
-        """Write one decoded token per row (``[B, H, d]``, as stored) to the host store:
+        """Write one decoded token per row (``[b, H, d]``, as stored, rows ``0 .. b - 1``) to the host store:
         one engine call per chunk and stored plane (data, then scales if quantised).
         ``k_tok, v_tok``: as :meth:`_slot_form` made them; ``pos [B]`` int64."""
         planes = [(k_tok, v_tok)] if not isinstance(k_tok, quant.QuantizedKV) else [
@@ -397,10 +402,10 @@ class OffloadKVCache(KVCache):
             for part, (kt, vt) in zip(chunk.planes(), planes):
                 self.engine.store_tokens(part, kt, vt, pos)
 
-    def _slot_planes(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``layer``'s K/V slot buffers as plain tensors, one pair per stored plane (as
-        :meth:`~sparda.cache.host.HostChunk.planes`)."""
-        k, v = self.k_slots[layer], self.v_slots[layer]
+    def _slot_planes(self, layer: int, rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``layer``'s K/V slot buffers (of the first ``rows`` rows; ``None``: all) as plain
+        tensors, one pair per stored plane (as :meth:`~sparda.cache.host.HostChunk.planes`)."""
+        k, v = self.k_slots[layer][:rows], self.v_slots[layer][:rows]
         if isinstance(k, quant.QuantizedKV):
             return [(k.data, v.data), (k.scale, v.scale)]
         return [(k, v)]
@@ -481,11 +486,12 @@ class OffloadKVCache(KVCache):
         self._stash = None
 
     # ----------------------------------------------------------------- view
-    def compressed(self, layer: int) -> torch.Tensor:
-        """The whole compressed-key buffer ``[B, H, C_cap, d]`` of ``layer`` (device)."""
-        return self.ck[layer]
+    def compressed(self, layer: int, rows: int | None = None) -> torch.Tensor:
+        """The compressed-key buffer ``[b, H, C_cap, d]`` of ``layer``'s first ``rows`` rows
+        (``None``: all ``B``; a view, on the device)."""
+        return self.ck[layer][:rows]
 
-    def compressed_keys(self, layer: int, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def compressed_keys(self, layer: int, rows, num_tokens: int) -> torch.Tensor:
         """Gathered from the whole buffer: a resident layer's K/V (``k_full``/``v_full``,
         ``4 * H_kv * T * d`` bytes of bf16 read and written at ``T`` tokens by :meth:`view`)
         are not copied for a selection that never reads them."""
@@ -497,7 +503,8 @@ class OffloadKVCache(KVCache):
         Offloaded layers: only while their prefill chunk runs (the layer's K/V so far, from
         :meth:`append`); in decode their K/V are read through :meth:`fetch` / :meth:`attend`
         (the offload-aware methods of :mod:`sparda.attention.offload`), never whole.
-        ``rows``: ``[b]`` int64; ``num_tokens`` in tokens; ``C = num_compressed(num_tokens)``.
+        ``rows``: ``[b]`` int64 or a slice (:attr:`StepInfo.cache_rows`); ``num_tokens`` in
+        tokens; ``C = num_compressed(num_tokens)``.
 
         Raises:
             SpardaError: ``num_tokens`` exceeds the capacity, or the K/V of an offloaded layer
@@ -512,7 +519,7 @@ class OffloadKVCache(KVCache):
         if self._stash is not None and self._stash[0] == layer and self._stash[1].shape[-2] >= num_tokens:
             return self._stash[1][..., :num_tokens, :], self._stash[2][..., :num_tokens, :], ck
         if num_tokens == 0:
-            empty = self.ck[layer].new_zeros(rows.numel(), self.ck[layer].shape[1], 0, self.ck[layer].shape[-1])
+            empty = self.ck[layer].new_zeros(ck.shape[0], self.ck[layer].shape[1], 0, self.ck[layer].shape[-1])
             return empty, empty, ck
         raise SpardaError(f"layer {layer} is offloaded: its K/V are read through fetch/attend (an "
                           "offload-aware method such as sparse-offload or sparda --offload), not view")
@@ -526,12 +533,32 @@ class OffloadKVCache(KVCache):
         return ref.block_mask_to_indices(selection, min(self.select_width, selection.shape[-1]))
 
     def _diff_ids(self, selection: torch.Tensor, caller: str) -> torch.Tensor:
-        """:meth:`selection_ids`, contiguous; SpardaError naming ``caller`` if wider than :attr:`select_width`."""
+        """:meth:`selection_ids`, contiguous; SpardaError naming ``caller`` if wider than
+        :attr:`select_width`, or if it has more rows than the cache (:meth:`_check_rows`)."""
         ids = self.selection_ids(selection)
         if ids.shape[-1] > self.select_width:
             raise SpardaError(f"{caller}: {ids.shape[-1]} block ids per row exceed the selection width "
                               f"{self.select_width} of this cache; select with width=cache.select_width")
+        self._check_rows(ids.shape[0])
         return ids if ids.is_contiguous() else ids.contiguous()
+
+    def _slot_diff(self, layer: int, ids: torch.Tensor, pos: torch.Tensor, load: torch.Tensor,
+                   attn_ids: torch.Tensor, counters: tuple, compact: tuple | None = None,
+                   protect: torch.Tensor | None = None, hot_rule: bool = False) -> tuple:
+        """:func:`sparda.kernels.slot_diff` of ``ids [b, H, W]`` against ``layer``'s block map,
+        every per-row operand (``load``, ``attn_ids``, ``counters``, ``compact``, ``protect``:
+        ``[B, ...]`` buffers, and a hot pool's :meth:`_hot_operands`) cut to the cache's first
+        ``b`` rows (views; design §3.13): the kernel's grid is ``b * H`` programs. ``hot_rule``:
+        a fetch (a hot pool's rule runs in the diff), not an early diff. Returns the rows'
+        ``load [b, H, S]`` and their hot operands (``None`` without a hot pool)."""
+        b = ids.shape[0]
+        load = load[:b]
+        hot = self._hot_operands(layer, load, update=hot_rule)
+        kernels.slot_diff(ids, self.slot_map[layer][:b], pos, self.block_size, self.num_blocks, load,
+                          attn_ids[:b], tuple(c[:b] for c in counters),
+                          None if compact is None else tuple(c[:b] for c in compact),
+                          protect=None if protect is None else protect[:b], hot=hot)
+        return load, hot
 
     def fetch(self, layer: int, selection: torch.Tensor, pos: torch.Tensor, prefetch: bool = False,
               counters: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -545,25 +572,24 @@ class OffloadKVCache(KVCache):
         ``prefetch`` (:meth:`attend` waits on it), else on the compute stream.
 
         Args:
-            selection: ``[B, H, W]`` int32/int64 selected block ids, ascending, ``-1``
-                padded (``W <= select_width``; as from :func:`sparda.kernels.select_decode_blocks`
-                with ``width = select_width``), or a ``[B, H, N']`` bool block mask (converted).
-            pos: ``[B]`` int64 position of this step's token (its block is the current one).
-            counters: optional ``(blocks_read, blocks_valid)`` ``[B]`` int64 device counters
+            selection: ``[b, H, W]`` int32/int64 selected block ids of the cache's first ``b``
+                rows (design §3.13), ascending, ``-1`` padded (``W <= select_width``; as from
+                :func:`sparda.kernels.select_decode_blocks` with ``width = select_width``), or a
+                ``[b, H, N']`` bool block mask (converted). Rows ``b ..`` are not touched.
+            pos: ``[b]`` int64 position of this step's token (its block is the current one).
+            counters: optional ``(blocks_read, blocks_valid)`` ``[b]`` int64 device counters
                 of the method, incremented by the same kernel.
         Raises:
-            SpardaError: ids wider than :attr:`select_width`.
+            SpardaError: ids wider than :attr:`select_width`, or more rows than the cache.
         """
         if layer in self.resident:
             return
         ids = self._diff_ids(selection, "fetch")
-        pref = self.prefetcher
-        read, valid = counters if counters is not None else (self._scratch_count, self._scratch_count)
-        load = self.load[layer]
-        hot = self._hot_operands(layer, load, update=True)
-        kernels.slot_diff(ids, self.slot_map[layer], pos, self.block_size, self.num_blocks, load,
-                          self.attn_ids[layer], (pref.hits, pref.misses, read, valid),
-                          (self.attn_blocks[layer], self.attn_slots[layer]), hot=hot)
+        pref, scratch = self.prefetcher, self._scratch_count
+        read, valid = counters if counters is not None else (scratch, scratch)
+        load, hot = self._slot_diff(layer, ids, pos, self.load[layer], self.attn_ids[layer],
+                                    (pref.hits, pref.misses, read, valid),
+                                    compact=(self.attn_blocks[layer], self.attn_slots[layer]), hot_rule=True)
         self._copy_misses(layer, load, prefetch, hot=hot)
 
     def warm(self, layer: int, selection: torch.Tensor, pos: torch.Tensor) -> None:
@@ -577,19 +603,18 @@ class OffloadKVCache(KVCache):
         :meth:`fetch` decides what it attends. Resident layers: nothing.
 
         Args:
-            selection: ``[B, H, W]`` ids or ``[B, H, N']`` bool mask, as :meth:`fetch`.
-            pos: ``[B]`` int64 position of this step's token.
+            selection: ``[b, H, W]`` ids or ``[b, H, N']`` bool mask of the cache's first ``b``
+                rows (design §3.13), as :meth:`fetch`; rows ``b ..`` are not touched.
+            pos: ``[b]`` int64 position of this step's token.
         Raises:
-            SpardaError: ids wider than :attr:`select_width`.
+            SpardaError: ids wider than :attr:`select_width`, or more rows than the cache.
         """
         if layer in self.resident:
             return
         ids = self._diff_ids(selection, "warm")
-        scratch, load = self._scratch_count, self.early_load[layer]
-        hot = self._hot_operands(layer, load, update=False)
-        kernels.slot_diff(ids, self.slot_map[layer], pos, self.block_size, self.num_blocks, load,
-                          self._early_attn, (scratch, self.prefetcher.early, scratch, scratch),
-                          protect=self.attn_ids[layer], hot=hot)
+        scratch = self._scratch_count
+        load, hot = self._slot_diff(layer, ids, pos, self.early_load[layer], self._early_attn,
+                                    (scratch, self.prefetcher.early, scratch, scratch), protect=self.attn_ids[layer])
         self._copy_misses(layer, load, prefetch=True, early=True, hot=hot)
 
     def wait(self, layer: int) -> None:
@@ -597,20 +622,22 @@ class OffloadKVCache(KVCache):
         self.prefetcher.wait(layer)
 
     def attend(self, layer: int, q: torch.Tensor, kv_len: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Decode attention of ``q [B, H, G, d]`` over the fetched blocks plus the current one.
+        """Decode attention of ``q [b, H, G, d]`` (the first ``b`` rows) over the fetched blocks
+        plus the current one.
 
         Waits for the layer's prefetch, then reads the slots the last :meth:`fetch` of
         ``layer`` selected (its ids, written by the slot diff) plus the partial slot; exact
-        softmax over those tokens with ``key < kv_len``. ``kv_len, pos``: ``[B]`` int64
-        (tokens). Returns ``[B, H, G, d]`` in ``q``'s dtype.
+        softmax over those tokens with ``key < kv_len``. ``kv_len, pos``: ``[b]`` int64
+        (tokens). Returns ``[b, H, G, d]`` in ``q``'s dtype.
 
         Raises:
             SpardaError: shape/dtype mismatch (Triton path of
                 :func:`sparda.kernels.decode_attention_slots`).
         """
         self.wait(layer)
-        return kernels.decode_attention_slots(q, self.k_slots[layer], self.v_slots[layer], self.attn_blocks[layer],
-                                              self.attn_slots[layer], kv_len)
+        b = q.shape[0]
+        return kernels.decode_attention_slots(q, self.k_slots[layer][:b], self.v_slots[layer][:b],
+                                              self.attn_blocks[layer][:b], self.attn_slots[layer][:b], kv_len)
 
     def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
         """Prefetch counters of cache row ``row`` (or the whole batch) over ``tokens`` decoded

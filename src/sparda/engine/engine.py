@@ -14,10 +14,12 @@ run it. Each :meth:`Engine.step`:
    ``chunked_prefill`` (the server) it runs prefill chunks within the step's token budget,
    admitting waiting requests as their first chunk is taken (design §3.9), one prompt per
    forward; a prompt's last chunk samples its first token;
-3. runs one decode step of every cache row (:meth:`ModelRunner.decode`, one captured CUDA
-   graph on CUDA): decoding rows at their own positions, free rows as padding (token 0 at
-   position 0, output discarded), half-prefilled rows at the position their next chunk
-   starts (design §3.9);
+3. runs one decode step of the cache's first ``b`` rows (:meth:`ModelRunner.decode`, one
+   captured CUDA graph per bucket on CUDA), ``b`` the smallest decode batch bucket that
+   holds the highest decoding row (design §3.13; by default one bucket, every row); the rows
+   past ``b`` are not touched. In it decoding rows run at their own positions, free rows as
+   padding (token 0 at position 0, output discarded), half-prefilled rows at the position
+   their next chunk starts (design §3.9);
 4. samples each running row with its own parameters and generator
    (:func:`sparda.engine.sampler.sample_requests`), appends the token, streams the text it
    completes and frees the rows of requests that finished.
@@ -27,8 +29,10 @@ read each other's cache, sampling is per request, counters are per row. With
 ``static_live_len`` (the server) every decode step also takes the same host-side branch
 whatever the batch holds (``max_position = max_model_len - 1``: the dense-fallback switch
 of design §3.6 and the CUDA-graph key never depend on the neighbours), so with dense
-attention in fp32 a request's logits are bit-identical alone or in a busy batch (tested);
-offline runs follow the longest running row instead, as a static batch would.
+attention in fp32 a request's logits are bit-identical alone or in a busy batch of the
+same bucket (tested; the default has one bucket); the GEMMs of another bucket's row count
+may round differently (design §3.13). Offline runs follow the longest running row
+instead, as a static batch would.
 """
 
 from __future__ import annotations
@@ -169,6 +173,11 @@ class Engine:
         self._offload: dict | None = None
         self._offload_done = [0, 0]  # hits, misses of finished requests
         self._offload_at = 0.0
+        #: an observer of decode steps (benchmarks, e.g. :class:`sparda.bench.traces.RowReplayer`),
+        #: or ``None``: ``on_decode_start(row, position, request_id)`` when a row starts decoding (its
+        #: prompt's first token sampled, or its recompute done), ``before_decode_step(rows)`` and
+        #: ``after_decode_step(rows)`` around each decode step, ``rows`` the rows that decode in it
+        self.decode_hook = None
 
     @property
     def offloaded(self) -> bool:
@@ -233,7 +242,7 @@ class Engine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[Delta]:
-        """One iteration: drop cancelled, admit and prefill, decode every row.
+        """One iteration: drop cancelled, admit and prefill, decode the rows of a bucket (design §3.13).
 
         Returns the :class:`Delta` of every request that advanced (each one also goes to
         its ``on_delta``). An exception in one request's own work (its prefill, sampling,
@@ -298,12 +307,14 @@ class Engine:
 
     def _row_counters(self) -> list[torch.Tensor]:
         """Per-row ``[B]`` counters: the method's block counts (of this engine's cache), the
-        offload hits/misses."""
+        offload hits/misses, early copies (design §6.2) and ``mixed``'s pool misses."""
         counters = [v for v in self.cache.counters.values()
                     if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == self.max_batch]
         prefetcher = self.cache.prefetcher
         if prefetcher is not None and prefetcher.hits is not None:
-            counters += [prefetcher.hits, prefetcher.misses]
+            counters += [prefetcher.hits, prefetcher.misses, prefetcher.early]
+            if prefetcher.pool_misses is not None:
+                counters.append(prefetcher.pool_misses)
         return counters
 
     def _reset_row(self, row: int, values: list | None = None) -> None:
@@ -394,14 +405,22 @@ class Engine:
                 self.cache.restore_decode_state(seq.row, history)
                 seq.saved_state = None
                 self._tokens[seq.row], self._positions[seq.row] = seq.output_ids[-1], seq.position
+                self._decode_starts(seq)
                 return []
             self._reset_row(seq.row)
             (token, logprob), = sample_requests(logits, [seq.params], [seq.generator])
             with self._lock:
                 self.prompt_tokens += seq.num_prompt
-            return [(seq, self._advance(seq, token, logprob))]
+            event = (seq, self._advance(seq, token, logprob))
+            self._decode_starts(seq)
+            return [event]
         except Exception as exc:  # noqa: BLE001 - this request alone fails
             return [(seq, self.failed(seq, exc))]
+
+    def _decode_starts(self, seq: Sequence) -> None:
+        """Tell :attr:`decode_hook` that ``seq`` (if it still holds its row) decodes from now on."""
+        if self.decode_hook is not None and seq.row is not None:
+            self.decode_hook.on_decode_start(seq.row, self._positions[seq.row], seq.request_id)
 
     def _prefill_group(self, batch: list[Sequence]) -> list[tuple[Sequence, Delta]]:
         """One prefill forward of ``batch``; if it fails, each request again alone, so that
@@ -424,14 +443,25 @@ class Engine:
         return events
 
     def _decode(self, running: list[tuple[int, Sequence]]) -> list[tuple[Sequence, Delta]]:
+        """One decode step of the rows ``[0, b)``, ``b`` the bucket of the highest decoding row
+        (``running``: ``(row, seq)`` by ascending row; design §3.13)."""
         device = self.llm.device
-        tokens = torch.tensor(self._tokens, device=device)
-        positions = torch.tensor(self._positions, device=device)
         rows = [row for row, _ in running]
         seqs = [seq for _, seq in running]
-        # static: max_position at the row's end, the same branch (and graph) whoever else runs
-        longest = self.max_model_len - 1 if self.static_live_len else max(self._positions)  # padding rows too
+        batch = self.runner.runner(self.cache).bucket(rows[-1] + 1)
+        tokens = torch.tensor(self._tokens[:batch], device=device)
+        positions = torch.tensor(self._positions[:batch], device=device)
+        # static: max_position at the row's end, the same branch (and graph) whoever else runs;
+        # else the longest row held, half-prefilled ones too (free rows sit at 0)
+        with self._lock:
+            longest = self.max_model_len - 1 if self.static_live_len else max(
+                self._positions[row] for row in self.scheduler.running)
+        hook = self.decode_hook
+        if hook is not None:
+            hook.before_decode_step(rows)
         logits = self.runner.decode(self.cache, tokens, positions, longest)
+        if hook is not None:
+            hook.after_decode_step(rows)
         try:
             picked = sample_requests(logits[rows], [seq.params for seq in seqs], [seq.generator for seq in seqs])
         except Exception:  # noqa: BLE001 - find whose sampling fails: one row at a time below
@@ -611,15 +641,18 @@ class Engine:
         ``kv_blocks_total`` (host KV blocks, design §3.11), ``generation_tokens_total``,
         ``prompt_tokens_total``, ``generation_tokens_per_s`` (over the last
         ``RATE_WINDOW_S`` seconds), ``requests_finished`` (by finish reason), ``preemptions``
-        (requests preempted by recompute so far, design §3.11) and, on an
-        offloaded cache, ``offload`` (``hit_rate``, ``bytes_per_token`` copied per decoded
-        token, ... read at most every ``OFFLOAD_REFRESH_S`` seconds)."""
+        (requests preempted by recompute so far, design §3.11), ``decode_bucket`` (rows the
+        last decode step ran, 0 before the first; design §3.13), ``decode_steps_by_bucket``
+        (bucket -> decode steps), ``graph_capture_ms`` (capturing the CUDA graphs so far) and,
+        on an offloaded cache, ``offload`` (``hit_rate``, ``bytes_per_token`` copied per
+        decoded token, ... read at most every ``OFFLOAD_REFRESH_S`` seconds)."""
         now = time.perf_counter()
         with self._lock:
             while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
                 self._rate.popleft()
             span = min(RATE_WINDOW_S, max(time.time() - self.started, 1e-3))
             held = list(self.scheduler.running.values())
+            run = self.cache.decode_runner  # None before the first decode step (made on the engine's thread)
             out = {
                 "requests_running": len(held),
                 "requests_prefilling": sum(not seq.prefilled for seq in held),
@@ -636,6 +669,9 @@ class Engine:
                 "generation_tokens_per_s": round(sum(n for _, n in self._rate) / span, 3),
                 "requests_finished": dict(self.finished),
                 "preemptions": self.scheduler.preemptions,
+                "decode_bucket": run.last_bucket if run else 0,
+                "decode_steps_by_bucket": dict(sorted(run.bucket_steps.copy().items())) if run else {},  # atomic copy
+                "graph_capture_ms": round(run.capture_s * 1e3, 3) if run else 0.0,
             }
             pool = self.scheduler.block_pool
             if pool is not None:

@@ -128,9 +128,12 @@ class LLM:
         other.options = {**self.options, **options}
         config = build_config(**other.options)
         identity = None if self.model_dir is None else model_identity(self.model.config, self.model.shape)
-        forecast = getattr(self.method, "forecast", None)
-        other._setup(config, identity, **({"forecast": forecast} if forecast is not None and self.model_dir is None
-                                          and config.method.startswith("sparda") else {}))
+        extra = {}
+        if self.model_dir is None and config.method.startswith("sparda"):  # in-memory Forecasts go along
+            for key, wanted in (("forecast", True), ("forecast2", config.lookahead == 2)):
+                if wanted and getattr(self.method, key, None) is not None:
+                    extra[key] = getattr(self.method, key)
+        other._setup(config, identity, **extra)
         return other
 
     # ----------------------------------------------------------------- prompts

@@ -224,9 +224,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ decode
     def decode_step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                     live_len: int) -> torch.Tensor:
-        """The static-shape decode step (docs/cuda_graphs.md): ``tokens, positions, rows [B]``
-        int64 -> logits ``[B, V]`` fp32; views span the cache's capacity, per-row lengths
-        mask the rest; ``live_len`` (host int, tokens) steers host-side branches only."""
+        """The static-shape decode step (docs/cuda_graphs.md): ``tokens, positions [b]`` int64
+        of rows ``rows = arange(b)``, the cache's first ``b`` rows (design §3.13) -> logits
+        ``[b, V]`` fp32; views span the cache's capacity, per-row lengths mask the rest;
+        ``live_len`` (host int, tokens) steers host-side branches only."""
         step = self._step("decode", rows, positions.view(-1, 1), cache.capacity, live_len)
         fused = self.fused_decoder()
         if fused is not None:
@@ -257,13 +258,15 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
                max_position: int | None = None) -> torch.Tensor:
-        """One decode step of every row: ``tokens [B]`` at ``positions [B]`` -> fresh logits
-        ``[B, V]`` fp32 (a replayed CUDA graph on CUDA). ``max_position`` (host int) avoids a sync."""
+        """One decode step of the cache's first ``b`` rows: ``tokens [b]`` at ``positions [b]``
+        -> fresh logits ``[b, V]`` fp32 (a replayed CUDA graph on CUDA, one per ``b``); rows
+        ``b ..`` are not touched (design §3.13; the engine passes a bucket, every row by
+        default). ``max_position`` (host int) avoids a sync."""
         if max_position is None:
             max_position = int(positions.max().item())
         run = self.runner(cache)
         run.load(tokens, positions)
-        return run.step(max_position + 1).clone()
+        return run.step(max_position + 1, tokens.shape[0]).clone()
 
     def sync(self) -> None:
         """Wait for the device (host timings)."""

@@ -42,8 +42,8 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
         One record per sample: score, completion, token counts, timings, ``kv_read_fraction``,
         ``kv_bytes_read_per_token`` (bytes of K/V read per decoded token: the request's
         ``kv_cache_bytes`` times its ``kv_read_fraction``, whole blocks, every layer and KV
-        head), ``topp_mass`` (design §3.12, ``None``: fixed top-k), ``hit_rate`` with ``hit_rate_source`` (``runtime``
-        or ``overlap``), ``host_bytes_copied_per_token``, ``dense_heads``.
+        head), ``topp_mass`` (design §3.12, ``None``: fixed top-k), ``lookahead`` (design §6.2), ``hit_rate`` with ``hit_rate_source`` (``runtime``
+        or ``overlap``), ``host_bytes_copied_per_token``, ``early_copies`` (design §6.2), ``dense_heads``.
     """
     from sparda.eval.metrics import exact_match, runtime_hit_rate, score
 
@@ -70,7 +70,7 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
         if "offload" in stats:
             rate = runtime_hit_rate(stats["offload"])
         records.append(dict(
-            label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topp_mass=spec.topp_mass, topk_blocks=topk,
+            label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topp_mass=spec.topp_mass, lookahead=spec.lookahead, topk_blocks=topk,
             **_budget_fields(llm, length), task=sample.task, length=length, sample=index, depth=sample.depth,
             seed=seed, score=score(sample, out.text), exact=exact_match(sample.answers, out.text),
             answers=list(sample.answers), completion=out.text[:400],
@@ -80,6 +80,7 @@ def task_records(models, spec, batch: list, length: int) -> list[dict]:
             kv_read_fraction=stats["kv_read_fraction"],
             kv_bytes_read_per_token=stats["kv_cache_bytes"] * stats["kv_read_fraction"],
             host_bytes_copied_per_token=stats["offload"].get("bytes_per_token") if "offload" in stats else None,
+            early_copies=stats["offload"].get("early_copies") if "offload" in stats else None,
             hit_rate=rate, hit_rate_source=source if rate is not None else None,
             seconds=round(seconds / len(batch), 3), batch=len(batch),
             prefill="block-sparse" if llm.config.sparse_prefill and spec.method != "dense" else "dense",
@@ -112,7 +113,7 @@ def ppl_records(models, todo: list, text_ids: list[int], length: int, index: int
         logits = reference if same else llm.logits(ids[:-1])[first:]
         m = compare_logits(logits, reference, targets)
         n = m["positions"]
-        yield dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topp_mass=spec.topp_mass, topk_blocks=topk,
+        yield dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topp_mass=spec.topp_mass, lookahead=spec.lookahead, topk_blocks=topk,
                    **_budget_fields(llm, length), task=PPL, length=length, sample=index, depth=None, seed=seed,
                    positions=n, ppl=perplexity(m["nll_sum"], n), dense_ppl=perplexity(m["ref_nll_sum"], n),
                    top1_agreement=m["agree_sum"] / n, kl=m["kl_sum"] / n, score=m["agree_sum"] / n,
@@ -192,7 +193,7 @@ def ppl_decode_records(models, todo: dict[int, list], text_ids: list[int], lengt
         offloaded = bool(llm.config.offload) or getattr(llm.method, "offloaded", False)
         n = decode_tokens
         for b, i in enumerate(wanted):
-            yield dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topp_mass=spec.topp_mass, topk_blocks=topk,
+            yield dict(label=spec.label, method=spec.method, budget_pct=spec.budget_pct, topp_mass=spec.topp_mass, lookahead=spec.lookahead, topk_blocks=topk,
                        **_budget_fields(llm, length), task=PPL_DECODE, length=length, sample=i, depth=None,
                        seed=seeds[i], positions=n, prefix=prefix, ppl=perplexity(sums["nll"][b], n),
                        dense_ppl=perplexity(sums["ref_nll"][b], n), top1_agreement=sums["agree"][b] / n,

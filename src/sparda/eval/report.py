@@ -61,7 +61,7 @@ def _boot(values) -> tuple[float | None, float | None]:
 def _comparisons(labels: list[str]) -> list[tuple[str, str]]:
     """The paired comparisons of a report: ``sparda`` vs ``sparse`` (each budget too), each
     of the seeds' selectors (:data:`sparda.eval.selection.BASELINES`) vs ``sparda`` at the
-    same budget, then every label vs ``dense``."""
+    same budget, ``sparda@la2`` vs ``sparda@la1`` (else ``sparda``), then every label vs ``dense``."""
     from sparda.eval.selection import BASELINES
 
     pairs = [(a, a.replace("sparda", "sparse", 1)) for a in labels
@@ -70,6 +70,12 @@ def _comparisons(labels: list[str]) -> list[tuple[str, str]]:
         method, at, budget = a.partition("@")
         if method in BASELINES and "sparda" + at + budget in labels:
             pairs.append((a, "sparda" + at + budget))
+    for a in labels:  # a lookahead against lookahead 1 (or plain sparda) at the same budget
+        head, at, tail = a.rpartition("@la")
+        if at and tail != "1":
+            base = next((b for b in (f"{head}@la1", head) if b in labels), None)
+            if base is not None:
+                pairs.append((a, base))
     if "dense" in labels:
         pairs += [(a, "dense") for a in labels if a != "dense"]
     return pairs

@@ -56,6 +56,9 @@ class EvalPlan:
         topp_masses: mass-adaptive decode budgets (design §3.12): each method of
             :data:`~sparda.config.ADAPTIVE_METHODS` also runs at each (``METHOD@pP`` labels).
         min_blocks: their floor (``None``: the forced blocks).
+        lookaheads: ``sparda`` also runs offloaded at each lookahead (1 or 2, design §6.2;
+            ``sparda@laN`` labels). forecast, forecast2: weight files of the ``sparda`` methods'
+            Forecast and two-ahead Forecast (``None``: the shipped ones).
     """
 
     tasks: tuple[str, ...]
@@ -80,6 +83,9 @@ class EvalPlan:
     decode_tokens: int = DECODE_TOKENS
     topp_masses: tuple[float, ...] = ()
     min_blocks: int | None = None
+    lookaheads: tuple[int, ...] = ()
+    forecast: str | None = None
+    forecast2: str | None = None
 
     def resolved_batch_size(self) -> int:
         """:attr:`batch_size`, or the default of the device (:data:`DEFAULT_BATCH`)."""
@@ -110,6 +116,11 @@ class EvalPlan:
             keys["decode_tokens"] = self.decode_tokens
         if self.min_blocks is not None:
             keys["min_blocks"] = self.min_blocks
+        for name in ("forecast", "forecast2"):  # given weight files, by content
+            if getattr(self, name) is not None:
+                from sparda.model.loader import file_digest
+
+                keys[f"{name}_file"] = file_digest(Path(getattr(self, name)))
         keys.update(self.asset_digests())  # only where the model has them, as older directories
         return hashlib.sha1(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -133,29 +144,39 @@ class EvalPlan:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One evaluated configuration: a method, an optional budget (% of context) and an optional
-    top-p mass (design §3.12)."""
+    """One evaluated configuration: a method, an optional budget (% of context), an optional
+    top-p mass (design §3.12) and an optional lookahead of offloaded ``sparda`` (design §6.2)."""
 
     method: str
     budget_pct: float | None = None
     topp_mass: float | None = None
+    lookahead: int | None = None
 
     @property
     def label(self) -> str:
         label = self.method if self.budget_pct is None else f"{self.method}@{self.budget_pct:g}%"
-        return label if self.topp_mass is None else f"{label}@p{self.topp_mass:g}"
+        label = label if self.topp_mass is None else f"{label}@p{self.topp_mass:g}"
+        return label if self.lookahead is None else f"{label}@la{self.lookahead}"
 
     def selection_options(self, plan: "EvalPlan") -> dict:
-        """The top-p options of this spec (none for a fixed top-k)."""
-        if self.topp_mass is None:
-            return {}
-        return {"topp_mass": self.topp_mass, "min_blocks": plan.min_blocks}
+        """The LLM options of this spec beyond the method: top-p, a lookahead (offloaded), and the
+        plan's Forecast weight files for the ``sparda`` methods."""
+        out = {}
+        if self.topp_mass is not None:
+            out.update(topp_mass=self.topp_mass, min_blocks=plan.min_blocks)
+        if self.lookahead is not None:
+            out.update(lookahead=self.lookahead, offload=True)
+            if self.lookahead == 2 and plan.forecast2 is not None:
+                out["forecast2"] = plan.forecast2
+        if plan.forecast is not None and self.method.startswith("sparda"):
+            out["forecast"] = plan.forecast
+        return out
 
 
 def method_specs(plan: EvalPlan) -> list[MethodSpec]:
     """Dense once; every other method once per budget (or at the preset budget), the
-    :data:`~sparda.config.ADAPTIVE_METHODS` also at each top-p mass. Raises SpardaError for an
-    unknown method."""
+    :data:`~sparda.config.ADAPTIVE_METHODS` also at each top-p mass, ``sparda`` also at each
+    lookahead. Raises SpardaError for an unknown method."""
     from sparda.attention.registry import METHOD_CLASSES
     from sparda.config import ADAPTIVE_METHODS
 
@@ -167,6 +188,8 @@ def method_specs(plan: EvalPlan) -> list[MethodSpec]:
         budgets = [None] if m == "dense" or not plan.budgets else plan.budgets
         masses = [None, *plan.topp_masses] if m in ADAPTIVE_METHODS else [None]
         specs += [MethodSpec(m, b, p) for b in budgets for p in masses]
+        if m == "sparda":
+            specs += [MethodSpec(m, b, None, n) for b in budgets for n in plan.lookaheads]
     return specs
 
 
@@ -244,10 +267,11 @@ class _Models:
             base_sel = SelectionConfig.from_preset(self.plan.preset, **overrides)
             if spec.budget_pct is not None:
                 overrides["topk_blocks"] = budget_topk(spec.budget_pct, length, base_sel)
-            overrides.update(spec.selection_options(self.plan))
             # as `sparda generate --method M` (offload default, dense heads, design §3.7)
-            llm = self.base.derive(method=spec.method, sparse_prefill=sparse_prefill, kv_dtype=self.plan.kv_dtype,
-                                   dense_heads=self.plan.dense_heads, offload=None, **overrides)
+            options = dict(method=spec.method, sparse_prefill=sparse_prefill, kv_dtype=self.plan.kv_dtype,
+                           dense_heads=self.plan.dense_heads, offload=None, **overrides)
+            options.update(spec.selection_options(self.plan))
+            llm = self.base.derive(**options)
             selection = llm.config.selection
             offloaded = llm.model_runner.offloaded
             tracker = None if offloaded else HitRateTracker(llm.method)
@@ -436,6 +460,17 @@ def run_eval(plan: EvalPlan, *, max_new_items: int | None = None, progress: bool
         raise SpardaError(f"--budgets are percentages in (0, 100], got {bad[0]:g}")
     if plan.min_blocks is not None and not plan.topp_masses:
         raise SpardaError("--min-blocks applies with --topp-mass only; add e.g. --topp-mass 0.9")
+    if any(n not in (1, 2) or isinstance(n, bool) for n in plan.lookaheads):
+        raise SpardaError(f"--lookahead takes 1 and/or 2 (layers ahead a copy starts), got "
+                          f"{','.join(map(str, plan.lookaheads))}")
+    if plan.lookaheads and "sparda" not in plan.methods:
+        raise SpardaError("--lookahead runs method sparda offloaded at each lookahead; add sparda to --methods")
+    if plan.forecast2 is not None and 2 not in plan.lookaheads:
+        raise SpardaError("--forecast2 gives the two-ahead Forecast of --lookahead 2; add --lookahead 2 or drop it")
+    for name in ("forecast", "forecast2"):
+        path = getattr(plan, name)
+        if path is not None and not Path(path).is_file():
+            raise SpardaError(f"--{name} file not found: {path}; pass a .safetensors file of Forecast weights")
     if plan.batch_size is not None and plan.batch_size < 1:
         raise SpardaError(f"--batch-size must be at least 1, got {plan.batch_size}")
     if time_budget_s is not None and not time_budget_s > 0:
@@ -488,7 +523,7 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                       ppl_windows=None, out=None, quick=False, text=None, model=None, preset="small",
                       device="cpu", dtype=None, seed=0, sparse_prefill=None, batch_size=None,
                       kv_dtype=None, dense_heads=None, decode_tokens=None, topp_mass=None,
-                      min_blocks=None) -> EvalPlan:
+                      min_blocks=None, lookahead=None, forecast=None, forecast2=None) -> EvalPlan:
     """An :class:`EvalPlan` from CLI options (``--quick`` or full defaults). Raises SpardaError on bad values."""
     from sparda.attention.registry import METHOD_CLASSES
 
@@ -504,7 +539,8 @@ def plan_from_options(tasks=None, methods=None, lengths=None, samples=None, budg
                     dtype=dtype, text=text, seed=seed, sparse_prefill=sparse_prefill, batch_size=batch_size,
                     kv_dtype=kv_dtype or "bf16", dense_heads=_dense_heads_setting(dense_heads),
                     decode_tokens=DECODE_TOKENS if decode_tokens is None else decode_tokens,
-                    topp_masses=tuple(topp_mass or ()), min_blocks=min_blocks)
+                    topp_masses=tuple(topp_mass or ()), min_blocks=min_blocks,
+                    lookaheads=tuple(dict.fromkeys(lookahead or ())), forecast=forecast, forecast2=forecast2)
 
 
 def _dense_heads_setting(value) -> str:

@@ -1,7 +1,7 @@
 """The fused decode step on CUDA (design §6 step order): few kernels per layer.
 
 :class:`FusedDecoder` runs the same decoder as :meth:`CausalLM.forward` for a decode step
-(one token per row, every cache row), with
+(one token per row, the cache's first ``b`` rows: design §3.13), with
 
 * one GEMM for Q, K, V and the method's extra heads (the Forecast ``F_l`` scoring layer
   ``l+1``, and ``W^C_0`` at layer 0: design §4) on weights stacked once;
@@ -104,8 +104,9 @@ class FusedDecoder:
                 and last.self_attn.q_proj.weight.data_ptr() == self.qkv_w[-1].data_ptr())
 
     def forward(self, input_ids: torch.Tensor, step, cache, method) -> torch.Tensor:
-        """Logits ``[B, 1, V]`` fp32 of one decode step: ``input_ids [B, 1]`` at ``step.q_pos``
-        (every cache row, in order). Appends to ``cache`` and attends with ``method``."""
+        """Logits ``[b, 1, V]`` fp32 of one decode step: ``input_ids [b, 1]`` at ``step.q_pos``
+        (the cache's first ``b`` rows, in order; design §3.13). Appends to ``cache`` and attends
+        with ``method``."""
         if not self._current():
             self._build()
         s = self.shape

@@ -198,7 +198,7 @@ class StepInfo:
     Attributes:
         phase: ``"prefill"`` or ``"decode"``.
         rows: ``[B]`` int64 cache rows this forward writes (prefill: one row, or several in a
-            batched prefill).
+            batched prefill; decode: ``arange(B)``, the cache's first ``B`` rows, design §3.13).
         q_pos: ``[B, Tq]`` int64 absolute positions of the query tokens.
         kv_len: ``[B]`` int64 valid keys per row after this step's append.
         cos, sin: RoPE tables ``[B, 1, Tq, d]`` for the query positions.
@@ -234,6 +234,17 @@ class StepInfo:
     projections: dict = field(default_factory=dict)
     row: int | None = None
     row_lengths: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def batch(self) -> int:
+        """Rows of this forward (host int, no sync)."""
+        return self.rows.shape[0]
+
+    @property
+    def cache_rows(self):
+        """How a cache indexes this step's rows: in decode ``slice(0, batch)`` (the cache's
+        first rows: views, no copy, design §3.13), otherwise :attr:`rows`."""
+        return slice(0, self.rows.shape[0]) if self.phase == "decode" else self.rows
 
     def prefill_spans(self, tokens: int) -> list[tuple[int, int, int, int]]:
         """``(batch index, cache row, start, end)`` of each row a prefill step of ``tokens``

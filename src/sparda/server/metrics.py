@@ -9,8 +9,10 @@ Everything is labelled with the served model (``model="..."``) and prefixed ``sp
   ``kv_blocks_total`` (host KV blocks, design §3.11), ``prompt_tokens_total``,
   ``generation_tokens_total``, ``generation_tokens_per_second`` (last 10 s),
   ``requests_finished_total{reason}``, ``preemptions_total`` (requests preempted by recompute
-  when a paged pool that grows on demand ran out of blocks, design §3.11; 0 otherwise) and,
-  on an offloaded cache, ``offload_hit_rate`` and ``offload_bytes_per_token``.
+  when a paged pool that grows on demand ran out of blocks, design §3.11; 0 otherwise),
+  ``decode_bucket_rows`` (rows the last decode step ran), ``decode_steps_total{bucket}``
+  (design §3.13), ``cuda_graph_capture_seconds_total`` and, on an offloaded cache,
+  ``offload_hit_rate`` and ``offload_bytes_per_token``.
 * Observed when each HTTP request's engine request finishes (its
   :attr:`RequestOutput.stats`): the histograms ``time_to_first_token_seconds``,
   ``time_per_output_token_seconds`` (decode time over the tokens after the first) and
@@ -82,6 +84,15 @@ class EngineCollector:
         yield finished
         yield counter("preemptions", "Requests preempted by recompute (a paged KV pool out of blocks).",
                       m["preemptions"])
+        yield gauge("decode_bucket_rows", "KV rows the last decode step ran: its decode batch bucket (design §3.13).",
+                    m["decode_bucket"])
+        steps = CounterMetricFamily("sparda_decode_steps", "Decode steps, by decode batch bucket (rows run).",
+                                    labels=["model", "bucket"])
+        for bucket, count in m["decode_steps_by_bucket"].items():
+            steps.add_metric([model, str(bucket)], float(count))
+        yield steps
+        yield counter("cuda_graph_capture_seconds", "Wall time spent capturing CUDA graphs of decode steps.",
+                      m["graph_capture_ms"] / 1e3)
         if "offload" in m:
             yield gauge("offload_hit_rate", "Fraction of selected KV blocks already on the device.",
                         m["offload"].get("hit_rate", 0.0))

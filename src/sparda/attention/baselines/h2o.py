@@ -95,7 +95,7 @@ class H2OAttention(BlockSparseMethod):
         prompt start ``acc`` (chunked prefill: the first chunk, whose queries see all ``T``
         keys, resets ``acc``; each later chunk adds its queries' masses). Decode: :meth:`decode_mask`, exact attention over it, then the
         mass it gave each read block is added to ``acc`` (in place)."""
-        k, v, _ = cache.view(layer, step.rows, step.max_kv_len)
+        k, v, _ = cache.view(layer, step.cache_rows, step.max_kv_len)
         st = self.state.of(cache)
         if step.phase == "prefill":
             for sub, q_row, k_row in prefill_rows(step, q, k):  # a batched prefill: each row's own prompt

@@ -92,7 +92,7 @@ class QuestAttention(BlockSparseMethod):
         the element-wise min / max with the stored bound."""
         st = self.state.of(cache)
         lo, hi = st["lo"][layer], st["hi"][layer]
-        k, _, _ = cache.view(layer, step.rows, step.max_kv_len)
+        k, _, _ = cache.view(layer, step.cache_rows, step.max_kv_len)
         if step.phase == "prefill":
             for sub, k_row in prefill_rows(step, k):  # a batched prefill: each row's own keys
                 row = sub.rows[:1]

@@ -159,7 +159,7 @@ class ShallowAttention(BlockSparseMethod):
         """``q [B, H_kv, G, Tq, d]`` -> same shape. Prefill and layers ``< N``: dense (they feed
         the mask). Decode layers ``>= N``: exact attention over this step's shared mask, or
         dense where the whole batch is under the dense fallback."""
-        k, v, _ = cache.view(layer, step.rows, step.max_kv_len)
+        k, v, _ = cache.view(layer, step.cache_rows, step.max_kv_len)
         if layer < self.num_shallow:
             self._shallow(layer, q, k, cache, step)
             self._count_dense(cache, step)

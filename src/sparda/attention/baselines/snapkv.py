@@ -110,7 +110,7 @@ class SnapKVAttention(BlockSparseMethod):
     def attend(self, layer, q, h, cache, step):
         """``q [B, H_kv, G, Tq, d]`` -> same shape: dense prefill (then :meth:`prefill_select`),
         decode over the fixed set plus the recent blocks (:func:`fixed_set_mask`)."""
-        k, v, _ = cache.view(layer, step.rows, step.max_kv_len)
+        k, v, _ = cache.view(layer, step.cache_rows, step.max_kv_len)
         if step.phase == "prefill":
             for sub, q_row, k_row in prefill_rows(step, q, k):  # a batched prefill: each row's own window
                 self.prefill_select(layer, q_row, k_row, cache, sub)
