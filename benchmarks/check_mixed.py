@@ -3,8 +3,10 @@
 
 1. ``kernels``: the slot diff with the hot pool (Triton on CUDA) against its twin on the same
    CUDA tensors, random hot states at the shape of a 128K context (``N`` 2048 blocks: the hot
-   pass spans two tiles), a fetch and an early diff: every output identical. The kernel has no
-   ``tl.dot``; bf16 reaches it only through the append, checked in 2.
+   pass spans two tiles), a small one and one of fewer blocks than a CTA's threads (a
+   replicated layout), a fetch and an early diff, every operand the first ``b`` rows of a
+   larger buffer (a batch bucket, design §3.13): every output identical, the rows past ``b``
+   untouched. The kernel has no ``tl.dot``; bf16 reaches it only through the append, checked in 2.
 2. ``parity``: offloaded ``sparda`` in bf16 at the model's shape, eager steps from one filled
    context, ``mixed`` through the new kernels and through :class:`OldBookkeeping`: the same
    logits, hot states, slot maps, slots, int4 store and hot pool after every step.
@@ -97,32 +99,57 @@ def _random_diff(gen, dev, b, h, s, w, n, bs, pool, steps):
     return ids, slot_map.contiguous(), pos, hot, last
 
 
+#: rows past the bucket in the kernel check's buffers
+EXTRA_ROWS = 2
+
+
+def _bucket_rows(x: torch.Tensor, extra: int = EXTRA_ROWS) -> torch.Tensor:
+    """A buffer of ``b + extra`` rows whose first ``b`` are ``x [b, ...]`` and whose others hold
+    a filler (7, ``True``): a decode step of a batch bucket passes its first ``b`` rows (design §3.13)."""
+    buf = torch.full((x.shape[0] + extra, *x.shape[1:]), 7, dtype=x.dtype, device=x.device)
+    buf[:x.shape[0]] = x
+    return buf
+
+
 def check_kernels(dev, seed: int = 0) -> bool:
-    """The hot slot diff (:func:`sparda.kernels.slot_diff`, Triton on CUDA) against its twin."""
+    """The hot slot diff (:func:`sparda.kernels.slot_diff`, Triton on CUDA) against its twin; every
+    per-row operand is the first ``b`` rows of a buffer of ``b +`` :data:`EXTRA_ROWS` (a batch
+    bucket, design §3.13), whose rows past ``b`` must come back untouched."""
     gen = torch.Generator().manual_seed(seed)
     ok = True
-    shapes = ((4, 2, 192, 128, 2048, 64, 96, 4, 33), (3, 8, 48, 32, 300, 64, 21, 2, 4))  # paper at 128K; small
+    # paper at 128K (the hot pass spans two tiles); small; N below the threads of a CTA (a replicated layout)
+    shapes = ((4, 2, 192, 128, 2048, 64, 96, 4, 33), (3, 8, 48, 32, 300, 64, 21, 2, 4),
+              (2, 4, 12, 8, 40, 16, 6, 2, 2))
     for b, h, s, w, n, bs, pool, steps, local in shapes:
         for early in (False, True):
             ids, slot_map, pos, hot, last = _random_diff(gen, dev, b, h, s, w, n, bs, pool, steps)
             protect = None
             if early:
                 protect = torch.where(torch.rand(b, h, s + 1, generator=gen).to(dev) < 0.5, 1, -1).to(torch.int32)
-            outs = []
+            outs, untouched = [], True
             for fn in (kernels.slot_diff, twins.slot_diff_reference):
-                sm, load = slot_map.clone(), torch.full_like(slot_map, -5)
-                attn = torch.full((b, h, s + 1), -5, dtype=torch.int32, device=dev)
-                compact = tuple(torch.full((b, h, w + 1), -5, dtype=torch.int32, device=dev) for _ in range(2))
-                counters = tuple(torch.zeros(b, dtype=torch.long, device=dev) for _ in range(4))
-                state = twins.HotSplit(hot.clone(), last.clone(), torch.full_like(load, -5), torch.full_like(load, -5),
-                                       torch.zeros(b, dtype=torch.long, device=dev), pool, steps, local, not early)
-                fn(ids, sm, pos, bs, n, load, attn, counters, None if early else compact, protect, state)
-                outs.append([sm, load, attn, *counters, *(() if early else compact), *state[:5]])
-            same = all(torch.equal(x, y) for x, y in zip(*outs))
+                rows = _bucket_rows
+                blank = torch.full_like(slot_map, -5)
+                bufs = [rows(slot_map), rows(blank), rows(torch.full((b, h, s + 1), -5, dtype=torch.int32, device=dev))]
+                bufs += [rows(torch.zeros(b, dtype=torch.long, device=dev)) for _ in range(4)]
+                if not early:
+                    bufs += [rows(torch.full((b, h, w + 1), -5, dtype=torch.int32, device=dev)) for _ in range(2)]
+                bufs += [rows(hot), rows(last), rows(blank), rows(blank), rows(torch.zeros(b, dtype=torch.long, device=dev))]
+                views, tails = [t[:b] for t in bufs], [t[b:].clone() for t in bufs]
+                sm, load, attn, counters, compact = views[0], views[1], views[2], tuple(views[3:7]), None
+                if not early:
+                    compact = tuple(views[7:9])
+                state = twins.HotSplit(*views[-5:], pool, steps, local, not early)
+                fn(ids, sm, pos, bs, n, load, attn, counters, compact, None if protect is None else rows(protect)[:b],
+                   state)
+                outs.append(views)
+                untouched &= all(torch.equal(t[b:], tail) for t, tail in zip(bufs, tails))
+            same = all(torch.equal(x, y) for x, y in zip(*outs)) and untouched
             ok &= same
             demoted = int((slot_map != outs[0][0]).sum())
             print(f"kernels  slot_diff hot {'early' if early else 'fetch'} B{b} H{h} S{s} W{w} N{n} P{pool}: "
-                  f"identical={same} pool loads={int(outs[0][-1].sum())} slots changed={demoted}")
+                  f"identical={same} pool loads={int(outs[0][-1].sum())} slots changed={demoted} "
+                  f"rows past b untouched={untouched}")
     return ok
 
 

@@ -163,4 +163,4 @@ def test_gpu_check_script_runs_on_the_cpu(capsys):
     assert script.main(["--device", "cpu", "--model", "tiny", "--context", "400", "--steps", "2", "--batch", "2",
                         "--checks", "kernels,parity"]) == 0
     out = capsys.readouterr().out
-    assert out.count("identical=True") == 5 and out.strip().endswith("OK"), out
+    assert out.count("identical=True") == 7 and out.strip().endswith("OK"), out
