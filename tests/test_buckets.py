@@ -8,9 +8,12 @@
 * engines whose buckets change as requests finish give every request the greedy tokens,
   log-probabilities and counters of the full-batch engine (and of generate() alone),
   for every method and KV dtype, lookahead 2 included; so do paged engines that grow and
-  preempt (recompute);
+  preempt (recompute), and server-like engines (chunked prefill) whose requests finish on
+  their first token or are cancelled half-prefilled or decoding;
+* a row taken again gives its new request the tokens and counters of generate() alone;
 * ``mixed`` through CUDA's fused decode step on the CPU twins (its hot-pool bookkeeping in the
-  slot diff, the pool and int4 store written by the append, design §6.1) does both.
+  slot diff, the pool and int4 store written by the append, design §6.1) gives the bucket
+  step's rows and the bucketed engine's requests what the full batch gives them.
 
 The step's GEMMs over ``b`` rows may round differently from those over ``B`` (MKL on the
 CPU below 6 rows), so logits and log-probabilities agree to fp32 rounding, tokens exactly.
@@ -389,6 +392,104 @@ def test_a_bucketed_paged_engine_grows_and_preempts_as_the_full_batch_one(tiny, 
             assert mine.token_ids == ref.token_ids, (where, i)
             assert [e["logprob"] for e in mine.logprobs] == pytest.approx([e["logprob"] for e in ref.logprobs],
                                                                            abs=1e-3), (where, i)
+
+
+#: stateful selectors (row state indexed by ``rows``) and the offloaded caches with per-row copy state
+STATEFUL = [("h2o", {}), ("quest", {"quest_page_size": 4}), ("snapkv", {}), ("streaming", {}),
+            ("sparda", {"offload": True, "lookahead": 2}), ("sparse-offload", {"kv_dtype": "mixed"})]
+STATEFUL_IDS = [m + "".join(f"-{k}={v}" for k, v in o.items()) for m, o in STATEFUL]
+
+
+@pytest.mark.parametrize("method,options", STATEFUL, ids=STATEFUL_IDS)
+def test_a_reused_row_gives_each_request_its_tokens_and_counters_alone(tiny, weights, method, options, fresh_seed):
+    """Six requests (some of one token) through 3 rows of ``auto`` buckets, so rows are taken
+    again: each request gets the greedy tokens of generate() alone, and its KV read fraction and
+    offload hits, misses, early and pool copies -- nothing of a row's earlier request or padding
+    leaks into a later one's state or counters."""
+    llm = _llm(tiny, weights, method, options, cuda_graph_sizes="auto")
+    prompts = [torch.randint(100, 20000, (n,)).tolist() for n in torch.randint(90, 150, (6,)).tolist()]
+    max_tokens = [1] + torch.randint(1, 14, (5,)).tolist()
+    outputs, seen = _run(Engine(llm, max_batch=3, max_model_len=170), prompts, max_tokens, every=1)
+    assert len({b for b, _ in seen}) > 1, seen
+    for i, (ids, m, got) in enumerate(zip(prompts, max_tokens, outputs)):
+        alone = llm.generate(None, SamplingParams(max_tokens=m, ignore_eos=True), prompt_token_ids=[ids])[0]
+        where = f"seed {fresh_seed}, {method} {options}, request {i}"
+        assert got.token_ids == alone.token_ids, where
+        assert got.stats["kv_read_fraction"] == pytest.approx(alone.stats["kv_read_fraction"], abs=1e-3), where
+        if "offload" in alone.stats:
+            keys = ("hits", "misses", "early_copies", "pool_misses")
+            assert [got.stats["offload"].get(k) for k in keys] == [alone.stats["offload"].get(k) for k in keys], where
+
+
+def _drive(engine, requests, aborts):
+    """``requests`` ``(step, id, prompt, max_tokens)`` added and ``aborts`` ``(step, id)`` cancelled
+    before those steps; every decode step checks that the cache's rows past its bucket kept every
+    per-row tensor bit for bit. Returns id -> output, and the rows of each decode step."""
+    rows, steps, outputs = engine.max_batch, [], {}
+    original = engine.runner.decode
+
+    def decode(cache, tokens, positions, max_position=None):
+        b = tokens.shape[0]
+        before = {k: v[b:].clone() for k, v in _row_tensors(cache, rows).items()}
+        out = original(cache, tokens, positions, max_position)
+        for name, value in _row_tensors(cache, rows).items():
+            old = before.get(name, torch.zeros_like(value[b:]))  # made by this step: starts at 0
+            assert torch.equal(value[b:].nan_to_num(), old.nan_to_num()), (name, b)
+        steps.append(b)
+        return out
+
+    engine.runner.decode = decode
+    try:
+        step = 0
+        while engine.has_work() or any(at >= step for at, *_ in requests):
+            for at, rid, ids, m in requests:
+                if at == step:
+                    engine.add_request(ids, SamplingParams(max_tokens=m, ignore_eos=True, logprobs=0), request_id=rid)
+            for at, rid in aborts:
+                if at == step:
+                    engine.abort(rid)
+            outputs.update((d.request_id, d.output) for d in engine.step() if d.output is not None)
+            step += 1
+    finally:
+        del engine.runner.decode
+    return outputs, steps
+
+
+@pytest.mark.parametrize("method,options", STATEFUL, ids=STATEFUL_IDS)
+def test_chunked_prefill_and_cancels_with_buckets_equal_the_default(tiny, weights, method, options, fresh_seed):
+    """A server-like 4-row engine (chunked prefill of 32 tokens, 40 a step): requests that finish
+    on their first token, one cancelled half-prefilled and one cancelled while decoding, under
+    ``auto``, an explicit ``3,5`` (5 above the rows) and ``[1]``: every decode step leaves the rows
+    past its bucket untouched, and every request gets the default single bucket's tokens, finish
+    reason, log-probabilities (to rounding) and counters."""
+    g = torch.Generator().manual_seed(fresh_seed)
+    P = lambda n: torch.randint(100, 20000, (n,), generator=g).tolist()  # noqa: E731
+    requests = [(0, "a", P(100), 25), (0, "b", P(140), 1), (1, "c", P(160), 12), (2, "d", P(30), 1),
+                (3, "e", P(150), 20), (5, "f", P(120), 15), (6, "g", P(95), 18), (12, "h", P(60), 6)]
+    aborts = [(4, "e"), (14, "f")]  # e: its prompt half prefilled; f: decoding
+    runs = {}
+    for sizes in (None, "auto", "3,5", [1]):
+        llm = _llm(tiny, weights, method, dict(options, prefill_chunk_tokens=32), cuda_graph_sizes=sizes)
+        engine = Engine(llm, max_batch=4, max_model_len=200, max_prefill_tokens=40)
+        runs[str(sizes)] = outputs, steps = _drive(engine, requests, aborts)
+        assert engine.metrics()["decode_steps_by_bucket"] == {b: steps.count(b) for b in set(steps)}
+    ref, ref_steps = runs["None"]
+    where = f"seed {fresh_seed}, {method} {options}"
+    assert set(ref_steps) == {4} and ref["e"].finish_reason == ref["f"].finish_reason == "abort", where
+    assert len(ref["b"].token_ids) == len(ref["d"].token_ids) == 1 and len(ref["e"].token_ids) == 0, where
+    assert set(runs["auto"][1]) == {1, 2, 4} and set(runs["3,5"][1]) <= {3, 4} and 1 in runs["[1]"][1], where
+    for sizes, (outputs, _) in runs.items():
+        assert set(outputs) == set(ref), (where, sizes)
+        for rid, got in outputs.items():
+            want = ref[rid]
+            at = (where, sizes, rid)
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), at
+            assert [e["logprob"] for e in got.logprobs] == pytest.approx([e["logprob"] for e in want.logprobs],
+                                                                          abs=1e-3), at
+            assert got.stats["kv_read_fraction"] == pytest.approx(want.stats["kv_read_fraction"], abs=1e-3), at
+            if "offload" in want.stats:
+                for key in ("hits", "misses", "early_copies", "pool_misses"):  # rounding may move a block
+                    assert got.stats["offload"].get(key) == pytest.approx(want.stats["offload"].get(key), abs=2), at
 
 
 # ------------------------------------------------- mixed: the fused bookkeeping in buckets

@@ -34,6 +34,7 @@ BAD = [
     (dict(method="sparse-offload", kv_dtype="mixed", kv_hot_steps=0),
      ["--method", "sparse-offload", "--kv-dtype", "mixed", "--kv-hot-steps", "0"], "must be an integer >= 1"),
     (dict(dense_heads="x"), ["--dense-heads", "x"], "is not LAYER:KV_HEAD"),
+    (dict(dense_heads="1:\u00b2"), ["--dense-heads", "1:\u00b2"], "is not LAYER:KV_HEAD"),
     (dict(device="tpu"), ["--device", "tpu"], "invalid device 'tpu'"),
     (dict(dtype="int3"), ["--dtype", "int3"], "unknown dtype 'int3'"),
     (dict(method="magic"), ["--method", "magic"], "unknown method 'magic'"),
@@ -47,6 +48,8 @@ BAD = [
      "got '0,4'; e.g. cuda_graph_sizes=auto or cuda_graph_sizes=1,2,4,8,16"),
     (dict(cuda_graph_sizes=""), ["--cuda-graph-sizes", ""], "must be auto or a comma list of integers >= 1"),
     (dict(cuda_graph_sizes="autos"), ["--cuda-graph-sizes", "autos"], "got 'autos'"),
+    # str.isdigit() holds for superscripts that int() refuses: still one line, not a ValueError
+    (dict(cuda_graph_sizes="2,\u00b2"), ["--cuda-graph-sizes", "2,\u00b2"], "got '2,\u00b2'"),
 ]
 
 _FLAG = re.compile(r"(?<![\w-])--[a-z]")

@@ -520,7 +520,7 @@ def _graph_sizes(value) -> tuple[int, ...] | str | None:
     items = value.split(",") if isinstance(value, str) else value
     try:
         sizes = [int(item) if isinstance(item, str) and item.strip().isdigit() else item for item in items]
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: digits int() refuses ("²" is isdigit())
         sizes = None
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
         _fail("cuda_graph_sizes", f"cuda_graph_sizes must be auto or a comma list of integers >= 1 (decode batch "
@@ -684,7 +684,7 @@ def parse_dense_heads(value, option: str = "--dense-heads") -> tuple[tuple[int, 
         pairs = []
         for item in text.split(","):
             parts = item.strip().split(":")
-            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
                 raise SpardaError(f"{option}: {item.strip()!r} is not LAYER:KV_HEAD; use auto, none or e.g. 7:2,18:2")
             pairs.append((int(parts[0]), int(parts[1])))
         return tuple(sorted(set(pairs)))

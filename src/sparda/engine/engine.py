@@ -171,7 +171,7 @@ class Engine:
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
         self._decoded_tokens = 0
         self._offload: dict | None = None
-        self._offload_done = [0, 0]  # hits, misses of finished requests
+        self._offload_done = [0, 0, 0]  # hits, misses, bytes copied of finished requests
         self._offload_at = 0.0
         #: an observer of decode steps (benchmarks, e.g. :class:`sparda.bench.traces.RowReplayer`),
         #: or ``None``: ``on_decode_start(row, position, request_id)`` when a row starts decoding (its
@@ -519,6 +519,7 @@ class Engine:
             stats["offload"] = self.cache.offload_stats(max(decoded, 1), row=seq.row)
             self._offload_done[0] += stats["offload"]["hits"]
             self._offload_done[1] += stats["offload"]["misses"]
+            self._offload_done[2] += stats["offload"]["bytes_copied"]
             self._reset_row(seq.row)  # so that the live rows' counters cover running requests only
             self._refresh_offload()
         with self._lock:
@@ -543,10 +544,11 @@ class Engine:
                 slot_map[row] = -1
 
     def _refresh_offload(self) -> None:
-        """Engine-wide offload figures: finished requests plus the running rows (one sync)."""
+        """Engine-wide offload figures: finished requests plus the running rows (one sync); the
+        bytes copied are the prefetcher's (early copies and ``mixed``'s pool blocks included)."""
         live = self.cache.offload_stats(1)
         hits, misses = self._offload_done[0] + live["hits"], self._offload_done[1] + live["misses"]
-        copied = 2 * misses * self.cache.prefetcher.block_bytes
+        copied = self._offload_done[2] + live["bytes_copied"]
         self._offload = {"hits": hits, "misses": misses,
                          "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
                          "bytes_copied": copied,
