@@ -14,16 +14,19 @@
    replayed CUDA-graph step: kernels per step and per layer (``torch.profiler``) and the time
    per step.
 
-Prints one line per check and exits non-zero on a difference. Random weights
+Prints one line per check (with ``--out DIR`` also ``DIR/check_mixed.json``: the verdict, the
+options and the speed records) and exits non-zero on a difference. Random weights
 (``sparda.bench.models``); sized to take under two minutes on an H100 / H200 at the defaults.
 
     python3 benchmarks/check_mixed.py                                # CUDA, MiniCPM-8B shape
+    python3 benchmarks/check_mixed.py --out /tmp/mixed               # ... and /tmp/mixed/check_mixed.json
     python3 benchmarks/check_mixed.py --device cpu --model tiny --context 600 --steps 3   # smoke run (twins)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -255,6 +258,7 @@ def parse_args(argv=None):
     p.add_argument("--checks", default="kernels,parity,speed", help="comma list of kernels, parity, speed [all]")
     p.add_argument("--speed-kv", default="bf16,int8,mixed,mixed-old",
                    help="speed: kv_dtypes, mixed-old the PyTorch bookkeeping [%(default)s]")
+    p.add_argument("--out", default=None, help="also write OUT/check_mixed.json (benchmarks/gpu_checks.sh) [none]")
     return p.parse_args(argv)
 
 
@@ -266,7 +270,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     checks = set(args.checks.split(","))
     torch.manual_seed(0)
-    ok = True
+    ok, speed = True, []
     if "kernels" in checks:
         ok &= check_kernels(dev)
     if checks & {"parity", "speed"}:
@@ -279,7 +283,13 @@ def main(argv=None) -> int:
         if "speed" in checks:
             for kv in args.speed_kv.split(","):
                 rec = measure_speed(model, sel, forecast, kv, args.batch, args.context, args.steps)
+                speed.append(rec)
                 print("speed    " + " ".join(f"{k}={v}" for k, v in rec.items()))
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"ok": bool(ok), "options": vars(args), "speed": speed}
+        (out / "check_mixed.json").write_text(json.dumps(record, indent=1) + "\n")
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -154,13 +155,16 @@ def test_mixed_ops_per_layer_stay_near_the_other_dtypes(tiny, weights):
     assert per_layer["mixed"] <= per_layer["int8"] + 2 and per_layer["int8"] == per_layer["bf16"], per_layer
 
 
-def test_gpu_check_script_runs_on_the_cpu(capsys):
+def test_gpu_check_script_runs_on_the_cpu(capsys, tmp_path):
     """benchmarks/check_mixed.py parses its options and, on the CPU (twins), runs its kernel and
-    parity checks on the tiny shape: every line identical."""
+    parity checks on the tiny shape: every line identical; ``--out`` (as benchmarks/gpu_checks.sh
+    passes it) gets the verdict."""
     script = _check_mixed()
     args = script.parse_args([])
-    assert (args.device, args.model, args.checks) == ("cuda", "minicpm-8b", "kernels,parity,speed")
+    assert (args.device, args.model, args.checks, args.out) == ("cuda", "minicpm-8b", "kernels,parity,speed", None)
     assert script.main(["--device", "cpu", "--model", "tiny", "--context", "400", "--steps", "2", "--batch", "2",
-                        "--checks", "kernels,parity"]) == 0
+                        "--checks", "kernels,parity", "--out", str(tmp_path / "mixed")]) == 0
     out = capsys.readouterr().out
     assert out.count("identical=True") == 7 and out.strip().endswith("OK"), out
+    record = json.loads((tmp_path / "mixed" / "check_mixed.json").read_text())
+    assert record["ok"] is True and record["options"]["checks"] == "kernels,parity" and record["speed"] == []
