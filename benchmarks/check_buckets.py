@@ -49,7 +49,8 @@ from sparda.engine.sampling_params import SamplingParams  # noqa: E402
 PARITY = [("dense", {}), ("sparse", {}), ("sparse", {"kv_dtype": "int8"}), ("sparda", {"offload": True}),
           ("sparda", {"offload": True, "kv_dtype": "int4"}), ("sparse-offload", {}),
           ("sparse-offload", {"kv_dtype": "mixed"}), ("sparda-no-prefetch", {}),
-          ("sparda", {"offload": True, "lookahead": 2})]
+          ("sparda", {"offload": True, "lookahead": 2}),
+          ("sparda", {"offload": True, "kv_dtype": "mixed", "lookahead": 2})]  # mixed's fused bookkeeping, §6.1
 QUICK_PARITY = [PARITY[0], PARITY[1], PARITY[3], PARITY[6], PARITY[8]]
 #: a small budget (7 blocks of 64): prompts of 500+ tokens leave the dense fallback
 SMALL = dict(init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=256)

@@ -10,7 +10,10 @@
   for every method and KV dtype, lookahead 2 included; so do paged engines that grow and
   preempt (recompute), and server-like engines (chunked prefill) whose requests finish on
   their first token or are cancelled half-prefilled or decoding;
-* a row taken again gives its new request the tokens and counters of generate() alone.
+* a row taken again gives its new request the tokens and counters of generate() alone;
+* ``mixed`` through CUDA's fused decode step on the CPU twins (its hot-pool bookkeeping in the
+  slot diff, the pool and int4 store written by the append, design §6.1) gives the bucket
+  step's rows and the bucketed engine's requests what the full batch gives them.
 
 The step's GEMMs over ``b`` rows may round differently from those over ``B`` (MKL on the
 CPU below 6 rows), so logits and log-probabilities agree to fp32 rounding, tokens exactly.
@@ -25,6 +28,7 @@ import pytest
 import torch
 
 from sparda import LLM, SamplingParams, SpardaError
+from sparda.bench.op_count import force_fused, twin_engine
 from sparda.cache.host import HostChunk
 from sparda.engine.buckets import auto_sizes, bucket_for, decode_buckets
 from sparda.engine.engine import Engine
@@ -490,3 +494,58 @@ def test_chunked_prefill_and_cancels_with_buckets_equal_the_default(tiny, weight
             if "offload" in want.stats:
                 for key in ("hits", "misses", "early_copies", "pool_misses"):  # rounding may move a block
                     assert got.stats["offload"].get(key) == pytest.approx(want.stats["offload"].get(key), abs=2), at
+
+
+# ------------------------------------------------- mixed: the fused bookkeeping in buckets
+def _fused_twins(llm) -> list:
+    """Make ``llm`` decode through CUDA's fused step on the CPU twins and give every cache it
+    makes the stand-in of CUDA's asynchronous engine (:mod:`sparda.bench.op_count`): ``mixed``'s
+    append then writes the int4 store and the hot pool itself, as on CUDA. Returns the list of
+    the caches it makes (filled as they are made)."""
+    runner = llm.model_runner
+    force_fused(runner)
+    make, made = runner.new_cache, []
+
+    def new_cache(*args, **kwargs):
+        cache = make(*args, **kwargs)
+        twin_engine(cache)
+        made.append(cache)
+        return cache
+
+    runner.new_cache = new_cache
+    return made
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_mixed_fused_bookkeeping_runs_the_bucket_rows_only(tiny, weights, lookahead, fresh_seed):
+    """``kv_dtype`` ``mixed`` with its hot rule and pool / cold split in the slot diff and its
+    token stores in the fused append (design §6.1), lookahead 1 and 2 (the early diff's split):
+    a step of the first ``b`` rows (1 and a random 2..5) leaves every per-row tensor of rows
+    ``b ..`` (hot state, slot maps, slots, cold staging, counters) and their host pages (int4
+    store and hot pool) bit for bit and gives rows ``< b`` the full-batch step's logits; an
+    engine of the automatic buckets (1, 2, 4, 5 of 5 rows) gives every request the tokens and
+    log-probabilities of the default single bucket."""
+    options = {"offload": True, "kv_dtype": "mixed", **({"lookahead": 2} if lookahead == 2 else {})}
+    llm = _llm(tiny, weights, "sparda", options)
+    made = _fused_twins(llm)
+    where = f"seed {fresh_seed}, lookahead {lookahead}"
+    for b in (1, int(torch.randint(2, 6, ()))):
+        _check_bucket_step(llm, 6, b, f"{where}, b={b}")
+    assert made and all(c._fused_host(layer) is not None for c in made for layer in c.offloaded), where
+    lengths = torch.randint(90, 150, (7,)).tolist()
+    prompts = [torch.randint(100, 20000, (n,)).tolist() for n in lengths]
+    max_tokens = [24] + torch.randint(2, 10, (6,)).tolist()  # row 0 outlives the rest: the bucket falls
+    runs = []
+    for sizes in ("auto", None):
+        other = llm.derive(cuda_graph_sizes=sizes)
+        made = _fused_twins(other)
+        runs.append(_run(Engine(other, max_batch=5, max_model_len=200), prompts, max_tokens))
+        assert len(made) == 1 and made[0]._fused_host(made[0].offloaded[0]) is not None, where
+    (bucketed, seen), (reference, full_seen) = runs
+    assert all(b == brute for b, brute in seen) and {b for b, _ in full_seen} == {5}, (where, seen)
+    used = [b for b, _ in seen]
+    assert min(used) < 5 and used[-1] == 1, (where, used)
+    for got, want in zip(bucketed, reference):
+        assert got.token_ids == want.token_ids, where
+        assert [e["logprob"] for e in got.logprobs] == pytest.approx([e["logprob"] for e in want.logprobs],
+                                                                      abs=1e-3), where

@@ -2,7 +2,8 @@
 tensors stand in for pinned memory) against the sync engine: the same pool and int4 store
 bytes after decode-token stores, the same slots after every fetch (hot blocks from the pool,
 cold ones gathered as codes + scales and dequantised: by the Triton kernel on the uva side,
-by the PyTorch twin on the sync side), the same counters."""
+by the PyTorch twin on the sync side; the hot rule and the split in the Triton slot diff on the
+uva side, in the twin on the sync side), the same hot state and counters."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytest.importorskip("triton")
 from sparda import kernels  # noqa: E402
 from sparda.cache.mixed import MixedOffloadKVCache  # noqa: E402
 from sparda.kernels.cold_slots import dequantize_cold_triton  # noqa: E402
+from sparda.kernels.slot_diff import slot_diff_triton  # noqa: E402
 from sparda.cache.transfer import UvaEngine  # noqa: E402
 from sparda.config import SelectionConfig  # noqa: E402
 from sparda.model.llama import StepInfo  # noqa: E402
@@ -56,12 +58,14 @@ def test_mixed_uva_gather_equals_sync(monkeypatch):
         for cache in caches:
             cache.append(0, k_all[:, :, pos:pos + 1], v_all[:, :, pos:pos + 1], step)
             with monkeypatch.context() as patch:
-                if cache is caches[1]:  # the uva path also dequantises through the Triton kernel
+                if cache is caches[1]:  # the uva path also diffs and dequantises through the Triton kernels
                     patch.setattr(kernels, "dequantize_cold_slots", dequantize_cold_triton)
+                    patch.setattr(kernels, "slot_diff", slot_diff_triton)
                 cache.fetch(0, ids, torch.full((b,), pos))
         sync, uva = caches
         assert torch.equal(sync.k_slots[0], uva.k_slots[0]) and torch.equal(sync.v_slots[0], uva.v_slots[0]), pos
-        assert torch.equal(sync.hot.hot[0], uva.hot.hot[0])
+        assert torch.equal(sync.hot.hot[0], uva.hot.hot[0]) and torch.equal(sync.hot.last[0], uva.hot.last[0])
+        assert torch.equal(sync.slot_map[0], uva.slot_map[0])
     for a, c in zip(caches[0].host.chunks[0], caches[1].host.chunks[0]):
         assert torch.equal(a.k.data, c.k.data) and torch.equal(a.v.scale, c.v.scale)
     for a, c in zip(caches[0].host.pool[0], caches[1].host.pool[0]):

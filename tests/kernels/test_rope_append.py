@@ -175,6 +175,30 @@ def _dispatch_to(monkeypatch, fn, calls: dict):
     monkeypatch.setattr(kernels, "rope_append", run)
 
 
+def _fused_and_unfused_steps(ref_c, fused, monkeypatch, calls, gen, dims, lengths, steps, layers, cap, dtype=None):
+    """Decode ``steps`` random tokens per row into every layer: ``ref_c.append`` (unfused), then
+    ``rope_append`` of each of ``fused``, the first through the Triton kernel, the second
+    through the twin (its rotated queries and Forecast heads checked); yields ``(i, layer, pos,
+    step, qkv)`` after each layer."""
+    b, hk, g, nf, d = dims
+    for i in range(steps):
+        pos = lengths + i
+        step = StepInfo("decode", torch.arange(b), pos.view(-1, 1), pos + 1, None, None, cap)
+        for layer in range(layers):
+            qkv, step.cos, step.sin = _decode_inputs(gen, b, hk, g, nf, d, pos)
+            if dtype is not None:
+                qkv, step.cos, step.sin = qkv.to(dtype), step.cos.to(dtype), step.sin.to(dtype)
+            q, k, v, f = _split(qkv, b, hk, g, nf, d, step.cos, step.sin)
+            ref_c.append(layer, k, v, step)
+            for cache, fn in zip(fused, (rope_append_triton, twins.rope_append_reference)):
+                _dispatch_to(monkeypatch, fn, calls)
+                q_out, f_out = cache.rope_append(layer, qkv, step, g, nf)
+                torch.testing.assert_close(q_out, q, rtol=1e-6, atol=1e-6)
+                if nf:
+                    torch.testing.assert_close(f_out, f, rtol=1e-6, atol=1e-6)
+            yield i, layer, pos, step, qkv
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("g,nf,d", [(1, 0, 64), (3, 1, 128), (4, 2, 64)])
 def test_quantized_offload_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed, monkeypatch):
@@ -197,33 +221,22 @@ def test_quantized_offload_append_matches_unfused(kv_dtype, g, nf, d, fresh_seed
     for c in caches[1:]:
         c.lengths.copy_(ref_c.lengths)
     calls = {}
-    for i in range(steps):
-        pos = lengths + i
-        step = StepInfo("decode", torch.arange(b), pos.view(-1, 1), pos + 1, None, None, cap)
-        for layer in range(layers):
-            qkv, step.cos, step.sin = _decode_inputs(gen, b, hk, g, nf, d, pos)
-            q, k, v, f = _split(qkv, b, hk, g, nf, d, step.cos, step.sin)
-            ref_c.append(layer, k, v, step)
-            for cache, fn in ((tri_c, rope_append_triton), (twin_c, twins.rope_append_reference)):
-                _dispatch_to(monkeypatch, fn, calls)
-                q_out, f_out = cache.rope_append(layer, qkv, step, g, nf)
-                torch.testing.assert_close(q_out, q, rtol=1e-6, atol=1e-6)
-                if nf:
-                    torch.testing.assert_close(f_out, f, rtol=1e-6, atol=1e-6)
-            # the kernel writing the host store itself (UVA on the GPU)
-            q_out = torch.empty(b, hk * g, d)
-            f_out = torch.empty(b, nf, hk, d) if nf else None
-            common = dict(num_kv_heads=hk, group=g, num_f=nf, block_size=CFG.block_size, kernel=CFG.kernel_size,
-                          stride=CFG.kernel_stride, ring=host_c.ring[layer],
-                          lengths=host_c.lengths if layer == layers - 1 else None)
-            if layer in host_c.resident:
-                rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, host_c.k_full[layer],
-                                   host_c.v_full[layer], host_c.ck[layer], **common)
-            else:
-                chunk = host_c.host.chunks[layer][0]
-                rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, host_c.k_slots[layer],
-                                   host_c.v_slots[layer], host_c.ck[layer], slot=host_c.slots,
-                                   host=(chunk.k, chunk.v, chunk.table), **common)
+    for _, layer, pos, step, qkv in _fused_and_unfused_steps(ref_c, (tri_c, twin_c), monkeypatch, calls, gen,
+                                                              (b, hk, g, nf, d), lengths, steps, layers, cap):
+        # the kernel writing the host store itself (UVA on the GPU)
+        q_out = torch.empty(b, hk * g, d)
+        f_out = torch.empty(b, nf, hk, d) if nf else None
+        common = dict(num_kv_heads=hk, group=g, num_f=nf, block_size=CFG.block_size, kernel=CFG.kernel_size,
+                      stride=CFG.kernel_stride, ring=host_c.ring[layer],
+                      lengths=host_c.lengths if layer == layers - 1 else None)
+        if layer in host_c.resident:
+            rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, host_c.k_full[layer],
+                               host_c.v_full[layer], host_c.ck[layer], **common)
+        else:
+            chunk = host_c.host.chunks[layer][0]
+            rope_append_triton(qkv, step.cos, step.sin, pos, q_out, f_out, host_c.k_slots[layer],
+                               host_c.v_slots[layer], host_c.ck[layer], slot=host_c.slots,
+                               host=(chunk.k, chunk.v, chunk.table), **common)
     assert calls == {"rope_append_triton": steps * layers, "rope_append_reference": steps * layers}
     for name, cache in (("triton", tri_c), ("twin", twin_c), ("triton host=", host_c)):
         what = f"{name} {kv_dtype} g={g} d={d} seed={fresh_seed}"
@@ -398,3 +411,60 @@ def test_quantized_append_in_bf16_matches_unfused(kv_dtype, g, d, fresh_seed, mo
     _assert_same_quantized(dev_tri.v[0], dev_ref.v[0], f"{what} device V")
     _assert_offloaded_same(off_tri, off_ref, what)
     assert calls["rope_append_triton"] == 2 * steps  # the device cache and the resident layer
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("g,nf,d", [(1, 0, 64), (3, 1, 32)])
+def test_mixed_offload_append_writes_slot_store_and_pool(dtype, g, nf, d, fresh_seed, monkeypatch, request):
+    """``kv_dtype`` ``mixed`` (design §6.1), 12 decode steps across block boundaries, a pool of 3
+    blocks (so pool slots wrap): the fused append writing the slot, the int4 store (quantised
+    in the kernel) and the hot pool itself (``_fused_host``: ``host=`` and ``pool=``, the kernel
+    under the interpreter and the twin) leaves the exact slot and pool tokens and the int4
+    codes and scales bit-identical to the unfused ``append`` (the sync engine's two stores of
+    :meth:`_store_tokens`); bf16 too (rounding as compiled Triton does)."""
+    from sparda.bench.op_count import TwinEngine
+    from sparda.cache.mixed import MixedOffloadKVCache
+
+    if dtype == "bf16":
+        request.getfixturevalue("interpreter_bf16_rtne")
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(fresh_seed)
+    b, hk, layers, cap, steps = 3, 2, 2, 96, 12
+    lengths = torch.tensor([13, 30, 47])
+
+    def make(engine):
+        cache = MixedOffloadKVCache(layers, b, hk, d, cap, CFG, dt, "cpu", engine="sync", resident_layers=(0,),
+                                    hot_blocks=3, hot_steps=2)
+        if engine is not None:
+            cache.engine = cache.prefetcher.engine = engine
+        return cache
+
+    ref_c, tri_c, twin_c = caches = [make(None), make(TwinEngine()), make(TwinEngine())]
+    assert ref_c._fused_host(1) is None and set(tri_c._fused_host(1)) == {"host", "pool"}
+    _prefill(caches, layers, gen, b, hk, d, lengths)
+    for c in caches[1:]:
+        c.lengths.copy_(ref_c.lengths)
+    calls = {}
+    for _ in _fused_and_unfused_steps(ref_c, (tri_c, twin_c), monkeypatch, calls, gen, (b, hk, g, nf, d), lengths,
+                                      steps, layers, cap, dt):
+        pass
+    assert calls == {"rope_append_triton": steps * layers, "rope_append_reference": steps * layers}
+    for name, cache in (("triton", tri_c), ("twin", twin_c)):
+        what = f"{name} mixed {dtype} g={g} d={d} seed={fresh_seed}"
+        assert torch.equal(cache.k_slots[1], ref_c.k_slots[1]) and torch.equal(cache.v_slots[1], ref_c.v_slots[1]), what
+        assert torch.equal(cache.k_full[0], ref_c.k_full[0]) and torch.equal(cache.v_full[0], ref_c.v_full[0]), what
+        chunk, want = cache.host.chunks[1][0], ref_c.host.chunks[1][0]
+        _assert_same_quantized(chunk.k, want.k, f"{what} host K")
+        _assert_same_quantized(chunk.v, want.v, f"{what} host V")
+        pool, want = cache.host.pool[1][0], ref_c.host.pool[1][0]
+        assert torch.equal(pool.k, want.k) and torch.equal(pool.v, want.v), f"{what} pool"
+        for layer in range(layers):
+            assert torch.equal(cache.ring[layer], ref_c.ring[layer]), what
+            torch.testing.assert_close(cache.ck[layer], ref_c.ck[layer], rtol=1e-5, atol=1e-6)
+    # the pool holds this step's exact tokens at pool slot block mod 3, the store their codes
+    ref_pool = ref_c.host.pool[1][0]
+    last = lengths + steps - 1
+    for r in range(b):
+        blk = int(last[r]) // CFG.block_size
+        got = ref_pool.k[:, ref_c.host.pool_table.host[r, blk % 3], int(last[r]) % CFG.block_size]
+        assert torch.equal(got, ref_c.k_slots[1][r, :, ref_c.slots, int(last[r]) % CFG.block_size])

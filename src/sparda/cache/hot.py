@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from sparda.config import SelectionConfig
-from sparda.kernels.twins import ids_to_block_mask
+from sparda.kernels.twins import HotSplit, hot_rule_update, hot_split
 
 #: ``last`` of a block never selected
 NEVER = -(2**40)
@@ -68,29 +68,29 @@ class HotBlocks:
     def update(self, layer: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One decode step of ``layer``'s first ``b`` rows (design §3.13): ``ids [b, H, W]``
         selected (``-1`` padded), ``pos [b]`` the step's positions. Returns the demoted blocks
-        ``[b, H, N]`` bool (static shapes, no host sync); rows ``b ..`` are not touched."""
+        ``[b, H, N]`` bool (static shapes, no host sync;
+        :func:`~sparda.kernels.twins.hot_rule_update`); rows ``b ..`` are not touched. A fetch
+        runs it inside its slot diff (:meth:`split_operands`)."""
         b = ids.shape[0]
-        p = pos.view(-1, 1, 1)
-        cur = p // self.block_size
-        n = self._blocks
-        picked = ids_to_block_mask(ids, self.num_blocks) | ((n > cur - self.local) & (n <= cur))
-        last = self.last[layer][:b]
-        last.copy_(torch.where(picked, p, last))
-        hot = self.hot[layer][:b]
-        keep = (hot & (p - last < self.steps) & (n > cur - self.pool_blocks)) | (n == cur)
-        demoted = hot & ~keep
-        hot.copy_(keep)
-        return demoted
+        return hot_rule_update(self.hot[layer][:b], self.last[layer][:b], ids, pos, self.block_size, self.local,
+                               self.pool_blocks, self.steps)
 
     def split(self, layer: int, load: torch.Tensor,
               pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``load [b, H, S]`` of the first ``b`` rows (block to copy into slot ``s``, ``-1`` none)
-        split into ``(pool, cold)``: the pool slot of each hot block, the block id of each
-        cold one (``-1`` elsewhere). ``pos [b]``: an early copy at the step of these positions,
-        before its :meth:`update` (design §6.2): a hot block whose pool slot the step's current
-        block takes (``n <= c - P``) counts as cold."""
-        hot = torch.gather(self.hot[layer][:load.shape[0]], -1, load.clamp(min=0)) & (load >= 0)
-        if pos is not None:
-            hot &= load > (pos // self.block_size).view(-1, 1, 1) - self.pool_blocks
-        return (torch.where(hot, load % self.pool_blocks, -1),
-                torch.where(hot | (load < 0), -1, load))
+        split into ``(pool, cold)``: the pool slot of each hot block, the block id of each cold
+        one (``-1`` elsewhere). ``pos [b]``: an early copy at the step of these positions, before
+        its :meth:`update` (design §6.2): a hot block whose pool slot the step's current block
+        takes (``n <= c - P``) counts as cold (:func:`~sparda.kernels.twins.hot_split`)."""
+        return hot_split(self.hot[layer][:load.shape[0]], load, self.pool_blocks, self.block_size, pos)
+
+    def split_operands(self, layer: int, load: torch.Tensor, pool_misses: torch.Tensor,
+                       update: bool) -> HotSplit:
+        """The operands of :func:`sparda.kernels.slot_diff` that run :meth:`update` (``update``:
+        a fetch; not for an early diff) and :meth:`split` of its loads inside the slot diff, for
+        the first ``b`` rows of ``load [b, H, S]`` (design §3.13): the hot state and the counter
+        ``pool_misses [B]`` of the hot loads cut to ``[:b]`` (views), fresh ``pool_load,
+        cold_load`` outputs shaped like ``load``."""
+        b = load.shape[0]
+        return HotSplit(self.hot[layer][:b], self.last[layer][:b], torch.empty_like(load), torch.empty_like(load),
+                        pool_misses[:b], self.pool_blocks, self.steps, self.local, update)

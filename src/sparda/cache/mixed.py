@@ -25,12 +25,13 @@ from sparda.kernels import quant
 class MixedOffloadKVCache(OffloadKVCache):
     """:class:`~sparda.cache.offload.OffloadKVCache` with ``kv_dtype="mixed"`` (module doc).
 
-    Decoded tokens go exact to the partial slot and the hot pool, int4 to the store; a
-    prefill chunk goes int4 to the store and exact to the pool, and the local window at its
-    end is hot. A fetch first applies the hot rule (a demoted block's ``dtype`` copy leaves
-    its GPU slot too), then copies a hot miss's ``dtype`` copy from the pool and a cold
-    miss's int4 codes and scales into :attr:`cold_k` / :attr:`cold_v` (``[B, H, S, bs, d]``
-    logical, int4), dequantised from there into its slot.
+    Decoded tokens go exact to the partial slot and the hot pool, int4 to the store (in the
+    fused append's kernel, :meth:`_fused_host`); a prefill chunk goes int4 to the store and
+    exact to the pool, and the local window at its end is hot. A fetch's slot diff first
+    applies the hot rule (a demoted block's ``dtype`` copy leaves its GPU slot too) and
+    splits its loads (:meth:`_hot_operands`, one kernel), then the copy takes a hot miss's
+    ``dtype`` copy from the pool and a cold miss's int4 codes and scales into :attr:`cold_k`
+    / :attr:`cold_v` (``[B, H, S, bs, d]`` logical, int4), dequantised from there into its slot.
 
     Args:
         args, kwargs: as :class:`~sparda.cache.offload.OffloadKVCache` (``kv_dtype`` is
@@ -89,8 +90,14 @@ class MixedOffloadKVCache(OffloadKVCache):
         pk, pv = self.host.pool_block(layer, row, slice(None), first // self.block_size)
         return pk[:, :end - first].to(self.device), pv[:, :end - first].to(self.device)
 
-    def _fused_host(self, layer: int) -> None:
-        """None: the int4 store and the hot pool are written by :meth:`_store_tokens`."""
+    def _fused_host(self, layer: int) -> dict | None:
+        """The int4 store (``host``, quantised in the kernel) and the hot pool (``pool``, the
+        exact token at pool slot ``block mod P``) when each is one chunk and the engine is
+        asynchronous; else ``None``: :meth:`_store_tokens` writes both after."""
+        store, pool = self.host.chunks[layer], self.host.pool[layer]
+        if len(store) == 1 and len(pool) == 1 and self.engine.name != "sync":
+            return dict(host=(store[0].k, store[0].v, store[0].table),
+                        pool=(pool[0].k, pool[0].v, pool[0].table, self.hot_blocks))
         return None
 
     def _store_tokens(self, layer: int, k_tok, v_tok, pos: torch.Tensor) -> None:
@@ -102,27 +109,26 @@ class MixedOffloadKVCache(OffloadKVCache):
             self.engine.store_tokens(chunk, k_tok, v_tok, ring_pos)
         super()._store_tokens(layer, self._quantized(k_tok), self._quantized(v_tok), pos)
 
-    def _invalidate_slots(self, layer: int, ids: torch.Tensor, pos: torch.Tensor) -> None:
-        """The hot rule's step (:meth:`~sparda.cache.hot.HotBlocks.update`): a demoted block's
-        ``dtype`` copy leaves its GPU slot too."""
-        demoted = self.hot.update(layer, ids, pos)
-        held = self.slot_map[layer][:ids.shape[0]]
-        held.masked_fill_(torch.gather(demoted, -1, held.clamp(min=0)) & (held >= 0), -1)
+    def _hot_operands(self, layer: int, load: torch.Tensor, update: bool):
+        """The hot pool's part of the slot diff of the first ``b`` rows of ``load [b, H, S]``
+        (:meth:`~sparda.cache.hot.HotBlocks.split_operands`, cut to ``[:b]``, design §3.13):
+        a fetch (``update``) runs the hot rule in the same kernel, whose demoted blocks'
+        ``dtype`` copies leave their GPU slots before the diff; either way the loads are split
+        into pool and cold lists and the pool misses counted
+        (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`). An early diff (design §6.2)
+        runs before its step's hot rule: a block is copied from the pool only if its pool slot
+        is not the current block's."""
+        return self.hot.split_operands(layer, load, self.prefetcher.pool_misses, update)
 
-    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool,
-                     early_pos: torch.Tensor | None = None) -> None:
-        """A hot block's ``dtype`` copy from the pool, a cold block's int4 codes and scales
-        into :attr:`cold_k` / :attr:`cold_v`, dequantised from there into its slot
-        (:func:`sparda.kernels.dequantize_cold_slots`: on CUDA only the slots that received
-        a cold block are read and written). Counts the pool misses
-        (:attr:`~sparda.cache.prefetch.Prefetcher.pool_misses`). ``load [b, H, S]``: the
-        cache's first ``b`` rows (design §3.13). An early copy (``early_pos [b]``, design §6.2)
-        runs before this step's hot rule: a block is copied from the pool only if its pool
-        slot is not the current block's."""
-        pref = self.prefetcher
+    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool, early: bool = False,
+                     hot=None) -> None:
+        """A hot block's ``dtype`` copy from the pool (``hot.pool_load``), a cold block's int4
+        codes and scales (``hot.cold_load``) into :attr:`cold_k` / :attr:`cold_v`, dequantised
+        from there into its slot (:func:`sparda.kernels.dequantize_cold_slots`: on CUDA only
+        the slots that received a cold block are read and written). ``load [b, H, S]``: the
+        cache's first ``b`` rows (design §3.13), whose slots and staging alone are written."""
+        from_pool, cold = hot.pool_load, hot.cold_load
         b = load.shape[0]
-        from_pool, cold = self.hot.split(layer, load, early_pos)
-        pref.pool_misses[:b].add_((from_pool >= 0).sum((1, 2)))
         k_slots, v_slots = self.k_slots[layer][:b], self.v_slots[layer][:b]
         ck, cv = self.cold_k[layer][:b], self.cold_v[layer][:b]
         planes = [(ck.data, cv.data), (ck.scale, cv.scale)]
@@ -135,7 +141,7 @@ class MixedOffloadKVCache(OffloadKVCache):
                 self.engine.gather_planes(chunk, planes, cold)
             kernels.dequantize_cold_slots(ck, cv, k_slots[:, :, :s], v_slots[:, :, :s], cold)
 
-        pref.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch, early=early_pos is not None)
+        self.prefetcher.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch, early=early)
 
     # ---------------------------------------------------------------- stats
     def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:

@@ -240,24 +240,26 @@ class OffloadKVCache(KVCache):
         block starts at token ``first``: from the row's tokens as stored (``keys, values``)."""
         return keys[:, first:end], values[:, first:end]
 
-    def _fused_host(self, layer: int) -> tuple | None:
-        """The host K, V and block table that :meth:`rope_append`'s kernel writes the token to
-        directly (one chunk, an asynchronous engine), or ``None``: :meth:`_store_tokens` writes
-        it after."""
+    def _fused_host(self, layer: int) -> dict | None:
+        """The host destinations that :meth:`rope_append`'s kernel writes the token to directly
+        (one chunk, an asynchronous engine), as its keyword arguments (``host``: the store's K,
+        V and block table), or ``None``: :meth:`_store_tokens` writes it after."""
         chunks = self.host.chunks[layer]
         if len(chunks) == 1 and self.engine.name != "sync":
-            return chunks[0].k, chunks[0].v, chunks[0].table
+            return dict(host=(chunks[0].k, chunks[0].v, chunks[0].table))
         return None
 
-    def _invalidate_slots(self, layer: int, ids: torch.Tensor, pos: torch.Tensor) -> None:
-        """Before the slot diff of :meth:`fetch` (``ids [b, H, W]``, ``pos [b]``, the first
-        ``b`` rows): empty the block-map entries whose slot copy is no longer valid; none here."""
+    def _hot_operands(self, layer: int, load: torch.Tensor, update: bool):
+        """The ``hot`` operands of ``layer``'s slot diff of the first ``b`` rows of ``load [b, H,
+        S]`` (:func:`sparda.kernels.slot_diff`: a hot pool's rule and split, ``update`` for a
+        fetch, not for an early diff; cut to ``[:b]``); none here."""
+        return None
 
-    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool,
-                     early_pos: torch.Tensor | None = None) -> None:
+    def _copy_misses(self, layer: int, load: torch.Tensor, prefetch: bool, early: bool = False,
+                     hot=None) -> None:
         """Copy the slot diff's misses ``load [b, H, S]`` (block per slot, ``-1`` none) from
         the host store into the slots of ``layer``'s first ``b`` rows (:meth:`fetch`'s ``prefetch``);
-        ``early_pos [b]``: an early copy at these positions (:meth:`warm`)."""
+        ``early``: an early copy (:meth:`warm`); ``hot``: the diff's :meth:`_hot_operands`."""
         planes = self._slot_planes(layer, load.shape[0])
         chunks = self.host.chunks[layer]
 
@@ -265,7 +267,7 @@ class OffloadKVCache(KVCache):
             for chunk in chunks:
                 self.engine.gather_planes(chunk, planes, load)
 
-        self.prefetcher.fetch(layer, copy, None, None, keep=(), prefetch=prefetch, early=early_pos is not None)
+        self.prefetcher.fetch(layer, copy, None, None, keep=(), prefetch=prefetch, early=early)
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -342,7 +344,7 @@ class OffloadKVCache(KVCache):
         """Fused decode append (design §6): RoPE of this step's queries, keys and ``num_f``
         Forecast heads from the stacked projection ``qkv [B, (H_q + (2 + num_f) H_kv) d]``,
         the K/V write (resident layer: full buffer; offloaded layer: the partial slot and
-        the host store), the ring and the compressed-key update, in one kernel
+        the host store, ``mixed``'s hot pool too), the ring and the compressed-key update, in one kernel
         (:func:`sparda.kernels.rope_append`; a host store of several chunks takes one UVA
         store per chunk and stored plane after it). A quantised cache (``kv_dtype``
         int8/int4) stores each token's codes and ``(step, lo)``, quantised once in the
@@ -369,10 +371,10 @@ class OffloadKVCache(KVCache):
             kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, self.k_full[layer][:b], self.v_full[layer][:b],
                                 self.ck[layer][:b], **common)
             return q, f
-        host = self._fused_host(layer)  # its block table [B, N]: the kernel reads rows < b
+        host = self._fused_host(layer)  # its block tables [B, N] (and [B, P]): the kernel reads rows < b
         k_slots, v_slots = self.k_slots[layer][:b], self.v_slots[layer][:b]
         kernels.rope_append(qkv, step.cos, step.sin, pos, q, f, k_slots, v_slots, self.ck[layer][:b],
-                            slot=self.slots, host=host, **common)
+                            slot=self.slots, **(host or {}), **common)
         if host is None:
             rows = torch.arange(b, device=pos.device)
             off = pos % cfg.block_size
@@ -542,18 +544,21 @@ class OffloadKVCache(KVCache):
 
     def _slot_diff(self, layer: int, ids: torch.Tensor, pos: torch.Tensor, load: torch.Tensor,
                    attn_ids: torch.Tensor, counters: tuple, compact: tuple | None = None,
-                   protect: torch.Tensor | None = None) -> torch.Tensor:
+                   protect: torch.Tensor | None = None, hot_rule: bool = False) -> tuple:
         """:func:`sparda.kernels.slot_diff` of ``ids [b, H, W]`` against ``layer``'s block map,
         every per-row operand (``load``, ``attn_ids``, ``counters``, ``compact``, ``protect``:
-        ``[B, ...]`` buffers) cut to the cache's first ``b`` rows (views; design §3.13).
-        Returns the rows' ``load [b, H, S]``."""
+        ``[B, ...]`` buffers, and a hot pool's :meth:`_hot_operands`) cut to the cache's first
+        ``b`` rows (views; design §3.13): the kernel's grid is ``b * H`` programs. ``hot_rule``:
+        a fetch (a hot pool's rule runs in the diff), not an early diff. Returns the rows'
+        ``load [b, H, S]`` and their hot operands (``None`` without a hot pool)."""
         b = ids.shape[0]
         load = load[:b]
+        hot = self._hot_operands(layer, load, update=hot_rule)
         kernels.slot_diff(ids, self.slot_map[layer][:b], pos, self.block_size, self.num_blocks, load,
                           attn_ids[:b], tuple(c[:b] for c in counters),
                           None if compact is None else tuple(c[:b] for c in compact),
-                          protect=None if protect is None else protect[:b])
-        return load
+                          protect=None if protect is None else protect[:b], hot=hot)
+        return load, hot
 
     def fetch(self, layer: int, selection: torch.Tensor, pos: torch.Tensor, prefetch: bool = False,
               counters: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -562,7 +567,8 @@ class OffloadKVCache(KVCache):
         Diffs the selection (minus the current block, which lives in the partial slot)
         against the block map in one kernel (:func:`sparda.kernels.slot_diff`: no sort, no
         host read), which also writes the ids :meth:`attend` reads and the hit/miss
-        counters, then copies only the misses: on a side stream with an event if
+        counters (``mixed``: and runs the hot rule, design §6.1), then copies only the
+        misses: on a side stream with an event if
         ``prefetch`` (:meth:`attend` waits on it), else on the compute stream.
 
         Args:
@@ -581,11 +587,10 @@ class OffloadKVCache(KVCache):
         ids = self._diff_ids(selection, "fetch")
         pref, scratch = self.prefetcher, self._scratch_count
         read, valid = counters if counters is not None else (scratch, scratch)
-        self._invalidate_slots(layer, ids, pos)
-        load = self._slot_diff(layer, ids, pos, self.load[layer], self.attn_ids[layer],
-                               (pref.hits, pref.misses, read, valid),
-                               compact=(self.attn_blocks[layer], self.attn_slots[layer]))
-        self._copy_misses(layer, load, prefetch)
+        load, hot = self._slot_diff(layer, ids, pos, self.load[layer], self.attn_ids[layer],
+                                    (pref.hits, pref.misses, read, valid),
+                                    compact=(self.attn_blocks[layer], self.attn_slots[layer]), hot_rule=True)
+        self._copy_misses(layer, load, prefetch, hot=hot)
 
     def warm(self, layer: int, selection: torch.Tensor, pos: torch.Tensor) -> None:
         """Early copy of a two-ahead prediction into ``layer``'s slots (design §6.2; decode).
@@ -608,9 +613,9 @@ class OffloadKVCache(KVCache):
             return
         ids = self._diff_ids(selection, "warm")
         scratch = self._scratch_count
-        load = self._slot_diff(layer, ids, pos, self.early_load[layer], self._early_attn,
-                               (scratch, self.prefetcher.early, scratch, scratch), protect=self.attn_ids[layer])
-        self._copy_misses(layer, load, prefetch=True, early_pos=pos)
+        load, hot = self._slot_diff(layer, ids, pos, self.early_load[layer], self._early_attn,
+                                    (scratch, self.prefetcher.early, scratch, scratch), protect=self.attn_ids[layer])
+        self._copy_misses(layer, load, prefetch=True, early=True, hot=hot)
 
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s pending prefetch (no host sync)."""

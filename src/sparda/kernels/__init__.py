@@ -242,9 +242,10 @@ def completed_compressed_keys(keys: torch.Tensor, start: int, end: int, kernel: 
 
 def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
               num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
-              compact=None, protect: torch.Tensor | None = None) -> None:
+              compact=None, protect: torch.Tensor | None = None, hot: twins.HotSplit | None = None) -> None:
     """Diff one layer's selection against its GPU slots, in place, no host sync (design §6, step 4;
-    with ``protect``, the early diff of design §6.2).
+    with ``protect``, the early diff of design §6.2; with ``hot``, ``kv_dtype`` ``mixed``'s hot
+    pool, design §6.1).
 
     Args:
         ids: ``[B, H, W]`` int32/int64 selected block ids, ``-1`` padded, unique per row (``W <= S + 1``).
@@ -261,15 +262,21 @@ def slot_diff(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, bloc
             diff): slots ``s < S`` with ``protect >= 0`` are not replaced (only empty slots and
             stale unprotected ones take misses; misses beyond them are not loaded), and
             ``misses`` counts the blocks loaded.
+        hot: optional :class:`~sparda.kernels.twins.HotSplit`: with ``update``, first the hot
+            rule's step (:func:`~sparda.kernels.twins.hot_rule_update`: ``ids``, ``pos``) on its
+            state, whose demoted blocks leave their slots (``slot_map`` entries ``-1``) before
+            the diff; then, either way, the loads split into ``pool_load`` / ``cold_load``
+            (:func:`~sparda.kernels.twins.hot_split`; without ``update`` as an early copy at
+            ``pos``) and the hot ones counted into ``pool_misses``. Same kernel.
     Raises:
         SpardaError: mismatched shapes or dtypes (Triton path).
     """
     if _on_triton(ids, slot_map, pos, load, attn_ids):
         _slot_diff.slot_diff_triton(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact,
-                                    protect)
+                                    protect, hot)
     else:
         twins.slot_diff_reference(ids, slot_map, pos, block_size, num_blocks, load, attn_ids, counters, compact,
-                                  protect)
+                                  protect, hot)
 
 
 def dequantize_cold_slots(staged_k: quant.QuantizedKV, staged_v: quant.QuantizedKV, k_dst: torch.Tensor,
@@ -293,7 +300,7 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: to
                 q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst, v_dst,
                 ck: torch.Tensor, *, num_kv_heads: int, group: int, num_f: int, block_size: int,
                 kernel: int, stride: int, slot: int | None = None, ring: torch.Tensor | None = None,
-                host: tuple | None = None, lengths: torch.Tensor | None = None) -> None:
+                host: tuple | None = None, lengths: torch.Tensor | None = None, pool: tuple | None = None) -> None:
     """RoPE + KV append + compressed-key update of one decode token per row, in place (design §3.1, §6).
 
     Args:
@@ -308,8 +315,13 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: to
         block_size, kernel, stride: tokens.
         ring: ``[B, H_kv, kernel, d]`` last ``kernel`` keys, updated; ``None``: read ``k_dst``.
         host: optional ``(k, v, table)``: a host pool ``[H_kv, P, block_size, d]`` and its block
-            table ``[B, N]`` int32 (page of each row's block, ``-1``: not written), written too.
+            table ``[B, N]`` int32 (page of each row's block, ``-1``: not written), written too;
+            :class:`~sparda.kernels.quant.QuantizedKV` planes as ``k_dst`` holds them, or beside an
+            unquantised ``k_dst`` (``kv_dtype`` ``mixed``, design §6.1: quantised here).
         lengths: optional ``[B]`` int64, set to ``pos + 1``.
+        pool: optional ``(k, v, table, P)``, ``mixed``'s hot pool ``[H_kv, P', block_size, d]`` in
+            ``k_dst``'s dtype and its table ``[B, P]``: the exact token goes to the page of pool
+            slot ``(pos // block_size) mod P`` of its row too (an unquantised ``k_dst`` only).
     Raises:
         SpardaError: a quantised ``k_dst`` without ``ring``.
     """
@@ -319,7 +331,7 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: to
                           "(the compressed keys are computed from unquantised keys, docs/kv_quant.md)")
     args = (qkv, cos, sin, pos, q_out, f_out, k_dst, v_dst, ck)
     kw = dict(num_kv_heads=num_kv_heads, group=group, num_f=num_f, block_size=block_size, kernel=kernel,
-              stride=stride, slot=slot, ring=ring, host=host, lengths=lengths)
+              stride=stride, slot=slot, ring=ring, host=host, lengths=lengths, pool=pool)
     if _on_triton(qkv, k_dst.data if quantized else k_dst, ck) and supported_head_dim(q_out.shape[-1]):
         _rope_append.rope_append_triton(*args, **kw)
     else:

@@ -3,7 +3,9 @@
 
 Rounds like PyTorch in the storage dtype; a quantised cache (``QBITS`` 8/4) gets each token
 quantised once by the rule of :func:`sparda.kernels.quant.quantize` (docs/kv_quant.md), the
-ring and compressed keys the full-precision key. Twin:
+ring and compressed keys the full-precision key. ``kv_dtype`` ``mixed`` (design §6.1): the
+slot gets the exact token, the host store its int4 codes (``HQBITS``, quantised here) and
+the hot pool the exact token at the block's pool slot (``POOL``). Twin:
 :func:`sparda.kernels.twins.rope_append_reference`.
 """
 
@@ -65,14 +67,15 @@ def _store_quantized(DATA, SCALE, dst, sdst, q, step, lo, ok, DQ: tl.constexpr):
 @triton.jit
 def _rope_append_kernel(
     QKV, COS, SIN, POS, QOUT, FOUT, KDST, VDST, KSC, VSC, RING, CK, HK, HV, HKS, HVS, TABLE, LENGTHS,
+    PK, PV, PTABLE,
     stride_qkv, stride_cos,
     k_sb, k_sh, k_base, k_st, s_sb, s_sh, s_base, s_st, r_sb, r_sh, c_sb, c_sh,
-    h_sh, h_page, h_st, hs_sh, hs_page, hs_st, t_row,
-    H, C_CAP,
+    h_sh, h_page, h_st, hs_sh, hs_page, hs_st, t_row, p_sh, p_page, p_st, pt_row,
+    H, C_CAP, NPOOL,
     G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, NF: tl.constexpr,
     BS: tl.constexpr, KER: tl.constexpr, KER_P: tl.constexpr, STR: tl.constexpr,
     SLOT_MOD: tl.constexpr, USE_RING: tl.constexpr, HOST: tl.constexpr, LAST: tl.constexpr,
-    QBITS: tl.constexpr,
+    QBITS: tl.constexpr, HQBITS: tl.constexpr, POOL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -111,10 +114,19 @@ def _rope_append_kernel(
         tl.store(VDST + dst + offs_d, v)
         if HOST:  # the block's page (the block table); an unassigned block is not written
             page = tl.load(TABLE + b * t_row + pos // BS).to(tl.int64)
-            hok = (offs_d < D) & (page >= 0)
-            hdst = h * h_sh + tl.maximum(page, 0) * h_page + (pos % BS) * h_st + offs_d
-            tl.store(HK + hdst, k, mask=hok)
-            tl.store(HV + hdst, v, mask=hok)
+            if HQBITS == 0:
+                hok = (offs_d < D) & (page >= 0)
+                hdst = h * h_sh + tl.maximum(page, 0) * h_page + (pos % BS) * h_st + offs_d
+                tl.store(HK + hdst, k, mask=hok)
+                tl.store(HV + hdst, v, mask=hok)
+            else:  # mixed: an exact slot, a quantised host store
+                DQH: tl.constexpr = D if HQBITS == 8 else D // 2
+                kq, k_step, k_lo = _quantize(k.to(tl.float32), D, HQBITS)
+                vq, v_step, v_lo = _quantize(v.to(tl.float32), D, HQBITS)
+                hdst = h * h_sh + tl.maximum(page, 0) * h_page + (pos % BS) * h_st
+                hsdst = h * hs_sh + tl.maximum(page, 0) * hs_page + (pos % BS) * hs_st
+                _store_quantized(HK, HKS, hdst, hsdst, kq, k_step, k_lo, page >= 0, DQH)
+                _store_quantized(HV, HVS, hdst, hsdst, vq, v_step, v_lo, page >= 0, DQH)
     else:  # quantise once, store to the slot (or full cache) and the host store
         DQ: tl.constexpr = D if QBITS == 8 else D // 2
         kq, k_step, k_lo = _quantize(k.to(tl.float32), D, QBITS)
@@ -129,6 +141,12 @@ def _rope_append_kernel(
             hsdst = h * hs_sh + tl.maximum(page, 0) * hs_page + (pos % BS) * hs_st
             _store_quantized(HK, HKS, hdst, hsdst, kq, k_step, k_lo, hok, DQ)
             _store_quantized(HV, HVS, hdst, hsdst, vq, v_step, v_lo, hok, DQ)
+    if POOL:  # mixed's hot pool: the exact token at pool slot (block mod NPOOL), through its table
+        ppage = tl.load(PTABLE + b * pt_row + (pos // BS) % NPOOL).to(tl.int64)
+        pok = (offs_d < D) & (ppage >= 0)
+        pdst = h * p_sh + tl.maximum(ppage, 0) * p_page + (pos % BS) * p_st + offs_d
+        tl.store(PK + pdst, k, mask=pok)
+        tl.store(PV + pdst, v, mask=pok)
     # compressed key completed by this token (design §3.1): mean of the window's keys
     done = pos + 1 - KER
     j = tl.maximum(done, 0) // STR
@@ -173,12 +191,14 @@ def rope_append_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst, v_dst,
                        ck: torch.Tensor, *, num_kv_heads: int, group: int, num_f: int, block_size: int,
                        kernel: int, stride: int, slot: int | None = None, ring: torch.Tensor | None = None,
-                       host: tuple | None = None, lengths: torch.Tensor | None = None) -> None:
+                       host: tuple | None = None, lengths: torch.Tensor | None = None,
+                       pool: tuple | None = None) -> None:
     """Launch :func:`_rope_append_kernel` (see :func:`sparda.kernels.rope_append`).
 
     Raises:
-        SpardaError: a quantised cache without ``ring``, K and V of different strides, or a
-            host store of another quantisation than the cache.
+        SpardaError: a quantised cache without ``ring``, K and V of different strides, a
+            host store of another quantisation than a quantised cache, or a pool beside a
+            quantised cache.
     """
     bsz = qkv.shape[0]
     d = q_out.shape[-1]
@@ -195,23 +215,34 @@ def rope_append_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     if host is not None:
         hk, hks, hbits = _planes(host[0])
         hv, hvs, _ = _planes(host[1])
-        if hbits != bits:
-            raise SpardaError("rope_append: the host store and the cache must hold the same kv_dtype")
+        if hbits != bits and bits:
+            raise SpardaError("rope_append: the host store and a quantised cache must hold the same kv_dtype")
         table = host[2]
         h_strides = (hk.stride(0), hk.stride(1), hk.stride(2))
         hs_strides = (hks.stride(0), hks.stride(1), hks.stride(2)) if hks is not None else (0,) * 3
     else:
-        hk, hv, hks, hvs, table = kd, vd, ks, vs, pos
+        hk, hv, hks, hvs, table, hbits = kd, vd, ks, vs, pos, 0
         h_strides = hs_strides = (0, 0, 0)
+    if pool is not None:
+        if bits:
+            raise SpardaError("rope_append: a hot pool goes with an unquantised cache (kv_dtype mixed)")
+        pk, pv, ptable, npool = pool
+        if pk.stride() != pv.stride() or pk.dtype != kd.dtype:
+            raise SpardaError("rope_append: the pool's K and V must share strides and the cache's dtype")
+        p_strides = (pk.stride(0), pk.stride(1), pk.stride(2), ptable.stride(0))
+    else:
+        pk, pv, ptable, npool = kd, vd, pos, 1
+        p_strides = (0, 0, 0, 0)
     ksc, vsc = (ks, vs) if ks is not None else (kd, vd)
     hks, hvs = (hks, hvs) if hks is not None else (hk, hv)
     _rope_append_kernel[(bsz, num_kv_heads)](
         qkv, cos, sin, pos, q_out, f_out if f_out is not None else q_out, kd, vd, ksc, vsc, ring_t, ck,
-        hk, hv, hks, hvs, table, lengths if lengths is not None else pos,
+        hk, hv, hks, hvs, table, lengths if lengths is not None else pos, pk, pv, ptable,
         qkv.stride(0), cos.stride(0),
         *k_strides, *s_strides, ring_t.stride(0), ring_t.stride(1), ck.stride(0), ck.stride(1),
-        *h_strides, *hs_strides, table.stride(0),
-        num_kv_heads, ck.shape[2],
+        *h_strides, *hs_strides, table.stride(0), *p_strides,
+        num_kv_heads, ck.shape[2], npool,
         G=group, G_P=next_pow2(max(group, 2)), D=d, NF=num_f, BS=block_size, KER=kernel,
         KER_P=next_pow2(max(kernel, 2)), STR=stride, SLOT_MOD=slot is not None, USE_RING=use_ring,
-        HOST=host is not None, LAST=lengths is not None, QBITS=bits, num_warps=4)
+        HOST=host is not None, LAST=lengths is not None, QBITS=bits, HQBITS=hbits, POOL=pool is not None,
+        num_warps=4)

@@ -6,6 +6,7 @@ The CPU runtime and the dispatch fallbacks of :mod:`sparda.kernels` call these; 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -175,10 +176,65 @@ def diff_slots(slot_map: torch.Tensor, want: torch.Tensor, protect: torch.Tensor
     return load, new_map, hits, misses
 
 
+class HotSplit(NamedTuple):
+    """``kv_dtype`` ``mixed``'s hot-pool operands of :func:`sparda.kernels.slot_diff` (design §6.1).
+
+    ``hot [B, H, N]`` bool and ``last [B, H, N]`` int64: the layer's hot-block state
+    (:class:`~sparda.cache.hot.HotBlocks`), updated by the hot rule when ``update`` (a fetch),
+    only read otherwise (the early diff, design §6.2). ``pool_load, cold_load [B, H, S]``
+    int64 out: per slot, the pool slot (``block mod P``) of a hot block it loads, the block id
+    of a cold one (``-1`` elsewhere). ``pool_misses [B]`` int64: the hot loads, added to.
+    ``pool_blocks, hot_steps, local_blocks``: ``P``, ``R >= 1``, ``L``.
+    """
+
+    hot: torch.Tensor
+    last: torch.Tensor
+    pool_load: torch.Tensor
+    cold_load: torch.Tensor
+    pool_misses: torch.Tensor
+    pool_blocks: int
+    hot_steps: int
+    local_blocks: int
+    update: bool
+
+
+def hot_rule_update(hot: torch.Tensor, last: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, block_size: int,
+                    local_blocks: int, pool_blocks: int, hot_steps: int) -> torch.Tensor:
+    """One decode step of the hot rule (design §6.1) on ``hot, last [B, H, N]``, in place:
+    ``ids [B, H, W]`` selected (``-1`` padded), ``pos [B]``. Returns the demoted blocks
+    ``[B, H, N]`` bool."""
+    num_blocks = hot.shape[-1]
+    p = pos.view(-1, 1, 1)
+    cur = p // block_size
+    n = torch.arange(num_blocks, device=hot.device).view(1, 1, -1)
+    picked = ids_to_block_mask(ids, num_blocks) | ((n > cur - local_blocks) & (n <= cur))
+    last.copy_(torch.where(picked, p, last))
+    keep = (hot & (p - last < hot_steps) & (n > cur - pool_blocks)) | (n == cur)
+    demoted = hot & ~keep
+    hot.copy_(keep)
+    return demoted
+
+
+def hot_split(hot: torch.Tensor, load: torch.Tensor, pool_blocks: int, block_size: int,
+              pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``load [B, H, S]`` (block per slot, ``-1`` none) split by ``hot [B, H, N]`` into
+    ``(pool, cold)``: the pool slot of each hot block, the block id of each cold one (``-1``
+    elsewhere). ``pos [B]``: an early copy, before its step's hot rule (design §6.2): a hot
+    block whose pool slot the current block takes (``n <= c - P``) counts as cold."""
+    is_hot = torch.gather(hot, -1, load.clamp(min=0)) & (load >= 0)
+    if pos is not None:
+        is_hot &= load > (pos // block_size).view(-1, 1, 1) - pool_blocks
+    return torch.where(is_hot, load % pool_blocks, -1), torch.where(is_hot | (load < 0), -1, load)
+
+
 def slot_diff_reference(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Tensor, block_size: int,
                         num_blocks: int, load: torch.Tensor, attn_ids: torch.Tensor, counters=None,
-                        compact=None, protect=None) -> None:
+                        compact=None, protect=None, hot: HotSplit | None = None) -> None:
     """Twin of :func:`sparda.kernels.slot_diff` (in place, no shape checks)."""
+    if hot is not None and hot.update:  # the hot rule first: a demoted block's slot is emptied
+        demoted = hot_rule_update(hot.hot, hot.last, ids, pos, block_size, hot.local_blocks, hot.pool_blocks,
+                                  hot.hot_steps)
+        slot_map.masked_fill_(torch.gather(demoted, -1, slot_map.clamp(min=0)) & (slot_map >= 0), -1)
     cur = (pos // block_size).view(-1, 1, 1)
     want = ids_to_block_mask(ids, num_blocks)
     want &= torch.arange(num_blocks, device=ids.device).view(1, 1, -1) != cur
@@ -212,13 +268,18 @@ def slot_diff_reference(ids: torch.Tensor, slot_map: torch.Tensor, pos: torch.Te
         c_misses.add_(misses.sum(-1))
         c_read.add_((ids >= 0).sum((-1, -2)))
         c_valid.add_((cur.view(-1) + 1) * ids.shape[1])
+    if hot is not None:
+        pool, cold = hot_split(hot.hot, load, hot.pool_blocks, block_size, None if hot.update else pos)
+        hot.pool_load.copy_(pool)
+        hot.cold_load.copy_(cold)
+        hot.pool_misses.add_((pool >= 0).sum((1, 2)))
 
 
 def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                           q_out: torch.Tensor, f_out: torch.Tensor | None, k_dst, v_dst, ck: torch.Tensor, *,
                           num_kv_heads: int, group: int, num_f: int, block_size: int, kernel: int, stride: int,
                           slot: int | None = None, ring: torch.Tensor | None = None, host=None,
-                          lengths: torch.Tensor | None = None) -> None:
+                          lengths: torch.Tensor | None = None, pool=None) -> None:
     """Twin of :func:`sparda.kernels.rope_append` (in place, no shape checks)."""
     bsz = qkv.shape[0]
     d = q_out.shape[-1]
@@ -244,18 +305,33 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         k_dst[rows, :, slot, pos % block_size] = k_tok
         v_dst[rows, :, slot, pos % block_size] = v_tok
     if host is not None:  # the host store may live in (pinned) host memory; pages by the table
-        hd = host[0].device
-        page = host[2].to(hd)[rows.to(hd), (pos // block_size).to(hd)].long()
-        ok = (page >= 0).nonzero(as_tuple=True)[0]
-        off = (pos % block_size).to(hd)[ok]
-        host[0][:, page[ok], off] = k_tok[ok.to(k_tok.device)].to(hd).transpose(0, 1)
-        host[1][:, page[ok], off] = v_tok[ok.to(v_tok.device)].to(hd).transpose(0, 1)
+        if isinstance(host[0], quant.QuantizedKV) and not isinstance(k_tok, quant.QuantizedKV):  # mixed
+            hk_tok = quant.QuantizedKV.quantize(k.to(q_out.dtype), host[0].kv_dtype)
+            hv_tok = quant.QuantizedKV.quantize(v.to(q_out.dtype), host[0].kv_dtype)
+        else:
+            hk_tok, hv_tok = k_tok, v_tok
+        _write_host_token(host[0], host[1], host[2], rows, pos // block_size, pos % block_size, hk_tok, hv_tok)
+    if pool is not None:  # mixed's hot pool: block n at pool slot n mod P
+        _write_host_token(pool[0], pool[1], pool[2], rows, pos // block_size % pool[3], pos % block_size,
+                          k_tok, v_tok)
     if ring is not None:
         ring[rows, :, pos % kernel] = k.to(ring.dtype)
     reference.update_compressed_keys(ck, k_dst if ring is None else ring, rows, pos, kernel, stride,
                                      ring=ring is not None)
     if lengths is not None:
         lengths.copy_(pos + 1)
+
+
+def _write_host_token(dst_k, dst_v, table: torch.Tensor, rows: torch.Tensor, column: torch.Tensor,
+                      offset: torch.Tensor, k_tok, v_tok) -> None:
+    """``dst[:, table[rows, column], offset] = tok`` (``[H, pages, bs, d]`` host planes; tokens
+    ``[B, H, d]``) for the rows whose page is ``>= 0``; ``dst`` may live in host memory."""
+    hd = dst_k.device
+    page = table.to(hd)[rows.to(hd), column.to(hd)].long()
+    ok = (page >= 0).nonzero(as_tuple=True)[0]
+    off = offset.to(hd)[ok]
+    dst_k[:, page[ok], off] = k_tok[ok.to(k_tok.device)].to(hd).transpose(0, 1)
+    dst_v[:, page[ok], off] = v_tok[ok.to(v_tok.device)].to(hd).transpose(0, 1)
 
 
 def add_rmsnorm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
