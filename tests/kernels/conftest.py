@@ -55,3 +55,11 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def rel_err():
     """``rel_err(out, ref)``: ``||out - ref|| / ||ref||`` in float64; any NaN gives inf."""
     return _rel_err
+
+
+@pytest.fixture(scope="module")
+def tiny_model(make_tiny):
+    """The random tiny Llama (tests/conftest.py ``make_tiny``) as a loaded model, fp32 on the CPU."""
+    from sparda.engine.llm import LLM
+
+    return LLM(str(make_tiny("llama")), method="dense", device="cpu").model

@@ -31,11 +31,6 @@ SMALL = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=0, init_bl
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(make_tiny):
-    return LLM(str(make_tiny("llama")), method="dense", device="cpu").model
-
-
 @pytest.mark.parametrize("method,options", [("sparda", {"offload": True, "kv_dtype": "int4"}),
                                             ("sparda", {"offload": True, "lookahead": 2}),
                                             ("sparda", {"offload": True, "kv_dtype": "mixed"}),

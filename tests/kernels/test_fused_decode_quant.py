@@ -27,11 +27,6 @@ SMALL = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=160, init_
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(make_tiny):
-    return LLM(str(make_tiny("llama")), method="dense", device="cpu").model
-
-
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
