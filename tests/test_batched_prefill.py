@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparda import SamplingParams
 from sparda.errors import SpardaError
+from near_tie import agree_up_to_a_tie
 from test_offload import forecast_file  # noqa: F401 - fixture
 
 SMALL = dict(block_size=16, kernel_size=8, kernel_stride=4, dense_len=40, init_blocks=1, local_blocks=2,
@@ -163,11 +165,13 @@ def test_generate_gives_each_prompt_its_tokens_alone(tiny, forecast_file, method
     prompts = [torch.randint(100, 20000, (n,)).tolist() for n in _lengths()]
     groups = llm.prefill_groups(llm.new_cache(4, 300), prompts)
     assert groups == [[0, 1, 2, 3]]
-    outs = llm.generate(None, prompt_token_ids=prompts, max_new_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+    outs = llm.generate(None, params, prompt_token_ids=prompts)
     for ids, out in zip(prompts, outs):
-        alone = llm.generate(None, prompt_token_ids=[ids], max_new_tokens=16, ignore_eos=True)[0]
-        assert out.token_ids == alone.token_ids, len(ids)
-        assert out.stats["kv_read_fraction"] == pytest.approx(alone.stats["kv_read_fraction"], abs=1e-4)
+        alone = llm.generate(None, params, prompt_token_ids=[ids])[0]
+        # padded GEMMs round otherwise: an int8 / int4 code may flip, and with it a near tie
+        if agree_up_to_a_tie(out, alone, 1e-3, len(ids)):
+            assert out.stats["kv_read_fraction"] == pytest.approx(alone.stats["kv_read_fraction"], abs=1e-4)
 
 
 def test_prefill_groups_respect_the_token_budget(tiny, forecast_file):

@@ -16,7 +16,8 @@
   step's rows and the bucketed engine's requests what the full batch gives them.
 
 The step's GEMMs over ``b`` rows may round differently from those over ``B`` (MKL on the
-CPU below 6 rows), so logits and log-probabilities agree to fp32 rounding, tokens exactly.
+CPU below 6 rows), so logits and log-probabilities agree to fp32 rounding, greedy tokens up
+to a near tie (a flip there parts the continuations; ``near_tie.agree_up_to_a_tie``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from sparda.cache.host import HostChunk
 from sparda.engine.buckets import auto_sizes, bucket_for, decode_buckets
 from sparda.engine.engine import Engine
 from sparda.kernels import quant
+from near_tie import agree_up_to_a_tie
 from test_forecast2 import weights  # noqa: F401 - fixture: (one-layer, two-ahead) Forecast files of tiny
 from test_preemption import SMALL as PAGED, _paged, _serve, _workload
 
@@ -242,7 +244,7 @@ def _run(engine, prompts, max_tokens, every=2):
         while pending or engine.has_work():
             if pending and step % every == 0:
                 ids, m = pending.pop(0)
-                seqs.append(engine.add_request(ids, SamplingParams(max_tokens=m, ignore_eos=True, logprobs=0)))
+                seqs.append(engine.add_request(ids, SamplingParams(max_tokens=m, ignore_eos=True, logprobs=2)))
             for delta in engine.step():
                 if delta.output is not None:
                     outputs[delta.request_id] = delta.output
@@ -291,9 +293,11 @@ def test_a_bucketed_engine_equals_the_full_batch_engine(tiny, weights, method, o
     assert set(used) == {6, 9} and any(x > y for x, y in zip(used, used[1:])), (where, used)  # buckets change
     exact = _rows_invariant(llm, (6,), 9)
     for got, want in zip(bucketed, reference):
-        assert got.token_ids == want.token_ids, where
-        lp, ref = [e["logprob"] for e in got.logprobs], [e["logprob"] for e in want.logprobs]
-        assert lp == ref if exact else lp == pytest.approx(ref, abs=1e-3), (where, exact)
+        if exact:
+            assert got.token_ids == want.token_ids, where
+            assert [e["logprob"] for e in got.logprobs] == [e["logprob"] for e in want.logprobs], where
+        elif not agree_up_to_a_tie(got, want, 1e-3, where):
+            continue  # parted at a near tie: other tokens, other counters
         assert got.stats["kv_read_fraction"] == pytest.approx(want.stats["kv_read_fraction"],
                                                               abs=0 if exact else 1e-3), where
         if exact and "offload" in want.stats:
@@ -318,9 +322,7 @@ def test_small_buckets_give_the_full_batch_tokens(tiny, weights, fresh_seed):
         used = [b for b, _ in seen]
         assert {1, 2, 4} <= set(used) and used[-1] == 1 and max(used) > 1, (where, used)
         for got, want in zip(bucketed, reference):
-            assert got.token_ids == want.token_ids, where
-            assert [e["logprob"] for e in got.logprobs] == pytest.approx([e["logprob"] for e in want.logprobs],
-                                                                          abs=1e-3), where
+            agree_up_to_a_tie(got, want, 1e-3, where)
 
 
 def test_bucketed_dense_requests_equal_each_alone(tiny, weights, fresh_seed):
@@ -393,9 +395,9 @@ def test_a_bucketed_paged_engine_grows_and_preempts_as_the_full_batch_one(tiny, 
         assert {b for b, _ in full_seen} == {4}, where
         assert preempted == full_preempted and sum(preempted) >= 1, (where, preempted, full_preempted)
         for i, (mine, ref) in enumerate(zip(got, want)):
-            assert mine.token_ids == ref.token_ids, (where, i)
-            assert [e["logprob"] for e in mine.logprobs] == pytest.approx([e["logprob"] for e in ref.logprobs],
-                                                                           abs=1e-3), (where, i)
+            if params[i].temperature:  # seeded sampling: no tie to judge
+                assert mine.token_ids == ref.token_ids, (where, i)
+            agree_up_to_a_tie(mine, ref, 1e-3, (where, i))
 
 
 #: stateful selectors (row state indexed by ``rows``) and the offloaded caches with per-row copy state
@@ -448,7 +450,7 @@ def _drive(engine, requests, aborts):
         while engine.has_work() or any(at >= step for at, *_ in requests):
             for at, rid, ids, m in requests:
                 if at == step:
-                    engine.add_request(ids, SamplingParams(max_tokens=m, ignore_eos=True, logprobs=0), request_id=rid)
+                    engine.add_request(ids, SamplingParams(max_tokens=m, ignore_eos=True, logprobs=2), request_id=rid)
             for at, rid in aborts:
                 if at == step:
                     engine.abort(rid)
@@ -487,9 +489,9 @@ def test_chunked_prefill_and_cancels_with_buckets_equal_the_default(tiny, weight
         for rid, got in outputs.items():
             want = ref[rid]
             at = (where, sizes, rid)
-            assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), at
-            assert [e["logprob"] for e in got.logprobs] == pytest.approx([e["logprob"] for e in want.logprobs],
-                                                                          abs=1e-3), at
+            assert got.finish_reason == want.finish_reason, at
+            if not agree_up_to_a_tie(got, want, 1e-3, at):
+                continue  # parted at a near tie: other tokens, other counters
             assert got.stats["kv_read_fraction"] == pytest.approx(want.stats["kv_read_fraction"], abs=1e-3), at
             if "offload" in want.stats:
                 for key in ("hits", "misses", "early_copies", "pool_misses"):  # rounding may move a block
@@ -546,6 +548,4 @@ def test_mixed_fused_bookkeeping_runs_the_bucket_rows_only(tiny, weights, lookah
     used = [b for b, _ in seen]
     assert min(used) < 5 and used[-1] == 1, (where, used)
     for got, want in zip(bucketed, reference):
-        assert got.token_ids == want.token_ids, where
-        assert [e["logprob"] for e in got.logprobs] == pytest.approx([e["logprob"] for e in want.logprobs],
-                                                                      abs=1e-3), where
+        agree_up_to_a_tie(got, want, 1e-3, where)

@@ -19,6 +19,7 @@ from sparda.engine.engine import Engine
 from sparda.engine.sequence import Status
 from sparda.errors import SpardaError
 
+from near_tie import agree_up_to_a_tie
 from test_offload import forecast_file  # noqa: F401 - fixture
 
 # budget 6 blocks of 16 tokens: requests of at most 96 tokens select every block, so a
@@ -56,10 +57,10 @@ def _paged(llm, blocks=BLOCKS, rows=ROWS, **options) -> Engine:
 
 def _workload(count: int):
     """``count`` prompts of 10-39 tokens with 40-55 new tokens each (at most 94 tokens, 6
-    blocks), greedy with log-probabilities but for one seeded sampled request."""
+    blocks), greedy with the best two log-probabilities but for one seeded sampled request."""
     prompts = [torch.randint(0, 49152, (int(n),)).tolist() for n in torch.randint(10, 40, (count,))]
-    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, logprobs=0) for m in torch.randint(40, 56, (count,))]
-    params[1] = SamplingParams(max_tokens=params[1].max_tokens, ignore_eos=True, logprobs=0, temperature=0.9,
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, logprobs=2) for m in torch.randint(40, 56, (count,))]
+    params[1] = SamplingParams(max_tokens=params[1].max_tokens, ignore_eos=True, logprobs=2, temperature=0.9,
                                seed=int(torch.randint(0, 2**31, ())))
     return prompts, params
 
@@ -108,7 +109,7 @@ def _serve(engine, prompts, params, check=True, on_step=None):
 def test_heavy_preemption_gives_each_request_its_ample_pool_tokens(tiny, forecast_file, method, options,
                                                                      fresh_seed):
     """Eight requests needing up to 6 blocks each share 8 blocks: they are preempted and
-    recomputed many times; each one's tokens (greedy and seeded sampling) and
+    recomputed many times; each one's tokens (greedy up to a near tie, seeded sampling) and
     log-probabilities equal an unpaged engine's, its streamed deltas are its tokens once each
     and concatenate to its text, ``prompt_tokens`` is its prompt, TTFT is its first token's,
     ``preemptions`` is counted per request and in the metrics, and every block comes back."""
@@ -142,9 +143,12 @@ def test_heavy_preemption_gives_each_request_its_ample_pool_tokens(tiny, forecas
             assert same >= before and mine_lp[:before] == pytest.approx(want_lp[:before], abs=1e-4), at
             assert mine_lp[:same] == pytest.approx(want_lp[:same], abs=0.1), at
             continue
-        assert got.token_ids == want.token_ids and got.text == want.text, at
         # int8: a recomputed key a summation order apart may round to a neighbouring code
-        assert mine_lp == pytest.approx(want_lp, abs=2e-3 if "kv_dtype" in options else 1e-4), at
+        tol = 2e-3 if "kv_dtype" in options else 1e-4
+        if params[i].temperature:  # seeded sampling: no tie to judge
+            assert got.token_ids == want.token_ids, at
+        if agree_up_to_a_tie(got, want, tol, at):
+            assert got.text == want.text, at
         assert got.stats["prompt_tokens"] == len(prompts[i]) and got.stats["new_tokens"] == params[i].max_tokens
         assert got.stats["preemptions"] == seq.preemptions and got.finish_reason == "length", at
         if seq.request_id in preempted_at and preempted_at[seq.request_id][1]:  # had a token when preempted
