@@ -222,8 +222,9 @@ def test_reserve_never_preempts_and_grow_admits_more(tiny, forecast_file, fresh_
 
 def test_a_request_cancelled_while_preempted_releases_everything(tiny, forecast_file, fresh_seed):
     """Abort a request while it waits preempted: it ends with ``abort`` and the tokens it had
-    streamed (a prefix of its ample-pool tokens), leaves the queue, and at the end every row
-    and block is free and the engine holds no request."""
+    streamed (a prefix of its ample-pool tokens) and the offload counters of its decode steps
+    (in the engine's totals too), leaves the queue, and at the end every row and block is free
+    and the engine holds no request."""
     llm = _llm(tiny, "sparse-offload", {}, forecast_file)
     prompts, params = _workload(8)
     engine = _paged(llm)
@@ -245,7 +246,12 @@ def test_a_request_cancelled_while_preempted_releases_everything(tiny, forecast_
     assert alone.token_ids[:len(streamed)] == streamed, fresh_seed
     pool = engine.scheduler.block_pool
     assert pool.num_free == pool.num_blocks and engine.scheduler.rows_in_use == 0 and not engine.scheduler.waiting
-    assert engine._seqs == {} and engine.metrics()["requests_finished"] == {"length": 7, "abort": 1}
+    metrics = engine.metrics()
+    assert engine._seqs == {} and metrics["requests_finished"] == {"length": 7, "abort": 1}
+    # its decode steps' offload counters, saved at the preemption, are its own and the engine's
+    assert out[i].stats["offload"]["hits"] + out[i].stats["offload"]["misses"] > 0, fresh_seed
+    for key in ("hits", "misses"):
+        assert metrics["offload"][key] == sum(o.stats["offload"][key] for o in out), (key, fresh_seed)
 
 
 def test_a_request_that_can_never_fit_the_pool_is_refused_when_added(tiny, forecast_file):

@@ -144,10 +144,10 @@ class MixedOffloadKVCache(OffloadKVCache):
         self.prefetcher.fetch(layer, copy, None, None, keep=(from_pool, cold), prefetch=prefetch, early=early)
 
     # ---------------------------------------------------------------- stats
-    def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
+    def offload_stats(self, tokens: int, row: int | None = None, saved: list | None = None) -> dict[str, float]:
         """:meth:`~sparda.cache.offload.OffloadKVCache.offload_stats` plus ``kv_hot_blocks``
         (``P``), ``kv_hot_steps`` (``R``) and ``pool_bytes`` (the hot pool's host bytes)."""
-        stats = super().offload_stats(tokens, row)
+        stats = super().offload_stats(tokens, row, saved)
         stats.update(kv_hot_blocks=self.hot_blocks, kv_hot_steps=self.hot_steps, pool_bytes=self.host.pool_bytes)
         return stats
 

@@ -639,9 +639,10 @@ class OffloadKVCache(KVCache):
         return kernels.decode_attention_slots(q, self.k_slots[layer][:b], self.v_slots[layer][:b],
                                               self.attn_blocks[layer][:b], self.attn_slots[layer][:b], kv_len)
 
-    def offload_stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
-        """Prefetch counters of cache row ``row`` (or the whole batch) over ``tokens`` decoded
-        tokens (:meth:`~sparda.cache.prefetch.Prefetcher.stats`) plus the memory split."""
-        stats = self.prefetcher.stats(tokens, row)
+    def offload_stats(self, tokens: int, row: int | None = None, saved: list | None = None) -> dict[str, float]:
+        """Prefetch counters of cache row ``row``, of the whole batch or ``saved`` (a preempted
+        row's) over ``tokens`` decoded tokens (:meth:`~sparda.cache.prefetch.Prefetcher.stats`)
+        plus the memory split."""
+        stats = self.prefetcher.stats(tokens, row, saved)
         stats.update(engine=self.engine.name, host_bytes=self.host.nbytes, device_bytes=self.device_bytes)
         return stats

@@ -230,8 +230,14 @@ class Prefetcher:
         without device timing."""
         return [] if self._clock is None else self._clock.timeline(sorted(self.timed_layers))
 
-    def stats(self, tokens: int, row: int | None = None) -> dict[str, float]:
-        """Counters of one cache row (``row``) or of the whole batch: ``hits``, ``misses``,
+    def row_counters(self) -> list[torch.Tensor]:
+        """The per-row ``[batch]`` counters, in the order :meth:`stats` takes ``saved``:
+        ``hits``, ``misses``, ``early`` and, ``mixed``, ``pool_misses``."""
+        return [self.hits, self.misses, self.early] + ([self.pool_misses] if self.pool_misses is not None else [])
+
+    def stats(self, tokens: int, row: int | None = None, saved: list | None = None) -> dict[str, float]:
+        """Counters of one cache row (``row``), of the whole batch, or ``saved`` (one row's
+        :meth:`row_counters` as saved when its request was preempted): ``hits``, ``misses``,
         ``hit_rate``, ``early_copies`` (blocks copied early, design §6.2; not in ``misses``),
         ``bytes_copied`` (misses and early copies), ``bytes_per_token`` (K+V copied per decoded token,
         ``tokens`` decoded tokens of that row or batch; ``mixed``: ``pool_misses`` of the
@@ -240,13 +246,13 @@ class Prefetcher:
         copy), ``exposed_transfer_ms`` (the part of it after the copy's inputs were ready,
         :mod:`sparda.cache.timestamps`) and ``hidden_fraction`` (copy time not waited for) --
         batch-wide: one copy carries every row's misses; 0 when nothing was copied."""
-        hits_t, misses_t = (self.hits, self.misses) if row is None else (self.hits[row], self.misses[row])
-        hits, misses = int(hits_t.sum().item()), int(misses_t.sum().item())
-        early = int((self.early if row is None else self.early[row]).sum().item())
+        if saved is None:
+            saved = [c if row is None else c[row] for c in self.row_counters()]
+        counts = [int(c.sum().item()) for c in saved]
+        hits, misses, early = counts[:3]
+        pool = counts[3] if self.pool_misses is not None else None
         copied = 2 * (misses + early) * self.block_bytes
-        pool = None
-        if self.pool_misses is not None:
-            pool = int((self.pool_misses if row is None else self.pool_misses[row]).sum().item())
+        if pool is not None:
             copied = 2 * (pool * self.pool_block_bytes + (misses + early - pool) * self.block_bytes)
         out = {
             "hits": hits, "misses": misses,

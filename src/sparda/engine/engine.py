@@ -312,9 +312,7 @@ class Engine:
                     if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == self.max_batch]
         prefetcher = self.cache.prefetcher
         if prefetcher is not None and prefetcher.hits is not None:
-            counters += [prefetcher.hits, prefetcher.misses, prefetcher.early]
-            if prefetcher.pool_misses is not None:
-                counters.append(prefetcher.pool_misses)
+            counters += prefetcher.row_counters()  # last: _finish reads a preempted row's from the end
         return counters
 
     def _reset_row(self, row: int, values: list | None = None) -> None:
@@ -515,12 +513,17 @@ class Engine:
             "graph_capture_ms": round(self.runner.runner(self.cache).capture_s * 1e3, 3),
             "cuda_graph": self.runner.runner(self.cache).replays > 0,
         }
-        if self.offloaded and seq.row is not None:
-            stats["offload"] = self.cache.offload_stats(max(decoded, 1), row=seq.row)
+        # a request cancelled while preempted holds no row: its counters are the saved ones
+        saved = seq.saved_state[0] if seq.row is None and seq.saved_state is not None else None
+        if self.offloaded and (seq.row is not None or saved is not None):
+            if saved is not None:
+                saved = saved[-len(self.cache.prefetcher.row_counters()):]
+            stats["offload"] = self.cache.offload_stats(max(decoded, 1), row=seq.row, saved=saved)
             self._offload_done[0] += stats["offload"]["hits"]
             self._offload_done[1] += stats["offload"]["misses"]
             self._offload_done[2] += stats["offload"]["bytes_copied"]
-            self._reset_row(seq.row)  # so that the live rows' counters cover running requests only
+            if seq.row is not None:
+                self._reset_row(seq.row)  # so that the live rows' counters cover running requests only
             self._refresh_offload()
         with self._lock:
             if seq.row is not None:
