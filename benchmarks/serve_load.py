@@ -31,7 +31,12 @@ of running plus waiting), ``gen_tok_s_peak_10s`` (the highest 10-s generation ra
 ``/metrics`` reported: the decode rate once every row decodes), ``hit_rate`` and
 ``offload_bytes_per_token`` (offloaded: the engine's cumulative figures at the last scrape),
 ``prefill_tok_s`` / ``generation_tok_s`` (prompt tokens prefilled and tokens generated per
-second between the point's first and last scrape), ``timeline`` (one row a second: seconds since
+second between the point's first and last scrape), from the engine's step-time counters
+between those scrapes (:func:`step_figures`; ``None`` where a counter is absent or a divisor
+0): ``prefill_busy_tok_s`` (prefill tokens run, recomputed ones included, per second of prefill
+work: the engine's prefill speed while it prefills), ``decode_step_ms`` (decode seconds per
+decode step, mean) and ``prefill_share`` (prefill seconds over prefill plus decode seconds),
+``timeline`` (one row a second: seconds since
 the point's start, prompt and generated tokens so far, running and waiting requests),
 ``idle_at_start`` (the previous point's requests had all ended),
 ``gpu_mem_peak_gib`` / ``host_rss_peak_gib`` (the server process; ``None`` where it cannot be
@@ -87,6 +92,27 @@ def rate_between(timeline: list[list[float]], column: int) -> float | None:
     if len(timeline) < 2 or timeline[-1][0] <= timeline[0][0]:
         return None
     return round((timeline[-1][column] - timeline[0][column]) / (timeline[-1][0] - timeline[0][0]), 1)
+
+
+#: the ``/metrics`` counters of :func:`step_figures`: prefill seconds, prefill tokens run,
+#: decode seconds, decode steps (``decode_steps_total{bucket}`` summed over buckets)
+STEP_COUNTERS = ("sparda_prefill_seconds_total", "sparda_prefill_tokens_run_total", "sparda_decode_seconds_total",
+                 "sparda_decode_steps_total")
+
+
+def step_figures(first: dict | None, last: dict | None) -> dict:
+    """``prefill_busy_tok_s``, ``decode_step_ms`` and ``prefill_share`` from the
+    :data:`STEP_COUNTERS` of two scrapes (``{name: value}``, :meth:`Server.metrics`): their
+    differences. A counter missing from ``last`` gives ``None`` (a server without it); one
+    missing from ``first`` only counts from 0 (a labelled family has no sample before its
+    first step). ``None`` too where the divisor is 0."""
+    diffs = [None if last is None or name not in last else last[name] - (first or {}).get(name, 0.0)
+             for name in STEP_COUNTERS]
+    pre_s, pre_tok, dec_s, dec_n = diffs
+    return {"prefill_busy_tok_s": round(pre_tok / pre_s, 1) if pre_s and pre_tok is not None else None,
+            "decode_step_ms": round(dec_s / dec_n * 1e3, 3) if dec_n and dec_s is not None else None,
+            "prefill_share": round(pre_s / (pre_s + dec_s), 4)
+            if pre_s is not None and dec_s is not None and pre_s + dec_s > 0 else None}
 
 
 def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
@@ -208,12 +234,17 @@ class Server:
         self.lines.put(None)  # the child's stderr closed: it exited
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` as ``{name: value}`` (unlabelled by model; histograms left out)."""
+        """``/metrics`` as ``{name: value}``, the samples of a name summed over their labels (one
+        model: e.g. ``sparda_decode_steps_total`` over buckets); histograms left out."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
-        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-                if family.type in ("gauge", "counter")}
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.type in ("gauge", "counter"):
+                for sample in family.samples:
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        return out
 
     def stop(self) -> None:
         """SIGINT (the server drains for 5 s), then SIGKILL after 60 s."""
@@ -312,12 +343,16 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
     peaks, stop = {"running": 0, "waiting": 0, "gpu": None, "host": None, "metrics_errors": 0, "gen_rate": 0.0,
                    "hit_rate": None, "bytes_per_token": None}, threading.Event()
     timeline: list[list[float]] = []  # [s since start, prompt tokens, generated tokens, running, waiting]
+    scrapes: dict[str, dict | None] = {"first": None, "last": None}  # the STEP_COUNTERS of each
 
     def poll():
         while not stop.is_set():
             try:
                 m = server.metrics()
                 now = time.perf_counter() - start
+                counters = {k: float(m[k]) for k in STEP_COUNTERS if k in m}
+                scrapes["first"] = counters if scrapes["first"] is None else scrapes["first"]
+                scrapes["last"] = counters
                 if not timeline or now - timeline[-1][0] >= 1.0:
                     timeline.append([round(now, 2)] + [float(m.get(f"sparda_{k}", 0.0)) for k in (
                         "prompt_tokens_total", "generation_tokens_total", "requests_running", "requests_waiting")])
@@ -393,7 +428,7 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
             "metrics_errors": peaks["metrics_errors"], "gen_tok_s_peak_10s": round(peaks["gen_rate"], 1),
             "hit_rate": peaks["hit_rate"], "offload_bytes_per_token": peaks["bytes_per_token"],
             "prefill_tok_s": rate_between(timeline, 1), "generation_tok_s": rate_between(timeline, 2),
-            "timeline": timeline,
+            **step_figures(scrapes["first"], scrapes["last"]), "timeline": timeline,
             "gpu_mem_peak_gib": None if peaks["gpu"] is None else round(peaks["gpu"], 2),
             "host_rss_peak_gib": None if peaks["host"] is None else round(peaks["host"], 2)}
 

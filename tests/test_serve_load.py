@@ -19,7 +19,7 @@ import serve_load  # noqa: E402
 #: what every record holds (the issue's list, plus the refusals)
 RECORD_KEYS = {"method", "kv_dtype", "model", "mode", "rate", "concurrency", "output_tok_s", "requests_per_s",
                "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "completed", "lost", "refused",
-               "peak_running", "device", "commit", "selection"}
+               "peak_running", "device", "commit", "selection", "prefill_busy_tok_s", "decode_step_ms", "prefill_share"}
 
 
 def test_percentile_is_nearest_rank(fresh_seed):
@@ -107,6 +107,9 @@ def test_load_sweep_end_to_end(tmp_path):
         rows = r["timeline"]
         assert all(b[0] > a[0] and b[1] >= a[1] and b[2] >= a[2] for a, b in zip(rows, rows[1:])), rows
         assert len(rows) < 2 or r["prefill_tok_s"] > 0, r  # prompts were prefilled during the point
+        # and the engine's step times saw it prefill and decode
+        assert len(rows) < 2 or (r["prefill_busy_tok_s"] > 0 and r["decode_step_ms"] > 0
+                                 and 0 < r["prefill_share"] < 1), r
     assert (out / "serve_load.md").read_text().count("| sparse |") == 2
     assert "| config | mode |" in run.stdout
 
@@ -148,14 +151,17 @@ def test_agree_fp32_gives_each_request_its_tokens_alone(tmp_path):
 class _FakeServer:
     """An OpenAI-shaped completions server on loopback whose answers a test scripts: each
     POST takes the next of ``plan`` (``"ok"``: 3 streamed tokens, ``"429"``, ``"hang"``,
-    ``"garbage"``: a broken SSE chunk; the last entry repeats). ``posts`` counts requests."""
+    ``"garbage"``: a broken SSE chunk; the last entry repeats). ``posts`` counts requests.
+    ``GET /metrics`` answers ``metrics_text()`` (default: one running request)."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, metrics_text=None):
         import http.server
         import threading
         import time as _time
 
         self.plan, self.posts, self.lock = list(plan), 0, threading.Lock()
+        self.metrics_text = metrics_text or (
+            lambda: '# TYPE sparda_requests_running gauge\nsparda_requests_running{model="m"} 1.0\n')
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -163,7 +169,7 @@ class _FakeServer:
                 pass
 
             def do_GET(self):
-                body = b'# TYPE sparda_requests_running gauge\nsparda_requests_running{model="m"} 1.0\n'
+                body = fake.metrics_text().encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -261,3 +267,58 @@ def test_load_sweep_replays_the_trace(tmp_path):
     assert r["selection"] == "trace" and r["completed"] > 0 and r["lost"] == 0, r
     assert 0.0 < r["hit_rate"] <= 1.0, r
     assert "replaying" in (out / "server-sparse-offload.log").read_text()
+
+
+def test_step_figures_from_two_scrapes(fresh_seed):
+    """``prefill_busy_tok_s``, ``decode_step_ms``, ``prefill_share`` are the counters'
+    differences' ratios; a counter missing from the last scrape gives None, one missing
+    from the first counts from 0; a zero divisor gives None."""
+    rng = random.Random(fresh_seed)
+    names = serve_load.STEP_COUNTERS
+    first = {name: rng.uniform(0, 100) for name in names}
+    grow = [rng.uniform(0.5, 50), rng.randint(1, 10**6), rng.uniform(0.5, 50), rng.randint(1, 10**5)]
+    last = {name: first[name] + d for name, d in zip(names, grow)}
+    got = serve_load.step_figures(first, last)
+    assert got["prefill_busy_tok_s"] == pytest.approx(grow[1] / grow[0], abs=0.05), fresh_seed
+    assert got["decode_step_ms"] == pytest.approx(grow[2] / grow[3] * 1e3, abs=5e-4), fresh_seed
+    assert got["prefill_share"] == pytest.approx(grow[0] / (grow[0] + grow[2]), abs=5e-5), fresh_seed
+    steps = names[3]
+    no_steps_yet = serve_load.step_figures({k: v for k, v in first.items() if k != steps}, last)
+    assert no_steps_yet["decode_step_ms"] == pytest.approx(grow[2] / last[steps] * 1e3, abs=5e-4), fresh_seed
+    assert set(serve_load.step_figures(first, {})) == set(got) and not any(serve_load.step_figures(first, {}).values())
+    assert not any(serve_load.step_figures(None, None).values())
+    assert serve_load.step_figures(first, first) == dict.fromkeys(got)  # nothing ran: every divisor 0
+
+
+def test_run_point_records_the_step_times_between_its_first_and_last_scrape(fresh_seed):
+    """Against a fake server whose step counters advance with each scrape (decode steps in
+    two buckets, summed; one bucket has no sample at the first scrape), the record's figures
+    are those of the first and last scrape."""
+    rng = random.Random(fresh_seed)
+    served = []
+
+    def metrics_text():
+        prev = served[-1] if served else [rng.uniform(0, 9), rng.randint(0, 99), rng.uniform(0, 9), 0, 0]
+        now = [prev[0] + rng.uniform(0.01, 1), prev[1] + rng.randint(1, 5000), prev[2] + rng.uniform(0.01, 1),
+               prev[3] + rng.randint(1, 50), prev[4] + rng.randint(1, 50) if served else 0]
+        served.append(now)
+        lines = [f'sparda_{name}_total{{model="m"}} {value}' for name, value in
+                 zip(("prefill_seconds", "prefill_tokens_run", "decode_seconds"), now)]
+        families = [f"# TYPE sparda_{name}_total counter\n{line}" for name, line in
+                    zip(("prefill_seconds", "prefill_tokens_run", "decode_seconds"), lines)]
+        families.append("# TYPE sparda_decode_steps_total counter\n"
+                        + "".join(f'sparda_decode_steps_total{{model="m",bucket="{b}"}} {v}\n'
+                                  for b, v in ((4, now[3]), (8, now[4])) if v))  # bucket 8: none at first
+        return "\n".join(families) + "\n"
+
+    fake = _FakeServer(["ok"], metrics_text)
+    try:
+        point = serve_load.run_point(fake, _args(duration=1.0), "closed", 1, "t")
+    finally:
+        fake.close()
+    a, b = served[0], served[-1]
+    assert len(served) >= 3, served
+    assert point["prefill_busy_tok_s"] == pytest.approx((b[1] - a[1]) / (b[0] - a[0]), abs=0.05), served
+    steps = b[3] + b[4] - a[3] - a[4]
+    assert point["decode_step_ms"] == pytest.approx((b[2] - a[2]) / steps * 1e3, abs=5e-4), served
+    assert point["prefill_share"] == pytest.approx((b[0] - a[0]) / (b[0] - a[0] + b[2] - a[2]), abs=5e-5), served

@@ -597,3 +597,46 @@ def test_prometheus_metrics_from_prometheus_client(server):
         assert after[f"{name}_count"] - before[f"{name}_count"] == 2, name
         assert after[f"{name}_bucket{{le=+Inf}}"] == after[f"{name}_count"] and after[f"{name}_sum"] > 0
     assert "sparda_offload_hit_rate" not in after  # an on-device cache
+
+
+def test_metrics_time_the_engine_steps_by_kind(server):
+    """The step-time counters and ``engine_step_seconds{kind}``: two requests of 3 prompt
+    tokens and 6 new ones, one after the other on an idle server, each a mixed step (its
+    prompt, its first decode) and four decode steps; seconds within the requests' wall time."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        text = httpx.get(server.url + "/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model")
+                if s.labels.get("model") == MODEL:
+                    out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+    before = scrape()
+    assert before["sparda_engine_step_seconds_count{kind=decode}"] >= 0  # both kinds are there from the start
+    assert before["sparda_engine_step_seconds_count{kind=mixed}"] >= 0
+    start = time.perf_counter()
+    for _ in range(2):
+        server.client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while True:  # the last step ends (and is timed) just after its final delta went out
+        after = scrape()
+        diff = {k: after[k] - before.get(k, 0.0) for k in after}
+        if diff["sparda_engine_step_seconds_count{kind=decode}"] >= 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    wall = time.perf_counter() - start
+    assert diff["sparda_prefill_tokens_run_total"] == 6 and diff["sparda_decode_rows_total"] == 10, diff
+    assert diff["sparda_engine_step_seconds_count{kind=mixed}"] == 2, diff
+    assert diff["sparda_engine_step_seconds_count{kind=decode}"] == 8, diff
+    assert sum(v for k, v in diff.items() if k.startswith("sparda_decode_steps_total{bucket=")) == 10, diff
+    busy = diff["sparda_prefill_seconds_total"] + diff["sparda_decode_seconds_total"]
+    steps = diff["sparda_engine_step_seconds_sum{kind=decode}"] + diff["sparda_engine_step_seconds_sum{kind=mixed}"]
+    assert diff["sparda_prefill_seconds_total"] > 0 and diff["sparda_decode_seconds_total"] > 0, diff
+    assert busy <= steps <= wall, (busy, steps, wall)
+    assert after["sparda_engine_step_seconds_bucket{kind=mixed,le=20.0}"] == after[
+        "sparda_engine_step_seconds_count{kind=mixed}"]

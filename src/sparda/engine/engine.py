@@ -56,6 +56,7 @@ from sparda.engine.sampler import sample_requests
 from sparda.engine.sampling_params import SamplingParams
 from sparda.engine.scheduler import Scheduler
 from sparda.engine.sequence import Delta, Sequence, Status
+from sparda.engine.step_timer import CudaClock, HostClock, StepTimer
 from sparda.errors import SpardaError
 
 #: seconds of history behind the tokens/s figure of :meth:`Engine.metrics`
@@ -178,6 +179,9 @@ class Engine:
         #: prompt's first token sampled, or its recompute done), ``before_decode_step(rows)`` and
         #: ``after_decode_step(rows)`` around each decode step, ``rows`` the rows that decode in it
         self.decode_hook = None
+        #: seconds of each step's prefill and decode work (:meth:`metrics`); its ``observers``
+        #: get each step's wall time by kind (the server's histogram)
+        self.step_timer = StepTimer(CudaClock(llm.device) if llm.device.type == "cuda" else HostClock())
 
     @property
     def offloaded(self) -> bool:
@@ -248,8 +252,15 @@ class Engine:
         its ``on_delta``). An exception in one request's own work (its prefill, sampling,
         detokenisation) ends that request alone (:meth:`failed`); one in the batch's
         decode step propagates (the background loop ends the running requests with
-        ``error`` and goes on).
+        ``error`` and goes on). Timed by :attr:`step_timer` (no host sync).
         """
+        self.step_timer.begin()
+        try:
+            return self._step()
+        finally:
+            self.step_timer.end()
+
+    def _step(self) -> list[Delta]:
         events: list[tuple[Sequence, Delta]] = []
         with self._lock:
             for seq in self.scheduler.drop_cancelled():
@@ -261,12 +272,14 @@ class Engine:
             else:
                 plan = [(seq, 0, seq.num_prefill) for seq in self.scheduler.admit(self.max_prefill_tokens)]
         if plan:
-            events.extend(self._prefill(plan))
+            with self.step_timer.part("prefill", sum(end - start for _, start, end in plan)):
+                events.extend(self._prefill(plan))
         with self._lock:
             running = sorted((row, seq) for row, seq in self.scheduler.running.items() if seq.prefilled)
         if running:
             try:
-                events.extend(self._decode(running))
+                with self.step_timer.part("decode", len(running)):
+                    events.extend(self._decode(running))
             except BaseException:
                 self._deliver(events)  # what this step finished before the batch failed
                 raise
@@ -648,9 +661,18 @@ class Engine:
         ``RATE_WINDOW_S`` seconds), ``requests_finished`` (by finish reason), ``preemptions``
         (requests preempted by recompute so far, design §3.11), ``decode_bucket`` (rows the
         last decode step ran, 0 before the first; design §3.13), ``decode_steps_by_bucket``
-        (bucket -> decode steps), ``graph_capture_ms`` (capturing the CUDA graphs so far) and,
-        on an offloaded cache, ``offload`` (``hit_rate``, ``bytes_per_token`` copied per
-        decoded token, ... read at most every ``OFFLOAD_REFRESH_S`` seconds)."""
+        (bucket -> decode steps), ``graph_capture_ms`` (capturing the CUDA graphs so far), the
+        step times of :attr:`step_timer` (steps the device has finished; on CUDA the last step
+        or two may still be missing): ``prefill_seconds_total`` (in steps' prefill work, first
+        tokens' sampling included), ``prefill_tokens_run_total`` (the tokens it ran, recomputed
+        ones of preempted requests included, which ``prompt_tokens_total`` leaves out),
+        ``prefill_steps_total`` (steps with prefill work), ``decode_seconds_total`` (in decode
+        steps, sampling included), ``decode_steps_total`` (those steps: the sum of
+        ``decode_steps_by_bucket`` less steps not yet resolved or that raised),
+        ``decode_rows_total`` (requests they decoded, one token each) and, on an offloaded
+        cache, ``offload`` (``hit_rate``, ``bytes_per_token`` copied per decoded token, ...
+        read at most every ``OFFLOAD_REFRESH_S`` seconds)."""
+        times = self.step_timer.totals()  # before the lock: it resolves, and tells the observers
         now = time.perf_counter()
         with self._lock:
             while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
@@ -677,6 +699,12 @@ class Engine:
                 "decode_bucket": run.last_bucket if run else 0,
                 "decode_steps_by_bucket": dict(sorted(run.bucket_steps.copy().items())) if run else {},  # atomic copy
                 "graph_capture_ms": round(run.capture_s * 1e3, 3) if run else 0.0,
+                "prefill_seconds_total": times["prefill_seconds"],
+                "prefill_tokens_run_total": times["prefill_tokens"],
+                "prefill_steps_total": times["prefill_steps"],
+                "decode_seconds_total": times["decode_seconds"],
+                "decode_steps_total": times["decode_steps"],
+                "decode_rows_total": times["decode_rows"],
             }
             pool = self.scheduler.block_pool
             if pool is not None:

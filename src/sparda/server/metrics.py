@@ -11,8 +11,19 @@ Everything is labelled with the served model (``model="..."``) and prefixed ``sp
   ``requests_finished_total{reason}``, ``preemptions_total`` (requests preempted by recompute
   when a paged pool that grows on demand ran out of blocks, design §3.11; 0 otherwise),
   ``decode_bucket_rows`` (rows the last decode step ran), ``decode_steps_total{bucket}``
-  (design §3.13), ``cuda_graph_capture_seconds_total`` and, on an offloaded cache,
-  ``offload_hit_rate`` and ``offload_bytes_per_token``.
+  (design §3.13), ``cuda_graph_capture_seconds_total``, the engine's step times
+  (:mod:`sparda.engine.step_timer`; on CUDA from events, behind by the step or two the device
+  has not finished): ``prefill_seconds_total`` (in the steps' prefill work, first tokens'
+  sampling included), ``prefill_tokens_run_total`` (the tokens that work ran, recomputed ones
+  of preempted requests included, which ``prompt_tokens_total`` leaves out),
+  ``decode_seconds_total`` (in decode steps, sampling included; per step: over
+  ``decode_steps_total{bucket}`` summed over buckets) and ``decode_rows_total`` (requests
+  those steps decoded, one token each) and, on an offloaded cache, ``offload_hit_rate`` and
+  ``offload_bytes_per_token``.
+* Observed as each engine step's time is resolved: the histogram
+  ``engine_step_seconds{kind}``, the whole step's wall time, ``kind`` ``decode`` (decode only)
+  or ``mixed`` (prefill work, with or without decode; its ``_count`` is the steps with prefill
+  work).
 * Observed when each HTTP request's engine request finishes (its
   :attr:`RequestOutput.stats`): the histograms ``time_to_first_token_seconds``,
   ``time_per_output_token_seconds`` (decode time over the tokens after the first) and
@@ -25,12 +36,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sparda.engine.sequence import RequestOutput
+from sparda.engine.step_timer import STEP_KINDS
 
 #: the ``Content-Type`` of :meth:`ServerMetrics.render`
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: histogram buckets, seconds
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -93,6 +106,14 @@ class EngineCollector:
         yield steps
         yield counter("cuda_graph_capture_seconds", "Wall time spent capturing CUDA graphs of decode steps.",
                       m["graph_capture_ms"] / 1e3)
+        yield counter("prefill_seconds", "Seconds of the engine steps' prefill work (chunks, whole prompts).",
+                      m["prefill_seconds_total"])
+        yield counter("prefill_tokens_run", "Tokens the steps' prefill work ran, recomputed ones of preempted "
+                      "requests included.", m["prefill_tokens_run_total"])
+        yield counter("decode_seconds", "Seconds of the engine's decode steps (sampling included).",
+                      m["decode_seconds_total"])
+        yield counter("decode_rows", "Requests the timed decode steps decoded, one token each.",
+                      m["decode_rows_total"])
         if "offload" in m:
             yield gauge("offload_hit_rate", "Fraction of selected KV blocks already on the device.",
                         m["offload"].get("hit_rate", 0.0))
@@ -101,7 +122,7 @@ class EngineCollector:
 
 
 class ServerMetrics:
-    """The server's registry: the engine's figures plus per-request latency histograms.
+    """The server's registry: the engine's figures, its step times and per-request latency histograms.
 
     Args:
         engine: the :class:`~sparda.engine.engine.Engine` served.
@@ -119,6 +140,16 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS, registry=self.registry).labels(model)
         self.latency = Histogram("sparda_request_latency_seconds", "Arrival to finish, per request.", ["model"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry).labels(model)
+        steps = Histogram("sparda_engine_step_seconds", "Wall time of an engine step, by kind: decode (decode only) "
+                          "or mixed (prefill work in it).", ["model", "kind"], buckets=STEP_BUCKETS,
+                          registry=self.registry)
+        self.step_seconds = {kind: steps.labels(model, kind) for kind in STEP_KINDS}
+        engine.step_timer.observers.append(self.observe_step)
+
+    def observe_step(self, kind: str, seconds: float) -> None:
+        """Record one engine step's wall time (``kind``: ``decode`` or ``mixed``, seconds); the
+        engine's :class:`~sparda.engine.step_timer.StepTimer` calls it."""
+        self.step_seconds[kind].observe(seconds)
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request's TTFT, time per output token and latency (from its
