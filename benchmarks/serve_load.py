@@ -9,7 +9,13 @@ itself, then, against that one server, each load point in turn:
   ``--rates`` value (requests/s); the point ends when every request has finished or
   ``--drain`` more seconds have passed (what is still open then counts as lost);
 * ``closed``: ``--concurrency`` clients, each sending its next request when the last ends,
-  for ``--duration`` seconds (then drained likewise).
+  for ``--duration`` seconds (then drained likewise);
+* ``overload`` (``--overload FACTOR``, last): Poisson arrivals at ``FACTOR`` times the
+  saturation rate (the highest ``requests_per_s`` of the configuration's closed points) for
+  ``--duration`` seconds; its record adds ``overload_factor``, ``saturation_rps``,
+  ``idle_gpu_mem_gib_before`` / ``idle_host_rss_gib_before`` (the server idle before it),
+  ``idle_after`` (idle again within ``--drain`` s), ``idle_gpu_mem_gib_after`` /
+  ``idle_host_rss_gib_after`` and ``served_after`` (one more request completes).
 
 Prompts are random token ids whose lengths are drawn log-uniformly from ``--prompt-tokens``
 (``lo,hi``); outputs are ``--output-tokens`` (``lo,hi``, uniform) tokens, EOS ignored, greedy.
@@ -448,6 +454,27 @@ def wait_idle(server, timeout: float) -> bool:
     return False
 
 
+def idle_memory(server, when: str) -> dict:
+    """``idle_gpu_mem_gib_{when}`` / ``idle_host_rss_gib_{when}``: the server process's memory
+    now (:func:`process_memory`, ``None`` where unreadable), rounded to 0.01 GiB."""
+    gpu, host = process_memory(server.proc.pid)
+    return {f"idle_gpu_mem_gib_{when}": None if gpu is None else round(gpu, 2),
+            f"idle_host_rss_gib_{when}": None if host is None else round(host, 2)}
+
+
+def after_overload(server, args) -> dict:
+    """After an overload point: ``idle_after`` (the server held no request within ``--drain``
+    s), its idle memory (:func:`idle_memory` ``after``) and ``served_after`` (one more request
+    of the shortest prompt and output completes)."""
+    import openai
+
+    idle = wait_idle(server, args.drain)
+    memory = idle_memory(server, "after")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=args.drain + 600)
+    probe = one_request(client, server.name, list(range(10, 10 + args.prompt_tokens[0])), args.output_tokens[0])
+    return {"idle_after": idle, **memory, "served_after": probe["outcome"] == "completed"}
+
+
 def device_name(device: str) -> str:
     if device != "cuda":
         return f"cpu ({os.cpu_count()} CPUs)"
@@ -639,6 +666,10 @@ def main(argv: list[str]) -> None:
                         help="offloaded configs: each decoding row fetches a replay of this selection trace "
                              "(sparda.bench.traces.RowReplayer, as `sparda bench` replays it) instead of the "
                              "model's selection [off; without PATH the shipped trace]")
+    parser.add_argument("--overload", type=float, default=None, metavar="FACTOR",
+                        help="after the other points, Poisson arrivals at FACTOR x the saturation rate (the "
+                             "highest req/s of this configuration's closed-loop points) for --duration, then "
+                             "the server idle again: its memory and one more request [off]")
     parser.add_argument("--start-timeout", type=float, default=1800.0,
                         help="seconds a server may take to print its banner [1800]")
     args = parser.parse_args(argv)
@@ -649,6 +680,9 @@ def main(argv: list[str]) -> None:
     clients = numbers(args.concurrency, int, "--concurrency")
     if not rates and not clients:
         raise SystemExit("no load point: give --rates and/or --concurrency")
+    if args.overload is not None and (not clients or not math.isfinite(args.overload) or args.overload <= 0):
+        raise SystemExit("--overload needs a factor > 0 and --concurrency (its closed-loop points give the "
+                         "saturation rate)")
     max_model_len = args.max_model_len or args.prompt_tokens[1] + args.output_tokens[1]
     if max_model_len < args.prompt_tokens[1] + args.output_tokens[1]:
         raise SystemExit(f"--max-model-len {max_model_len} is below the longest prompt + output "
@@ -685,18 +719,32 @@ def main(argv: list[str]) -> None:
         server = None
         try:
             server = Server(spec, args.out / f"server-{name.replace(':', '-')}.log", args.start_timeout)
-            for mode, levels in (("poisson", rates), ("closed", clients)):
-                for level in levels:
-                    idle = wait_idle(server, args.drain)
-                    point = run_point(server, args, mode, level, f"{args.seed}:{name}:{mode}:{level}")
-                    rec = {"config": name, "method": method, "kv_dtype": kv_dtype, "model": args.model, "mode": mode,
-                           "rate": level if mode == "poisson" else None,
-                           "concurrency": int(level) if mode == "closed" else None,
-                           "selection": "model" if trace is None else "trace", **point, "idle_at_start": idle,
-                           "memory_plan": server.plan, "device": device, "commit": commit}
-                    records.append(rec)
-                    print(json.dumps(rec), file=sys.stderr, flush=True)
-                    (args.out / "serve_load.json").write_text(json.dumps({**meta, "records": records}, indent=1))
+            points = [(mode, level) for mode, levels in (("poisson", rates), ("closed", clients)) for level in levels]
+            if args.overload is not None:
+                points.append(("overload", args.overload))
+            for mode, level in points:
+                idle = wait_idle(server, args.drain)
+                extra = {}
+                if mode == "overload":
+                    saturation = max((r["requests_per_s"] for r in records if r["config"] == name
+                                      and r["mode"] == "closed"), default=0.0)
+                    if not saturation:
+                        print(f"{name}: no closed-loop point completed a request: no overload point", file=sys.stderr)
+                        continue
+                    extra = {"overload_factor": level, "saturation_rps": saturation, **idle_memory(server, "before")}
+                    level = round(level * saturation, 4)
+                point = run_point(server, args, "closed" if mode == "closed" else "poisson", level,
+                                  f"{args.seed}:{name}:{mode}:{level}")
+                if mode == "overload":
+                    extra.update(after_overload(server, args))
+                rec = {"config": name, "method": method, "kv_dtype": kv_dtype, "model": args.model, "mode": mode,
+                       "rate": level if mode != "closed" else None,
+                       "concurrency": int(level) if mode == "closed" else None,
+                       "selection": "model" if trace is None else "trace", **point, **extra, "idle_at_start": idle,
+                       "memory_plan": server.plan, "device": device, "commit": commit}
+                records.append(rec)
+                print(json.dumps(rec), file=sys.stderr, flush=True)
+                (args.out / "serve_load.json").write_text(json.dumps({**meta, "records": records}, indent=1))
         except RuntimeError as exc:  # the server did not start: the next configuration
             print(f"{name}: {exc}", file=sys.stderr, flush=True)
         finally:
@@ -711,7 +759,7 @@ def main(argv: list[str]) -> None:
              "completed | refused | lost | peak running | GPU / host GiB |",
              "|---|---|---:|---:|---:|---|---|---:|---|---:|---:|---|"]
     for r in records:
-        level = r["rate"] if r["mode"] == "poisson" else r["concurrency"]
+        level = r["concurrency"] if r["mode"] == "closed" else r["rate"]
         lines.append(f"| {r['config']} | {r['mode']} | {level} | {r['output_tok_s']} | {r['requests_per_s']} | "
                      f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['tpot_p50_ms']} / {r['tpot_p99_ms']} | "
                      f"{r['completed']} | {r['refused'] or 0} | {r['lost']} | {r['peak_running']} | "

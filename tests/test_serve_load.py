@@ -115,7 +115,8 @@ def test_load_sweep_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,message", [("--prompt-tokens", "9,3", "lo <= hi"),
-                                                ("--rates", "0", "> 0"), ("--output-tokens", "x", "lo,hi")])
+                                                ("--rates", "0", "> 0"), ("--output-tokens", "x", "lo,hi"),
+                                                ("--overload", "0", "--overload needs a factor > 0")])
 def test_bad_load_options_exit_with_one_line(tmp_path, flag, value, message):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "load", str(tmp_path), "--device", "cpu",
            flag, value]
@@ -249,6 +250,28 @@ def test_refusals_and_broken_streams_are_counted_not_raised():
         fake.close()
     assert point["refused"] == {"429": 1} and point["lost"] == 1, point
     assert point["completed"] == fake.posts - 2 and point["completed"] >= 1, (point, fake.posts)
+
+
+def test_overload_point_offers_a_multiple_of_saturation_and_checks_the_server_after(tmp_path):
+    """``--overload 3`` after a closed-loop point: Poisson arrivals at 3x that point's req/s
+    into a server of 2 rows and a queue of 1, so requests are refused (429) rather than lost;
+    afterwards the server is idle, its memory is read and one more request completes."""
+    out = tmp_path / "load"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "load", str(out), "--model", "tiny",
+           "--device", "cpu", "--configs", "sparse", "--rates", "", "--concurrency", "2", "--overload", "3",
+           "--duration", "4", "--drain", "60", "--prompt-tokens", "16,128", "--output-tokens", "8,16",
+           "--max-batch", "2", "--max-waiting", "1", "--preset", "small"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    closed, over = json.loads((out / "serve_load.json").read_text())["records"]
+    assert (closed["mode"], over["mode"]) == ("closed", "overload"), (closed, over)
+    assert over["saturation_rps"] == closed["requests_per_s"] > 0 and over["overload_factor"] == 3.0, over
+    assert over["rate"] == pytest.approx(3 * closed["requests_per_s"], abs=1e-4), over
+    assert over["lost"] == 0 and over["completed"] > 0 and over["refused"], over  # refused, not lost
+    assert set(over["refused"]) <= {"429", "503"}, over
+    assert over["idle_after"] and over["served_after"], over
+    assert over["idle_host_rss_gib_before"] > 0 and over["idle_host_rss_gib_after"] > 0, over
+    assert "| sparse | overload |" in run.stdout
 
 
 def test_load_sweep_replays_the_trace(tmp_path):
