@@ -12,7 +12,8 @@ itself, then, against that one server, each load point in turn:
   for ``--duration`` seconds (then drained likewise);
 * ``overload`` (``--overload FACTOR``, last): Poisson arrivals at ``FACTOR`` times the
   saturation rate (the highest ``requests_per_s`` of the configuration's closed points) for
-  ``--duration`` seconds; its record adds ``overload_factor``, ``saturation_rps``,
+  ``--overload-duration`` (or ``--duration``) seconds; its record adds ``overload_factor``,
+  ``saturation_rps``, ``duration_s``,
   ``idle_gpu_mem_gib_before`` / ``idle_host_rss_gib_before`` (the server idle before it),
   ``idle_after`` (idle again within ``--drain`` s), ``idle_gpu_mem_gib_after`` /
   ``idle_host_rss_gib_after`` and ``served_after`` (one more request completes).
@@ -670,6 +671,8 @@ def main(argv: list[str]) -> None:
                         help="after the other points, Poisson arrivals at FACTOR x the saturation rate (the "
                              "highest req/s of this configuration's closed-loop points) for --duration, then "
                              "the server idle again: its memory and one more request [off]")
+    parser.add_argument("--overload-duration", type=float, default=None, metavar="S",
+                        help="seconds of arrivals of the --overload point [--duration]")
     parser.add_argument("--start-timeout", type=float, default=1800.0,
                         help="seconds a server may take to print its banner [1800]")
     args = parser.parse_args(argv)
@@ -680,6 +683,8 @@ def main(argv: list[str]) -> None:
     clients = numbers(args.concurrency, int, "--concurrency")
     if not rates and not clients:
         raise SystemExit("no load point: give --rates and/or --concurrency")
+    if args.overload_duration is not None and not (math.isfinite(args.overload_duration) and args.overload_duration > 0):
+        raise SystemExit("--overload-duration takes seconds > 0")
     if args.overload is not None and (not clients or not math.isfinite(args.overload) or args.overload <= 0):
         raise SystemExit("--overload needs a factor > 0 and --concurrency (its closed-loop points give the "
                          "saturation rate)")
@@ -731,9 +736,12 @@ def main(argv: list[str]) -> None:
                     if not saturation:
                         print(f"{name}: no closed-loop point completed a request: no overload point", file=sys.stderr)
                         continue
-                    extra = {"overload_factor": level, "saturation_rps": saturation, **idle_memory(server, "before")}
+                    extra = {"overload_factor": level, "saturation_rps": saturation,
+                             "duration_s": args.overload_duration or args.duration, **idle_memory(server, "before")}
                     level = round(level * saturation, 4)
-                point = run_point(server, args, "closed" if mode == "closed" else "poisson", level,
+                point_args = args if mode != "overload" else argparse.Namespace(
+                    **{**vars(args), "duration": args.overload_duration or args.duration})
+                point = run_point(server, point_args, "closed" if mode == "closed" else "poisson", level,
                                   f"{args.seed}:{name}:{mode}:{level}")
                 if mode == "overload":
                     extra.update(after_overload(server, args))

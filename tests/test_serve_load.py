@@ -116,7 +116,8 @@ def test_load_sweep_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("flag,value,message", [("--prompt-tokens", "9,3", "lo <= hi"),
                                                 ("--rates", "0", "> 0"), ("--output-tokens", "x", "lo,hi"),
-                                                ("--overload", "0", "--overload needs a factor > 0")])
+                                                ("--overload", "0", "--overload needs a factor > 0"),
+                                                ("--overload-duration", "-1", "seconds > 0")])
 def test_bad_load_options_exit_with_one_line(tmp_path, flag, value, message):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "load", str(tmp_path), "--device", "cpu",
            flag, value]
@@ -259,13 +260,14 @@ def test_overload_point_offers_a_multiple_of_saturation_and_checks_the_server_af
     out = tmp_path / "load"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "load", str(out), "--model", "tiny",
            "--device", "cpu", "--configs", "sparse", "--rates", "", "--concurrency", "2", "--overload", "3",
-           "--duration", "4", "--drain", "60", "--prompt-tokens", "16,128", "--output-tokens", "8,16",
+           "--duration", "4", "--overload-duration", "5", "--drain", "60", "--prompt-tokens", "16,128", "--output-tokens", "8,16",
            "--max-batch", "2", "--max-waiting", "1", "--preset", "small"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     closed, over = json.loads((out / "serve_load.json").read_text())["records"]
     assert (closed["mode"], over["mode"]) == ("closed", "overload"), (closed, over)
     assert over["saturation_rps"] == closed["requests_per_s"] > 0 and over["overload_factor"] == 3.0, over
+    assert over["duration_s"] == 5.0 and over["wall_s"] >= 5.0, over
     assert over["rate"] == pytest.approx(3 * closed["requests_per_s"], abs=1e-4), over
     assert over["lost"] == 0 and over["completed"] > 0 and over["refused"], over  # refused, not lost
     assert set(over["refused"]) <= {"429", "503"}, over
