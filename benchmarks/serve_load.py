@@ -669,8 +669,8 @@ def main(argv: list[str]) -> None:
                              "model's selection [off; without PATH the shipped trace]")
     parser.add_argument("--overload", type=float, default=None, metavar="FACTOR",
                         help="after the other points, Poisson arrivals at FACTOR x the saturation rate (the "
-                             "highest req/s of this configuration's closed-loop points) for --duration, then "
-                             "the server idle again: its memory and one more request [off]")
+                             "highest req/s of this configuration's closed-loop points) for --overload-duration, "
+                             "then the server idle again: its memory and one more request [off]")
     parser.add_argument("--overload-duration", type=float, default=None, metavar="S",
                         help="seconds of arrivals of the --overload point [--duration]")
     parser.add_argument("--start-timeout", type=float, default=1800.0,
