@@ -4,7 +4,8 @@
 # (each under 600 s). Records and logs go to $OUT/PART/.
 # Usage (repository root on the device):
 #   bash benchmarks/gpu_checks.sh kernels        # paged host store + grow (bf16 CUDA path), decode
-#                                                # buckets (parity, timing), mixed's fused hot-pool slot diff
+#                                                # buckets (parity, timing), mixed's fused hot-pool slot diff,
+#                                                # the engine's step timer (CUDA events)
 #   bash benchmarks/gpu_checks.sh speed OLD_SRC  # `sparda bench` B16 128K offloaded sparda (bf16, mixed):
 #                                                # OLD_SRC (the src/ of an earlier commit) then this tree
 #   bash benchmarks/gpu_checks.sh lookahead      # lookahead 1 vs 2 at hit 0.7 and the trace (design §6.2)
@@ -28,7 +29,8 @@ case $PART in
     run paged-host 200 env PYTHONPATH=src python3 benchmarks/check_paged_host.py
     run buckets 200 env PYTHONPATH=src python3 benchmarks/check_buckets.py --quick --out "$OUT/buckets"
     [ -f benchmarks/check_mixed.py ] && run mixed 180 env PYTHONPATH=src python3 benchmarks/check_mixed.py \
-      --out "$OUT/mixed" ;;
+      --out "$OUT/mixed"
+    run step-timer 90 env PYTHONPATH=src python3 benchmarks/check_step_timer.py --out "$OUT/step-timer" ;;
   speed)
     OLD=${2:?the src/ folder of the earlier commit}
     bench "$OLD" old-bf16 bf16; bench src new-bf16 bf16
