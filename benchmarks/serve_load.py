@@ -43,6 +43,7 @@ between those scrapes (:func:`step_figures`; ``None`` where a counter is absent 
 0): ``prefill_busy_tok_s`` (prefill tokens run, recomputed ones included, per second of prefill
 work: the engine's prefill speed while it prefills), ``decode_step_ms`` (decode seconds per
 decode step, mean) and ``prefill_share`` (prefill seconds over prefill plus decode seconds),
+``preemptions`` (requests preempted by recompute between those scrapes),
 ``timeline`` (one row a second: seconds since
 the point's start, prompt and generated tokens so far, running and waiting requests),
 ``idle_at_start`` (the previous point's requests had all ended),
@@ -110,16 +111,22 @@ STEP_COUNTERS = ("sparda_prefill_seconds_total", "sparda_prefill_tokens_run_tota
 def step_figures(first: dict | None, last: dict | None) -> dict:
     """``prefill_busy_tok_s``, ``decode_step_ms`` and ``prefill_share`` from the
     :data:`STEP_COUNTERS` of two scrapes (``{name: value}``, :meth:`Server.metrics`): their
-    differences. A counter missing from ``last`` gives ``None`` (a server without it); one
-    missing from ``first`` only counts from 0 (a labelled family has no sample before its
-    first step). ``None`` too where the divisor is 0."""
-    diffs = [None if last is None or name not in last else last[name] - (first or {}).get(name, 0.0)
-             for name in STEP_COUNTERS]
-    pre_s, pre_tok, dec_s, dec_n = diffs
+    differences (:func:`counter_delta`; ``None`` for a server without them). ``None`` too
+    where the divisor is 0."""
+    pre_s, pre_tok, dec_s, dec_n = (counter_delta(first, last, name) for name in STEP_COUNTERS)
     return {"prefill_busy_tok_s": round(pre_tok / pre_s, 1) if pre_s and pre_tok is not None else None,
             "decode_step_ms": round(dec_s / dec_n * 1e3, 3) if dec_n and dec_s is not None else None,
             "prefill_share": round(pre_s / (pre_s + dec_s), 4)
             if pre_s is not None and dec_s is not None and pre_s + dec_s > 0 else None}
+
+
+def counter_delta(first: dict | None, last: dict | None, name: str) -> float | None:
+    """How much counter ``name`` rose between two scrapes (``{name: value}``); ``None`` where
+    ``last`` lacks it, from 0 where ``first`` does (a labelled family has no sample before
+    its first event)."""
+    if last is None or name not in last:
+        return None
+    return last[name] - (first or {}).get(name, 0.0)
 
 
 def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
@@ -357,7 +364,7 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
             try:
                 m = server.metrics()
                 now = time.perf_counter() - start
-                counters = {k: float(m[k]) for k in STEP_COUNTERS if k in m}
+                counters = {k: float(m[k]) for k in STEP_COUNTERS + ("sparda_preemptions_total",) if k in m}
                 scrapes["first"] = counters if scrapes["first"] is None else scrapes["first"]
                 scrapes["last"] = counters
                 if not timeline or now - timeline[-1][0] >= 1.0:
@@ -422,6 +429,7 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
         if r["outcome"] == "refused":
             refused[str(r["status"])] = refused.get(str(r["status"]), 0) + 1
     ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+    preempted = counter_delta(scrapes["first"], scrapes["last"], "sparda_preemptions_total")
     ttft = [r["ttft_s"] for r in ok]
     tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
     return {"output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 2),
@@ -435,7 +443,8 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
             "metrics_errors": peaks["metrics_errors"], "gen_tok_s_peak_10s": round(peaks["gen_rate"], 1),
             "hit_rate": peaks["hit_rate"], "offload_bytes_per_token": peaks["bytes_per_token"],
             "prefill_tok_s": rate_between(timeline, 1), "generation_tok_s": rate_between(timeline, 2),
-            **step_figures(scrapes["first"], scrapes["last"]), "timeline": timeline,
+            **step_figures(scrapes["first"], scrapes["last"]), "preemptions": None if preempted is None else int(preempted),
+            "timeline": timeline,
             "gpu_mem_peak_gib": None if peaks["gpu"] is None else round(peaks["gpu"], 2),
             "host_rss_peak_gib": None if peaks["host"] is None else round(peaks["host"], 2)}
 

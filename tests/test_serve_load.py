@@ -19,7 +19,8 @@ import serve_load  # noqa: E402
 #: what every record holds (the issue's list, plus the refusals)
 RECORD_KEYS = {"method", "kv_dtype", "model", "mode", "rate", "concurrency", "output_tok_s", "requests_per_s",
                "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "completed", "lost", "refused",
-               "peak_running", "device", "commit", "selection", "prefill_busy_tok_s", "decode_step_ms", "prefill_share"}
+               "peak_running", "device", "commit", "selection", "prefill_busy_tok_s", "decode_step_ms", "prefill_share",
+               "preemptions"}
 
 
 def test_percentile_is_nearest_rank(fresh_seed):
@@ -271,7 +272,7 @@ def test_overload_point_offers_a_multiple_of_saturation_and_checks_the_server_af
     assert over["rate"] == pytest.approx(3 * closed["requests_per_s"], abs=1e-4), over
     assert over["lost"] == 0 and over["completed"] > 0 and over["refused"], over  # refused, not lost
     assert set(over["refused"]) <= {"429", "503"}, over
-    assert over["idle_after"] and over["served_after"], over
+    assert over["idle_after"] and over["served_after"] and over["preemptions"] == 0, over  # rows: no pool
     assert over["idle_host_rss_gib_before"] > 0 and over["idle_host_rss_gib_after"] > 0, over
     assert "| sparse | overload |" in run.stdout
 
@@ -323,9 +324,11 @@ def test_run_point_records_the_step_times_between_its_first_and_last_scrape(fres
     served = []
 
     def metrics_text():
-        prev = served[-1] if served else [rng.uniform(0, 9), rng.randint(0, 99), rng.uniform(0, 9), 0, 0]
+        prev = served[-1] if served else [rng.uniform(0, 9), rng.randint(0, 99), rng.uniform(0, 9), 0, 0,
+                                          rng.randint(0, 9)]
         now = [prev[0] + rng.uniform(0.01, 1), prev[1] + rng.randint(1, 5000), prev[2] + rng.uniform(0.01, 1),
-               prev[3] + rng.randint(1, 50), prev[4] + rng.randint(1, 50) if served else 0]
+               prev[3] + rng.randint(1, 50), prev[4] + rng.randint(1, 50) if served else 0,
+               prev[5] + rng.randint(0, 3)]
         served.append(now)
         lines = [f'sparda_{name}_total{{model="m"}} {value}' for name, value in
                  zip(("prefill_seconds", "prefill_tokens_run", "decode_seconds"), now)]
@@ -334,6 +337,7 @@ def test_run_point_records_the_step_times_between_its_first_and_last_scrape(fres
         families.append("# TYPE sparda_decode_steps_total counter\n"
                         + "".join(f'sparda_decode_steps_total{{model="m",bucket="{b}"}} {v}\n'
                                   for b, v in ((4, now[3]), (8, now[4])) if v))  # bucket 8: none at first
+        families.append(f'# TYPE sparda_preemptions_total counter\nsparda_preemptions_total{{model="m"}} {now[5]}')
         return "\n".join(families) + "\n"
 
     fake = _FakeServer(["ok"], metrics_text)
@@ -347,3 +351,4 @@ def test_run_point_records_the_step_times_between_its_first_and_last_scrape(fres
     steps = b[3] + b[4] - a[3] - a[4]
     assert point["decode_step_ms"] == pytest.approx((b[2] - a[2]) / steps * 1e3, abs=5e-4), served
     assert point["prefill_share"] == pytest.approx((b[0] - a[0]) / (b[0] - a[0] + b[2] - a[2]), abs=5e-5), served
+    assert point["preemptions"] == b[5] - a[5], served
