@@ -28,7 +28,7 @@ def test_generate_json_on_tiny_model(make_tiny):
     lines = [json.loads(line) for line in res.stdout.splitlines()]
     assert len(lines) == 2
     for obj in lines:
-        assert set(obj) == {"text", "token_ids", "stats"} and len(obj["token_ids"]) == 5
+        assert set(obj) == {"text", "token_ids", "finish_reason", "stats"} and len(obj["token_ids"]) == 5
         assert obj["stats"]["new_tokens"] == 5 and obj["stats"]["kv_read_fraction"] == 1.0
 
 
@@ -111,3 +111,25 @@ def test_stats_line_says_when_an_offloaded_run_fetched_nothing():
     some = stats_line({**base, "offload": {"hits": 3, "misses": 1, "hit_rate": 0.75, "bytes_per_token": 2**20}})
     assert "offload hit rate 75.0%, 1.00 MiB copied/token" in some
     assert "offload" not in stats_line(base)
+
+
+@pytest.mark.parametrize("model, message", [("/no/such/dir", "model path not found: /no/such/dir"),
+                                            ("nosuch/model", "is not in the local Hugging Face cache"),
+                                            ("EMPTY", "has no config.json")])
+def test_a_bad_model_is_one_line_before_loading(tmp_path, model, message):
+    model = str(tmp_path) if model == "EMPTY" else model
+    res = run("generate", "-p", "x", "--model", model, "--device", "cpu")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
+
+
+def test_a_positional_prompt_is_the_prompt(make_tiny):
+    """``generate WORDS...``: the words joined by spaces are one prompt, as ``-p``; ``--json``
+    carries the finish reason."""
+    base = ("generate", "--model", str(make_tiny("llama")), "--max-new-tokens", "4", "--ignore-eos", "--json",
+            "--method", "dense", "--device", "cpu")
+    positional, flag = run(*base, "hello", "there"), run(*base, "-p", "hello there")
+    assert positional.returncode == 0 and flag.returncode == 0, positional.stderr + flag.stderr
+    got, want = json.loads(positional.stdout), json.loads(flag.stdout)
+    assert got["token_ids"] == want["token_ids"] and got["stats"]["prompt_tokens"] == want["stats"]["prompt_tokens"]
+    assert got["finish_reason"] == "length"

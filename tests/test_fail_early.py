@@ -325,3 +325,22 @@ def test_api_errors_name_the_keyword_once(make_tiny, kwargs, start):
     with pytest.raises(SpardaError) as info:
         llm.generate(["hi"], **kwargs)
     assert str(info.value).startswith(start) and "--" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("flag", ["--forecast", "--forecast2"])
+def test_a_missing_forecast_file_is_refused_before_loading(tmp_path, monkeypatch, flag):
+    """A --forecast / --forecast2 path that is no file: one error line naming it and the flag,
+    exit 2, before the model loads (and the API names the keyword)."""
+    _no_model_load(monkeypatch)
+    missing = tmp_path / "nope.safetensors"
+    extra = ["--offload", "--lookahead", "2"] if flag == "--forecast2" else []
+    result = cli("generate", "-p", "x", "--device", "cpu", "--method", "sparda", *extra, flag, str(missing))
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"Forecast weights not found: {missing}" in errors[0] and f"drop {flag}" in errors[0], result.output
+    assert "loading" not in result.output, result.output
+    from sparda.config import build_config
+
+    with pytest.raises(SpardaError, match="Forecast weights not found") as info:
+        build_config(method="sparda", device="cpu", offload=True, lookahead=2, **{flag[2:]: str(missing)})
+    assert info.value.option == flag[2:]

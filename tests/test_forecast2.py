@@ -51,8 +51,8 @@ def weights(tiny, tmp_path_factory):
 def test_lookahead_is_checked_once_with_one_line_errors(weights):
     assert build_config(method="sparda", offload=True).lookahead == 1
     assert build_config(method="sparda", offload=True, lookahead=2).lookahead == 2
-    bad = [(dict(method="sparda", offload=True, lookahead=3), "lookahead must be 1 or 2"),
-           (dict(method="sparda", offload=True, lookahead=True), "lookahead must be 1 or 2"),
+    bad = [(dict(method="sparda", offload=True, lookahead=3), "'lookahead' must be 1 or 2"),
+           (dict(method="sparda", offload=True, lookahead=True), "'lookahead' must be 1 or 2"),
            (dict(method="sparda", lookahead=2), "use --method sparda --offload"),
            (dict(method="sparda-no-prefetch", lookahead=2), "of method sparda-no-prefetch"),
            (dict(method="sparse", offload=True, lookahead=2), "of method sparse"),

@@ -195,6 +195,9 @@ def build_llm(model, method, preset, topk_blocks, local_blocks, init_blocks, blo
                    dense_len=dense_len, cuda_graphs=False if eager else None, **extra)
     options = {key: value for key, value in options.items() if value is not None}
     build_config(method=method, preset=preset, device=device, dtype=dtype, **options)
+    from sparda.model.loader import locate_model
+
+    locate_model(model)  # a missing path or cache entry: one error line, before "loading"
     click.echo(f"loading {model or 'bundled SmolLM2-135M-Instruct'} (method {method or 'default: sparda if Forecast weights exist, else sparse'})...", err=True)
     llm = LLM(model, method=method, preset=preset, device=device, dtype=dtype, **options)
     click.echo(f"method {llm.config.method} on {llm.device} ({str(llm.dtype).replace('torch.', '')}), "
@@ -248,13 +251,15 @@ def _read_prompts(prompt: tuple[str, ...], prompt_file: tuple[str, ...]) -> list
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
 @click.option("--stream/--no-stream", default=True, show_default=True,
               help="Text output: print tokens as they come (prompts still decode together).")
-def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, seed, as_json, stream,
-             **opts):
-    """Generate completions for one or more prompts."""
+@click.argument("words", nargs=-1, metavar="[PROMPT]")
+def generate(words, prompt, prompt_file, max_new_tokens, temperature, top_p, chat, ignore_eos, seed, as_json,
+             stream, **opts):
+    """Generate completions for one or more prompts: PROMPT (its words joined by spaces), -p
+    and -f (repeatable), else stdin."""
     from sparda.engine.validate import check_prompts, check_sampling
 
     check_sampling(max_new_tokens, temperature, top_p, seed)  # model-free checks first
-    prompts = check_prompts(_read_prompts(prompt, prompt_file))
+    prompts = check_prompts(_read_prompts(((" ".join(words),) if words else ()) + prompt, prompt_file))
     if stream and not as_json:
         params = _cli_sampling_params(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                       ignore_eos=ignore_eos, seed=seed)
@@ -266,7 +271,8 @@ def generate(prompt, prompt_file, max_new_tokens, temperature, top_p, chat, igno
                            top_p=top_p, chat=chat, ignore_eos=ignore_eos, seed=seed)
     for result in results:
         if as_json:
-            click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
+            click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                                   "finish_reason": result.finish_reason, "stats": result.stats}))
         else:
             click.echo(result.text)
             click.echo(stats_line(result.stats))

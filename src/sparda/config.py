@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -469,7 +470,7 @@ class SpardaConfig:
         """``lookahead`` is 1 or 2; 2 needs offloaded ``sparda`` (its early copies warm GPU slots,
         design §6.2); ``forecast2_path`` needs 2."""
         if self.lookahead not in (1, 2) or isinstance(self.lookahead, bool):
-            _fail("lookahead", f"lookahead must be 1 or 2 (layers ahead a layer's copy starts), got {self.lookahead!r}")
+            _fail("lookahead", f"'lookahead' must be 1 or 2 (layers ahead a layer's copy starts), got {self.lookahead!r}")
         if self.lookahead == 2 and not (self.method == "sparda" and self.cache.offload):
             where = "without --offload" if self.method == "sparda" else f"of method {self.method}"
             _fail("lookahead", f"lookahead=2 starts copies into the GPU slots of an offloaded sparda cache, but the "
@@ -578,6 +579,11 @@ def build_config(*, method: str | None = "sparda", preset: str = "small", device
     if forecast is not None and method not in FORECAST_METHODS:
         _fail("forecast", f"--forecast applies to the sparda methods only, not {method!r}; drop --forecast or "
                           "pick --method sparda")
+    for key in ("forecast", "forecast2"):  # a path (not weights in memory) must exist before any loading
+        path = get(key)
+        if isinstance(path, (str, os.PathLike)) and not os.path.isfile(path):
+            _fail(key, f"Forecast weights not found: {os.fspath(path)}; train them with `sparda train-forecast` or "
+                       f"drop --{key}")
     offload = _flag("offload", get("offload"))
     if offload is False and method in ALWAYS_OFFLOADED:
         _fail("offload", f"{method} always offloads its KV cache; drop --no-offload, or use --method "

@@ -277,6 +277,33 @@ def hub_repo_id(model_dir) -> str | None:
     return repo_id if is_repo_id(repo_id) else None
 
 
+def locate_model(model: str | os.PathLike | None) -> Path:
+    """Where ``--model`` is, without converting or loading anything: a model directory (with a
+    ``config.json``) or a ``.gguf`` file (``None``: the bundled one; ``ORG/NAME``: its snapshot
+    in the local Hugging Face cache, :func:`hub_snapshot`). Cheap: the CLI calls it before it
+    says it is loading. Raises SpardaError as :func:`resolve_model_dir` does."""
+    if model is None:
+        return bundled_gguf_path()
+    if not str(model).strip():
+        raise SpardaError("empty --model; pass a model directory, a .gguf file or ORG/NAME, or leave --model "
+                          "out for the bundled model")
+    path = Path(model).expanduser()
+    where = ""
+    if not path.exists() and is_repo_id(str(model)):
+        path, where = hub_snapshot(str(model)), f" (the cached snapshot of {model})"
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            path = ggufs[0]
+    if not path.exists():
+        raise SpardaError(f"model path not found: {path}; pass a Hugging Face model directory, a .gguf file, "
+                          "or ORG/NAME of a model in the local Hugging Face cache")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise SpardaError(f"{path}{where} has no config.json; pass a Hugging Face model directory or a .gguf file")
+    if not path.is_dir() and path.suffix.lower() != ".gguf":
+        raise SpardaError(f"{path} is neither a model directory nor a .gguf file")
+    return path
+
+
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """Turn ``--model`` into a Hugging Face model directory.
 
@@ -290,30 +317,9 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     Raises SpardaError for a missing path, a model not in the cache, no config.json, or
     an unwritable cache.
     """
-    if model is None:
-        gguf = bundled_gguf_path()
-    elif not str(model).strip():
-        raise SpardaError("empty --model; pass a model directory, a .gguf file or ORG/NAME, or leave --model "
-                          "out for the bundled model")
-    else:
-        path = Path(model).expanduser()
-        where = ""
-        if not path.exists() and is_repo_id(str(model)):
-            path, where = hub_snapshot(str(model)), f" (the cached snapshot of {model})"
-            ggufs = sorted(path.glob("*.gguf"))
-            if not (path / "config.json").is_file() and len(ggufs) == 1:
-                path = ggufs[0]
-        if not path.exists():
-            raise SpardaError(f"model path not found: {path}; pass a Hugging Face model directory, a .gguf file, "
-                              "or ORG/NAME of a model in the local Hugging Face cache")
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise SpardaError(f"{path}{where} has no config.json; pass a Hugging Face model directory or a "
-                                  ".gguf file")
-            return path
-        if path.suffix.lower() != ".gguf":
-            raise SpardaError(f"{path} is neither a model directory nor a .gguf file")
-        gguf = path
+    gguf = locate_model(model)
+    if gguf.is_dir():
+        return gguf
     try:
         digest = file_digest(gguf)
     except OSError as exc:
