@@ -188,8 +188,9 @@ def test_disconnect_mid_stream_cancels_and_frees_the_row(server):
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be an integer in [1, 191]"),
     ("completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens must be an integer in [1, 191]"),
     ("completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens must be an integer in [1, 191] "
-                                                              "(--max-model-len 192 less one prompt token), got 'ten'"),
+                                                              "(--max-model-len 192 less one prompt token), got \"ten\""),
     ("completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens must be an integer in [1, 191]"),
+    ("completions", {"prompt": "hi", "max_tokens": True}, 400, "got true"),  # as JSON spells it
     ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature must be a finite number >= 0"),
     ("completions", {"prompt": 42}, 400, "prompt must be a string, a list of strings, a list of token ids"),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be a finite number >= 0"),
@@ -199,7 +200,7 @@ def test_disconnect_mid_stream_cancels_and_frees_the_row(server):
     ("completions", {"prompt": "hi", "seed": 2**64}, 400, "seed must be an integer in [-2**63, 2**64 - 1]"),
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs must be an integer in [0, 20]"),
     ("completions", {"prompt": "hi", "stop": ["x"] * 17}, 400, "stop must be a string or a list of at most 16"),
-    ("completions", {"prompt": "hi", "stop": "x" * 1001}, 400, "each of 1 to 1000 characters, got 'xxx"),
+    ("completions", {"prompt": "hi", "stop": "x" * 1001}, 400, "each of 1 to 1000 characters, got \"xxx"),
     ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop must be a string or a list"),
     ("completions", {"prompt": "hi", "stop_token_ids": [49152]}, 400,
      "stop_token_ids must be a list of at most 1024 token ids in [0, 49152)"),
@@ -251,7 +252,7 @@ def test_bad_requests_get_openai_errors(server, path, body, status, fragment):
 
 def test_non_finite_numbers_and_unencodable_text_are_400(server):
     for raw, fragment in [(b'{"prompt": "hi", "temperature": NaN}', "temperature must be a finite number"),
-                          (b'{"prompt": "hi", "top_p": Infinity}', "top_p must be a number in (0, 1], got inf"),
+                          (b'{"prompt": "hi", "top_p": Infinity}', "top_p must be a number in (0, 1], got Infinity"),
                           (b'{"prompt": "hi", "max_tokens": 1e400}', "max_tokens must be an integer"),
                           (b'{"prompt": "ab\\ud800c"}', "unpaired surrogate '\\ud800' at character 2"),
                           (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "unpaired surrogate"),

@@ -157,8 +157,8 @@ def model_options(func):
         click.option("--cuda-graph-sizes", "cuda_graph_sizes", default=None, metavar="auto|N,N,...",
                      help="Decode batch buckets (design §3.13): a decode step runs the first N KV rows, N the "
                           "smallest bucket holding every decoding request, one CUDA graph per bucket; auto: 1,2,4 "
-                          "and the multiples of 8; a list is capped to and always includes --max-batch [default: "
-                          "one bucket of --max-batch rows, every step runs every row, until the GPU timing of "
+                          "and the multiples of 8; a list is capped to and always includes the batch (serve: --max-batch) "
+                          "[default: one bucket of all rows, every step runs every row, until the GPU timing of "
                           "design §3.13 turns buckets on]."),
         click.option("--dense-heads", "dense_heads", default=None,
                      help="Block-sparse decode: (layer, KV head) pairs that read every visible block "

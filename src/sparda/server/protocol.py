@@ -14,6 +14,7 @@ are ignored with a logged warning, as vLLM does.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -67,8 +68,12 @@ def _number(v) -> bool:
 
 
 def _shown(value) -> str:
-    """``repr(value)`` cut to 60 characters (a refused value may be megabytes long)."""
-    text = repr(value)
+    """``value`` as JSON spells it (``true``, ``null``, ``"text"``), cut to 60 characters (a
+    refused value may be megabytes long)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # not from JSON (a caller's object)
+        text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
