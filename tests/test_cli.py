@@ -133,3 +133,15 @@ def test_a_positional_prompt_is_the_prompt(make_tiny):
     got, want = json.loads(positional.stdout), json.loads(flag.stdout)
     assert got["token_ids"] == want["token_ids"] and got["stats"]["prompt_tokens"] == want["stats"]["prompt_tokens"]
     assert got["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--max-model-len", "0"], "--max-model-len must be an integer >= 2, got 0"),
+    (["serve", "--port", "70000"], "--port must be an integer in [0, 65535], got 70000"),
+    (["serve", "--max-batch", "two"], "--max-batch must be an integer >= 1, got two"),
+    (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a number >= 0, got nan"),
+])
+def test_out_of_range_options_name_the_range(args, message):
+    res = run(*args)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr, res.stderr

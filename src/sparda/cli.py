@@ -29,6 +29,27 @@ from sparda.io import os_reason, read_text
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+class Bounded(click.ParamType):
+    """An integer (or, ``number``, a float) in ``[lo, hi]``: out of range, one usage error in
+    the project's words, ``--max-batch must be an integer >= 1, got 0``."""
+
+    def __init__(self, lo, hi=None, number: bool = False) -> None:
+        self.lo, self.hi, self.cast = lo, hi, float if number else int
+        self.name = "number" if number else "integer"
+
+    def convert(self, value, param, ctx):
+        flag = param.opts[0] if param is not None and param.opts else "the value"
+        bound = f">= {self.lo}" if self.hi is None else f"in [{self.lo}, {self.hi}]"
+        try:
+            out = value if isinstance(value, self.cast) and not isinstance(value, bool) else self.cast(str(value))
+        except ValueError:
+            out = None
+        if out is None or out != out or out < self.lo or (self.hi is not None and out > self.hi):
+            raise click.UsageError(f"{flag} must be {'a' if self.cast is float else 'an'} {self.name} {bound}, "
+                                   f"got {value}", ctx)
+        return out
+
+
 class _Group(click.Group):
     """A click group that turns SpardaError, unreadable files and usage errors into one-line errors."""
 
@@ -329,12 +350,12 @@ def served_name(model: str | None, model_dir) -> str:
 @main.command()
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port (0: a free one).")
-@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1),
+@click.option("--port", default=8000, show_default=True, type=Bounded(0, 65535), help="TCP port (0: a free one).")
+@click.option("--max-batch", default=8, show_default=True, type=Bounded(1),
               help="KV-cache rows: requests decoding together.")
-@click.option("--max-model-len", default=None, type=click.IntRange(2),
+@click.option("--max-model-len", default=None, type=Bounded(2),
               help="Tokens per row, prompt + new tokens of one request [default: the model's context].")
-@click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
+@click.option("--max-waiting", default=256, show_default=True, type=Bounded(0),
               help="Requests that may queue for a row before 429.")
 @click.option("--gpu-memory-utilization", default=GPU_SHARE, show_default=True, type=float,
               help="Share of the GPU's memory for weights, activations and KV pool: fewer than --max-batch rows "
@@ -346,15 +367,15 @@ def served_name(model: str | None, model_dir) -> str:
               help="How a paged KV pool (offloaded, host budget below every row whole) gives requests blocks: "
                    "grow on demand and preempt the newest request (recompute) when it runs out, or reserve "
                    "prompt + max_tokens at admission (design §3.11).")
-@click.option("--max-num-batched-tokens", default=None, type=click.IntRange(1),
+@click.option("--max-num-batched-tokens", default=None, type=Bounded(1),
               help="Tokens per engine step: one per decoding request, the rest prefill chunks of "
                    "--prefill-chunk tokens, at least one chunk (design §3.9) [default: --prefill-chunk + "
                    "--max-batch, a whole chunk beside every decoding request].")
 @click.option("--served-model-name", default=None,
               help="Name clients pass as 'model' [default: ORG/NAME as given, else the model's name].")
-@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
+@click.option("--drain-timeout", default=30.0, show_default=True, type=Bounded(0, number=True),
               help="Seconds running requests get to finish after SIGINT/SIGTERM.")
-@click.option("--max-request-bytes", default=16 * 2**20, show_default=True, type=click.IntRange(1),
+@click.option("--max-request-bytes", default=16 * 2**20, show_default=True, type=Bounded(1),
               help="Largest request body accepted; larger ones get 413.")
 @click.option("--api-key", envvar="SPARDA_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' (401 otherwise) [default: no key].")
@@ -536,7 +557,7 @@ def _read_json(path: str):
               help="Attention of the frozen model: dense, or block-sparse over the blocks each layer's own "
                    "queries select (design §5).")
 @click.option("--init", default="q", show_default=True, type=click.Choice(["q", "random"]), help="Initial weights.")
-@click.option("--lookahead", default=1, show_default=True, type=click.IntRange(1, 2),
+@click.option("--lookahead", default=1, show_default=True, type=Bounded(1, 2),
               help="1: the Forecast (layer l scores layer l+1); 2: the two-ahead heads of --lookahead 2 "
                    "(layer l scores layer l+2, design §6.2), a weight file for --forecast2.")
 @click.option("--preset", default="small", show_default=True, type=click.Choice(list(PRESETS)))
@@ -546,7 +567,7 @@ def _read_json(path: str):
 @click.option("--device", default=None, help="cpu or cuda[:N] [default: cuda if available].")
 @click.option("--save-every", default=50, show_default=True, type=int,
               help="Checkpoint period in steps (also at the end and on Ctrl-C).")
-@click.option("--nproc", default=1, show_default=True, type=click.IntRange(1),
+@click.option("--nproc", default=1, show_default=True, type=Bounded(1),
               help="Data-parallel processes (GPUs): starts torchrun; --batch-size is the global batch.")
 def train_forecast_cmd(model, data, out, nproc, **opts):
     """Train Forecast weights with the base model frozen (design §5; recipe: docs/forecast.md)."""
