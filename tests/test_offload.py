@@ -68,9 +68,26 @@ def _llm(tiny, method, resident=(), **extra):
 
 def _run_lockstep(ref_llm, off_llm, prompts: list[list[int]], steps: int):
     """Decode ``steps`` tokens feeding the reference's greedy tokens to both; returns the
-    worst logits relative error and whether every greedy token agreed."""
-    caches = []
-    firsts = []
+    worst logits relative error and whether every greedy token agreed.
+
+    The two paths score blocks a summation order apart (~1e-8), so where the reference has two
+    blocks tied (a compressed key straddling both gives them one max-pooled score; ties go to
+    the lower block) the other path may take the other one. At the first step whose logits
+    differ past 1e-5, every block the two selections differ in must score within 1e-6 of
+    another of them in the reference (a swap across a tie); the runs then part and the
+    comparison stops there."""
+    from unittest import mock
+
+    from sparda.kernels import reference as ref
+
+    caches, firsts, calls, side = [], [], {0: [], 1: []}, [0]
+    select = ref.select_blocks
+
+    def recorded(scores, *args, **kwargs):
+        mask = select(scores, *args, **kwargs)
+        calls[side[0]].append((scores.detach().clone(), mask.clone()))
+        return mask
+
     cap = max(len(p) for p in prompts) + steps + 1
     for llm in (ref_llm, off_llm):
         llm.method.reset()
@@ -82,13 +99,35 @@ def _run_lockstep(ref_llm, off_llm, prompts: list[list[int]], steps: int):
     same = True
     tokens = firsts[0].argmax(-1)
     positions = torch.tensor([len(p) for p in prompts])
-    for _ in range(steps):
-        ref = ref_llm.decode(caches[0], tokens, positions)
-        off = off_llm.decode(caches[1], tokens, positions)
-        worst = max(worst, _rel(off, ref))
-        same &= bool((off.argmax(-1) == ref.argmax(-1)).all())
-        tokens, positions = ref.argmax(-1), positions + 1
+    with mock.patch.object(ref, "select_blocks", recorded):
+        for _ in range(steps):
+            calls[0].clear(), calls[1].clear()
+            side[0] = 0
+            want = ref_llm.decode(caches[0], tokens, positions)
+            side[0] = 1
+            got = off_llm.decode(caches[1], tokens, positions)
+            error = _rel(got, want)
+            if error > 1e-5 and _swapped_at_a_tie(calls[0], calls[1]):
+                break
+            worst = max(worst, error)
+            same &= bool((got.argmax(-1) == want.argmax(-1)).all())
+            tokens, positions = want.argmax(-1), positions + 1
     return worst, same, caches[1]
+
+
+def _swapped_at_a_tie(want: list, got: list) -> bool:
+    """Whether the selections of one decode step (``(scores, mask)`` per call, in order) differ,
+    and only in blocks whose reference scores are within 1e-6 of another differing block's."""
+    differed = False
+    for (s0, m0), (_, m1) in zip(want, got):
+        n = min(m0.shape[-1], m1.shape[-1])
+        diff = m0[..., :n] != m1[..., :n]
+        for where in diff.any(-1).nonzero().tolist():
+            values = s0[tuple(where)][:n][diff[tuple(where)]].double()
+            if values.numel() < 2 or float(values.max() - values.min()) > 1e-6:
+                return False
+            differed = True
+    return differed and len(want) == len(got)
 
 
 def test_sparse_offload_matches_device_sparse(tiny):
