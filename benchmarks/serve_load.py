@@ -734,6 +734,7 @@ def main(argv: list[str]) -> None:
         try:
             server = Server(spec, args.out / f"server-{name.replace(':', '-')}.log", args.start_timeout)
             points = [(mode, level) for mode, levels in (("poisson", rates), ("closed", clients)) for level in levels]
+            overload_args = argparse.Namespace(**{**vars(args), "duration": args.overload_duration or args.duration})
             if args.overload is not None:
                 points.append(("overload", args.overload))
             for mode, level in points:
@@ -746,11 +747,9 @@ def main(argv: list[str]) -> None:
                         print(f"{name}: no closed-loop point completed a request: no overload point", file=sys.stderr)
                         continue
                     extra = {"overload_factor": level, "saturation_rps": saturation,
-                             "duration_s": args.overload_duration or args.duration, **idle_memory(server, "before")}
+                             "duration_s": overload_args.duration, **idle_memory(server, "before")}
                     level = round(level * saturation, 4)
-                point_args = args if mode != "overload" else argparse.Namespace(
-                    **{**vars(args), "duration": args.overload_duration or args.duration})
-                point = run_point(server, point_args, "closed" if mode == "closed" else "poisson", level,
+                point = run_point(server, overload_args if mode == "overload" else args, "closed" if mode == "closed" else "poisson", level,
                                   f"{args.seed}:{name}:{mode}:{level}")
                 if mode == "overload":
                     extra.update(after_overload(server, args))
