@@ -135,6 +135,18 @@ def test_a_positional_prompt_is_the_prompt(make_tiny):
     assert got["finish_reason"] == "length"
 
 
+def test_serve_max_model_len_past_the_context_is_refused_before_loading(make_tiny):
+    """``serve --max-model-len`` above the config's ``max_position_embeddings``: one line naming
+    both, exit 2, before the model loads (no "loading" line) and before a port is bound."""
+    model = make_tiny("llama")
+    limit = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    res = run("serve", "--model", str(model), "--device", "cpu", "--port", "0", "--max-model-len", str(limit + 1))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0] == (f"error: --max-model-len {limit + 1} exceeds the model's context of {limit} tokens; "
+                        f"use at most {limit}"), res.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["serve", "--max-model-len", "0"], "--max-model-len must be an integer >= 2, got 0"),
     (["serve", "--port", "70000"], "--port must be an integer in [0, 65535], got 70000"),

@@ -387,8 +387,9 @@ def serve(host, port, max_batch, max_model_len, max_waiting, gpu_memory_utilizat
           kv_admission, max_num_batched_tokens, served_model_name, drain_timeout, max_request_bytes, api_key, protect_health_metrics,
           log_level, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serving.md)."""
-    from sparda.engine.engine import Engine
+    from sparda.engine.engine import Engine, check_max_model_len
     from sparda.engine.memory import check_budgets
+    from sparda.model.loader import context_length
     from sparda.server.app import bind_socket, exposure_warning, serve as run_server
 
     if api_key is not None and not api_key.strip():
@@ -396,6 +397,8 @@ def serve(host, port, max_batch, max_model_len, max_waiting, gpu_memory_utilizat
     if protect_health_metrics and api_key is None:
         raise SpardaError("--protect-health-metrics needs --api-key (or SPARDA_API_KEY)")
     check_budgets(gpu_memory_utilization, host_memory_gib)
+    if max_model_len is not None:  # against the model's config, before any weights load
+        check_max_model_len(max_model_len, context_length(opts.get("model")))
     sock = bind_socket(host, port)  # a busy port fails before the model loads
     warning = exposure_warning(sock.getsockname()[0], api_key)
     if warning:

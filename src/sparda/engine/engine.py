@@ -75,6 +75,19 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def check_max_model_len(max_model_len, limit: int | None) -> int:
+    """``max_model_len`` (tokens per request, prompt plus new tokens) checked against the model's
+    context ``limit`` (``None``: unknown, not checked); returns it. Raises SpardaError for a
+    non-integer, a value below 2 (a prompt token and a new one) or one above ``limit``."""
+    _positive_int("max_model_len", max_model_len)
+    if max_model_len < 2:
+        raise SpardaError("max_model_len must be >= 2 (a prompt token and a new one)")
+    if limit is not None and max_model_len > limit:
+        raise SpardaError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} tokens; "
+                          f"use at most {limit}")
+    return max_model_len
+
+
 class Engine:
     """Continuous batching over a fixed pool of KV-cache rows (module docstring).
 
@@ -110,12 +123,7 @@ class Engine:
                  host_memory_gib: float | None = None, kv_admission: str = DEFAULT_KV_ADMISSION) -> None:
         limit = llm.shape.max_positions
         _positive_int("max_batch", max_batch)
-        max_model_len = limit if max_model_len is None else _positive_int("max_model_len", max_model_len)
-        if max_model_len < 2:
-            raise SpardaError("max_model_len must be >= 2 (a prompt token and a new one)")
-        if max_model_len > limit:
-            raise SpardaError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} tokens; "
-                              f"use at most {limit}")
+        max_model_len = limit if max_model_len is None else check_max_model_len(max_model_len, limit)
         if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
             raise SpardaError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         if kv_admission not in KV_ADMISSIONS:
