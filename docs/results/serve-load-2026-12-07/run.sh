@@ -2,7 +2,7 @@
 # `sparda serve` under load on one GPU (issue "serving at GPU scale", Deliver 6), one part per
 # device call (each call runs at most 600 s). MiniCPM-8B shape, random weights, bundled tokenizer.
 # Usage (repository root on the device): bash docs/results/serve-load-2026-12-07/run.sh PART SITE TOK
-#   PART: sat | sat-sparda | sat-gpu | so | overhead | mem; SITE: the wheels installed; TOK: the bundled tokenizer folder
+#   PART: sat | sat-sparda | sat-gpu | so | overhead | mem | diag; SITE: the wheels installed; TOK: the bundled tokenizer folder
 # SITE holds, from wheels (pip install --no-deps --target SITE): fastapi, starlette, pydantic(-core),
 # uvicorn, h11, annotated-doc/-types, typing-inspection, opentelemetry-api, prometheus-client, gguf,
 # wonderwords, and the load generator's openai client with httpx2, httpcore2, truststore, jiter, distro.
@@ -50,5 +50,18 @@ print(json.dumps({k: rec.get(k) for k in ("selection", "gen_tok_s_peak_10s", "hi
                                          "bench_hit_rate", "bench_selection", "decode_vs_bench")}))
 PY
             ;;
+  # where the server's time goes (step-time fields), sparda against sparse-offload on the saturation mix:
+  # short windows, open requests expected; read prefill_busy_tok_s, decode_step_ms, prefill_share
+  diag) for m in sparda sparse-offload; do
+          LIMIT=190 load "$OUT/diag-$m" --configs $m --rates "" --concurrency 32 --duration 70 --drain 5
+        done
+        python3 - "$OUT"/diag-*/serve_load.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    for r in json.load(open(path))["records"]:
+        print({k: r.get(k) for k in ("method", "prefill_busy_tok_s", "decode_step_ms", "prefill_share",
+                                     "ttft_p50_ms", "output_tok_s", "completed", "peak_running", "hit_rate")})
+PY
+        ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
