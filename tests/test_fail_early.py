@@ -57,7 +57,7 @@ def test_train_forecast_checks_out_before_loading(tmp_path, monkeypatch, kind):
         message = "is a directory; pass a file path such as"
     else:
         _read_only(monkeypatch)
-        message = "cannot write --out .* the file system is read-only"
+        message = "cannot write --out .*no file can be created in .*(the file system is read-only)"
     with pytest.raises(SpardaError, match=message):
         train_forecast(None, None, seq_len=2560, steps=1, out=out, device="cpu", progress=False)
 

@@ -88,7 +88,7 @@ def _probe(directory: Path, what: str) -> None:
     try:
         fd, name = tempfile.mkstemp(dir=directory, prefix=".sparda-probe-")
     except OSError as exc:
-        raise SpardaError(f"cannot write {what}: {os_reason(exc)} ({directory}); "
+        raise SpardaError(f"cannot write {what}: no file can be created in {directory} ({os_reason(exc)}); "
                           "choose a writable location") from exc
     os.close(fd)
     os.unlink(name)
