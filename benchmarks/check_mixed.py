@@ -178,15 +178,40 @@ def _filled(llm, batch: int, context: int, steps: int):
     return cache
 
 
-def _state(cache) -> list[torch.Tensor]:
-    out = []
+def _state(cache) -> dict[str, torch.Tensor]:
+    """The cache's decode state by name (``hot.L``, ``slot_map.L``, ``k_slots.L``, ``int4.L.c.k``...)."""
+    out = {}
     for layer in cache.offloaded:
-        out += [cache.hot.hot[layer], cache.hot.last[layer], cache.slot_map[layer], cache.k_slots[layer],
-                cache.v_slots[layer]]
-        for c in cache.host.chunks[layer]:
-            out += [c.k.data, c.k.scale, c.v.data, c.v.scale]
-        out += [t for c in cache.host.pool[layer] for t in (c.k, c.v)]
+        for name, t in (("hot", cache.hot.hot[layer]), ("last", cache.hot.last[layer]),
+                        ("slot_map", cache.slot_map[layer]), ("k_slots", cache.k_slots[layer]),
+                        ("v_slots", cache.v_slots[layer])):
+            out[f"{name}.{layer}"] = t
+        for c, chunk in enumerate(cache.host.chunks[layer]):
+            for part in ("k", "v"):
+                q = getattr(chunk, part)
+                out[f"int4.{layer}.{c}.{part}"], out[f"int4.{layer}.{c}.{part}.scale"] = q.data, q.scale
+        for c, chunk in enumerate(cache.host.pool[layer]):
+            out[f"pool.{layer}.{c}.k"], out[f"pool.{layer}.{c}.v"] = chunk.k, chunk.v
     return out
+
+
+def _differences(new: dict, old: dict, slot_map: dict) -> list[str]:
+    """One line per differing state tensor: its name, differing elements, the largest difference,
+    and for the slots whether a slot the slot map names (one the attention reads) differs."""
+    lines = []
+    for name, x in new.items():
+        y = old[name]
+        if torch.equal(x, y):
+            continue
+        diff = x != y if x.dtype == torch.bool else (x.float() - y.float()).abs() > 0
+        worst = 0.0 if x.dtype == torch.bool else (x.float() - y.float()).abs().max().item()
+        line = f"{name}: {int(diff.sum())} of {x.numel()} differ, max |diff| {worst:.3g}"
+        if name.startswith(("k_slots", "v_slots")) and diff.dim() >= 3:  # [b, H, S + 1, ...]
+            held = slot_map[f"slot_map.{name.split('.')[1]}"] >= 0  # [b, H, S]: slot holds a block
+            per_slot = diff.flatten(3).any(-1) if diff.dim() > 3 else diff
+            line += f"; in slots holding a block: {int((per_slot[:, :, :held.shape[2]] & held).sum())}"
+        lines.append(line)
+    return lines
 
 
 def check_parity(model, sel, forecast, batch: int, context: int, steps: int) -> bool:
@@ -198,19 +223,25 @@ def check_parity(model, sel, forecast, batch: int, context: int, steps: int) -> 
         cache = _filled(llm, batch, context, steps)
         runs.append((llm, cache))
     tokens = torch.randint(0, model.config.vocab_size, (batch,), device=dev)
-    ok, worst = True, 0.0
+    ok, worst, first = True, 0.0, None
     for i in range(steps):
         pos = torch.full((batch,), context + i, device=dev)
         outs = [llm.model_runner.decode(cache, tokens, pos, max_position=context + i) for llm, cache in runs]
         worst = max(worst, (outs[0] - outs[1]).abs().max().item())
-        same = [torch.equal(x, y) for x, y in zip(_state(runs[0][1]), _state(runs[1][1]))]
-        ok &= torch.equal(outs[0], outs[1]) and all(same)
+        states = [_state(cache) for _, cache in runs]
+        same = torch.equal(outs[0], outs[1]) and all(torch.equal(x, states[1][k]) for k, x in states[0].items())
+        if not same and first is None:
+            first = i
+            for line in _differences(states[0], states[1], states[1])[:12]:
+                print(f"parity   step {i}: {line}")
+        ok &= same
         tokens = outs[1].argmax(-1)
     stats = [cache.offload_stats(steps * batch) for _, cache in runs]
     keys = ("hits", "misses", "pool_misses", "bytes_copied")
     ok &= all(stats[0][k] == stats[1][k] for k in keys)
     print(f"parity   mixed new vs old, {steps} eager steps B{batch} {context} tokens: identical={ok} "
-          f"max|logit diff|={worst:.3g} " + " ".join(f"{k}={stats[0][k]}/{stats[1][k]}" for k in keys))
+          f"(first difference at step {first}) max|logit diff|={worst:.3g} "
+          + " ".join(f"{k}={stats[0][k]}/{stats[1][k]}" for k in keys))
     return ok
 
 
