@@ -399,6 +399,24 @@ def test_unknown_fields_are_ignored_with_a_warning_and_output_changing_ones_refu
             or name == "n" and "n must be 1" in error["message"], (name, error)
 
 
+
+def test_an_ignored_field_name_cannot_forge_or_flood_the_log(server, caplog):
+    """The warning naming ignored fields showed each name as sent: a key with a newline wrote
+    a forged line into the server log, and one key of 60 KB wrote 60 KB per request (up to
+    --max-request-bytes). Names are escaped and cut; the request itself is still served."""
+    forged = "x\nERROR sparda: the engine thread died (forged)"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, forged: 1, "y" * 60000: 2, "\x1b[2J": 3}
+    with caplog.at_level("WARNING", logger="sparda.server"):
+        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+        messages = [{"role": "user", "content": "x", "z" * 60000: 1}]
+        assert httpx.post(server.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": messages, "max_tokens": 1}).status_code == 200
+    warned = [r.getMessage() for r in caplog.records if r.name == "sparda.server"]
+    assert len(warned) == 2 and all(len(w) < 400 for w in warned), [w[:200] for w in warned]
+    assert all("\n" not in w and "\x1b" not in w for w in warned), warned
+    assert json.dumps(forged) in warned[0] and '"yyyy' in warned[0] and '"messages[0].zzzz' in warned[1]
+
+
 def test_every_error_is_an_openai_error_object(server, monkeypatch):
     def check(response, status, fragment):
         error = response.json()["error"]

@@ -257,8 +257,19 @@ def check_fields(body, rules: dict[str, Rule], limits: Limits, *, warn_unknown: 
     if "messages" in out:
         ignored += _check_message_keys(out["messages"])
     if ignored and warn_unknown:
-        log.warning("ignoring request fields sparda serve does not use: %s", ", ".join(ignored[:20]))
+        log.warning("ignoring request fields sparda serve does not use: %s",
+                    ", ".join(_logged_name(name) for name in ignored[:20]))
     return out
+
+
+def _logged_name(name: str) -> str:
+    """A client's field name as the server log shows it: as sent if short and printable,
+    else JSON-escaped (ASCII) and cut to 60 characters, so that a name cannot forge log lines
+    (a newline, a terminal escape) nor flood the log (a key of megabytes)."""
+    if len(name) <= 60 and name.isprintable() and name.isascii() and ", " not in name:
+        return name
+    text = json.dumps(name)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_message_keys(messages: list) -> list[str]:
