@@ -417,6 +417,23 @@ def test_an_ignored_field_name_cannot_forge_or_flood_the_log(server, caplog):
     assert json.dumps(forged) in warned[0] and '"yyyy' in warned[0] and '"messages[0].zzzz' in warned[1]
 
 
+def test_a_prompt_of_no_tokens_is_refused_before_any_prompt_is_queued(server):
+    """Text the tokenizer drops whole ("\\x04", outside the byte-level vocabulary) is no tokens:
+    the 400 named no field, and in a batch the prompts before it were queued, then aborted
+    (counted as aborts in /metrics, as if a client had gone away)."""
+    before = server.engine.metrics()["requests_finished"].get("abort", 0)
+    for prompt, fragment in [("\x04\x06", "prompt is no tokens once tokenised"),
+                             (["hello there", "\x04"], "prompt[1] is no tokens once tokenised")]:
+        response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "prompt" and fragment in error["message"], error
+    deadline = time.monotonic() + 30
+    while server.engine.has_work():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert server.engine.metrics()["requests_finished"].get("abort", 0) == before
+
+
 def test_every_error_is_an_openai_error_object(server, monkeypatch):
     def check(response, status, fragment):
         error = response.json()["error"]

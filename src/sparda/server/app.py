@@ -375,7 +375,11 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         """Queue ``prompts``; an error response, or the :class:`_Stream`."""
         if (down := engine_down()) is not None:
             return down
-        for ids in prompts:  # every prompt checked before any is queued
+        for i, ids in enumerate(prompts):  # every prompt checked before any is queued
+            if not ids:  # text the tokenizer drops whole (control bytes outside its vocabulary)
+                which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                raise BadRequest(f"{which} is no tokens once tokenised (the tokenizer drops all of its "
+                                 "characters); pass some text", "prompt")
             check_prompt_length(len(ids), limits, params.max_tokens)
         stream = _Stream(engine, live, server_metrics.observe)
         try:
