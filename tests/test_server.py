@@ -492,6 +492,28 @@ def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
     assert waits[2] < 0.5 and waits[-1] < 1.2, f"/health waited {waits} s behind a tokenisation"  # median, worst
 
 
+def test_chat_logprobs_bytes_are_the_tokens_own_bytes(bundled_tokenizer, fresh_seed):
+    """OpenAI's ``bytes`` is there for tokens that split a character: it was the UTF-8 of the
+    decoded text, so a token ending inside "\U0001f642" said [239, 191, 189] (U+FFFD) and
+    the bytes of a completion's tokens did not join to its text. Reference: the text's own
+    UTF-8, cut into the tokens the tokenizer makes of it."""
+    import random
+
+    from sparda.server.protocol import chat_logprobs
+
+    rng = random.Random(fresh_seed)
+    pieces = ["\U0001f642", " na\u00efve", " \u6f22\u5b57", " \u2014 ok", "\u00e9t\u00e9", " \U0001d400", "\ud55c"]
+    for _ in range(20):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+        ids = bundled_tokenizer.encode(text, add_special_tokens=False)
+        entries = [{"token_id": t, "logprob": -1.0, "top_logprobs": {t: -1.0}} for t in ids]
+        content = chat_logprobs(bundled_tokenizer, entries)["content"]
+        assert b"".join(bytes(c["bytes"]) for c in content) == text.encode("utf-8"), (fresh_seed, text)
+        assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
+    split = bundled_tokenizer.encode("\U0001f642", add_special_tokens=False)
+    assert len(split) > 1 and "\ufffd" in bundled_tokenizer.decode(split[:1])  # the case is exercised
+
+
 def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):
     """ceil(kept bytes / bytes_per_token) never exceeds the real count, on adversarial text:
     the longest tokens repeated, special tokens back to back, whitespace runs, bytes the

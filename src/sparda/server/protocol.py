@@ -13,6 +13,7 @@ are ignored with a logged warning, as vLLM does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -545,6 +546,31 @@ def completion_logprobs(tokenizer, entries: list[dict] | None, offset: int = 0) 
             "text_offset": offsets}
 
 
+#: GPT-2's byte-level alphabet inverted: the byte each character of a byte-level token stands for
+_BYTE_OF: dict[str, int] = {}
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
+    """The UTF-8 bytes of one token, whose decoded text is ``text``. A token that ends or
+    starts inside a multi-byte character decodes to U+FFFD; its real bytes come from its
+    vocabulary piece (a byte-level piece spells one byte per character, a byte-fallback piece
+    is ``<0xNN>``), kept only if they decode to ``text`` again; else ``text``'s own bytes."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    if not _BYTE_OF:
+        _BYTE_OF.update({char: byte for byte, char in _byte_chars().items()})
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        if all(char in _BYTE_OF for char in piece):
+            raw = bytes(_BYTE_OF[char] for char in piece)
+            if raw.decode("utf-8", "replace") == text:
+                return raw
+    return text.encode("utf-8")
+
+
 def chat_logprobs(tokenizer, entries: list[dict] | None) -> dict | None:
     """Chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
     if entries is None:
@@ -552,7 +578,7 @@ def chat_logprobs(tokenizer, entries: list[dict] | None) -> dict | None:
 
     def item(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tokenizer, token_id, text))}
 
     return {"content": [dict(item(e["token_id"], e["logprob"]),
                              top_logprobs=[item(t, lp) for t, lp in e["top_logprobs"].items()]) for e in entries]}
