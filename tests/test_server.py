@@ -514,6 +514,31 @@ def test_chat_logprobs_bytes_are_the_tokens_own_bytes(bundled_tokenizer, fresh_s
     assert len(split) > 1 and "\ufffd" in bundled_tokenizer.decode(split[:1])  # the case is exercised
 
 
+def test_completion_text_offsets_index_the_text(bundled_tokenizer, fresh_seed):
+    """``text_offset`` summed each token's own decoded text: a character split over two
+    tokens counted as its U+FFFD pieces (an emoji as 3 characters), and an EOS as its name
+    (10), so every later offset pointed past its token in the text. Reference: the length of
+    the text of the tokens before it, decoded whole, less a trailing partial character."""
+    import random
+
+    from sparda.server.protocol import TextOffsets, completion_logprobs
+
+    rng = random.Random(fresh_seed)
+    pieces = ["\U0001f642", " na\u00efve", " \u6f22\u5b57", " ok", "\u00e9t\u00e9", " \U0001d400", "<|im_end|>"]
+    for _ in range(20):
+        ids = bundled_tokenizer.encode("".join(rng.choice(pieces) for _ in range(rng.randint(1, 8))),
+                                       add_special_tokens=False)
+        entries = [{"token_id": t, "logprob": -1.0, "top_logprobs": {}} for t in ids]
+        got = completion_logprobs(bundled_tokenizer, entries)["text_offset"]
+        want = [len(bundled_tokenizer.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd"))
+                for i in range(len(ids))]
+        assert got == want, (fresh_seed, ids)
+        offsets, cut = TextOffsets(bundled_tokenizer), rng.randint(0, len(ids))  # a stream: in pieces
+        streamed = [completion_logprobs(bundled_tokenizer, part, offsets)["text_offset"]
+                    for part in (entries[:cut], entries[cut:])]
+        assert streamed[0] + streamed[1] == want, (fresh_seed, ids, cut)
+
+
 def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):
     """ceil(kept bytes / bytes_per_token) never exceeds the real count, on adversarial text:
     the longest tokens repeated, special tokens back to back, whitespace runs, bytes the

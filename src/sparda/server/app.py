@@ -56,10 +56,10 @@ from sparda.engine.engine import Engine, EngineStopped
 from sparda.engine.scheduler import QueueFull
 from sparda.errors import SpardaError
 from sparda.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
-from sparda.server.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, BadRequest, Limits, chat_logprobs,
-                                    chat_messages, chat_response, check_fields, check_prompt_bytes, check_prompt_length,
-                                    check_text, completion_logprobs, completion_prompts, completion_response,
-                                    error_body, new_id, sampling_params, token_floor, usage)
+from sparda.server.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, BadRequest, Limits, TextOffsets,
+                                    chat_logprobs, chat_messages, chat_response, check_fields, check_prompt_bytes,
+                                    check_prompt_length, check_text, completion_logprobs, completion_prompts,
+                                    completion_response, error_body, new_id, sampling_params, token_floor, usage)
 
 log = logging.getLogger("sparda.server")
 
@@ -497,7 +497,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events():
-            outputs, offsets = [None] * len(stream.ids), [0] * len(stream.ids)
+            outputs, offsets = [None] * len(stream.ids), [TextOffsets(tokenizer) for _ in stream.ids]
             try:
                 while stream.open:
                     index, delta = await stream.next()
@@ -512,7 +512,6 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
                         entries = await worker.run(completion_logprobs, tokenizer, delta.logprobs, offsets[index])
                     choice = {"index": index, "text": delta.text, "finish_reason": delta.finish_reason,
                               "logprobs": entries}
-                    offsets[index] += len(delta.text)
                     outputs[index] = delta.output or outputs[index]
                     yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()),
                                 "model": model_name, "choices": [choice]})

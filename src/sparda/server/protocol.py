@@ -531,19 +531,43 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(tokenizer, entries: list[dict] | None, offset: int = 0) -> dict | None:
+class TextOffsets:
+    """Where each next token starts in a completion's text (legacy ``text_offset``), decoded
+    as the engine decodes it: special tokens skipped, and a token inside a character split
+    over several tokens at that character's offset. One per completion, fed its tokens in
+    order (:meth:`take`), so that a stream's offsets equal the non-streamed ones."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.at = 0           # characters of the text before the window
+        self.window: list[int] = []  # tokens since the last whole character
+        self.partial = ""     # their text, ending inside a character
+
+    def take(self, ids: list[int]) -> list[int]:
+        """The offsets of ``ids``, the completion's next tokens."""
+        out = []
+        for token in ids:
+            out.append(self.at + len(self.partial.rstrip("\ufffd")))
+            self.window.append(token)
+            self.partial = self.tokenizer.decode(self.window, skip_special_tokens=True)
+            if not self.partial.endswith("\ufffd"):  # it ends on a whole character: the window moves on
+                self.at, self.window, self.partial = self.at + len(self.partial), [], ""
+        return out
+
+
+def completion_logprobs(tokenizer, entries: list[dict] | None, offsets: TextOffsets | None = None) -> dict | None:
     """Legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``,
-    ``text_offset`` (characters, from ``offset``)."""
+    ``text_offset`` (characters into the completion's text, from ``offsets``: the tokens
+    before ``entries``, a stream's; None: ``entries`` are the whole completion).
+
+    Offsets are not the sum of the tokens' own texts, which counts a split character's
+    U+FFFD pieces and a skipped special token's name."""
     if entries is None:
         return None
-    tokens = [tokenizer.decode([e["token_id"]]) for e in entries]
-    offsets, at = [], offset
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+    ids = [e["token_id"] for e in entries]
+    return {"tokens": [tokenizer.decode([t]) for t in ids], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e["top_logprobs"].items()} for e in entries],
-            "text_offset": offsets}
+            "text_offset": (offsets or TextOffsets(tokenizer)).take(ids)}
 
 
 #: GPT-2's byte-level alphabet inverted: the byte each character of a byte-level token stands for
