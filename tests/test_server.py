@@ -258,10 +258,13 @@ def test_non_finite_numbers_and_unencodable_text_are_400(server):
                           (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "unpaired surrogate"),
                           (b'[' * 20000 + b']' * 20000, "not valid JSON"),  # deeper than the parser's recursion limit
                           (b'{"prompt": "\xff\xfe"}', "not valid JSON"),
-                          (b'[1, 2]', "the request body must be a JSON object, got list")]:
+                          (b'[1, 2]', "the request body must be a JSON object, got list"),
+                          # valid JSON past Python's int parsing limit: no advice to call sys.set_int_max_str_digits
+                          (b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b'}', "an integer of more than 4300 digits")]:
         path = "chat/completions" if b"messages" in raw else "completions"
         response = httpx.post(f"{server.url}/v1/{path}", content=raw, headers={"content-type": "application/json"})
         assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+        assert "sys." not in response.text, response.text
 
 
 def test_the_openai_client_raises_its_own_errors(server):

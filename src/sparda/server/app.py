@@ -237,6 +237,9 @@ async def read_json(request: Request):
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        if "integer string conversion" in str(exc):  # valid JSON; Python's advice is for the server's code
+            raise BadRequest(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                             "digits, which this server does not parse; send numbers in their fields' ranges") from None
         message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise BadRequest(f"the request body is not valid JSON: {message}") from None
 
