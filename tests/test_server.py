@@ -542,6 +542,28 @@ def test_completion_text_offsets_index_the_text(bundled_tokenizer, fresh_seed):
         assert streamed[0] + streamed[1] == want, (fresh_seed, ids, cut)
 
 
+def test_a_chat_too_long_to_fit_is_refused_before_it_is_tokenised(server, monkeypatch):
+    """The chat check bounded only the longest message: a conversation of many short ones
+    (9 MiB of them took 5 s on the one tokenizer thread, every other request waiting behind
+    it) was tokenised whole before its length was refused. Its templated text is now refused
+    by its bytes first; the tokenizer never sees it."""
+    tokenizer = server.engine.tokenizer
+    encode, seen = tokenizer.encode, []
+
+    def recording(text, *args, **kwargs):
+        seen.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+    messages = [{"role": ("user", "assistant")[i % 2], "content": "hello there"} for i in range(1200)]
+    response = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    error = response.json()["error"]
+    assert response.status_code == 400 and "tokens does not fit --max-model-len 192" in error["message"], error
+    assert seen == [], seen
+    ok = server.client.chat.completions.create(model=MODEL, messages=messages[:3], max_tokens=2)
+    assert ok.choices[0].message.content is not None and seen  # one that fits is tokenised as before
+
+
 def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):
     """ceil(kept bytes / bytes_per_token) never exceeds the real count, on adversarial text:
     the longest tokens repeated, special tokens back to back, whitespace runs, bytes the

@@ -276,8 +276,8 @@ class Tokenizer:
         return [p if isinstance(p, list) else self.guarded(self.engine.llm.encode, "prompt", p, False)
                 for p in prompts]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.guarded(chat_token_ids, "messages", self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict], check_text=None) -> list[int]:
+        return self.guarded(chat_token_ids, "messages", self.tokenizer, messages, check_text)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -547,7 +547,10 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
         params = sampling_params(body, max_tokens, logprobs)
-        prompt = await worker.run(worker.encode_chat, messages)
+        # the templated text refused by its bytes if it cannot fit, before it is tokenised: a
+        # conversation of many short messages passes the longest-message check above
+        prompt = await worker.run(worker.encode_chat, messages,
+                                  lambda text: check_prompt_bytes(text, check_text(text, "messages"), limits))
         stream = start([prompt], params)
         if not isinstance(stream, _Stream):
             return stream
