@@ -73,3 +73,21 @@ def test_scheduler_reserves_whole_rows_and_refuses_what_can_never_fit():
     assert sched.drop_cancelled() == [third] and sched.rows_in_use == 2 and third.row == 0  # its row, until freed
     sched.free(third)
     assert sched.rows_in_use == 1 and third.row is None
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p, fresh_seed):
+    """A top_p in (0, 1] but below float32's least subnormal (~1.4e-45) compared as 0 and
+    masked every token: multinomial raised, and the server answered 500. The nucleus of a
+    tiny top_p is the single most likely token: sampling it is the argmax."""
+    import torch
+
+    from sparda.engine.sampler import sample, sample_requests
+
+    logits = torch.randn(3, 1000) * 3
+    generator = torch.Generator().manual_seed(fresh_seed)
+    want = logits.argmax(-1)
+    assert torch.equal(sample(logits, 1.0, top_p, generator), want), f"seed {fresh_seed}"
+    params = [SamplingParams(temperature=0.7, top_p=top_p, seed=fresh_seed)] * 3
+    got = [tok for tok, _ in sample_requests(logits, params, [generator] * 3)]
+    assert got == want.tolist(), f"seed {fresh_seed}"

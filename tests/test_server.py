@@ -258,10 +258,13 @@ def test_non_finite_numbers_and_unencodable_text_are_400(server):
                           (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "unpaired surrogate"),
                           (b'[' * 20000 + b']' * 20000, "not valid JSON"),  # deeper than the parser's recursion limit
                           (b'{"prompt": "\xff\xfe"}', "not valid JSON"),
-                          (b'[1, 2]', "the request body must be a JSON object, got list")]:
+                          (b'[1, 2]', "the request body must be a JSON object, got list"),
+                          # valid JSON past Python's int parsing limit: no advice to call sys.set_int_max_str_digits
+                          (b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b'}', "an integer of more than 4300 digits")]:
         path = "chat/completions" if b"messages" in raw else "completions"
         response = httpx.post(f"{server.url}/v1/{path}", content=raw, headers={"content-type": "application/json"})
         assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+        assert "sys." not in response.text, response.text
 
 
 def test_the_openai_client_raises_its_own_errors(server):
@@ -399,6 +402,41 @@ def test_unknown_fields_are_ignored_with_a_warning_and_output_changing_ones_refu
             or name == "n" and "n must be 1" in error["message"], (name, error)
 
 
+
+def test_an_ignored_field_name_cannot_forge_or_flood_the_log(server, caplog):
+    """The warning naming ignored fields showed each name as sent: a key with a newline wrote
+    a forged line into the server log, and one key of 60 KB wrote 60 KB per request (up to
+    --max-request-bytes). Names are escaped and cut; the request itself is still served."""
+    forged = "x\nERROR sparda: the engine thread died (forged)"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, forged: 1, "y" * 60000: 2, "\x1b[2J": 3}
+    with caplog.at_level("WARNING", logger="sparda.server"):
+        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+        messages = [{"role": "user", "content": "x", "z" * 60000: 1}]
+        assert httpx.post(server.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": messages, "max_tokens": 1}).status_code == 200
+    warned = [r.getMessage() for r in caplog.records if r.name == "sparda.server"]
+    assert len(warned) == 2 and all(len(w) < 400 for w in warned), [w[:200] for w in warned]
+    assert all("\n" not in w and "\x1b" not in w for w in warned), warned
+    assert json.dumps(forged) in warned[0] and '"yyyy' in warned[0] and '"messages[0].zzzz' in warned[1]
+
+
+def test_a_prompt_of_no_tokens_is_refused_before_any_prompt_is_queued(server):
+    """Text the tokenizer drops whole ("\\x04", outside the byte-level vocabulary) is no tokens:
+    the 400 named no field, and in a batch the prompts before it were queued, then aborted
+    (counted as aborts in /metrics, as if a client had gone away)."""
+    before = server.engine.metrics()["requests_finished"].get("abort", 0)
+    for prompt, fragment in [("\x04\x06", "prompt is no tokens once tokenised"),
+                             (["hello there", "\x04"], "prompt[1] is no tokens once tokenised")]:
+        response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "prompt" and fragment in error["message"], error
+    deadline = time.monotonic() + 30
+    while server.engine.has_work():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert server.engine.metrics()["requests_finished"].get("abort", 0) == before
+
+
 def test_every_error_is_an_openai_error_object(server, monkeypatch):
     def check(response, status, fragment):
         error = response.json()["error"]
@@ -455,6 +493,75 @@ def test_tokenisation_runs_off_the_event_loop(server, monkeypatch):
     waits.sort()
     # blocked behind the tokenisation, a wait would last ~1.7 s; a loaded CI machine adds tenths
     assert waits[2] < 0.5 and waits[-1] < 1.2, f"/health waited {waits} s behind a tokenisation"  # median, worst
+
+
+def test_chat_logprobs_bytes_are_the_tokens_own_bytes(bundled_tokenizer, fresh_seed):
+    """OpenAI's ``bytes`` is there for tokens that split a character: it was the UTF-8 of the
+    decoded text, so a token ending inside "\U0001f642" said [239, 191, 189] (U+FFFD) and
+    the bytes of a completion's tokens did not join to its text. Reference: the text's own
+    UTF-8, cut into the tokens the tokenizer makes of it."""
+    import random
+
+    from sparda.server.protocol import chat_logprobs
+
+    rng = random.Random(fresh_seed)
+    pieces = ["\U0001f642", " na\u00efve", " \u6f22\u5b57", " \u2014 ok", "\u00e9t\u00e9", " \U0001d400", "\ud55c"]
+    for _ in range(20):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+        ids = bundled_tokenizer.encode(text, add_special_tokens=False)
+        entries = [{"token_id": t, "logprob": -1.0, "top_logprobs": {t: -1.0}} for t in ids]
+        content = chat_logprobs(bundled_tokenizer, entries)["content"]
+        assert b"".join(bytes(c["bytes"]) for c in content) == text.encode("utf-8"), (fresh_seed, text)
+        assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
+    split = bundled_tokenizer.encode("\U0001f642", add_special_tokens=False)
+    assert len(split) > 1 and "\ufffd" in bundled_tokenizer.decode(split[:1])  # the case is exercised
+
+
+def test_completion_text_offsets_index_the_text(bundled_tokenizer, fresh_seed):
+    """``text_offset`` summed each token's own decoded text: a character split over two
+    tokens counted as its U+FFFD pieces (an emoji as 3 characters), and an EOS as its name
+    (10), so every later offset pointed past its token in the text. Reference: the length of
+    the text of the tokens before it, decoded whole, less a trailing partial character."""
+    import random
+
+    from sparda.server.protocol import TextOffsets, completion_logprobs
+
+    rng = random.Random(fresh_seed)
+    pieces = ["\U0001f642", " na\u00efve", " \u6f22\u5b57", " ok", "\u00e9t\u00e9", " \U0001d400", "<|im_end|>"]
+    for _ in range(20):
+        ids = bundled_tokenizer.encode("".join(rng.choice(pieces) for _ in range(rng.randint(1, 8))),
+                                       add_special_tokens=False)
+        entries = [{"token_id": t, "logprob": -1.0, "top_logprobs": {}} for t in ids]
+        got = completion_logprobs(bundled_tokenizer, entries)["text_offset"]
+        want = [len(bundled_tokenizer.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd"))
+                for i in range(len(ids))]
+        assert got == want, (fresh_seed, ids)
+        offsets, cut = TextOffsets(bundled_tokenizer), rng.randint(0, len(ids))  # a stream: in pieces
+        streamed = [completion_logprobs(bundled_tokenizer, part, offsets)["text_offset"]
+                    for part in (entries[:cut], entries[cut:])]
+        assert streamed[0] + streamed[1] == want, (fresh_seed, ids, cut)
+
+
+def test_a_chat_too_long_to_fit_is_refused_before_it_is_tokenised(server, monkeypatch):
+    """The chat check bounded only the longest message: a conversation of many short ones
+    (9 MiB of them took 5 s on the one tokenizer thread, every other request waiting behind
+    it) was tokenised whole before its length was refused. Its templated text is now refused
+    by its bytes first; the tokenizer never sees it."""
+    tokenizer = server.engine.tokenizer
+    encode, seen = tokenizer.encode, []
+
+    def recording(text, *args, **kwargs):
+        seen.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+    messages = [{"role": ("user", "assistant")[i % 2], "content": "hello there"} for i in range(1200)]
+    response = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    error = response.json()["error"]
+    assert response.status_code == 400 and "tokens does not fit --max-model-len 192" in error["message"], error
+    assert seen == [], seen
+    ok = server.client.chat.completions.create(model=MODEL, messages=messages[:3], max_tokens=2)
+    assert ok.choices[0].message.content is not None and seen  # one that fits is tokenised as before
 
 
 def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):

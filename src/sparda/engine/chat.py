@@ -49,14 +49,16 @@ def check_messages(messages) -> list[dict[str, str]]:
     return out
 
 
-def chat_token_ids(tokenizer, messages) -> list[int]:
+def chat_token_ids(tokenizer, messages, check_text=None) -> list[int]:
     """Prompt ids of a conversation: the template applied with the generation prompt (the
     assistant turn opened), then tokenised without extra special tokens, exactly as
     :meth:`sparda.LLM.encode` does with ``chat=True`` for a single user message.
+    ``check_text``, if given, is called with the templated text before it is tokenised (the
+    server refuses there a text too long to fit, without the seconds of tokenising it).
 
     Raises:
         SpardaError: bad messages (:func:`check_messages`), or a tokenizer without a chat
-            template.
+            template; whatever ``check_text`` raises.
     """
     messages = check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
@@ -66,4 +68,6 @@ def chat_token_ids(tokenizer, messages) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja raises its own errors (e.g. "roles must alternate")
         raise SpardaError(f"the chat template refused these messages: {exc}") from None
+    if check_text is not None:
+        check_text(text)
     return tokenizer.encode(text, add_special_tokens=False)

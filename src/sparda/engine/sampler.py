@@ -22,6 +22,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
         keep = sorted_probs.cumsum(-1) - sorted_probs < top_p
+        keep[..., 0] = True  # the most likely token always stays (top_p under float32's least is 0 here)
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -56,10 +56,10 @@ from sparda.engine.engine import Engine, EngineStopped
 from sparda.engine.scheduler import QueueFull
 from sparda.errors import SpardaError
 from sparda.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
-from sparda.server.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, BadRequest, Limits, chat_logprobs,
-                                    chat_messages, chat_response, check_fields, check_prompt_bytes, check_prompt_length,
-                                    check_text, completion_logprobs, completion_prompts, completion_response,
-                                    error_body, new_id, sampling_params, token_floor, usage)
+from sparda.server.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, BadRequest, Limits, TextOffsets,
+                                    chat_logprobs, chat_messages, chat_response, check_fields, check_prompt_bytes,
+                                    check_prompt_length, check_text, completion_logprobs, completion_prompts,
+                                    completion_response, error_body, new_id, sampling_params, token_floor, usage)
 
 log = logging.getLogger("sparda.server")
 
@@ -237,6 +237,9 @@ async def read_json(request: Request):
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        if "integer string conversion" in str(exc):  # valid JSON; Python's advice is for the server's code
+            raise BadRequest(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                             "digits, which this server does not parse; send numbers in their fields' ranges") from None
         message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise BadRequest(f"the request body is not valid JSON: {message}") from None
 
@@ -273,8 +276,8 @@ class Tokenizer:
         return [p if isinstance(p, list) else self.guarded(self.engine.llm.encode, "prompt", p, False)
                 for p in prompts]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.guarded(chat_token_ids, "messages", self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict], check_text=None) -> list[int]:
+        return self.guarded(chat_token_ids, "messages", self.tokenizer, messages, check_text)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -375,7 +378,11 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         """Queue ``prompts``; an error response, or the :class:`_Stream`."""
         if (down := engine_down()) is not None:
             return down
-        for ids in prompts:  # every prompt checked before any is queued
+        for i, ids in enumerate(prompts):  # every prompt checked before any is queued
+            if not ids:  # text the tokenizer drops whole (control bytes outside its vocabulary)
+                which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                raise BadRequest(f"{which} is no tokens once tokenised (the tokenizer drops all of its "
+                                 "characters); pass some text", "prompt")
             check_prompt_length(len(ids), limits, params.max_tokens)
         stream = _Stream(engine, live, server_metrics.observe)
         try:
@@ -493,7 +500,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events():
-            outputs, offsets = [None] * len(stream.ids), [0] * len(stream.ids)
+            outputs, offsets = [None] * len(stream.ids), [TextOffsets(tokenizer) for _ in stream.ids]
             try:
                 while stream.open:
                     index, delta = await stream.next()
@@ -508,7 +515,6 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
                         entries = await worker.run(completion_logprobs, tokenizer, delta.logprobs, offsets[index])
                     choice = {"index": index, "text": delta.text, "finish_reason": delta.finish_reason,
                               "logprobs": entries}
-                    offsets[index] += len(delta.text)
                     outputs[index] = delta.output or outputs[index]
                     yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()),
                                 "model": model_name, "choices": [choice]})
@@ -541,7 +547,10 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
         params = sampling_params(body, max_tokens, logprobs)
-        prompt = await worker.run(worker.encode_chat, messages)
+        # the templated text refused by its bytes if it cannot fit, before it is tokenised: a
+        # conversation of many short messages passes the longest-message check above
+        prompt = await worker.run(worker.encode_chat, messages,
+                                  lambda text: check_prompt_bytes(text, check_text(text, "messages"), limits))
         stream = start([prompt], params)
         if not isinstance(stream, _Stream):
             return stream

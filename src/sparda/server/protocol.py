@@ -13,6 +13,7 @@ are ignored with a logged warning, as vLLM does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -257,8 +258,19 @@ def check_fields(body, rules: dict[str, Rule], limits: Limits, *, warn_unknown: 
     if "messages" in out:
         ignored += _check_message_keys(out["messages"])
     if ignored and warn_unknown:
-        log.warning("ignoring request fields sparda serve does not use: %s", ", ".join(ignored[:20]))
+        log.warning("ignoring request fields sparda serve does not use: %s",
+                    ", ".join(_logged_name(name) for name in ignored[:20]))
     return out
+
+
+def _logged_name(name: str) -> str:
+    """A client's field name as the server log shows it: as sent if short and printable,
+    else JSON-escaped (ASCII) and cut to 60 characters, so that a name cannot forge log lines
+    (a newline, a terminal escape) nor flood the log (a key of megabytes)."""
+    if len(name) <= 60 and name.isprintable() and name.isascii() and ", " not in name:
+        return name
+    text = json.dumps(name)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_message_keys(messages: list) -> list[str]:
@@ -519,19 +531,68 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(tokenizer, entries: list[dict] | None, offset: int = 0) -> dict | None:
+class TextOffsets:
+    """Where each next token starts in a completion's text (legacy ``text_offset``), decoded
+    as the engine decodes it: special tokens skipped, and a token inside a character split
+    over several tokens at that character's offset. One per completion, fed its tokens in
+    order (:meth:`take`), so that a stream's offsets equal the non-streamed ones."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.at = 0           # characters of the text before the window
+        self.window: list[int] = []  # tokens since the last whole character
+        self.partial = ""     # their text, ending inside a character
+
+    def take(self, ids: list[int]) -> list[int]:
+        """The offsets of ``ids``, the completion's next tokens."""
+        out = []
+        for token in ids:
+            out.append(self.at + len(self.partial.rstrip("\ufffd")))
+            self.window.append(token)
+            self.partial = self.tokenizer.decode(self.window, skip_special_tokens=True)
+            if not self.partial.endswith("\ufffd"):  # it ends on a whole character: the window moves on
+                self.at, self.window, self.partial = self.at + len(self.partial), [], ""
+        return out
+
+
+def completion_logprobs(tokenizer, entries: list[dict] | None, offsets: TextOffsets | None = None) -> dict | None:
     """Legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``,
-    ``text_offset`` (characters, from ``offset``)."""
+    ``text_offset`` (characters into the completion's text, from ``offsets``: the tokens
+    before ``entries``, a stream's; None: ``entries`` are the whole completion).
+
+    Offsets are not the sum of the tokens' own texts, which counts a split character's
+    U+FFFD pieces and a skipped special token's name."""
     if entries is None:
         return None
-    tokens = [tokenizer.decode([e["token_id"]]) for e in entries]
-    offsets, at = [], offset
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+    ids = [e["token_id"] for e in entries]
+    return {"tokens": [tokenizer.decode([t]) for t in ids], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e["top_logprobs"].items()} for e in entries],
-            "text_offset": offsets}
+            "text_offset": (offsets or TextOffsets(tokenizer)).take(ids)}
+
+
+#: GPT-2's byte-level alphabet inverted: the byte each character of a byte-level token stands for
+_BYTE_OF: dict[str, int] = {}
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
+    """The UTF-8 bytes of one token, whose decoded text is ``text``. A token that ends or
+    starts inside a multi-byte character decodes to U+FFFD; its real bytes come from its
+    vocabulary piece (a byte-level piece spells one byte per character, a byte-fallback piece
+    is ``<0xNN>``), kept only if they decode to ``text`` again; else ``text``'s own bytes."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    if not _BYTE_OF:
+        _BYTE_OF.update({char: byte for byte, char in _byte_chars().items()})
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        if all(char in _BYTE_OF for char in piece):
+            raw = bytes(_BYTE_OF[char] for char in piece)
+            if raw.decode("utf-8", "replace") == text:
+                return raw
+    return text.encode("utf-8")
 
 
 def chat_logprobs(tokenizer, entries: list[dict] | None) -> dict | None:
@@ -541,7 +602,7 @@ def chat_logprobs(tokenizer, entries: list[dict] | None) -> dict | None:
 
     def item(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tokenizer, token_id, text))}
 
     return {"content": [dict(item(e["token_id"], e["logprob"]),
                              top_logprobs=[item(t, lp) for t, lp in e["top_logprobs"].items()]) for e in entries]}
