@@ -16,8 +16,8 @@
    from it on the device.
 
 Prints one line per check, a markdown table last, and writes ``OUT/check_buckets.json``;
-exits 1 if a parity check fails. The default stays one bucket of all rows until this check
-has been run and the timing shows the buckets faster (design §3.13). About 3-4 minutes on an H100 (``--quick``: under 2)::
+exits 1 if a parity check fails. Its timing is what design §3.13 weighs against the default
+single bucket's bit-identity. About 3-4 minutes on an H100 (``--quick``: under 2)::
 
     python3 benchmarks/check_buckets.py --out /tmp/buckets             # CUDA
     python3 benchmarks/check_buckets.py --quick --out /tmp/buckets     # 32K, B 8 and 16

@@ -179,8 +179,8 @@ def model_options(func):
                      help="Decode batch buckets (design §3.13): a decode step runs the first N KV rows, N the "
                           "smallest bucket holding every decoding request, one CUDA graph per bucket; auto: 1,2,4 "
                           "and the multiples of 8; a list is capped to and always includes the batch (serve: --max-batch) "
-                          "[default: one bucket of all rows, every step runs every row, until the GPU timing of "
-                          "design §3.13 turns buckets on]."),
+                          "[default: one bucket of all rows, every step runs every row, bit-identical alone or batched; "
+                          "auto is faster when few rows decode, design §3.13]."),
         click.option("--dense-heads", "dense_heads", default=None,
                      help="Block-sparse decode: (layer, KV head) pairs that read every visible block "
                           "(design §3.7; offloaded caches keep their layers on the device): auto (the model's "
