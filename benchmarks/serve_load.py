@@ -37,6 +37,8 @@ burst can be missed),
 of running plus waiting), ``gen_tok_s_peak_10s`` (the highest 10-s generation rate
 ``/metrics`` reported: the decode rate once every row decodes), ``hit_rate`` and
 ``offload_bytes_per_token`` (offloaded: the engine's cumulative figures at the last scrape),
+``hit_rate_peak_10s`` (offloaded: over the 10 s before the highest generation rate,
+:func:`window_hit_rate`: the traffic of the decode rate ``gen_tok_s_peak_10s`` reports),
 ``prefill_tok_s`` / ``generation_tok_s`` (prompt tokens prefilled and tokens generated per
 second between the point's first and last scrape), from the engine's step-time counters
 between those scrapes (:func:`step_figures`; ``None`` where a counter is absent or a divisor
@@ -127,6 +129,22 @@ def counter_delta(first: dict | None, last: dict | None, name: str) -> float | N
     if last is None or name not in last:
         return None
     return last[name] - (first or {}).get(name, 0.0)
+
+
+def window_hit_rate(samples: list[tuple[float, float, float]], end: float | None,
+                    span: float = 10.0) -> float | None:
+    """The offload hit rate over the ``span`` seconds up to ``end`` from scrapes ``(s since the
+    point's start, offload hits, offload misses)`` in time order: the differences between the
+    last scrape at or before ``end - span`` (the first scrape if none) and the last at or before
+    ``end``. ``None`` without ``end``, scrapes or blocks selected in between."""
+    if end is None:
+        return None
+    upto = [x for x in samples if x[0] <= end]
+    if not upto:
+        return None
+    before = [x for x in upto if x[0] <= end - span] or upto[:1]
+    hits, misses = upto[-1][1] - before[-1][1], upto[-1][2] - before[-1][2]
+    return round(hits / (hits + misses), 4) if hits + misses > 0 else None
 
 
 def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
@@ -355,9 +373,10 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
 
     results, lock = [], threading.Lock()
     peaks, stop = {"running": 0, "waiting": 0, "gpu": None, "host": None, "metrics_errors": 0, "gen_rate": 0.0,
-                   "hit_rate": None, "bytes_per_token": None}, threading.Event()
+                   "gen_at": None, "hit_rate": None, "bytes_per_token": None}, threading.Event()
     timeline: list[list[float]] = []  # [s since start, prompt tokens, generated tokens, running, waiting]
     scrapes: dict[str, dict | None] = {"first": None, "last": None}  # the STEP_COUNTERS of each
+    offload: list[tuple[float, float, float]] = []  # (s since start, offload hits, misses) per scrape
 
     def poll():
         while not stop.is_set():
@@ -372,7 +391,11 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
                         "prompt_tokens_total", "generation_tokens_total", "requests_running", "requests_waiting")])
                 peaks["running"] = max(peaks["running"], int(m.get("sparda_requests_running", 0)))
                 peaks["waiting"] = max(peaks["waiting"], int(m.get("sparda_requests_waiting", 0)))
-                peaks["gen_rate"] = max(peaks["gen_rate"], float(m.get("sparda_generation_tokens_per_second", 0.0)))
+                rate = float(m.get("sparda_generation_tokens_per_second", 0.0))
+                if rate > peaks["gen_rate"]:
+                    peaks["gen_rate"], peaks["gen_at"] = rate, now
+                if "sparda_offload_hits_total" in m:
+                    offload.append((now, float(m["sparda_offload_hits_total"]), float(m["sparda_offload_misses_total"])))
                 if "sparda_offload_hit_rate" in m:  # engine-wide, cumulative: the last scrape's
                     peaks["hit_rate"] = round(float(m["sparda_offload_hit_rate"]), 4)
                     peaks["bytes_per_token"] = float(m.get("sparda_offload_bytes_per_token", 0.0))
@@ -441,7 +464,8 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
             "open_at_drain": open_at_drain, "peak_running": peaks["running"],
             "peak_in_flight": peak_overlap([r["span"] for r in ok]), "peak_waiting": peaks["waiting"],
             "metrics_errors": peaks["metrics_errors"], "gen_tok_s_peak_10s": round(peaks["gen_rate"], 1),
-            "hit_rate": peaks["hit_rate"], "offload_bytes_per_token": peaks["bytes_per_token"],
+            "hit_rate": peaks["hit_rate"], "hit_rate_peak_10s": window_hit_rate(offload, peaks["gen_at"]),
+            "offload_bytes_per_token": peaks["bytes_per_token"],
             "prefill_tok_s": rate_between(timeline, 1), "generation_tok_s": rate_between(timeline, 2),
             **step_figures(scrapes["first"], scrapes["last"]), "preemptions": None if preempted is None else int(preempted),
             "timeline": timeline,

@@ -292,7 +292,32 @@ def test_load_sweep_replays_the_trace(tmp_path):
     (r,) = result["records"]
     assert r["selection"] == "trace" and r["completed"] > 0 and r["lost"] == 0, r
     assert 0.0 < r["hit_rate"] <= 1.0, r
+    assert r["hit_rate_peak_10s"] is None or 0.0 <= r["hit_rate_peak_10s"] <= 1.0, r
     assert "replaying" in (out / "server-sparse-offload.log").read_text()
+
+
+def test_window_hit_rate_against_a_brute_force(fresh_seed):
+    """The hit rate over the 10 s up to a time, from cumulative scrapes, equals the blocks'
+    own hits and misses summed over that window (scrapes a random 0.1-2 s apart)."""
+    rng = random.Random(fresh_seed)
+    t, hits, misses, samples, events = 0.0, 0.0, 0.0, [], []  # events: (time, hits, misses) added
+    for _ in range(rng.randint(5, 80)):
+        t += rng.uniform(0.1, 2.0)
+        dh, dm = rng.randint(0, 500), rng.randint(0, 50)
+        hits, misses = hits + dh, misses + dm
+        samples.append((t, hits, misses))
+        events.append((t, dh, dm))
+    end = rng.uniform(0.0, t + 1)
+    got = serve_load.window_hit_rate(samples, end)
+    upto = [x for x in samples if x[0] <= end]
+    if not upto:
+        assert got is None, fresh_seed
+        return
+    start = max([x[0] for x in upto if x[0] <= end - 10.0], default=upto[0][0])
+    inside = [e for e in events if start < e[0] <= upto[-1][0]]
+    h, m = sum(e[1] for e in inside), sum(e[2] for e in inside)
+    assert got == (round(h / (h + m), 4) if h + m else None), (fresh_seed, end)
+    assert serve_load.window_hit_rate(samples, None) is None and serve_load.window_hit_rate([], end) is None
 
 
 def test_step_figures_from_two_scrapes(fresh_seed):

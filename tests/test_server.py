@@ -313,6 +313,9 @@ def test_offloaded_server_reports_hit_rate_and_bytes_per_token(tiny_dir):
                 model=MODEL, prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}), prompts))
         metrics = running.metrics()
         assert 0 < metrics["sparda_offload_hit_rate"] < 1 and metrics["sparda_offload_bytes_per_token"] > 0
+        hits, misses = metrics["sparda_offload_hits_total"], metrics["sparda_offload_misses_total"]
+        assert hits > 0 and misses > 0
+        assert abs(hits / (hits + misses) - metrics["sparda_offload_hit_rate"]) < 1e-4
     finally:
         running.stop()
 

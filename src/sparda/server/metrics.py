@@ -18,8 +18,9 @@ Everything is labelled with the served model (``model="..."``) and prefixed ``sp
   of preempted requests included, which ``prompt_tokens_total`` leaves out),
   ``decode_seconds_total`` (in decode steps, sampling included; per step: over
   ``decode_steps_total{bucket}`` summed over buckets) and ``decode_rows_total`` (requests
-  those steps decoded, one token each) and, on an offloaded cache, ``offload_hit_rate`` and
-  ``offload_bytes_per_token``.
+  those steps decoded, one token each) and, on an offloaded cache, ``offload_hit_rate``,
+  ``offload_bytes_per_token``, ``offload_hits_total`` and ``offload_misses_total`` (a hit rate
+  over any window: their differences; all four refreshed at most once a second).
 * Observed as each engine step's time is resolved: the histogram
   ``engine_step_seconds{kind}``, the whole step's wall time, ``kind`` ``decode`` (decode only)
   or ``mixed`` (prefill work, with or without decode; its ``_count`` is the steps with prefill
@@ -119,6 +120,10 @@ class EngineCollector:
                         m["offload"].get("hit_rate", 0.0))
             yield gauge("offload_bytes_per_token", "K+V bytes copied host-to-device per decoded token.",
                         m["offload"].get("bytes_per_token", 0.0))
+            yield counter("offload_hits", "Selected KV blocks found on the device (summed over layers, heads, rows).",
+                          m["offload"].get("hits", 0))
+            yield counter("offload_misses", "Selected KV blocks copied from host memory.",
+                          m["offload"].get("misses", 0))
 
 
 class ServerMetrics:
