@@ -195,9 +195,9 @@ def _state(cache) -> dict[str, torch.Tensor]:
     return out
 
 
-def _differences(new: dict, old: dict, slot_map: dict) -> list[str]:
+def _differences(new: dict, old: dict) -> list[str]:
     """One line per differing state tensor: its name, differing elements, the largest difference,
-    and for the slots whether a slot the slot map names (one the attention reads) differs."""
+    and for the slots whether a slot that ``old``'s slot map names (one the attention reads) differs."""
     lines = []
     for name, x in new.items():
         y = old[name]
@@ -207,7 +207,7 @@ def _differences(new: dict, old: dict, slot_map: dict) -> list[str]:
         worst = 0.0 if x.dtype == torch.bool else (x.float() - y.float()).abs().max().item()
         line = f"{name}: {int(diff.sum())} of {x.numel()} differ, max |diff| {worst:.3g}"
         if name.startswith(("k_slots", "v_slots")) and diff.dim() >= 3:  # [b, H, S + 1, ...]
-            held = slot_map[f"slot_map.{name.split('.')[1]}"] >= 0  # [b, H, S]: slot holds a block
+            held = old[f"slot_map.{name.split('.')[1]}"] >= 0  # [b, H, S]: slot holds a block
             per_slot = diff.flatten(3).any(-1) if diff.dim() > 3 else diff
             line += f"; in slots holding a block: {int((per_slot[:, :, :held.shape[2]] & held).sum())}"
         lines.append(line)
@@ -232,7 +232,7 @@ def check_parity(model, sel, forecast, batch: int, context: int, steps: int) -> 
         same = torch.equal(outs[0], outs[1]) and all(torch.equal(x, states[1][k]) for k, x in states[0].items())
         if not same and first is None:
             first = i
-            for line in _differences(states[0], states[1], states[1])[:12]:
+            for line in _differences(states[0], states[1])[:12]:
                 print(f"parity   step {i}: {line}")
         ok &= same
         tokens = outs[1].argmax(-1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -570,8 +571,10 @@ def completion_logprobs(tokenizer, entries: list[dict] | None, offsets: TextOffs
             "text_offset": (offsets or TextOffsets(tokenizer)).take(ids)}
 
 
-#: GPT-2's byte-level alphabet inverted: the byte each character of a byte-level token stands for
-_BYTE_OF: dict[str, int] = {}
+@functools.cache
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the byte each character of a byte-level token stands for."""
+    return {char: byte for byte, char in _byte_chars().items()}
 
 
 def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
@@ -581,15 +584,14 @@ def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
     is ``<0xNN>``), kept only if they decode to ``text`` again; else ``text``'s own bytes."""
     if "\ufffd" not in text:
         return text.encode("utf-8")
-    if not _BYTE_OF:
-        _BYTE_OF.update({char: byte for byte, char in _byte_chars().items()})
+    byte_of = _byte_of()
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if isinstance(piece, str) and piece:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             with contextlib.suppress(ValueError):
                 return bytes([int(piece[3:5], 16)])
-        if all(char in _BYTE_OF for char in piece):
-            raw = bytes(_BYTE_OF[char] for char in piece)
+        if all(char in byte_of for char in piece):
+            raw = bytes(byte_of[char] for char in piece)
             if raw.decode("utf-8", "replace") == text:
                 return raw
     return text.encode("utf-8")
