@@ -23,7 +23,9 @@ Prompts are random token ids whose lengths are drawn log-uniformly from ``--prom
 With ``--replay-trace [PATH]`` (offloaded configurations only; without PATH the shipped trace)
 each decoding row of the server fetches and attends a replay of the selection trace instead of
 what the random model selects, as ``sparda bench`` replays it (docs/bench.md, Trace replay in the
-server benchmark), so that the two carry the same selection traffic.
+server benchmark), so that the two carry the same selection traffic; ``--replay-keys order``
+makes the ``n``-th request to start decoding replay bench row ``n``, so that ``B`` requests of
+one length carry exactly the rows of ``sparda bench`` at batch ``B`` (the engine-overhead point).
 
 Per point, one JSON record (``records`` in ``OUT/serve_load.json``): ``method``, ``kv_dtype``,
 ``model``, ``mode``, ``rate`` or ``concurrency``, ``selection`` (``model``, or ``trace``
@@ -208,7 +210,7 @@ def serve_child(argv: list[str]) -> None:
     if spec.get("replay_trace"):  # each decoding row fetches its request's replay of the trace
         from sparda.bench.traces import RowReplayer
 
-        replayer = RowReplayer.attach(engine, spec["replay_trace"])
+        replayer = RowReplayer.attach(engine, spec["replay_trace"], keys=spec.get("replay_keys", "hash"))
         print(f"replaying {spec['replay_trace']} per row: {replayer.ids.nbytes / 2**20:.1f} MiB of tables "
               f"[{', '.join(map(str, replayer.ids.shape))}] {replayer.ids.dtype}", file=sys.stderr, flush=True)
     parent = os.getppid()
@@ -700,6 +702,9 @@ def main(argv: list[str]) -> None:
                         help="offloaded configs: each decoding row fetches a replay of this selection trace "
                              "(sparda.bench.traces.RowReplayer, as `sparda bench` replays it) instead of the "
                              "model's selection [off; without PATH the shipped trace]")
+    parser.add_argument("--replay-keys", choices=("hash", "order"), default="hash",
+                        help="which bench row a request replays: a hash of its id (the same alone or batched), "
+                             "or the order requests start decoding (B requests = the bench's B rows) [hash]")
     parser.add_argument("--overload", type=float, default=None, metavar="FACTOR",
                         help="after the other points, Poisson arrivals at FACTOR x the saturation rate (the "
                              "highest req/s of this configuration's closed-loop points) for --overload-duration, "
@@ -745,7 +750,8 @@ def main(argv: list[str]) -> None:
             "prompt_tokens": list(args.prompt_tokens), "output_tokens": list(args.output_tokens),
             "duration_s": args.duration, "drain_s": args.drain, "max_batch": args.max_batch,
             "max_model_len": max_model_len, "prefill_chunk": args.prefill_chunk, "preset": args.preset,
-            "replay_trace": None if trace is None else Path(trace).name}
+            "replay_trace": None if trace is None else Path(trace).name,
+            "replay_keys": None if trace is None else args.replay_keys}
     records = []
     for method, kv_dtype in configs:
         name = method if kv_dtype == "bf16" else f"{method}:{kv_dtype}"
@@ -753,7 +759,7 @@ def main(argv: list[str]) -> None:
                 "preset": args.preset, "max_batch": args.max_batch, "max_model_len": max_model_len,
                 "max_waiting": args.max_waiting, "prefill_chunk": args.prefill_chunk, "tokenizer": args.tokenizer,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "host_memory_gib": args.host_memory_gib,
-                "replay_trace": trace}
+                "replay_trace": trace, "replay_keys": args.replay_keys}
         server = None
         try:
             server = Server(spec, args.out / f"server-{name.replace(':', '-')}.log", args.start_timeout)

@@ -110,6 +110,29 @@ def test_row_ids_are_bench_replay_of_the_rows_own_steps(recall, fresh_seed):
     assert counts[1] == 21 and counts[2] > 8  # both wrapped
 
 
+def test_order_keys_replay_the_bench_batch_rows(fresh_seed):
+    """``keys="order"``: requests starting to decode at one position, in any rows, replay the rows
+    of bench's batch (replay_masks of ``B`` rows) in the order they start; a recompute keeps the
+    request's row; the key wraps at ``keys``."""
+    rng = np.random.default_rng(fresh_seed)
+    trace, cfg = _trace(fresh_seed), SelectionConfig(**SMALL)
+    cache = OffloadKVCache(3, 3, 2, 8, 1024, cfg, torch.float32, "cpu", resident_layers=(0,))
+    replayer = RowReplayer(trace, cache, keys="order")
+    pos, period = int(rng.integers(100, 900)), 2 * (trace.ids.shape[0] - 1)
+    bench = replay_masks(trace, 3, 2, cfg, [pos] * 3, period, cache.num_blocks)  # [period, L, 3, H, N]
+    rows = [int(r) for r in rng.permutation(3)]  # bench row n starts decoding on cache row rows[n]
+    for n, row in enumerate(rows):
+        replayer.on_decode_start(row, pos, f"req-{fresh_seed}-{n}")
+    for n, row in enumerate(rows):
+        want = block_mask_to_indices(bench[:, :, n], min(cache.select_width, cache.num_blocks))
+        want = torch.nn.functional.pad(want, (0, cache.select_width - want.shape[-1]), value=-1)
+        assert torch.equal(replayer.ids[row].long(), want.long()), (n, row, fresh_seed)
+    assert replayer.request_key(f"req-{fresh_seed}-1") == 1  # a recompute: the same bench row
+    assert replayer.request_key("another") == 3 % replayer.keys
+    with pytest.raises(SpardaError, match="'hash' or 'order'"):
+        RowReplayer(trace, cache, keys="random")
+
+
 def test_an_on_device_cache_is_refused():
     from sparda.cache.device import DeviceKVCache
 

@@ -278,17 +278,17 @@ def test_overload_point_offers_a_multiple_of_saturation_and_checks_the_server_af
 
 
 def test_load_sweep_replays_the_trace(tmp_path):
-    """``--replay-trace``: the offloaded server replays the shipped trace (its records say
+    """``--replay-trace --replay-keys order``: the offloaded server replays the shipped trace (its records say
     ``selection: trace`` and carry its hit rate; the replay itself: tests/test_row_replay.py)."""
     out = tmp_path / "load"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "load", str(out), "--model", "tiny",
            "--device", "cpu", "--configs", "sparse-offload", "--rates", "", "--concurrency", "2",
            "--duration", "2", "--drain", "60", "--prompt-tokens", "300,600", "--output-tokens", "3,9",
-           "--max-batch", "2", "--preset", "small", "--replay-trace"]
+           "--max-batch", "2", "--preset", "small", "--replay-trace", "--replay-keys", "order"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((out / "serve_load.json").read_text())
-    assert result["replay_trace"] == "smollm2-emma.npz"
+    assert result["replay_trace"] == "smollm2-emma.npz" and result["replay_keys"] == "order"
     (r,) = result["records"]
     assert r["selection"] == "trace" and r["completed"] > 0 and r["lost"] == 0, r
     assert 0.0 < r["hit_rate"] <= 1.0, r

@@ -28,7 +28,7 @@ case $PART in
   # engine overhead (issue #42): 16 requests all at 128K on 16 rows, then the bench at B16; both replay the
   # shipped trace (server: --replay-trace, bench: its default trace); the ratio goes into the server's record
   overhead) LIMIT=330 load "$OUT/ovh" --configs sparda --rates "" --concurrency 16 --max-batch 16 \
-              --prompt-tokens 131072,131072 --output-tokens 1024,1024 --duration 150 --drain 60 --replay-trace
+              --prompt-tokens 131072,131072 --output-tokens 1024,1024 --duration 150 --drain 60 --replay-trace --replay-keys order
             timeout 200 python3 -m sparda.cli bench --models minicpm-8b --contexts 131072 --batches 16 \
               --methods sparda --decode-steps 12 --repeats 3 --prefill-tokens 8192 \
               --out "$OUT/ovh-bench" > "$OUT/ovh-bench.log" 2>&1

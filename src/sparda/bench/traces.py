@@ -388,12 +388,18 @@ class RowReplayer:
         cache: the engine's offloaded cache (its ``fetch`` is wrapped here).
         row_offset: as :func:`replay_masks`. recall: lookahead 2 only: also wrap ``warm``, whose
             early copies get :func:`two_ahead_ids` predictions of the replayed ids at this recall.
+        keys: ``"hash"`` (:meth:`request_key`, a request replays the same ids alone or batched) or
+            ``"order"``: the ``n``-th request to start decoding replays bench row ``n mod keys``,
+            so ``B`` requests of one length replay exactly the rows of ``sparda bench`` at batch
+            ``B`` (the engine-overhead comparison of docs/bench.md).
     Raises:
-        SpardaError: a cache that is not offloaded, or ``recall`` outside [0, 1].
+        SpardaError: a cache that is not offloaded, ``recall`` outside [0, 1], or unknown ``keys``.
     """
 
     def __init__(self, trace: SelectionTrace, cache, row_offset: int = 7, recall: float | None = None,
-                 cached: int = 64) -> None:
+                 cached: int = 64, keys: str = "hash") -> None:
+        if keys not in ("hash", "order"):
+            raise SpardaError(f"replay keys must be 'hash' or 'order', got {keys!r}")
         if not getattr(cache, "offload", False):
             raise SpardaError("trace replay in the server needs an offloaded KV cache (sparda with offload, "
                               "sparse-offload); this method keeps its KV on the device and copies nothing")
@@ -419,26 +425,33 @@ class RowReplayer:
         self.starts: dict[int, tuple[int, int]] = {}
         self._tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = {}
         self._cached = cached
+        self.key_mode = keys
+        self._order: dict[str, int] = {}  # request id -> its key, with ``keys="order"``
         self._install(cache)
 
     @classmethod
     def attach(cls, engine, trace: str | os.PathLike | SelectionTrace | None = None,
-               row_offset: int = 7) -> RowReplayer:
+               row_offset: int = 7, keys: str = "hash") -> RowReplayer:
         """Replay ``trace`` (a file, default the shipped one, read with :func:`trace_for` of the
         engine's method) in ``engine``'s cache and observe its decode steps
         (``engine.decode_hook``); lookahead 2 models the early copies at
-        :data:`LOOKAHEAD2_RECALL`. Raises SpardaError as the constructor, or for a bad file."""
+        :data:`LOOKAHEAD2_RECALL`; ``keys`` as the constructor. Raises SpardaError as the
+        constructor, or for a bad file."""
         config = engine.runner.config
         if not isinstance(trace, SelectionTrace):
             trace = trace_for(load_traces(trace or SHIPPED_TRACE), config.method)
         recall = LOOKAHEAD2_RECALL if config.lookahead == 2 else None
-        replayer = cls(trace, engine.cache, row_offset, recall)
+        replayer = cls(trace, engine.cache, row_offset, recall, keys=keys)
         engine.decode_hook = replayer
         return replayer
 
     def request_key(self, request_id: str) -> int:
-        """The bench row ``k`` in ``[0, keys)`` a request replays: a CRC-32 of its id."""
-        return zlib.crc32(str(request_id).encode()) % self.keys
+        """The bench row ``k`` in ``[0, keys)`` a request replays: a CRC-32 of its id, or with
+        ``keys="order"`` the number of requests that started decoding before it (the same
+        again after a recompute)."""
+        if self.key_mode == "hash":
+            return zlib.crc32(str(request_id).encode()) % self.keys
+        return self._order.setdefault(str(request_id), len(self._order)) % self.keys
 
     def table(self, position: int, key: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The ids ``[period, L, H, W]`` (and, with ``recall``, the early copies' predictions) of a
