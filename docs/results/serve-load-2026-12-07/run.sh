@@ -2,7 +2,7 @@
 # `sparda serve` under load on one GPU (issue "serving at GPU scale", Deliver 6), one part per
 # device call (each call runs at most 600 s). MiniCPM-8B shape, random weights, bundled tokenizer.
 # Usage (repository root on the device): bash docs/results/serve-load-2026-12-07/run.sh PART SITE TOK
-#   PART: sat | sat-sparda | sat-gpu | so | overhead | mem | diag; SITE: the wheels installed; TOK: the bundled tokenizer folder
+#   PART: sat | sat-sparda | sat-gpu | so | overhead | mem | diag | chunk; SITE: the wheels installed; TOK: the bundled tokenizer folder
 # SITE holds, from wheels (pip install --no-deps --target SITE): fastapi, starlette, pydantic(-core),
 # uvicorn, h11, annotated-doc/-types, typing-inspection, opentelemetry-api, prometheus-client, gguf,
 # wonderwords, and the load generator's openai client with httpx2, httpcore2, truststore, jiter, distro.
@@ -65,5 +65,18 @@ for path in sys.argv[1:]:
                                      "ttft_p50_ms", "output_tok_s", "completed", "peak_running", "hit_rate")})
 PY
         ;;
+  # chunked prefill (issue #42): Poisson arrivals of the 8K-128K mix at about half the saturation rate
+  # (0.255 req/s, first pass), so that prompts keep arriving while earlier requests decode; the floor
+  # reads tpot_p99_ms / tpot_p50_ms of the completed requests
+  chunk) LIMIT=480 load "$OUT/chunk" --configs sparda --rates 0.12 --concurrency "" --duration 240 --drain 150
+         python3 - "$OUT/chunk/serve_load.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["records"]:
+    print({k: r.get(k) for k in ("method", "rate", "completed", "lost", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms",
+                                 "ttft_p99_ms", "output_tok_s", "decode_step_ms", "prefill_share", "peak_running")})
+    if r.get("tpot_p50_ms"):
+        print("tpot p99 / p50", round(r["tpot_p99_ms"] / r["tpot_p50_ms"], 3))
+PY
+         ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
