@@ -567,6 +567,33 @@ def test_a_chat_too_long_to_fit_is_refused_before_it_is_tokenised(server, monkey
     assert ok.choices[0].message.content is not None and seen  # one that fits is tokenised as before
 
 
+def test_tokenize_refuses_text_that_cannot_fit_before_tokenising(server, monkeypatch, fresh_seed):
+    """/tokenize had no bound: 15 MiB held the one tokenizer thread 13 s. Text (or a chat) whose
+    bytes alone show it cannot fit --max-model-len is refused as the completion endpoints refuse
+    it, the tokenizer never seeing it; text that fits is counted as before."""
+    import random
+
+    tokenizer = server.engine.tokenizer
+    encode, seen = tokenizer.encode, []
+
+    def recording(text, *args, **kwargs):
+        seen.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+    rng = random.Random(fresh_seed)
+    text = "".join(rng.choice(["hello ", "world ", "sparse ", "attention "]) for _ in range(6000))
+    messages = [{"role": ("user", "assistant")[i % 2], "content": "hello there"} for i in range(1200)]
+    for body in ({"prompt": text}, {"messages": messages}):
+        response = httpx.post(server.url + "/tokenize", json=body)
+        error = response.json()["error"]
+        assert response.status_code == 400 and "does not fit --max-model-len 192" in error["message"], (body.keys(),
+                                                                                                       error)
+    assert seen == [], seen
+    got = httpx.post(server.url + "/tokenize", json={"prompt": text[:300]}).json()
+    assert got["count"] == len(encode(text[:300])) and seen, (fresh_seed, got)  # fits: counted
+
+
 def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):
     """ceil(kept bytes / bytes_per_token) never exceeds the real count, on adversarial text:
     the longest tokens repeated, special tokens back to back, whitespace runs, bytes the

@@ -456,16 +456,19 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """Token ids of ``prompt`` (as /v1/completions encodes it) or of ``messages`` (as
-        /v1/chat/completions: chat template applied, generation prompt added)."""
+        /v1/chat/completions: chat template applied, generation prompt added). Text whose
+        bytes alone show it cannot fit ``--max-model-len`` is refused before it is tokenised,
+        as those endpoints refuse it (megabytes would hold the one tokenizer thread)."""
         body = check_fields(await read_json(request), TOKENIZE, limits)
         if (refused := check_model(body.get("model"))) is not None:
             return refused
         if ("prompt" in body) == ("messages" in body):
             raise BadRequest("pass one of 'prompt' (text) or 'messages' (a chat)", "prompt")
         if "messages" in body:
-            ids = await worker.run(worker.encode_chat, chat_messages(body["messages"]))
+            ids = await worker.run(worker.encode_chat, chat_messages(body["messages"]),
+                                   lambda text: check_prompt_bytes(text, check_text(text, "messages"), limits))
         else:
-            check_text(body["prompt"], "prompt")
+            check_prompt_bytes(body["prompt"], check_text(body["prompt"], "prompt"), limits)
             special = body.get("add_special_tokens", True)
             encode = functools.partial(tokenizer.encode, add_special_tokens=special)
             ids = await worker.run(worker.guarded, encode, "prompt", body["prompt"])
