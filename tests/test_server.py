@@ -594,6 +594,27 @@ def test_tokenize_refuses_text_that_cannot_fit_before_tokenising(server, monkeyp
     assert got["count"] == len(encode(text[:300])) and seen, (fresh_seed, got)  # fits: counted
 
 
+def test_a_message_name_reaches_the_chat_template(server, monkeypatch, fresh_seed):
+    """OpenAI's optional message ``name`` was dropped before the template saw it: a template
+    that renders it now gets it (checked against the text built by hand); a name that is not
+    a string is a 400."""
+    import random
+
+    tokenizer = server.engine.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}<{{ m.role }}{% if m.name %}:"
+                        "{{ m.name }}{% endif %}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+                        "<assistant>{% endif %}")
+    rng = random.Random(fresh_seed)
+    name = "".join(rng.choice("abcdefxyz_") for _ in range(rng.randint(1, 12)))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": name}]
+    got = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    text = f"<system>Be brief.\n<user:{name}>Hi\n<assistant>"
+    assert got["tokens"] == tokenizer.encode(text, add_special_tokens=False), (fresh_seed, name, got)
+    bad = httpx.post(server.url + "/v1/chat/completions",
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": 3}]})
+    assert bad.status_code == 400 and "messages[0].name must be a string" in bad.json()["error"]["message"]
+
+
 def test_token_floor_is_a_lower_bound_on_real_token_counts(bundled_tokenizer):
     """ceil(kept bytes / bytes_per_token) never exceeds the real count, on adversarial text:
     the longest tokens repeated, special tokens back to back, whitespace runs, bytes the

@@ -28,10 +28,11 @@ def message_text(content) -> str:
 
 
 def check_messages(messages) -> list[dict[str, str]]:
-    """Validate one conversation: a non-empty list of ``{"role", "content"}`` dicts.
+    """Validate one conversation: a non-empty list of ``{"role", "content"}`` dicts, each
+    with an optional ``name`` (a string, given to the template as OpenAI's API defines it).
 
-    Returns plain ``{"role": str, "content": str}`` dicts. Raises SpardaError naming the
-    first bad message (its index, and what is wrong).
+    Returns plain ``{"role": str, "content": str}`` dicts (and ``name`` where given). Raises
+    SpardaError naming the first bad message (its index, and what is wrong).
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise SpardaError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -45,7 +46,10 @@ def check_messages(messages) -> list[dict[str, str]]:
             text = message_text(msg["content"])
         except SpardaError as exc:
             raise SpardaError(f"messages[{i}]: {exc}") from None
-        out.append({"role": msg["role"], "content": text})
+        name = msg.get("name")
+        if name is not None and not isinstance(name, str):
+            raise SpardaError(f"messages[{i}].name must be a string, got {type(name).__name__}")
+        out.append({"role": msg["role"], "content": text, **({"name": name} if name is not None else {})})
     return out
 
 

@@ -475,7 +475,8 @@ def token_floor(tokenizer) -> TokenFloor | None:
 
 
 def chat_messages(messages) -> list[dict[str, str]]:
-    """``{"role", "content"}`` dicts of a checked ``messages`` list (text parts joined).
+    """``{"role", "content"}`` dicts (and ``name`` where given) of a checked ``messages`` list
+    (text parts joined).
     Raises BadRequest naming the first bad message."""
     for i, msg in enumerate(messages):
         if "role" not in msg:
@@ -488,11 +489,13 @@ def chat_messages(messages) -> list[dict[str, str]]:
         if "name" in msg and msg["name"] is not None and not isinstance(msg["name"], str):
             raise BadRequest(f"messages[{i}].name must be a string, got {_shown(msg['name'])}", "messages")
     try:
-        out = check_messages([{"role": m["role"], "content": m["content"]} for m in messages])
+        out = check_messages([{k: m[k] for k in ("role", "content", "name") if k in m} for m in messages])
     except SpardaError as exc:
         raise BadRequest(str(exc), "messages") from None
     for i, m in enumerate(out):
         check_text(m["content"], f"messages[{i}].content")
+        if "name" in m:
+            check_text(m["name"], f"messages[{i}].name")
     return out
 
 
