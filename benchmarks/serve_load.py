@@ -41,6 +41,9 @@ of running plus waiting), ``gen_tok_s_peak_10s`` (the highest 10-s generation ra
 ``offload_bytes_per_token`` (offloaded: the engine's cumulative figures at the last scrape),
 ``hit_rate_peak_10s`` (offloaded: over the 10 s before the highest generation rate,
 :func:`window_hit_rate`: the traffic of the decode rate ``gen_tok_s_peak_10s`` reports),
+``decode_step_ms_peak_10s`` (the engine's timed decode step over that window,
+:func:`window_step_ms`: against the window's wall time per step, time inside the step
+against time between steps),
 ``prefill_tok_s`` / ``generation_tok_s`` (prompt tokens prefilled and tokens generated per
 second between the point's first and last scrape), from the engine's step-time counters
 between those scrapes (:func:`step_figures`; ``None`` where a counter is absent or a divisor
@@ -133,20 +136,40 @@ def counter_delta(first: dict | None, last: dict | None, name: str) -> float | N
     return last[name] - (first or {}).get(name, 0.0)
 
 
-def window_hit_rate(samples: list[tuple[float, float, float]], end: float | None,
-                    span: float = 10.0) -> float | None:
-    """The offload hit rate over the ``span`` seconds up to ``end`` from scrapes ``(s since the
-    point's start, offload hits, offload misses)`` in time order: the differences between the
-    last scrape at or before ``end - span`` (the first scrape if none) and the last at or before
-    ``end``. ``None`` without ``end``, scrapes or blocks selected in between."""
+def window_deltas(samples: list[tuple[float, ...]], end: float | None, span: float = 10.0) -> tuple | None:
+    """How much each counter of scrapes ``(s since the point's start, counter, ...)`` in time
+    order rose over the ``span`` seconds up to ``end``: the differences between the last scrape
+    at or before ``end - span`` (the first scrape if none) and the last at or before ``end``.
+    ``None`` without ``end`` or scrapes up to it."""
     if end is None:
         return None
     upto = [x for x in samples if x[0] <= end]
     if not upto:
         return None
     before = [x for x in upto if x[0] <= end - span] or upto[:1]
-    hits, misses = upto[-1][1] - before[-1][1], upto[-1][2] - before[-1][2]
-    return round(hits / (hits + misses), 4) if hits + misses > 0 else None
+    return tuple(a - b for a, b in zip(upto[-1][1:], before[-1][1:]))
+
+
+def window_hit_rate(samples: list[tuple[float, float, float]], end: float | None,
+                    span: float = 10.0) -> float | None:
+    """The offload hit rate over the ``span`` seconds up to ``end`` from scrapes ``(s, offload
+    hits, offload misses)`` (:func:`window_deltas`); ``None`` also without blocks selected."""
+    deltas = window_deltas(samples, end, span)
+    if deltas is None or deltas[0] + deltas[1] <= 0:
+        return None
+    return round(deltas[0] / (deltas[0] + deltas[1]), 4)
+
+
+def window_step_ms(samples: list[tuple[float, float, float]], end: float | None,
+                   span: float = 10.0) -> float | None:
+    """The engine's mean timed decode step (ms) over the ``span`` seconds up to ``end`` from
+    scrapes ``(s, decode seconds, decode steps)`` (:func:`window_deltas`); ``None`` also
+    without a step in between. Against the wall time per step of the same window it tells
+    time inside the step from time between steps."""
+    deltas = window_deltas(samples, end, span)
+    if deltas is None or deltas[1] <= 0:
+        return None
+    return round(deltas[0] / deltas[1] * 1e3, 3)
 
 
 def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
@@ -379,6 +402,7 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
     timeline: list[list[float]] = []  # [s since start, prompt tokens, generated tokens, running, waiting]
     scrapes: dict[str, dict | None] = {"first": None, "last": None}  # the STEP_COUNTERS of each
     offload: list[tuple[float, float, float]] = []  # (s since start, offload hits, misses) per scrape
+    steps: list[tuple[float, float, float]] = []  # (s since start, decode seconds, decode steps) per scrape
 
     def poll():
         while not stop.is_set():
@@ -396,6 +420,9 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
                 rate = float(m.get("sparda_generation_tokens_per_second", 0.0))
                 if rate > peaks["gen_rate"]:
                     peaks["gen_rate"], peaks["gen_at"] = rate, now
+                if "sparda_decode_seconds_total" in counters:
+                    steps.append((now, counters["sparda_decode_seconds_total"],
+                                  counters.get("sparda_decode_steps_total", 0.0)))
                 if "sparda_offload_hits_total" in m:
                     offload.append((now, float(m["sparda_offload_hits_total"]), float(m["sparda_offload_misses_total"])))
                 if "sparda_offload_hit_rate" in m:  # engine-wide, cumulative: the last scrape's
@@ -467,6 +494,7 @@ def run_point(server, args, mode: str, level: float, seed: str) -> dict:
             "peak_in_flight": peak_overlap([r["span"] for r in ok]), "peak_waiting": peaks["waiting"],
             "metrics_errors": peaks["metrics_errors"], "gen_tok_s_peak_10s": round(peaks["gen_rate"], 1),
             "hit_rate": peaks["hit_rate"], "hit_rate_peak_10s": window_hit_rate(offload, peaks["gen_at"]),
+            "decode_step_ms_peak_10s": window_step_ms(steps, peaks["gen_at"]),
             "offload_bytes_per_token": peaks["bytes_per_token"],
             "prefill_tok_s": rate_between(timeline, 1), "generation_tok_s": rate_between(timeline, 2),
             **step_figures(scrapes["first"], scrapes["last"]), "preemptions": None if preempted is None else int(preempted),

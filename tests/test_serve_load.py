@@ -293,6 +293,7 @@ def test_load_sweep_replays_the_trace(tmp_path):
     assert r["selection"] == "trace" and r["completed"] > 0 and r["lost"] == 0, r
     assert 0.0 < r["hit_rate"] <= 1.0, r
     assert r["hit_rate_peak_10s"] is None or 0.0 <= r["hit_rate_peak_10s"] <= 1.0, r
+    assert r["decode_step_ms_peak_10s"] is None or r["decode_step_ms_peak_10s"] > 0, r
     assert "replaying" in (out / "server-sparse-offload.log").read_text()
 
 
@@ -318,6 +319,29 @@ def test_window_hit_rate_against_a_brute_force(fresh_seed):
     h, m = sum(e[1] for e in inside), sum(e[2] for e in inside)
     assert got == (round(h / (h + m), 4) if h + m else None), (fresh_seed, end)
     assert serve_load.window_hit_rate(samples, None) is None and serve_load.window_hit_rate([], end) is None
+
+
+def test_window_step_ms_against_a_brute_force(fresh_seed):
+    """The mean decode step over the 10 s up to a time, from cumulative scrapes of decode
+    seconds and steps, equals the steps' own seconds over their count in that window."""
+    rng = random.Random(fresh_seed)
+    t, secs, count, samples, events = 0.0, 0.0, 0.0, [], []
+    for _ in range(rng.randint(5, 80)):
+        t += rng.uniform(0.1, 2.0)
+        n = rng.randint(0, 60)
+        ds = sum(rng.uniform(0.005, 0.05) for _ in range(n))
+        secs, count = secs + ds, count + n
+        samples.append((t, secs, count))
+        events.append((t, ds, n))
+    end = rng.uniform(0.0, t + 1)
+    got = serve_load.window_step_ms(samples, end)
+    upto = [x for x in samples if x[0] <= end]
+    start = max([x[0] for x in upto if x[0] <= end - 10.0], default=upto[0][0] if upto else 0.0)
+    inside = [e for e in events if start < e[0] <= (upto[-1][0] if upto else -1.0)]
+    s, n = sum(e[1] for e in inside), sum(e[2] for e in inside)
+    want = round(s / n * 1e3, 3) if upto and n else None
+    assert got == pytest.approx(want, abs=2e-3) if want is not None else got is None, (fresh_seed, end, got, want)
+    assert serve_load.window_step_ms(samples, None) is None and serve_load.window_step_ms([], end) is None
 
 
 def test_step_figures_from_two_scrapes(fresh_seed):

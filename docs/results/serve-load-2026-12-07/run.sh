@@ -48,6 +48,7 @@ rec["decode_vs_bench"] = (round(rec["gen_tok_s_peak_10s"] / b["decode_tok_s"], 4
                           if b.get("decode_tok_s") else None)
 json.dump(doc, open(serve, "w"), indent=1)
 print(json.dumps({k: rec.get(k) for k in ("selection", "gen_tok_s_peak_10s", "hit_rate", "hit_rate_peak_10s",
+                                         "decode_step_ms_peak_10s", "decode_step_ms",
                                          "bench_decode_tok_s",
                                          "bench_hit_rate", "bench_selection", "decode_vs_bench")}))
 PY
