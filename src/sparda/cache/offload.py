@@ -181,6 +181,10 @@ class OffloadKVCache(KVCache):
         self._early_attn = torch.full((batch, num_kv_heads, self.slots + 1), -1, dtype=torch.int32,
                                       device=self.device)
         self._staging = None  # chunked prefill: sparda.cache.chunked_prefill.PrefillStaging
+        #: ``[B]`` bool or ``None``: rows that are decode padding (free or half-prefilled, design
+        #: §3.13), whose selection :meth:`fetch` and :meth:`warm` drop (ids ``-1``: nothing copied,
+        #: nothing counted); the engine sets it and updates it in place (CUDA graphs read it)
+        self.padding_rows: torch.Tensor | None = None
 
     # ------------------------------------------------------- host pages
     @property
@@ -533,13 +537,16 @@ class OffloadKVCache(KVCache):
         return ref.block_mask_to_indices(selection, min(self.select_width, selection.shape[-1]))
 
     def _diff_ids(self, selection: torch.Tensor, caller: str) -> torch.Tensor:
-        """:meth:`selection_ids`, contiguous; SpardaError naming ``caller`` if wider than
-        :attr:`select_width`, or if it has more rows than the cache (:meth:`_check_rows`)."""
+        """:meth:`selection_ids`, contiguous, ``-1`` in the :attr:`padding_rows`; SpardaError
+        naming ``caller`` if wider than :attr:`select_width`, or if it has more rows than the
+        cache (:meth:`_check_rows`)."""
         ids = self.selection_ids(selection)
         if ids.shape[-1] > self.select_width:
             raise SpardaError(f"{caller}: {ids.shape[-1]} block ids per row exceed the selection width "
                               f"{self.select_width} of this cache; select with width=cache.select_width")
         self._check_rows(ids.shape[0])
+        if self.padding_rows is not None:  # a padding row's selection would only cost copies
+            return ids.masked_fill(self.padding_rows[:ids.shape[0]].view(-1, 1, 1), -1)
         return ids if ids.is_contiguous() else ids.contiguous()
 
     def _slot_diff(self, layer: int, ids: torch.Tensor, pos: torch.Tensor, load: torch.Tensor,

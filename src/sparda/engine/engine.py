@@ -163,6 +163,9 @@ class Engine:
         self._kv_bytes_per_token = runner.kv_bytes_per_token()
         self._tokens = [0] * max_batch      # next input token per row (free rows: 0)
         self._positions = [0] * max_batch   # its position (free rows: 0)
+        self._fetching: tuple[int, ...] | None = None  # the decoding rows cache.padding_rows holds
+        if self.offloaded:  # padding rows copy no blocks (design §3.13)
+            self.cache.padding_rows = torch.ones(max_batch, dtype=torch.bool, device=llm.device)
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._seqs: dict[str, Sequence] = {}
@@ -475,6 +478,7 @@ class Engine:
         with self._lock:
             longest = self.max_model_len - 1 if self.static_live_len else max(
                 self._positions[row] for row in self.scheduler.running)
+        self._mark_padding(rows)
         hook = self.decode_hook
         if hook is not None:
             hook.before_decode_step(rows)
@@ -497,6 +501,20 @@ class Engine:
         if self.offloaded and time.perf_counter() - self._offload_at > OFFLOAD_REFRESH_S:
             self._refresh_offload()
         return events
+
+    def _mark_padding(self, rows: list[int]) -> None:
+        """An offloaded cache's :attr:`~sparda.cache.offload.OffloadKVCache.padding_rows`: every
+        row but ``rows`` (those that decode), copied in place when they change. A free row
+        selects nothing anyway; a half-prefilled one would fetch its cold selection at its
+        chunk boundary, a full selection of copies each step, for a discarded output."""
+        padding = self.cache.padding_rows if self.offloaded else None
+        if padding is None or tuple(rows) == self._fetching:
+            return
+        mask = torch.ones(padding.shape[0], dtype=torch.bool)
+        mask[list(rows)] = False
+        with torch.inference_mode():
+            padding.copy_(mask)
+        self._fetching = tuple(rows)
 
     def _advance(self, seq: Sequence, token: int, logprob: dict | None) -> Delta:
         delta = seq.append(token, self.tokenizer, self.eos_ids, logprob)
