@@ -2,7 +2,8 @@
 server benchmark's ``--replay-trace``): what an offloaded cache fetches for a decoding row
 against :func:`~sparda.bench.traces.replay_masks` computed directly for that row's start
 position and request, at every step of the row's own count (wrap-around of the cycle
-included); rows that do not decode fetch the method's own selection and keep their counters."""
+included); rows that do not decode pass on the method's own selection (an engine's cache then
+drops it, design §3.13; tests/test_padding_rows.py) and keep their counters."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_first_row_is_a_row_of_a_larger_batch(fresh_seed):
 @pytest.mark.parametrize("recall", [None, 0.5])
 def test_row_ids_are_bench_replay_of_the_rows_own_steps(recall, fresh_seed):
     """Three rows, two start at different steps and lengths; row 2 sits out some steps (its
-    counter stays, it fetches its own selection); 21 steps cross the cycle of 8 twice."""
+    counter stays, it passes on its own selection); 21 steps cross the cycle of 8 twice."""
     rng = np.random.default_rng(fresh_seed)
     trace, cfg = _trace(fresh_seed), SelectionConfig(**SMALL)
     cache = OffloadKVCache(3, 3, 2, 8, 1024, cfg, torch.float32, "cpu", resident_layers=(0,))

@@ -380,8 +380,8 @@ class RowReplayer:
     (:attr:`ids`, :attr:`step` ``[rows]`` int64, :attr:`active` ``[rows]`` bool), which are
     updated in place between steps (:meth:`before_decode_step`, :meth:`after_decode_step`),
     so a captured decode graph reads the current ones on every replay; no host sync, no branch
-    on a device value. Rows that do not decode (free, padding, half-prefilled) fetch the
-    method's own selection.
+    on a device value. Rows that do not decode (free, padding, half-prefilled) pass on
+    the method's own selection, which an engine's cache then drops (design §3.13).
 
     Args:
         trace: the selection trace (:func:`trace_for` of the engine's method).

@@ -183,7 +183,9 @@ class OffloadKVCache(KVCache):
         self._staging = None  # chunked prefill: sparda.cache.chunked_prefill.PrefillStaging
         #: ``[B]`` bool or ``None``: rows that are decode padding (free or half-prefilled, design
         #: §3.13), whose selection :meth:`fetch` and :meth:`warm` drop (ids ``-1``: nothing copied,
-        #: nothing counted); the engine sets it and updates it in place (CUDA graphs read it)
+        #: no hit or miss counted; resident layers still count their blocks read). The engine sets
+        #: it once, before its first decode step, and updates it in place: a captured CUDA graph
+        #: keeps reading the tensor it was captured with
         self.padding_rows: torch.Tensor | None = None
 
     # ------------------------------------------------------- host pages

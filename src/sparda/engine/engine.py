@@ -408,7 +408,7 @@ class Engine:
             if not seq.output_ids:  # its prompt's, not a recompute's
                 seq.prefill_ms += (time.perf_counter() - begin) * 1e3
             seq.num_computed = end
-            if end < seq.num_prefill:  # a padding row until its last chunk (design §3.8)
+            if end < seq.num_prefill:  # a padding row until its last chunk (design §3.9)
                 self._tokens[seq.row], self._positions[seq.row] = 0, end
                 continue
             events += self._first_token(seq, logits)
