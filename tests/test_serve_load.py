@@ -297,27 +297,39 @@ def test_load_sweep_replays_the_trace(tmp_path):
     assert "replaying" in (out / "server-sparse-offload.log").read_text()
 
 
-def test_window_hit_rate_against_a_brute_force(fresh_seed):
-    """The hit rate over the 10 s up to a time, from cumulative scrapes, equals the blocks'
-    own hits and misses summed over that window (scrapes a random 0.1-2 s apart)."""
-    rng = random.Random(fresh_seed)
-    t, hits, misses, samples, events = 0.0, 0.0, 0.0, [], []  # events: (time, hits, misses) added
+def _scrapes(rng, draw) -> tuple[list[tuple], list[tuple]]:
+    """Cumulative scrapes ``(t, a, b)`` a random 0.1-2 s apart and the events ``(t, da, db)``
+    behind them, ``draw()`` giving each event's ``(da, db)``."""
+    t, a, b, samples, events = 0.0, 0.0, 0.0, [], []
     for _ in range(rng.randint(5, 80)):
         t += rng.uniform(0.1, 2.0)
-        dh, dm = rng.randint(0, 500), rng.randint(0, 50)
-        hits, misses = hits + dh, misses + dm
-        samples.append((t, hits, misses))
-        events.append((t, dh, dm))
-    end = rng.uniform(0.0, t + 1)
-    got = serve_load.window_hit_rate(samples, end)
+        da, db = draw()
+        a, b = a + da, b + db
+        samples.append((t, a, b))
+        events.append((t, da, db))
+    return samples, events
+
+
+def _window_sums(samples, events, end) -> tuple[float, float] | None:
+    """Brute force: the events' own sums over the 10 s window that ends at the last scrape at
+    or before ``end`` and starts at the last scrape at or before ``end - 10`` (the first if none)."""
     upto = [x for x in samples if x[0] <= end]
     if not upto:
-        assert got is None, fresh_seed
-        return
+        return None
     start = max([x[0] for x in upto if x[0] <= end - 10.0], default=upto[0][0])
     inside = [e for e in events if start < e[0] <= upto[-1][0]]
-    h, m = sum(e[1] for e in inside), sum(e[2] for e in inside)
-    assert got == (round(h / (h + m), 4) if h + m else None), (fresh_seed, end)
+    return sum(e[1] for e in inside), sum(e[2] for e in inside)
+
+
+def test_window_hit_rate_against_a_brute_force(fresh_seed):
+    """The hit rate over the 10 s up to a time, from cumulative scrapes, equals the blocks'
+    own hits and misses summed over that window."""
+    rng = random.Random(fresh_seed)
+    samples, events = _scrapes(rng, lambda: (rng.randint(0, 500), rng.randint(0, 50)))
+    end = rng.uniform(0.0, samples[-1][0] + 1)
+    got, sums = serve_load.window_hit_rate(samples, end), _window_sums(samples, events, end)
+    want = None if sums is None or not sum(sums) else round(sums[0] / sum(sums), 4)
+    assert got == want, (fresh_seed, end)
     assert serve_load.window_hit_rate(samples, None) is None and serve_load.window_hit_rate([], end) is None
 
 
@@ -325,22 +337,18 @@ def test_window_step_ms_against_a_brute_force(fresh_seed):
     """The mean decode step over the 10 s up to a time, from cumulative scrapes of decode
     seconds and steps, equals the steps' own seconds over their count in that window."""
     rng = random.Random(fresh_seed)
-    t, secs, count, samples, events = 0.0, 0.0, 0.0, [], []
-    for _ in range(rng.randint(5, 80)):
-        t += rng.uniform(0.1, 2.0)
+
+    def draw():
         n = rng.randint(0, 60)
-        ds = sum(rng.uniform(0.005, 0.05) for _ in range(n))
-        secs, count = secs + ds, count + n
-        samples.append((t, secs, count))
-        events.append((t, ds, n))
-    end = rng.uniform(0.0, t + 1)
-    got = serve_load.window_step_ms(samples, end)
-    upto = [x for x in samples if x[0] <= end]
-    start = max([x[0] for x in upto if x[0] <= end - 10.0], default=upto[0][0] if upto else 0.0)
-    inside = [e for e in events if start < e[0] <= (upto[-1][0] if upto else -1.0)]
-    s, n = sum(e[1] for e in inside), sum(e[2] for e in inside)
-    want = round(s / n * 1e3, 3) if upto and n else None
-    assert got == pytest.approx(want, abs=2e-3) if want is not None else got is None, (fresh_seed, end, got, want)
+        return sum(rng.uniform(0.005, 0.05) for _ in range(n)), n
+
+    samples, events = _scrapes(rng, draw)
+    end = rng.uniform(0.0, samples[-1][0] + 1)
+    got, sums = serve_load.window_step_ms(samples, end), _window_sums(samples, events, end)
+    if sums is None or not sums[1]:
+        assert got is None, (fresh_seed, end, got)
+    else:
+        assert got == pytest.approx(sums[0] / sums[1] * 1e3, abs=2e-3), (fresh_seed, end, got, sums)
     assert serve_load.window_step_ms(samples, None) is None and serve_load.window_step_ms([], end) is None
 
 

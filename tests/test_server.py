@@ -545,11 +545,9 @@ def test_completion_text_offsets_index_the_text(bundled_tokenizer, fresh_seed):
         assert streamed[0] + streamed[1] == want, (fresh_seed, ids, cut)
 
 
-def test_a_chat_too_long_to_fit_is_refused_before_it_is_tokenised(server, monkeypatch):
-    """The chat check bounded only the longest message: a conversation of many short ones
-    (9 MiB of them took 5 s on the one tokenizer thread, every other request waiting behind
-    it) was tokenised whole before its length was refused. Its templated text is now refused
-    by its bytes first; the tokenizer never sees it."""
+def _record_encodes(server, monkeypatch) -> tuple[list[int], object]:
+    """The lengths of the texts the server's tokenizer encodes from now on (a list that fills),
+    and its own ``encode``."""
     tokenizer = server.engine.tokenizer
     encode, seen = tokenizer.encode, []
 
@@ -558,6 +556,15 @@ def test_a_chat_too_long_to_fit_is_refused_before_it_is_tokenised(server, monkey
         return encode(text, *args, **kwargs)
 
     monkeypatch.setattr(tokenizer, "encode", recording)
+    return seen, encode
+
+
+def test_a_chat_too_long_to_fit_is_refused_before_it_is_tokenised(server, monkeypatch):
+    """The chat check bounded only the longest message: a conversation of many short ones
+    (9 MiB of them took 5 s on the one tokenizer thread, every other request waiting behind
+    it) was tokenised whole before its length was refused. Its templated text is now refused
+    by its bytes first; the tokenizer never sees it."""
+    seen, encode = _record_encodes(server, monkeypatch)
     messages = [{"role": ("user", "assistant")[i % 2], "content": "hello there"} for i in range(1200)]
     response = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages})
     error = response.json()["error"]
@@ -573,14 +580,7 @@ def test_tokenize_refuses_text_that_cannot_fit_before_tokenising(server, monkeyp
     it, the tokenizer never seeing it; text that fits is counted as before."""
     import random
 
-    tokenizer = server.engine.tokenizer
-    encode, seen = tokenizer.encode, []
-
-    def recording(text, *args, **kwargs):
-        seen.append(len(text))
-        return encode(text, *args, **kwargs)
-
-    monkeypatch.setattr(tokenizer, "encode", recording)
+    seen, encode = _record_encodes(server, monkeypatch)
     rng = random.Random(fresh_seed)
     text = "".join(rng.choice(["hello ", "world ", "sparse ", "attention "]) for _ in range(6000))
     messages = [{"role": ("user", "assistant")[i % 2], "content": "hello there"} for i in range(1200)]
