@@ -232,8 +232,14 @@ def check_parity(model, sel, forecast, batch: int, context: int, steps: int) -> 
         same = torch.equal(outs[0], outs[1]) and all(torch.equal(x, states[1][k]) for k, x in states[0].items())
         if not same and first is None:
             first = i
-            for line in _differences(states[0], states[1])[:12]:
+            lines = _differences(states[0], states[1])
+            for line in lines[:12]:
                 print(f"parity   step {i}: {line}")
+            kinds: dict[str, int] = {}  # every differing tensor, by kind (hot, slot_map, int4, pool, ...)
+            for line in lines:
+                kind = line.split(".", 1)[0] + (".scale" if ".scale:" in line else "")
+                kinds[kind] = kinds.get(kind, 0) + 1
+            print(f"parity   step {i}: {len(lines)} differing tensors by kind: {kinds}")
         ok &= same
         tokens = outs[1].argmax(-1)
     stats = [cache.offload_stats(steps * batch) for _, cache in runs]
