@@ -362,6 +362,10 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         return _error(500, "internal server error (see the server log)", "server_error")
 
     # ------------------------------------------------------------- helpers
+    def chat_fits(text: str) -> None:
+        """Refuse a chat's templated ``text`` whose bytes show it cannot fit, before it is tokenised."""
+        check_prompt_bytes(text, check_text(text, "messages"), limits)
+
     def check_model(name: str | None):
         if name is not None and name != model_name:
             return _error(404, f"model '{name}' does not exist; this server serves '{model_name}' (GET /v1/models)",
@@ -465,8 +469,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         if ("prompt" in body) == ("messages" in body):
             raise BadRequest("pass one of 'prompt' (text) or 'messages' (a chat)", "prompt")
         if "messages" in body:
-            ids = await worker.run(worker.encode_chat, chat_messages(body["messages"]),
-                                   lambda text: check_prompt_bytes(text, check_text(text, "messages"), limits))
+            ids = await worker.run(worker.encode_chat, chat_messages(body["messages"]), chat_fits)
         else:
             check_prompt_bytes(body["prompt"], check_text(body["prompt"], "prompt"), limits)
             special = body.get("add_special_tokens", True)
@@ -552,8 +555,7 @@ def create_app(engine: Engine, model_name: str, drain_timeout_s: float = 30.0, b
         params = sampling_params(body, max_tokens, logprobs)
         # the templated text refused by its bytes if it cannot fit, before it is tokenised: a
         # conversation of many short messages passes the longest-message check above
-        prompt = await worker.run(worker.encode_chat, messages,
-                                  lambda text: check_prompt_bytes(text, check_text(text, "messages"), limits))
+        prompt = await worker.run(worker.encode_chat, messages, chat_fits)
         stream = start([prompt], params)
         if not isinstance(stream, _Stream):
             return stream
