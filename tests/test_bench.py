@@ -161,6 +161,9 @@ def test_shipped_trace_is_realistic():
     for tr in traces.values():
         assert tr.meta["model"] == "SmolLM2-135M-Instruct" and tr.ids.shape[2:4] == (30, 3)
         assert 0.5 < reuse_stats(tr)["topk_reuse"] <= 1.0
+    early = traces["sparda"].early  # the shipped two-ahead heads' predictions (design §6.2)
+    assert early is not None and (early[:, :, :2] == -1).all() and ((early[:, :, 2:] >= 0).sum(-1) == 21).all()
+    assert 0.5 < reuse_stats(traces["sparda"])["early_recall"] < 1.0
 
 
 def test_bad_options_raise():
@@ -626,8 +629,25 @@ def test_quick_sweep_runs_both_lookaheads(tmp_path):
     assert all(r["status"] == "ok" for r in records)
     two = [r for r in records if r["lookahead"] == 2]
     assert all(r["lookahead_recall"] == 0.5 and r["early_copies"] > 0 for r in two)
+    assert all(r["lookahead_predictions"] == "modelled" for r in two)
     assert all(r["early_copies"] == 0 for r in records if r["lookahead"] == 1)
     with pytest.raises(SpardaError, match="--lookahead takes 1, 2"):
         sweep.config_from_options(quick=True, out=str(tmp_path / "x"), lookaheads="3")
     with pytest.raises(SpardaError, match="add sparda to --methods"):
         sweep.config_from_options(quick=True, out=str(tmp_path / "x"), methods="dense", lookaheads="2")
+
+
+def test_lookahead_two_replays_a_traces_recorded_predictions(tmp_path):
+    """Without ``--lookahead-recall`` the early copies of a trace point replay the shipped trace's
+    recorded two-ahead predictions (``lookahead_predictions`` ``recorded``, no recall), while a
+    synthetic point, which has none, models them at the default recall."""
+    from sparda.bench.traces import LOOKAHEAD2_RECALL
+
+    cfg = sweep.config_from_options(quick=True, out=str(tmp_path / "out"), methods="sparda", contexts="1024",
+                                    batches="1", lookaheads="2", hit_rates="0.7")
+    cfg.decode_steps, cfg.repeats, cfg.warmup_steps, cfg.breakdown_steps = 2, 1, 1, 0
+    trace, synthetic = sweep.run_sweep(cfg, log=lambda _: None)
+    assert trace["status"] == synthetic["status"] == "ok"
+    assert trace["selection_source"] == "trace:sparda" and trace["lookahead_predictions"] == "recorded"
+    assert trace["lookahead_recall"] is None and trace["early_copies"] > 0
+    assert synthetic["lookahead_predictions"] == "modelled" and synthetic["lookahead_recall"] == LOOKAHEAD2_RECALL

@@ -425,3 +425,55 @@ def test_mixed_early_copy_takes_no_pool_slot_of_the_current_block():
     assert pool.tolist() == [[[-1, 2, 4, -1, -1]]] and cold.tolist() == [[[3, -1, -1, 2, -1]]]
     pool, cold = hot.split(1, load)  # a fetch: after the hot rule, the state decides alone
     assert pool.tolist() == [[[3, 2, 4, -1, -1]]] and cold.tolist() == [[[-1, -1, -1, 2, -1]]]
+
+
+# ------------------------------------------------------------ recorded predictions
+
+def test_recorded_two_ahead_predictions_are_the_engines_early_copies(tiny, weights, fresh_seed):
+    """A trace's ``early`` (``record_selection(..., forecast2=)``, docs/bench.md) holds what the
+    offloaded ``lookahead=2`` engine asks its early copies for, step by step (that selection is
+    checked against float64 above) on the same teacher-forced tokens: layers 0 and 1 hold none,
+    and the trace's ``ids`` stay the one-layer Forecast's selection."""
+    from sparda.bench.traces import record_selection, reuse_stats
+    from sparda.engine.llm import LLM
+
+    llm = LLM(str(tiny), method="sparda", offload=True, device="cpu", forecast=weights[0], lookahead=2,
+              forecast2=weights[1], **SMALL)
+    one = load_forecast(weights[0], llm.model.config, llm.shape)[0]
+    two = load_forecast(weights[1], llm.model.config, llm.shape, ahead=2)[0]
+    prompt, steps = int(torch.randint(100, 130, ()).item()), 12
+    seqs = [torch.randint(100, 20000, (prompt + steps,)).tolist() for _ in range(2)]
+    trace = record_selection(llm.model, seqs, prompt, steps, ("sparda",), forecast=one, forecast2=two,
+                             **SMALL)["sparda"]
+    assert trace.early is not None and trace.early.shape == trace.ids.shape
+    assert (trace.early[:, :, :2] == -1).all() and (trace.early[:, :, 2:] >= 0).any()
+    asked, fetched = {}, {}
+    cache = llm.new_cache(2, prompt + steps)
+    for row, seq in enumerate(seqs):
+        llm.prefill(cache, row, seq[:prompt])
+    warm, fetch, now = cache.warm, cache.fetch, {}
+
+    def spy_warm(target, selection, pos):
+        asked[(now["s"], target)] = selection.clone()
+        return warm(target, selection, pos)
+
+    def spy_fetch(layer, selection, pos, prefetch=False, counters=None):
+        fetched.setdefault((now["s"], layer), selection.clone())
+        return fetch(layer, selection, pos, prefetch, counters)
+
+    cache.warm, cache.fetch = spy_warm, spy_fetch
+    for s in range(steps):
+        now["s"] = s
+        llm.decode(cache, torch.tensor([seq[prompt + s] for seq in seqs]), torch.full((2,), prompt + s))
+    for (table, got) in ((trace.early, asked), (trace.ids, fetched)):
+        same = total = 0
+        for (s, layer), ids in got.items():
+            for row in range(2):
+                for head in range(llm.shape.num_kv_heads):
+                    want = {int(x) for x in table[s, row, layer, head] if x >= 0}
+                    same += want == {int(x) for x in ids[row, head] if x >= 0}
+                    total += 1
+        # fp32 in two code paths: a near tie may go either way
+        assert total >= steps * 2 * 3 * llm.shape.num_kv_heads and same >= 0.97 * total, (fresh_seed, same, total)
+    stats = reuse_stats(trace)
+    assert 0.0 <= stats["early_recall"] <= 1.0 and 0.0 <= stats["early_fresh"] <= 1.0

@@ -41,10 +41,18 @@ def _key(trace: SelectionTrace, request_id: str) -> int:
     return zlib.crc32(request_id.encode()) % math.lcm(trace.ids.shape[1], period // math.gcd(7, period))
 
 
-def _reference(trace, cfg, layers, heads, blocks, width, position, request_id):
+def _with_early(trace: SelectionTrace, seed: int) -> SelectionTrace:
+    """``trace`` with recorded two-ahead predictions: another synthetic trace's ids, none at layer 0."""
+    early = _synthetic_trace(seed + 1, steps=trace.ids.shape[0], rows=trace.ids.shape[1]).ids.copy()
+    early[:, :, 0] = -1
+    return SelectionTrace(trace.ids, trace.pos, trace.meta, early)
+
+
+def _reference(trace, cfg, layers, heads, blocks, width, position, request_id, early=False):
     """``[period, L, H, width]`` int64: bench's replay of one row (replay_masks, block_mask_to_indices)."""
     period = 2 * (trace.ids.shape[0] - 1)
-    masks = replay_masks(trace, layers, heads, cfg, [position], period, blocks, first_row=_key(trace, request_id))
+    masks = replay_masks(trace, layers, heads, cfg, [position], period, blocks, first_row=_key(trace, request_id),
+                         early=early)
     ids = block_mask_to_indices(masks[:, :, 0], min(width, blocks))
     return torch.nn.functional.pad(ids, (0, width - ids.shape[-1]), value=-1)
 
@@ -61,22 +69,30 @@ def test_first_row_is_a_row_of_a_larger_batch(fresh_seed):
     assert torch.equal(rows, again), k
 
 
-@pytest.mark.parametrize("recall", [None, 0.5])
+@pytest.mark.parametrize("recall", [None, 0.5, "recorded"])
 def test_row_ids_are_bench_replay_of_the_rows_own_steps(recall, fresh_seed):
     """Three rows, two start at different steps and lengths; row 2 sits out some steps (its
-    counter stays, it passes on its own selection); 21 steps cross the cycle of 8 twice."""
+    counter stays, it passes on its own selection); 21 steps cross the cycle of 8 twice. The
+    early copies: untouched (lookahead 1), modelled at a recall, or the trace's recorded ones."""
     rng = np.random.default_rng(fresh_seed)
     trace, cfg = _trace(fresh_seed), SelectionConfig(**SMALL)
+    recorded = recall == "recorded"
+    if recorded:
+        trace, recall = _with_early(trace, fresh_seed), None
     cache = OffloadKVCache(3, 3, 2, 8, 1024, cfg, torch.float32, "cpu", resident_layers=(0,))
     got: list[tuple[str, int, torch.Tensor]] = []
     cache.fetch = lambda layer, ids, pos, prefetch=False, counters=None: got.append(("fetch", layer, ids.clone()))
     cache.warm = lambda layer, ids, pos: got.append(("warm", layer, ids.clone()))
-    replayer = RowReplayer(trace, cache, recall=recall)
+    replayer = RowReplayer(trace, cache, recall=recall, recorded=recorded)
     starts = {1: (int(rng.integers(100, 500)), "req-a"), 2: (int(rng.integers(500, 900)), "req-b")}
     refs = {row: _reference(trace, cfg, 3, 2, cache.num_blocks, cache.select_width, p, rid)
             for row, (p, rid) in starts.items()}
     early = {row: two_ahead_ids(refs[row][:, :, None].to(torch.int32), cfg, [starts[row][0]], recall,
                                 seed=_key(trace, starts[row][1]))[:, :, 0] for row in refs} if recall else {}
+    if recorded:
+        early = {row: _reference(trace, cfg, 3, 2, cache.num_blocks, cache.select_width, p, rid, early=True)
+                 for row, (p, rid) in starts.items()}
+        assert not torch.equal(early[1], refs[1])
     counts = {1: 0, 2: 0}
     replayer.on_decode_start(1, *starts[1])
     for step in range(21):
@@ -92,7 +108,7 @@ def test_row_ids_are_bench_replay_of_the_rows_own_steps(recall, fresh_seed):
         replayer.after_decode_step(rows)
         assert [g[:2] for g in got] == [("fetch", 1), ("warm", 1), ("fetch", 2), ("warm", 2)]
         for kind, layer, ids in got:
-            if kind == "warm" and recall is None:  # lookahead 1: the early copies are left alone
+            if kind == "warm" and recall is None and not recorded:  # lookahead 1: the early copies are left alone
                 assert ids is not own and torch.equal(ids, own)
                 continue
             assert ids.shape == (3, 2, cache.select_width), ids.shape
@@ -132,6 +148,10 @@ def test_order_keys_replay_the_bench_batch_rows(fresh_seed):
     assert replayer.request_key("another") == 3 % replayer.keys
     with pytest.raises(SpardaError, match="'hash' or 'order'"):
         RowReplayer(trace, cache, keys="random")
+    with pytest.raises(SpardaError, match="no two-ahead predictions"):
+        RowReplayer(trace, cache, recorded=True)
+    with pytest.raises(SpardaError, match="not both"):
+        RowReplayer(_with_early(trace, fresh_seed), cache, recall=0.5, recorded=True)
 
 
 def test_an_on_device_cache_is_refused():

@@ -719,8 +719,9 @@ def calibrate_heads_cmd(model, prompts, lengths, tasks, seed, coverage, max_head
               help="Comma list of 1, 2: offloaded sparda runs once per value; 2 also copies layer l+2's predicted "
                    "blocks during layer l (design §6.2) [default: 1].")
 @click.option("--lookahead-recall", type=float, default=None,
-              help="--lookahead 2 on a replayed selection: share of its free top-k blocks the modelled two-ahead "
-                   "prediction holds, the rest random (docs/bench.md) [default: 0.79, measured on the bundled model].")
+              help="--lookahead 2 on a replayed selection: model the two-ahead predictions, holding this share of "
+                   "its free top-k blocks, the rest random (docs/bench.md) [default: a trace's recorded predictions; "
+                   "0.79, measured on the bundled model, for a synthetic selection or a trace without them].")
 @click.option("--quick", is_flag=True, help="CPU smoke run: tiny model, contexts 1K/2K, batches 1-2, few steps.")
 @click.option("--record-trace", default=None, help="Record a selection trace of the bundled model on Emma to this file and exit.")
 def bench_cmd(quick, record_trace, **opts):

@@ -383,32 +383,34 @@ class ForecastAttention(BlockSparseMethod):
             heads.append(((layer + 2, 2), self.forecast2.forecast[layer]))
         return heads
 
-    def predict_next(self, layer: int, h: torch.Tensor, cache, step) -> torch.Tensor:
-        """Layer ``layer+1``'s block mask, computed during layer ``layer`` (decode).
+    def predict_next(self, layer: int, h: torch.Tensor, cache, step, ahead: int = 1) -> torch.Tensor:
+        """Layer ``layer+ahead``'s block mask, computed during layer ``layer`` (decode).
 
-        ``F_layer(h)`` scores layer ``layer+1``'s compressed keys as they stood before this
-        step's token was appended there (a window completing at the current token is not
-        scored; the current block is forced local anyway), then §3.4 selects.
+        ``F_layer(h)`` (``ahead=2``: ``F2_layer``, design §6.2) scores layer ``layer+ahead``'s
+        compressed keys as they stood before this step's token was appended there (a window
+        completing at the current token is not scored; the current block is forced local
+        anyway), then §3.4 selects.
 
         Args: ``h [B, Tq, d_model]``; ``cache`` a cache with ``view``; ``step`` a StepInfo.
         Returns: ``[B, H_kv, Tq, N]`` bool, ``N = ceil(max kv_len / block_size)``.
         """
-        cfg = self.selection
+        cfg, target = self.selection, layer + ahead
         num_tokens = step.max_kv_len
-        _, _, ck = cache.view(layer + 1, step.cache_rows, max(num_tokens - 1, 0))
+        _, _, ck = cache.view(target, step.cache_rows, max(num_tokens - 1, 0))
         num_blocks = -(-num_tokens // cfg.block_size)
         if h.is_cuda and h.shape[-2] == 1:
             # Triton: fused scoring + pooling + rule; ck_len cuts each row to the keys
             # complete before this step's token (no host sync).
-            f = self.forecast_query(layer + 1, h, step)
+            f = self.forecast_query(target, h, step, ahead)
             pos = step.q_pos[:, -1]
             ck_len = torch.where(pos >= cfg.kernel_size, (pos - cfg.kernel_size) // cfg.kernel_stride + 1, 0)
             ids, mask = kernels.select_decode_blocks(f, ck, pos, num_blocks, cfg,
                                                      ck_len=ck_len, return_mask=True)
-            self._next_ids[layer + 1] = ids
+            if ahead == 1:
+                self._next_ids[target] = ids
             return mask.unsqueeze(2)
-        f = self.forecast_query(layer + 1, h, step).unsqueeze(2) if h.shape[-2] == 1 else \
-            self.forecast.project(layer + 1, h, step.cos, step.sin)
+        f = self.forecast_query(target, h, step, ahead).unsqueeze(2) if h.shape[-2] == 1 else \
+            (self.forecast if ahead == 1 else self.forecast2).project(target, h, step.cos, step.sin)
         scores = ref.forecast_scores(f, ck, step.q_pos - 1, cfg.kernel_size, cfg.kernel_stride)
         blocks = ref.pool_to_blocks(scores, num_blocks, cfg)
         return ref.select_blocks(blocks, step.q_pos, cfg, adaptive=step.phase == "decode",

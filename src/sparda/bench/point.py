@@ -210,7 +210,9 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     ``overlap_steps``, ``gpu_mem_gb``, ``lookahead_recall``. ``hit_rate``: replay
     :func:`~sparda.bench.traces.synthetic_masks` instead of ``traces``; ``hit_rates``: also each of
     these, as ``rec["hit_rate_points"]``. With ``lookahead=2`` and a replayed selection, the early
-    copies get :func:`~sparda.bench.traces.two_ahead_ids` predictions of it at ``lookahead_recall``.
+    copies replay the trace's recorded two-ahead predictions (a trace that has them, and
+    ``lookahead_recall`` ``None``), else get :func:`~sparda.bench.traces.two_ahead_ids`
+    predictions of it at ``lookahead_recall`` (default :data:`LOOKAHEAD2_RECALL`).
     ``deadline``: a ``time.perf_counter()`` value checked before every decode step.
 
     Raises:
@@ -251,10 +253,19 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         replayer.install(cache)
         source = f"trace:{trace.meta.get('method')}"
     two_ahead = replayer is not None and llm.config.lookahead == 2
-    recall = getattr(opts, "lookahead_recall", LOOKAHEAD2_RECALL)
+    asked = getattr(opts, "lookahead_recall", None)
+    recall = LOOKAHEAD2_RECALL if asked is None else asked  # of the modelled predictions
+    recorded = two_ahead and source.startswith("trace:") and asked is None and trace.early is not None
 
-    def predict() -> None:
-        if two_ahead:
+    def predict(synthetic_point: bool = False) -> None:
+        """The early copies' predictions of the replayed selection: the trace's recorded ones, or
+        modelled (a synthetic selection has no recorded ones)."""
+        if not two_ahead:
+            return
+        if recorded and not synthetic_point:
+            replayer.replay_two_ahead(cache, replay_masks(trace, s.num_layers, s.num_kv_heads, cfg, [context] * batch,
+                                                          total_steps, cache.num_blocks, early=True).to(dev))
+        else:
             replayer.predict_two_ahead(cache, cfg, [context] * batch, recall)
 
     predict()
@@ -366,7 +377,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     for rate in hit_rates:  # the same cache and graphs, other replayed block ids
         check_deadline(deadline)
         replayer.ids.copy_(_replay_ids(synthetic(rate), replayer.ids.shape[-1]))
-        predict()
+        predict(synthetic_point=True)
         sub_tpots = timed_run(step, state, cache, opts, dev)
         sub_stats = cache.offload_stats(opts.decode_steps * opts.repeats * batch)
         sub_timing = copy_timing(llm, cache, step, timing_steps, state, opts.warmup_steps) if timing_steps else {}
@@ -375,7 +386,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
                                      opts.warmup_steps) if overlap else {}
         points.append({**speed(sub_tpot, sub_stats, sub_timing, sub_overlap),
                        "tpot_ms_repeats": [round(t, 4) for t in sub_tpots], "target_hit_rate": rate,
-                       "selection_source": f"synthetic:hit_rate={rate}"})
+                       "selection_source": f"synthetic:hit_rate={rate}",
+                       **({"lookahead_recall": recall, "lookahead_predictions": "modelled"} if two_ahead else {})})
     host_peak = max(host_peak, host_rss_bytes())
     rec = {
         **speed(tpot, stats, timing, overlap),
@@ -392,7 +404,8 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
         "target_hit_rate": hit_rate if offloaded else None,
         "read_fraction": round(cache.read_fraction(), 4),
         "lookahead": llm.config.lookahead if llm.config.method == "sparda" else None,
-        "lookahead_recall": recall if two_ahead else None,
+        "lookahead_recall": recall if two_ahead and not recorded else None,
+        "lookahead_predictions": ("recorded" if recorded else "modelled") if two_ahead else None,
     }
     if points:
         rec["hit_rate_points"] = points

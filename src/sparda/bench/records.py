@@ -24,7 +24,7 @@ DEFAULT_SLOT_FACTOR = 1.5
 #: fields that say which point a record measured; records equal on all of them are one point
 POINT_FIELDS = ("model", "method", "context", "batch", "selection_source", "target_hit_rate", "gpu_mem_cap_gb",
                 "cuda_graph", "kv", "dtype", "device", "kv_dtype", "slot_factor", "early_attention", "lookahead",
-                "lookahead_recall")
+                "lookahead_recall", "lookahead_predictions")
 #: the value of a field that older records do not carry, or a function of the record giving it
 #: (``kv_dtype``: they all ran bf16 caches; ``early_attention``: an experiment of earlier
 #: records, measured slower and removed (design §6), off where absent; ``slot_factor``: an offloaded record (``kv == "host"``)
@@ -32,7 +32,8 @@ POINT_FIELDS = ("model", "method", "context", "batch", "selection_source", "targ
 #: records have none)
 FIELD_DEFAULTS = {"kv_dtype": "bf16", "early_attention": False,
                   "slot_factor": lambda rec: 1.0 if rec.get("kv") == "host" else None,
-                  "lookahead": lambda rec: 1 if rec.get("method") == "sparda" else None}
+                  "lookahead": lambda rec: 1 if rec.get("method") == "sparda" else None,
+                  "lookahead_predictions": lambda rec: "modelled" if rec.get("lookahead") == 2 else None}
 #: a record list's items carry at least these
 RECORD_FIELDS = ("model", "method", "context", "batch", "status")
 
@@ -128,7 +129,8 @@ def method_label(rec: dict) -> str:
 
 def variant_parts(rec: dict) -> list[str]:
     """An offloaded point's slot factor unless :data:`DEFAULT_SLOT_FACTOR`, ``early attention`` and
-    ``lookahead 2`` (design §6.2)."""
+    ``lookahead 2`` (design §6.2; ``lookahead 2 recorded`` when its early copies replayed a trace's
+    recorded predictions)."""
     parts = []
     slots = record_field(rec, "slot_factor")
     if slots is not None and slots != DEFAULT_SLOT_FACTOR:
@@ -136,7 +138,7 @@ def variant_parts(rec: dict) -> list[str]:
     if record_field(rec, "early_attention"):
         parts.append("early attention")
     if record_field(rec, "lookahead") == 2:
-        parts.append("lookahead 2")
+        parts.append("lookahead 2" + (" recorded" if record_field(rec, "lookahead_predictions") == "recorded" else ""))
     return parts
 
 

@@ -51,7 +51,9 @@ class SweepConfig:
             offloaded methods only; others ``skipped``).
         lookaheads: offloaded ``sparda`` runs once per value, 1 and/or 2 (design §6.2; the other
             methods once). lookahead_recall: the modelled two-ahead prediction's recall of a
-            replayed selection (:func:`~sparda.bench.traces.two_ahead_ids`; docs/bench.md).
+            replayed selection (:func:`~sparda.bench.traces.two_ahead_ids`; docs/bench.md);
+            ``None``: a trace's recorded predictions where it has them, else
+            :data:`~sparda.bench.traces.LOOKAHEAD2_RECALL`.
     """
 
     models: list = field(default_factory=lambda: ["llama-8b"])
@@ -80,7 +82,7 @@ class SweepConfig:
     kv_dtype: str = "bf16"
     slot_factor: float = DEFAULT_SLOT_FACTOR
     lookaheads: list = field(default_factory=lambda: [1])
-    lookahead_recall: float = LOOKAHEAD2_RECALL
+    lookahead_recall: float | None = None
 
     def __post_init__(self) -> None:
         checked = build_config(method="sparse-offload", device="cpu", kv_dtype=self.kv_dtype,
@@ -103,7 +105,7 @@ class SweepConfig:
             raise SpardaError(f"--lookahead takes 1, 2 or 1,2, got {','.join(map(str, self.lookaheads)) or 'nothing'}")
         if 2 in self.lookaheads and "sparda" not in self.methods:
             raise SpardaError("--lookahead 2 applies to offloaded sparda only; add sparda to --methods")
-        if not 0.0 <= self.lookahead_recall <= 1.0:
+        if self.lookahead_recall is not None and not 0.0 <= self.lookahead_recall <= 1.0:
             raise SpardaError(f"--lookahead-recall must lie in [0, 1], got {self.lookahead_recall}")
         if self.decode_steps < 1 or self.repeats < 1 or self.warmup_steps < 0 or self.breakdown_steps < 0:
             raise SpardaError("decode-steps and repeats must be >= 1, warm-up and breakdown steps >= 0")

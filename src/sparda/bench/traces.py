@@ -4,7 +4,9 @@
 File (``.npz``, no pickles), per method (``sparse``, ``sparda``): ``{method}.ids`` ``[S, R,
 L, H, K]`` int16 sorted block ids, ``-1`` padded (steps, rows, layers, KV heads, budget
 blocks); ``{method}.pos`` ``[S, R]`` int64 positions; ``{method}.meta`` JSON (block size,
-init/local/topk blocks, model, text).
+init/local/topk blocks, model, text); optionally ``{method}.early`` (``sparda``): as ``ids``,
+the two-ahead heads' prediction of each layer's blocks made two layers before it (design
+§6.2), all ``-1`` at layers 0 and 1.
 """
 
 from __future__ import annotations
@@ -30,15 +32,20 @@ SHIPPED_TRACE = Path(__file__).with_name("traces") / "smollm2-emma.npz"
 @dataclass
 class SelectionTrace:
     """One method's recorded selection: ``ids [S, R, L, H, K]`` int16, ``pos [S, R]`` int64,
-    ``meta`` (``block_size``, ``init_blocks``, ``local_blocks``, ``topk_blocks``, free-form fields)."""
+    ``meta`` (``block_size``, ``init_blocks``, ``local_blocks``, ``topk_blocks``, free-form fields),
+    ``early`` ``[S, R, L, H, K]`` int16 or ``None``: the two-ahead prediction of each layer's
+    blocks (design §6.2; ``-1`` rows where no head predicts that layer)."""
 
     ids: np.ndarray
     pos: np.ndarray
     meta: dict = field(default_factory=dict)
+    early: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.ids.ndim != 5 or self.pos.shape != self.ids.shape[:2]:
             raise SpardaError(f"trace ids {self.ids.shape} / pos {self.pos.shape} are not [S,R,L,H,K] / [S,R]")
+        if self.early is not None and self.early.shape != self.ids.shape:
+            raise SpardaError(f"trace early predictions {self.early.shape} do not match its ids {self.ids.shape}")
         for key in ("block_size", "init_blocks", "local_blocks", "topk_blocks"):
             if key not in self.meta:
                 raise SpardaError(f"trace metadata lacks {key!r}; re-record the trace")
@@ -51,6 +58,8 @@ def save_traces(path: str | os.PathLike, traces: dict[str, SelectionTrace]) -> N
         arrays[f"{name}.ids"] = tr.ids.astype(np.int16)
         arrays[f"{name}.pos"] = tr.pos.astype(np.int64)
         arrays[f"{name}.meta"] = np.array(json.dumps(tr.meta))
+        if tr.early is not None:
+            arrays[f"{name}.early"] = tr.early.astype(np.int16)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp, open(tmp, "wb") as handle:
@@ -67,7 +76,8 @@ def load_traces(path: str | os.PathLike) -> dict[str, SelectionTrace]:
             if str(data.get("format", "")) != FORMAT:
                 raise SpardaError(f"{path} is not a sparda selection trace (format {FORMAT})")
             names = sorted({k.rsplit(".", 1)[0] for k in data.files if k.endswith(".ids")})
-            return {n: SelectionTrace(data[f"{n}.ids"], data[f"{n}.pos"], json.loads(str(data[f"{n}.meta"])))
+            return {n: SelectionTrace(data[f"{n}.ids"], data[f"{n}.pos"], json.loads(str(data[f"{n}.meta"])),
+                                      data[f"{n}.early"] if f"{n}.early" in data.files else None)
                     for n in names}
     except (OSError, ValueError, KeyError) as exc:
         raise SpardaError(f"cannot read trace {path}: {exc}".splitlines()[0]) from exc
@@ -96,7 +106,61 @@ def reuse_stats(trace: SelectionTrace) -> dict[str, float]:
         topk = valid & (now >= m["init_blocks"]) & (now < first_local[s])
         kept += hit.sum(); all_n += valid.sum()
         kept_k += (hit & topk).sum(); all_k += topk.sum()
-    return {"reuse": round(float(kept / max(all_n, 1)), 4), "topk_reuse": round(float(kept_k / max(all_k, 1)), 4)}
+    out = {"reuse": round(float(kept / max(all_n, 1)), 4), "topk_reuse": round(float(kept_k / max(all_k, 1)), 4)}
+    if trace.early is not None:
+        out.update(two_ahead_stats(trace))
+    return out
+
+
+def _member(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a [..., K]`` ids: which are among ``b [..., K2]``'s (``-1`` never matches)."""
+    return (a[..., :, None] == b[..., None, :]).any(-1) & (a >= 0)
+
+
+def two_ahead_stats(trace: SelectionTrace) -> dict[str, float]:
+    """How a trace's recorded two-ahead predictions (``early``, design §6.2) would copy, over the
+    top-k (free) blocks of steps ``1 ..`` and the layers that have a prediction; fractions 0-1:
+
+    * ``early_recall``: of the selection's blocks, those its prediction holds;
+    * ``fresh``: of the selection's blocks, those the previous step selected in neither its
+      selection nor its prediction (what lookahead 1 would copy, slots' memory aside);
+    * ``early_fresh``: of the prediction's blocks, those the previous step held in neither (the
+      early copies per predicted block);
+    * ``early_saved``: of the selection's fresh blocks, those the prediction holds (the misses an
+      early copy takes off the one-layer copy);
+    * ``early_wasted_persist``: of the prediction's blocks outside the selection, those it also
+      predicted, outside the selection, the step before (its errors' persistence: a persistent
+      wrong block is copied once, an independent one every step).
+    """
+    m = trace.meta
+    ids, early, pos = trace.ids.astype(np.int64), trace.early.astype(np.int64), trace.pos
+    has = (early >= 0).any((0, 1, 3, 4))  # [L] layers with a prediction
+    ids, early = ids[:, :, has], early[:, :, has]
+    cur = (pos // m["block_size"])[..., None, None, None]
+    lo, hi = m["init_blocks"], cur - m["local_blocks"]  # the free range [lo, hi]
+
+    def free(x):
+        return (x >= lo) & (x <= hi)
+
+    sums = dict.fromkeys(("sel", "rec", "fresh", "pred", "efresh", "fresh_saved", "wrong", "wrong_kept"), 0)
+    for s in range(1, ids.shape[0]):
+        sel, pred, sel0, pred0 = ids[s], early[s], ids[s - 1], early[s - 1]
+        fs, fp = free(sel) & (sel >= 0), free(pred) & (pred >= 0)
+        held = np.concatenate([sel0, pred0], -1)
+        fresh = fs & ~_member(sel, held)
+        wrong, wrong0 = fp & ~_member(pred, sel), ~_member(pred0, sel0) & (pred0 >= 0)
+        sums["sel"] += fs.sum(); sums["rec"] += (fs & _member(sel, pred)).sum()
+        sums["fresh"] += fresh.sum(); sums["fresh_saved"] += (fresh & _member(sel, pred)).sum()
+        sums["pred"] += fp.sum(); sums["efresh"] += (fp & ~_member(pred, held)).sum()
+        sums["wrong"] += wrong.sum()
+        sums["wrong_kept"] += (wrong & _member(pred, np.where(wrong0, pred0, -1))).sum()
+
+    def ratio(a, b):
+        return round(float(sums[a] / max(sums[b], 1)), 4)
+
+    return {"early_recall": ratio("rec", "sel"), "fresh": ratio("fresh", "sel"),
+            "early_fresh": ratio("efresh", "pred"), "early_saved": ratio("fresh_saved", "fresh"),
+            "early_wasted_persist": ratio("wrong_kept", "wrong")}
 
 
 def _source_index(i: int, steps: int) -> int:
@@ -109,7 +173,7 @@ def _source_index(i: int, steps: int) -> int:
 
 def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, selection,
                  start_pos: list[int], steps: int, num_blocks: int, row_offset: int = 7,
-                 first_row: int = 0) -> torch.Tensor:
+                 first_row: int = 0, early: bool = False) -> torch.Tensor:
     """Target block masks of ``steps`` decode steps replayed from ``trace`` (docs/bench.md).
 
     Args:
@@ -117,11 +181,18 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
         num_blocks: ``N``. row_offset: row ``b`` starts at trace step ``b * row_offset``.
         first_row: the rows are rows ``first_row ..`` of a larger batch (its row ``first_row + b``
             is this call's row ``b``: the same trace row and step offset).
+        early: replay the trace's two-ahead predictions (:attr:`SelectionTrace.early`) instead of
+            its selections, mapped alike, so that a block both hold maps to the same target blocks.
     Returns:
         ``[steps, L, B, H, N]`` bool (CPU), forced blocks included.
+    Raises:
+        SpardaError: ``early`` on a trace without predictions.
     """
     m, cfg = trace.meta, selection
-    S, R, Ls, Hs, _ = trace.ids.shape
+    if early and trace.early is None:
+        raise SpardaError("this trace holds no two-ahead predictions; re-record it with `sparda bench --record-trace`")
+    source = trace.early if early else trace.ids
+    S, R, Ls, Hs, _ = source.shape
     B = len(start_pos)
     k = max(1, math.ceil(cfg.topk_blocks / max(m["topk_blocks"], 1)))
     layers = np.arange(num_layers) * Ls // num_layers
@@ -131,7 +202,7 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
     j = np.arange(k)
     for i in range(steps):
         src = np.array([_source_index(i + row_offset * (first_row + b), S) for b in range(B)])  # [B]
-        ids = trace.ids[src[:, None, None], rows[:, :, None], layers[None, None, :], heads[None, :, None]]
+        ids = source[src[:, None, None], rows[:, :, None], layers[None, None, :], heads[None, :, None]]
         ids = ids.astype(np.int64).transpose(2, 0, 1, 3)  # [L, B, H, K]
         cur_s = trace.pos[src[:, None], rows] // m["block_size"]  # [B, H]
         w_s = np.maximum(cur_s - m["local_blocks"] + 1 - m["init_blocks"], 1)[None, :, :, None]
@@ -285,7 +356,8 @@ class Replayer:
     """Replace the blocks an offloaded cache fetches by replayed ones (``masks [steps, L, B, H, N]``
     bool, :func:`replay_masks`); the method's own selection still runs. Set :attr:`step` per step.
     With :meth:`predict_two_ahead`, the cache's early copies (``--lookahead 2``) get modelled
-    predictions of the replayed selections (:func:`two_ahead_ids`)."""
+    predictions of the replayed selections (:func:`two_ahead_ids`); with :meth:`replay_two_ahead`
+    replayed ones (a trace's recorded predictions, :func:`replay_masks` with ``early=True``)."""
 
     def __init__(self, masks: torch.Tensor) -> None:
         self.masks = masks
@@ -323,7 +395,18 @@ class Replayer:
         """Model the early copies' predictions of the installed ids with ``recall``
         (:func:`two_ahead_ids`; again after :attr:`ids` changed) and, the first time, wrap
         ``cache.warm`` to use them. Raises SpardaError for ``recall`` outside [0, 1]."""
-        early = two_ahead_ids(self.ids, selection, start_pos, recall, seed)
+        self._set_early(cache, two_ahead_ids(self.ids, selection, start_pos, recall, seed))
+
+    def replay_two_ahead(self, cache, masks: torch.Tensor) -> None:
+        """The early copies get the predictions ``masks [steps, L, B, H, N]`` bool (as the
+        constructor's; :func:`replay_masks` with ``early=True``), cut to the installed width."""
+        from sparda.kernels.reference import block_mask_to_indices
+
+        width = self.ids.shape[-1]
+        self._set_early(cache, torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in masks]))
+
+    def _set_early(self, cache, early: torch.Tensor) -> None:
+        """Install ``early`` ``[steps, L, B, H, W]`` int32 ids as the early copies' predictions."""
         if self.early is not None:
             self.early.copy_(early)  # in place: a captured CUDA graph reads this buffer
             return
@@ -388,16 +471,19 @@ class RowReplayer:
         cache: the engine's offloaded cache (its ``fetch`` is wrapped here).
         row_offset: as :func:`replay_masks`. recall: lookahead 2 only: also wrap ``warm``, whose
             early copies get :func:`two_ahead_ids` predictions of the replayed ids at this recall.
+        recorded: lookahead 2 only, instead of ``recall``: the early copies replay the trace's
+            recorded predictions (:func:`replay_masks` with ``early=True``, mapped as the ids).
         keys: ``"hash"`` (:meth:`request_key`, a request replays the same ids alone or batched) or
             ``"order"``: the ``n``-th request to start decoding replays bench row ``n mod keys``,
             so ``B`` requests of one length replay exactly the rows of ``sparda bench`` at batch
             ``B`` (the engine-overhead comparison of docs/bench.md).
     Raises:
-        SpardaError: a cache that is not offloaded, ``recall`` outside [0, 1], or unknown ``keys``.
+        SpardaError: a cache that is not offloaded, ``recall`` outside [0, 1], unknown ``keys``, or
+            ``recorded`` with ``recall`` or with a trace that holds no predictions.
     """
 
     def __init__(self, trace: SelectionTrace, cache, row_offset: int = 7, recall: float | None = None,
-                 cached: int = 64, keys: str = "hash") -> None:
+                 cached: int = 64, keys: str = "hash", recorded: bool = False) -> None:
         if keys not in ("hash", "order"):
             raise SpardaError(f"replay keys must be 'hash' or 'order', got {keys!r}")
         if not getattr(cache, "offload", False):
@@ -405,7 +491,12 @@ class RowReplayer:
                               "sparse-offload); this method keeps its KV on the device and copies nothing")
         if recall is not None and not 0.0 <= recall <= 1.0:
             raise SpardaError(f"--lookahead-recall must lie in [0, 1], got {recall}")
+        if recorded and recall is not None:
+            raise SpardaError("the early copies replay recorded predictions or model them at a recall, not both")
+        if recorded and trace.early is None:
+            raise SpardaError("this trace holds no two-ahead predictions; re-record it with `sparda bench --record-trace`")
         self.trace, self.selection, self.row_offset, self.recall = trace, cache.selection, row_offset, recall
+        self.recorded = recorded
         self.num_layers, self.num_kv_heads = cache.num_layers, cache.num_kv_heads
         self.num_blocks, self.width, self.rows = cache.num_blocks, cache.select_width, cache.batch
         self.period = replay_period(trace)
@@ -416,7 +507,8 @@ class RowReplayer:
         shape = (self.rows, self.period, self.num_layers, self.num_kv_heads, self.width)
         device = cache.device
         self.ids = torch.full(shape, -1, dtype=dtype, device=device)
-        self.early = torch.full(shape, -1, dtype=dtype, device=device) if recall is not None else None
+        two_ahead = recall is not None or recorded
+        self.early = torch.full(shape, -1, dtype=dtype, device=device) if two_ahead else None
         self.step = torch.zeros(self.rows, dtype=torch.long, device=device)
         self.active = torch.zeros(self.rows, dtype=torch.bool, device=device)
         self._row_index = torch.arange(self.rows, device=device)
@@ -434,14 +526,15 @@ class RowReplayer:
                row_offset: int = 7, keys: str = "hash") -> RowReplayer:
         """Replay ``trace`` (a file, default the shipped one, read with :func:`trace_for` of the
         engine's method) in ``engine``'s cache and observe its decode steps
-        (``engine.decode_hook``); lookahead 2 models the early copies at
-        :data:`LOOKAHEAD2_RECALL`; ``keys`` as the constructor. Raises SpardaError as the
-        constructor, or for a bad file."""
+        (``engine.decode_hook``); at lookahead 2 the early copies replay the trace's recorded
+        predictions, or where it has none are modelled at :data:`LOOKAHEAD2_RECALL`; ``keys`` as
+        the constructor. Raises SpardaError as the constructor, or for a bad file."""
         config = engine.runner.config
         if not isinstance(trace, SelectionTrace):
             trace = trace_for(load_traces(trace or SHIPPED_TRACE), config.method)
-        recall = LOOKAHEAD2_RECALL if config.lookahead == 2 else None
-        replayer = cls(trace, engine.cache, row_offset, recall, keys=keys)
+        recorded = config.lookahead == 2 and trace.early is not None
+        recall = LOOKAHEAD2_RECALL if config.lookahead == 2 and not recorded else None
+        replayer = cls(trace, engine.cache, row_offset, recall, keys=keys, recorded=recorded)
         engine.decode_hook = replayer
         return replayer
 
@@ -454,14 +547,17 @@ class RowReplayer:
         return self._order.setdefault(str(request_id), len(self._order)) % self.keys
 
     def table(self, position: int, key: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The ids ``[period, L, H, W]`` (and, with ``recall``, the early copies' predictions) of a
+        """The ids ``[period, L, H, W]`` (and, at lookahead 2, the early copies' predictions) of a
         row that starts decoding at ``position`` as bench row ``key`` (recent ones cached)."""
         found = self._tables.pop((position, key), None)
         if found is None:
-            masks = replay_masks(self.trace, self.num_layers, self.num_kv_heads, self.selection, [position],
-                                 self.period, self.num_blocks, self.row_offset, first_row=key)
-            ids = mask_ids(masks[:, :, 0].numpy(), self.width, self._host_dtype)
-            early = None
+            def replayed(early=False):
+                masks = replay_masks(self.trace, self.num_layers, self.num_kv_heads, self.selection, [position],
+                                     self.period, self.num_blocks, self.row_offset, first_row=key, early=early)
+                return mask_ids(masks[:, :, 0].numpy(), self.width, self._host_dtype)
+
+            ids = replayed()
+            early = replayed(early=True) if self.recorded else None
             if self.recall is not None:
                 early = two_ahead_ids(torch.from_numpy(ids[:, :, None]), self.selection, [position], self.recall,
                                       seed=key)[:, :, 0].numpy().astype(self._host_dtype)
@@ -544,10 +640,13 @@ def _masks_to_ids(masks: list[torch.Tensor], width: int) -> np.ndarray:
 
 def record_selection(model, seqs: list[list[int]], prompt_tokens: int, steps: int,
                      methods=("sparse", "sparda"), preset: str = "small", forecast=None,
-                     meta: dict | None = None, **overrides) -> dict[str, SelectionTrace]:
+                     meta: dict | None = None, forecast2=None, **overrides) -> dict[str, SelectionTrace]:
     """Record the decode selections of ``model`` on token sequences ``seqs`` (each at least
     ``prompt_tokens + steps`` tokens): dense prefill, then ``steps`` teacher-forced decode steps
-    per method. Returns method -> :class:`SelectionTrace`.
+    per method. With ``forecast2`` (two-ahead heads, design §6.2) a ``sparda*`` trace also gets
+    :attr:`SelectionTrace.early`: ``F2_l``'s selection of layer ``l + 2``, made in layer ``l`` of
+    the same step over the compressed keys before the token (what ``--lookahead 2`` copies early).
+    Returns method -> :class:`SelectionTrace`.
 
     Raises:
         SpardaError: a sequence too short, or a context under the dense fallback.
@@ -579,28 +678,56 @@ def record_selection(model, seqs: list[list[int]], prompt_tokens: int, steps: in
             return mask
 
         method.select = capture
+        early: dict[int, torch.Tensor] | None = None
+        if forecast2 is not None and name.startswith("sparda"):
+            early = _capture_two_ahead(method, forecast2, model)
         method.reset()
-        all_ids = []
+        num_layers = llm.shape.num_layers
+        all_ids, all_early = [], []
         for s in range(steps):
             tokens = torch.tensor([seq[prompt_tokens + s] for seq in seqs], device=llm.device)
             pos = torch.full((rows,), prompt_tokens + s, device=llm.device)
             captured.clear()
             llm.decode(run_cache, tokens, pos, prompt_tokens + s)
-            if len(captured) != llm.shape.num_layers:
-                raise SpardaError(f"method {name} selected in {len(captured)} of {llm.shape.num_layers} layers; "
+            if len(captured) != num_layers:
+                raise SpardaError(f"method {name} selected in {len(captured)} of {num_layers} layers; "
                                   "use a prompt longer than dense_len and the budget")
-            all_ids.append(_masks_to_ids([captured[l] for l in range(llm.shape.num_layers)], cfg.budget_blocks))
+            all_ids.append(_masks_to_ids([captured[l] for l in range(num_layers)], cfg.budget_blocks))
+            if early is not None:
+                none = torch.zeros_like(captured[0])  # layers 0 and 1: no two-ahead head
+                all_early.append(_masks_to_ids([early.pop(l, none) for l in range(num_layers)], cfg.budget_blocks))
         info = dict(block_size=cfg.block_size, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
                     topk_blocks=cfg.topk_blocks, method=name, prompt_tokens=prompt_tokens, **(meta or {}))
         pos = np.repeat((prompt_tokens + np.arange(steps))[:, None], rows, 1).astype(np.int64)
-        out[name] = SelectionTrace(np.stack(all_ids), pos, info)
+        out[name] = SelectionTrace(np.stack(all_ids), pos, info, np.stack(all_early) if all_early else None)
     return out
+
+
+def _capture_two_ahead(method, forecast2, model) -> dict[int, torch.Tensor]:
+    """Give a ``sparda`` ``method`` the two-ahead heads ``forecast2`` and wrap its
+    ``before_layer`` so that every decode step stores ``F2_l``'s mask of layer ``l + 2``
+    (``[B, H, N]`` bool, :meth:`ForecastAttention.predict_next` with ``ahead=2``) in the
+    returned dict, keyed by the target layer."""
+    from sparda.attention.forecast import on_model
+
+    method.forecast2 = on_model(forecast2, model)
+    into: dict[int, torch.Tensor] = {}
+    before = method.before_layer
+    num_layers = method.shape.num_layers
+
+    def before_layer(layer, q, h, cache, step):
+        before(layer, q, h, cache, step)
+        if step.phase == "decode" and layer + 2 < num_layers and method.needs_selection(step):
+            into[layer + 2] = method.predict_next(layer, h, cache, step, ahead=2)[..., -1, :]
+
+    method.before_layer = before_layer
+    return into
 
 
 def record_traces(rows: int = 4, prompt_tokens: int = 4096, steps: int = 64, device: str = "cpu",
                   methods=("sparse", "sparda")) -> dict[str, SelectionTrace]:
-    """:func:`record_selection` of the bundled model (shipped Forecast) on ``rows`` excerpts of Emma,
-    ``small`` preset; ``prompt_tokens`` and ``steps`` are token counts.
+    """:func:`record_selection` of the bundled model (shipped Forecast and two-ahead heads) on ``rows``
+    excerpts of Emma, ``small`` preset; ``prompt_tokens`` and ``steps`` are token counts.
 
     Raises:
         SpardaError: Emma too short, no shipped Forecast, or the model fails to load.
@@ -616,11 +743,13 @@ def record_traces(rows: int = 4, prompt_tokens: int = 4096, steps: int = 64, dev
         raise SpardaError(f"Emma has {len(ids)} tokens, too few for {rows} x {need}; use fewer rows")
     span = len(ids) // rows
     seqs = [ids[r * span: r * span + need] for r in range(rows)]
-    forecast = None
+    forecast = forecast2 = None
     if any(m.startswith("sparda") for m in methods):
         path = shipped_path(shipped_name(model_dir))
         if path is None:
             raise SpardaError("no shipped Forecast weights for the bundled model; record only sparse")
         forecast = load_forecast(path, model.config, model.shape)[0]
+        path2 = shipped_path(shipped_name(model_dir), ahead=2)
+        forecast2 = None if path2 is None else load_forecast(path2, model.config, model.shape, ahead=2)[0]
     return record_selection(model, seqs, prompt_tokens, steps, methods, "small", forecast,
-                            meta=dict(model="SmolLM2-135M-Instruct", text="emma (held out)"))
+                            meta=dict(model="SmolLM2-135M-Instruct", text="emma (held out)"), forecast2=forecast2)
