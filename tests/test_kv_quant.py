@@ -48,6 +48,21 @@ def test_round_trip_within_half_a_step(kv_dtype, head_dim):
     assert torch.allclose(quant.max_error(scale).double(), step / 2, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: where a CPU-scalar divisor is a reciprocal product"))])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_step_is_the_correctly_rounded_quotient(kv_dtype, device, fresh_seed):
+    """The step is the fp32 range ``max - min`` over ``levels``, the quotient rounded once to fp32, as
+    the Triton kernels' ``div_rn`` gives it (docs/kv_quant.md). Reference: the quotient in float64
+    (exact to 2^-53; ``levels`` is 15 or 255, whose quotients never sit that close to a midpoint)."""
+    x = _awkward((64, 8, 64)).to(device)
+    _, scale = quant.quantize(x, kv_dtype)
+    xf = x.float()
+    span = (xf.amax(-1) - xf.amin(-1)).double()  # the fp32 subtraction the quantisers do
+    want = (span / (2 ** quant.BITS[kv_dtype] - 1)).float()
+    assert torch.equal(scale[..., 0], want), (fresh_seed, (scale[..., 0] != want).sum().item())
+
+
 def test_int4_packs_two_values_per_byte():
     x = torch.tensor([[0.0, 15.0, 1.0, 14.0, 7.0, 8.0]])  # on the grid: step 1, lo 0
     data, scale = quant.quantize(x, "int4")

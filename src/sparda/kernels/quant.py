@@ -80,7 +80,9 @@ def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor
     levels = 2 ** BITS[kv_dtype] - 1
     xf = x.to(torch.float32)
     lo = xf.amin(-1, keepdim=True)
-    step = (xf.amax(-1, keepdim=True) - lo) / levels
+    # a tensor divisor: CUDA divides by a CPU scalar as a product with its reciprocal, up to one
+    # ulp off the correctly rounded quotient that the Triton kernels compute (div_rn)
+    step = (xf.amax(-1, keepdim=True) - lo) / torch.full_like(lo, levels)
     safe = torch.where(step > 0, step, torch.ones_like(step))  # a constant row: q = 0, x' = lo exactly
     q = ((xf - lo) / safe).round_().clamp_(0, levels).to(torch.uint8)
     if kv_dtype == "int4":
