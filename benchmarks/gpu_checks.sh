@@ -5,10 +5,12 @@
 # Usage (repository root on the device):
 #   bash benchmarks/gpu_checks.sh kernels        # paged host store + grow (bf16 CUDA path), decode
 #                                                # buckets (parity, timing), mixed's fused hot-pool slot diff,
-#                                                # the engine's step timer (CUDA events)
+#                                                # the engine's step timer (CUDA events), the quantiser's
+#                                                # CUDA step (pytest)
 #   bash benchmarks/gpu_checks.sh speed OLD_SRC  # `sparda bench` B16 128K offloaded sparda (bf16, mixed):
 #                                                # OLD_SRC (the src/ of an earlier commit) then this tree
-#   bash benchmarks/gpu_checks.sh lookahead      # lookahead 1 vs 2 at hit 0.7 and the trace (design §6.2)
+#   bash benchmarks/gpu_checks.sh lookahead      # lookahead 1 vs 2 at hit 0.7 and the trace (design §6.2;
+#                                                # the trace point replays the recorded predictions)
 #   bash benchmarks/gpu_checks.sh new OLD_SRC    # kernels without paged-host, then speed, in one call:
 #                                                # a speed point that would start past DEADLINE_S (450) is skipped
 # OLD_SRC: e.g. `git archive COMMIT src | tar -x -C .stage-old` here, carried as .stage-old (ignored).
@@ -34,6 +36,8 @@ case $PART in
     [ -f benchmarks/check_mixed.py ] && run mixed 180 env PYTHONPATH=src python3 benchmarks/check_mixed.py \
       --out "$OUT/mixed"
     run step-timer 90 env PYTHONPATH=src python3 benchmarks/check_step_timer.py --out "$OUT/step-timer"
+    run quant-step 60 env PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider tests/test_kv_quant.py \
+      -k correctly_rounded  # the quantiser's step on CUDA, correctly rounded like the kernels' div_rn
     if [ "$PART" = new ]; then
       OLD=${2:?the src/ folder of the earlier commit}; DEADLINE_S=${DEADLINE_S:-450}
       bench "$OLD" old-bf16 bf16; bench src new-bf16 bf16
