@@ -52,6 +52,10 @@ print(json.dumps({k: rec.get(k) for k in ("selection", "gen_tok_s_peak_10s", "hi
                                          "bench_decode_tok_s",
                                          "bench_hit_rate", "bench_selection", "decode_vs_bench")}))
 PY
+            # the host side alone on this machine's CPU (a GIL-free fake device step of bench's TPOT)
+            step=$(python3 -c "import json,sys; b=[r for r in json.load(open(sys.argv[1])) if r.get('status')=='ok']; print(b[0]['tpot_ms'] if b else 9.3)" "$OUT/ovh-bench/results.json" 2>/dev/null || echo 9.3)
+            timeout 90 python3 benchmarks/serve_host_overhead.py --step-ms "$step" --streams 16 --out "$OUT/host" \
+              2>&1 | tail -3
             ;;
   # where the server's time goes (step-time fields), sparda against sparse-offload on the saturation mix:
   # short windows, open requests expected; read prefill_busy_tok_s, decode_step_ms, prefill_share
