@@ -101,7 +101,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     layers, heads, batch, ctx = spec.layers, spec.kv_heads, args.batch, args.context
-    cache = OffloadKVCache(layers, batch, heads, HEAD_DIM, ctx + args.steps + 1, cfg, torch.float32, "cpu")
+    # layer 0 stays whole on the device, as the offloaded methods keep it (OffloadDecodeMixin.resident_layers)
+    cache = OffloadKVCache(layers, batch, heads, HEAD_DIM, ctx + args.steps + 1, cfg, torch.float32, "cpu",
+                           resident_layers=(0,))
     width, blocks = cache.select_width, cache.num_blocks
     start = [ctx] * batch
     # a miss or early copy is one block of one KV head, K and V (as Prefetcher.stats counts bytes)

@@ -235,7 +235,10 @@ def serve_child(argv: list[str]) -> None:
 
         replayer = RowReplayer.attach(engine, spec["replay_trace"], keys=spec.get("replay_keys", "hash"))
         print(f"replaying {spec['replay_trace']} per row: {replayer.ids.nbytes / 2**20:.1f} MiB of tables "
-              f"[{', '.join(map(str, replayer.ids.shape))}] {replayer.ids.dtype}", file=sys.stderr, flush=True)
+              f"[{', '.join(map(str, replayer.ids.shape))}] {replayer.ids.dtype}"
+              + ("" if replayer.early is None else
+                 f"; early copies: {'recorded' if replayer.recorded else 'modelled'} predictions"),
+              file=sys.stderr, flush=True)
     parent = os.getppid()
 
     def watchdog():  # the load generator died (SIGKILL, say): stop rather than serve on as an orphan

@@ -651,3 +651,59 @@ def test_lookahead_two_replays_a_traces_recorded_predictions(tmp_path):
     assert trace["selection_source"] == "trace:sparda" and trace["lookahead_predictions"] == "recorded"
     assert trace["lookahead_recall"] is None and trace["early_copies"] > 0
     assert synthetic["lookahead_predictions"] == "modelled" and synthetic["lookahead_recall"] == LOOKAHEAD2_RECALL
+
+
+def test_two_ahead_stats_against_brute_force(fresh_seed):
+    """:func:`two_ahead_stats` against Python set loops, rows at other positions whose steps cross
+    block boundaries (each step's own free range), predictions empty at layers 0 and 1."""
+    from sparda.bench.traces import two_ahead_stats
+
+    rng = np.random.default_rng(fresh_seed)
+    S, R, L, H, K = 7, 3, 4, 2, 7
+    meta = dict(block_size=4, init_blocks=1, local_blocks=2, topk_blocks=3)
+    pos = rng.integers(30, 50, R)[None, :] + np.arange(S)[:, None]
+
+    def draw():
+        a = np.full((S, R, L, H, K), -1, np.int16)
+        for idx in np.ndindex(S, R, L, H):
+            n = int(rng.integers(0, K + 1))
+            a[idx][:n] = np.sort(rng.choice(14, n, replace=False))
+        return a
+
+    ids, early = draw(), draw()
+    early[:, :, :2] = -1
+    got = two_ahead_stats(SelectionTrace(ids, pos, meta, early))
+    c = dict.fromkeys(("sel", "rec", "fresh", "saved", "pred", "efresh", "wrong", "kept"), 0)
+    for s in range(1, S):
+        for r in range(R):
+            hi = pos[s, r] // 4 - 2
+            for layer in range(2, L):
+                for h in range(H):
+                    def blocks(a, step):
+                        return {int(x) for x in a[step, r, layer, h] if x >= 0}
+                    sel, pred, sel0, pred0 = blocks(ids, s), blocks(early, s), blocks(ids, s - 1), blocks(early, s - 1)
+                    fs, fp = {x for x in sel if 1 <= x <= hi}, {x for x in pred if 1 <= x <= hi}
+                    fresh = fs - (sel0 | pred0)
+                    c["sel"] += len(fs); c["rec"] += len(fs & pred); c["fresh"] += len(fresh)
+                    c["saved"] += len(fresh & pred); c["pred"] += len(fp); c["efresh"] += len(fp - (sel0 | pred0))
+                    c["wrong"] += len(fp - sel); c["kept"] += len((fp - sel) & (pred0 - sel0))
+    want = {"early_recall": c["rec"] / c["sel"], "fresh": c["fresh"] / c["sel"], "early_fresh": c["efresh"] / c["pred"],
+            "early_saved": c["saved"] / c["fresh"], "early_wasted_persist": c["kept"] / c["wrong"]}
+    assert got == {k: round(v, 4) for k, v in want.items()}, (fresh_seed, got, want)
+
+
+def test_replayed_predictions_of_layers_without_a_head_come_from_the_first_that_has_one(fresh_seed):
+    """30 source layers onto 32: target layer 2 maps to source layer 1, which has no two-ahead head;
+    its replayed prediction is source layer 2's (so are those of targets 0 and 1, never warmed)."""
+    tr = _synthetic_trace(fresh_seed, steps=6, layers=30)
+    early = _synthetic_trace(fresh_seed + 1, steps=6, layers=30).ids.copy()
+    early[:, :, :2] = -1
+    tr = SelectionTrace(tr.ids, tr.pos, tr.meta, early)
+    sel = SelectionConfig(**dict(block_size=64, init_blocks=1, local_blocks=2, topk_blocks=4, dense_len=64))
+    masks = replay_masks(tr, 32, 2, sel, [1100, 1100], 6, 20, early=True)
+    alone = SelectionTrace(tr.ids, tr.pos, tr.meta, np.where(np.arange(30)[None, None, :, None, None] < 2,
+                                                             early[:, :, 2:3], early))
+    want = replay_masks(alone, 32, 2, sel, [1100, 1100], 6, 20, early=True)
+    assert torch.equal(masks, want) and (masks[:, 2].sum(-1) > 3).any(), fresh_seed  # more than the forced 3
+    with pytest.raises(SpardaError, match="no two-ahead predictions"):
+        replay_masks(_synthetic_trace(0), 4, 2, sel, [1100], 2, 20, early=True)

@@ -122,8 +122,8 @@ def two_ahead_stats(trace: SelectionTrace) -> dict[str, float]:
     top-k (free) blocks of steps ``1 ..`` and the layers that have a prediction; fractions 0-1:
 
     * ``early_recall``: of the selection's blocks, those its prediction holds;
-    * ``fresh``: of the selection's blocks, those the previous step selected in neither its
-      selection nor its prediction (what lookahead 1 would copy, slots' memory aside);
+    * ``fresh``: of the selection's blocks, those the previous step held in neither its selection
+      nor its prediction (what lookahead 2 has to copy anew this step, slots' memory aside);
     * ``early_fresh``: of the prediction's blocks, those the previous step held in neither (the
       early copies per predicted block);
     * ``early_saved``: of the selection's fresh blocks, those the prediction holds (the misses an
@@ -136,16 +136,16 @@ def two_ahead_stats(trace: SelectionTrace) -> dict[str, float]:
     ids, early, pos = trace.ids.astype(np.int64), trace.early.astype(np.int64), trace.pos
     has = (early >= 0).any((0, 1, 3, 4))  # [L] layers with a prediction
     ids, early = ids[:, :, has], early[:, :, has]
-    cur = (pos // m["block_size"])[..., None, None, None]
-    lo, hi = m["init_blocks"], cur - m["local_blocks"]  # the free range [lo, hi]
+    top = pos // m["block_size"] - m["local_blocks"]  # [S, R]: the free range is [init_blocks, top]
+    lo = m["init_blocks"]
 
-    def free(x):
-        return (x >= lo) & (x <= hi)
+    def free(x, s):
+        return (x >= lo) & (x <= top[s][:, None, None, None])
 
     sums = dict.fromkeys(("sel", "rec", "fresh", "pred", "efresh", "fresh_saved", "wrong", "wrong_kept"), 0)
     for s in range(1, ids.shape[0]):
         sel, pred, sel0, pred0 = ids[s], early[s], ids[s - 1], early[s - 1]
-        fs, fp = free(sel) & (sel >= 0), free(pred) & (pred >= 0)
+        fs, fp = free(sel, s) & (sel >= 0), free(pred, s) & (pred >= 0)
         held = np.concatenate([sel0, pred0], -1)
         fresh = fs & ~_member(sel, held)
         wrong, wrong0 = fp & ~_member(pred, sel), ~_member(pred0, sel0) & (pred0 >= 0)
@@ -182,7 +182,10 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
         first_row: the rows are rows ``first_row ..`` of a larger batch (its row ``first_row + b``
             is this call's row ``b``: the same trace row and step offset).
         early: replay the trace's two-ahead predictions (:attr:`SelectionTrace.early`) instead of
-            its selections, mapped alike, so that a block both hold maps to the same target blocks.
+            its selections, mapped alike: a block both hold maps to the same target blocks (the cut
+            to ``topk_blocks`` depends on the set, so a few may survive in one and not the other). A
+            target layer whose source layer has no prediction (layers 0 and 1) takes the first
+            source layer that has one (lookahead 2 warms every target layer from 2).
     Returns:
         ``[steps, L, B, H, N]`` bool (CPU), forced blocks included.
     Raises:
@@ -196,6 +199,9 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
     B = len(start_pos)
     k = max(1, math.ceil(cfg.topk_blocks / max(m["topk_blocks"], 1)))
     layers = np.arange(num_layers) * Ls // num_layers
+    if early:  # a target layer whose source layer has no head (0, 1) takes the first that has one
+        has = np.nonzero((source >= 0).any((0, 1, 3, 4)))[0]
+        layers = np.maximum(layers, has[0] if has.size else 0)
     heads = np.arange(num_kv_heads) % Hs
     rows = (first_row + np.arange(B)[:, None] + np.arange(num_kv_heads)[None, :] // Hs) % R  # [B, H]
     out = np.zeros((steps, num_layers, B, num_kv_heads, num_blocks + 1), dtype=bool)
