@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from sparda.bench.models import model_spec, selection_config
-from sparda.bench.traces import (LOOKAHEAD2_RECALL, SHIPPED_TRACE, load_traces, replay_masks, synthetic_masks,
-                                 trace_for, two_ahead_ids)
+from sparda.bench.traces import (LOOKAHEAD2_RECALL, NO_PREDICTIONS, SHIPPED_TRACE, load_traces, replay_masks,
+                                 synthetic_masks, trace_for, two_ahead_ids)
 from sparda.cache.offload import OffloadKVCache
+from sparda.errors import SpardaError
 from sparda.kernels import quant
 from sparda.kernels.reference import block_mask_to_indices
 
@@ -94,11 +95,14 @@ def main(argv=None) -> int:
     if args.warmup >= args.steps:
         print(f"--warmup ({args.warmup}) must be below --steps ({args.steps})", file=sys.stderr)
         return 2
-    spec, cfg = model_spec(args.model), selection_config(args.model)
-    trace = trace_for(load_traces(args.trace), "sparda")
+    try:
+        spec, cfg = model_spec(args.model), selection_config(args.model)
+        trace = trace_for(load_traces(args.trace), "sparda")
+    except SpardaError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if trace.early is None:
-        print(f"{args.trace} holds no two-ahead predictions; re-record it with `sparda bench --record-trace`",
-              file=sys.stderr)
+        print(f"{args.trace}: {NO_PREDICTIONS}", file=sys.stderr)
         return 2
     layers, heads, batch, ctx = spec.layers, spec.kv_heads, args.batch, args.context
     # layer 0 stays whole on the device, as the offloaded methods keep it (OffloadDecodeMixin.resident_layers)

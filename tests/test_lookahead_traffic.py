@@ -33,7 +33,9 @@ def test_counts_of_each_prediction(tmp_path, capsys, fresh_seed):
 
 
 @pytest.mark.parametrize("args, message", [(["--recalls", "0.5,2"], "--recalls"),
-                                           (["--steps", "4", "--warmup", "4"], "--warmup")])
+                                           (["--steps", "4", "--warmup", "4"], "--warmup"),
+                                           (["--trace", "/nonexistent/t.npz"], "trace file not found"),
+                                           (["--model", "nosuch"], "unknown bench model")])
 def test_bad_options_exit_2(args, message, capsys):
     assert lookahead_traffic.main(["--model", "tiny", *args]) == 2
     assert message in capsys.readouterr().err

@@ -25,6 +25,8 @@ from sparda.errors import SpardaError
 from sparda.io import atomic_output
 
 FORMAT = "sparda-trace-v1"
+#: the refusal of a replay of recorded two-ahead predictions from a trace without them
+NO_PREDICTIONS = "this trace holds no two-ahead predictions; re-record it with `sparda bench --record-trace`"
 #: the trace shipped with the package (recorded by :func:`record_traces` with defaults)
 SHIPPED_TRACE = Path(__file__).with_name("traces") / "smollm2-emma.npz"
 
@@ -193,7 +195,7 @@ def replay_masks(trace: SelectionTrace, num_layers: int, num_kv_heads: int, sele
     """
     m, cfg = trace.meta, selection
     if early and trace.early is None:
-        raise SpardaError("this trace holds no two-ahead predictions; re-record it with `sparda bench --record-trace`")
+        raise SpardaError(NO_PREDICTIONS)
     source = trace.early if early else trace.ids
     S, R, Ls, Hs, _ = source.shape
     B = len(start_pos)
@@ -500,7 +502,7 @@ class RowReplayer:
         if recorded and recall is not None:
             raise SpardaError("the early copies replay recorded predictions or model them at a recall, not both")
         if recorded and trace.early is None:
-            raise SpardaError("this trace holds no two-ahead predictions; re-record it with `sparda bench --record-trace`")
+            raise SpardaError(NO_PREDICTIONS)
         self.trace, self.selection, self.row_offset, self.recall = trace, cache.selection, row_offset, recall
         self.recorded = recorded
         self.num_layers, self.num_kv_heads = cache.num_layers, cache.num_kv_heads
