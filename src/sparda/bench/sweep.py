@@ -18,7 +18,7 @@ import torch
 from sparda.bench import point as pt
 from sparda.bench.models import build_model, check_models_fit, model_spec, random_forecast, selection_config
 from sparda.bench.roofline import measure_bandwidth
-from sparda.bench.traces import LOOKAHEAD2_RECALL, SHIPPED_TRACE, load_traces, reuse_stats
+from sparda.bench.traces import SHIPPED_TRACE, load_traces, reuse_stats
 from sparda.config import DEFAULT_SLOT_FACTOR, build_config, resolve_device, resolve_dtype
 from sparda.errors import SpardaError
 from sparda.io import atomic_write, check_output_dir
