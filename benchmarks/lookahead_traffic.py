@@ -32,19 +32,13 @@ from pathlib import Path
 import torch
 
 from sparda.bench.models import model_spec, selection_config
-from sparda.bench.traces import (LOOKAHEAD2_RECALL, NO_PREDICTIONS, SHIPPED_TRACE, load_traces, replay_masks,
-                                 synthetic_masks, trace_for, two_ahead_ids)
+from sparda.bench.traces import (LOOKAHEAD2_RECALL, NO_PREDICTIONS, SHIPPED_TRACE, load_traces, replay_ids,
+                                 replay_masks, synthetic_masks, trace_for, two_ahead_ids)
 from sparda.cache.offload import OffloadKVCache
 from sparda.errors import SpardaError
 from sparda.kernels import quant
-from sparda.kernels.reference import block_mask_to_indices
 
 HEAD_DIM = 4  # the cache's own; bytes are counted at the model's
-
-
-def _ids(masks: torch.Tensor, width: int) -> torch.Tensor:
-    """``[steps, L, B, H, N]`` bool -> ``[steps, L, B, H, width]`` int32 ascending ids."""
-    return torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in masks])
 
 
 def run(cache: OffloadKVCache, sel: torch.Tensor, early: torch.Tensor | None, context: int, warmup: int) -> dict:
@@ -116,10 +110,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for source in ("trace", f"hit {args.hit_rate}"):
         if source == "trace":
-            sel = _ids(replay_masks(trace, layers, heads, cfg, start, args.steps, blocks), width)
-            recorded = _ids(replay_masks(trace, layers, heads, cfg, start, args.steps, blocks, early=True), width)
+            sel = replay_ids(replay_masks(trace, layers, heads, cfg, start, args.steps, blocks), width)
+            recorded = replay_ids(replay_masks(trace, layers, heads, cfg, start, args.steps, blocks, early=True), width)
         else:
-            sel = _ids(synthetic_masks(layers, heads, cfg, start, args.steps, blocks, args.hit_rate, args.seed), width)
+            masks = synthetic_masks(layers, heads, cfg, start, args.steps, blocks, args.hit_rate, args.seed)
+            sel = replay_ids(masks, width)
             recorded = None
         runs = [("lookahead 1", None)] + [(f"lookahead 2 modelled {r:g}", two_ahead_ids(sel, cfg, start, r, args.seed))
                                           for r in recalls]

@@ -14,7 +14,8 @@ from sparda.bench.gpu_profile import kernel_summary
 from sparda.bench.models import method_extra_bytes, weight_bytes
 from sparda.bench.roofline import kv_read_breakdown, roofline_ms
 from sparda.bench.timing import ComponentTimer
-from sparda.bench.traces import LOOKAHEAD2_RECALL, Replayer, replay_masks, synthetic_masks, trace_for
+from sparda.bench.traces import (LOOKAHEAD2_RECALL, Replayer, replay_ids, replay_masks, synthetic_masks,
+                                 trace_for)
 from sparda.cache import pinned
 from sparda.cache.host import available_host_bytes
 from sparda.config import DEFAULT_SLOT_FACTOR
@@ -376,7 +377,7 @@ def decode_point(llm: LLM, model_name: str, batch: int, context: int, opts, band
     points = []
     for rate in hit_rates:  # the same cache and graphs, other replayed block ids
         check_deadline(deadline)
-        replayer.ids.copy_(_replay_ids(synthetic(rate), replayer.ids.shape[-1]))
+        replayer.ids.copy_(replay_ids(synthetic(rate), replayer.ids.shape[-1]))
         predict(synthetic_point=True)
         sub_tpots = timed_run(step, state, cache, opts, dev)
         sub_stats = cache.offload_stats(opts.decode_steps * opts.repeats * batch)
@@ -466,13 +467,6 @@ def _timed_repeats(step, opts, dev) -> list[float]:
         sync(dev)
         tpots.append((time.perf_counter() - start) / opts.decode_steps * 1e3)
     return tpots
-
-
-def _replay_ids(masks: torch.Tensor, width: int) -> torch.Tensor:
-    """``[steps, L, B, H, N]`` bool -> ``[steps, L, B, H, width]`` int32 ids (as :meth:`Replayer.install`)."""
-    from sparda.kernels.reference import block_mask_to_indices
-
-    return torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in masks])
 
 
 class _NoGather:

@@ -104,7 +104,7 @@ def reuse_stats(trace: SelectionTrace) -> dict[str, float]:
     for s in range(1, ids.shape[0]):
         now, before = ids[s], ids[s - 1]
         valid = (now >= 0) & (now != cur[s])
-        hit = (now[..., :, None] == before[..., None, :]).any(-1) & valid
+        hit = _member(now, before) & valid
         topk = valid & (now >= m["init_blocks"]) & (now < first_local[s])
         kept += hit.sum(); all_n += valid.sum()
         kept_k += (hit & topk).sum(); all_k += topk.sum()
@@ -360,6 +360,14 @@ def two_ahead_ids(ids: torch.Tensor, selection, start_pos: list[int], recall: fl
     return torch.from_numpy(np.where(out == big, -1, out).astype(np.int32)).to(ids.device)
 
 
+def replay_ids(masks: torch.Tensor, width: int) -> torch.Tensor:
+    """``[steps, L, B, H, N]`` bool block masks -> ``[steps, L, B, H, width]`` int32 ascending ids,
+    ``-1`` padded (:func:`sparda.kernels.reference.block_mask_to_indices` per step)."""
+    from sparda.kernels.reference import block_mask_to_indices
+
+    return torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in masks])
+
+
 class Replayer:
     """Replace the blocks an offloaded cache fetches by replayed ones (``masks [steps, L, B, H, N]``
     bool, :func:`replay_masks`); the method's own selection still runs. Set :attr:`step` per step.
@@ -386,10 +394,7 @@ class Replayer:
 
     def install(self, cache) -> None:
         """Wrap ``cache.fetch`` (instance attribute; the class is untouched)."""
-        from sparda.kernels.reference import block_mask_to_indices
-
-        width = min(cache.select_width, self.masks.shape[-1])
-        self.ids = torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in self.masks])
+        self.ids = replay_ids(self.masks, min(cache.select_width, self.masks.shape[-1]))
         self.masks = None
         original = cache.fetch
 
@@ -408,10 +413,7 @@ class Replayer:
     def replay_two_ahead(self, cache, masks: torch.Tensor) -> None:
         """The early copies get the predictions ``masks [steps, L, B, H, N]`` bool (as the
         constructor's; :func:`replay_masks` with ``early=True``), cut to the installed width."""
-        from sparda.kernels.reference import block_mask_to_indices
-
-        width = self.ids.shape[-1]
-        self._set_early(cache, torch.stack([block_mask_to_indices(m, width).to(torch.int32) for m in masks]))
+        self._set_early(cache, replay_ids(masks, self.ids.shape[-1]))
 
     def _set_early(self, cache, early: torch.Tensor) -> None:
         """Install ``early`` ``[steps, L, B, H, W]`` int32 ids as the early copies' predictions."""
@@ -564,9 +566,10 @@ class RowReplayer:
                                      self.period, self.num_blocks, self.row_offset, first_row=key, early=early)
                 return mask_ids(masks[:, :, 0].numpy(), self.width, self._host_dtype)
 
-            ids = replayed()
-            early = replayed(early=True) if self.recorded else None
-            if self.recall is not None:
+            ids, early = replayed(), None
+            if self.recorded:
+                early = replayed(early=True)
+            elif self.recall is not None:
                 early = two_ahead_ids(torch.from_numpy(ids[:, :, None]), self.selection, [position], self.recall,
                                       seed=key)[:, :, 0].numpy().astype(self._host_dtype)
             found = (ids, early)
